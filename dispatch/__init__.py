@@ -1,0 +1,1 @@
+"""dispatch: picks the implementation (cute, triton, reference) per device, format and shape."""

@@ -1,0 +1,37 @@
+"""formats: the five quantization formats as code, and the pure-PyTorch oracle.
+
+Shared by kernels_triton and kernels_cute (and nothing here imports them). Public API:
+
+    quantize(x, fmt, role=..., **opts) -> QuantizedTensor
+    dequantize(q, dtype=torch.float32) -> Tensor
+    reference_linear(x, qweight, bias=None, ...) -> Tensor   (float64, rounded once)
+    swizzle_128x4 / unswizzle_128x4                            (cuBLAS / b12x scale layout)
+
+See docs/formats.md for the bit layouts, scale rules and worked examples.
+"""
+
+from . import codecs, constants, layout
+from .base import FormatSpec, QuantizedTensor
+from .layout import swizzle_128x4, swizzled_offset, swizzled_size, unswizzle_128x4
+from .oracle import FORMATS, dequantize, format_module, quantize, reference_linear, spec
+
+FORMAT_NAMES = tuple(FORMATS)
+
+__all__ = [
+    "FORMATS",
+    "FORMAT_NAMES",
+    "FormatSpec",
+    "QuantizedTensor",
+    "codecs",
+    "constants",
+    "dequantize",
+    "format_module",
+    "layout",
+    "quantize",
+    "reference_linear",
+    "spec",
+    "swizzle_128x4",
+    "swizzled_offset",
+    "swizzled_size",
+    "unswizzle_128x4",
+]

@@ -1,0 +1,170 @@
+"""Helpers every Triton kernel here shares: element codecs written as bit arithmetic, and
+host-side checks.
+
+Why bit arithmetic: under TRITON_INTERPRET=1 Triton's fp32 -> float8e4nv cast rounds wrongly for
+~13% of values and does not saturate, and tl.dot on bf16 operands returns garbage. Integer and
+fp32 arithmetic is exact on every backend (GPU and interpreter), so these encoders reproduce the
+formats/ oracle bit for bit everywhere. Division that must match the oracle uses tl.math.div_rn
+(IEEE round-to-nearest; Triton's plain ``/`` may lower to an approximate division on GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from formats.constants import AMAX_FLOOR  # noqa: F401  (re-exported for the kernels' docs)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoders: code -> float32
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def exp2_int(e):
+    """2^e as float32 for an int32 e in [-127, 127], exactly: built from the exponent bits (tl.exp2
+    may be approximate on GPU and flushes subnormals; 2^-127 is the subnormal 0x00400000)."""
+    normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(e == -127, tl.full(e.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True), normal)
+
+
+@triton.jit
+def decode_e2m1(nibble):
+    """4-bit e2m1 code (any int type, values 0..15) -> float32 value."""
+    n = nibble.to(tl.int32)
+    # exponent field e = bits 2..1, mantissa m = bit 0: e == 0 is the subnormal 0.5 * m,
+    # otherwise (1 + m/2) * 2^(e - 1), i.e. fp32 exponent e - 1 + 127 and top mantissa bit m.
+    e = (n >> 1) & 0x3
+    m = n & 0x1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, 0.5 * m.to(tl.float32), normal)
+    return tl.where((n & 0x8) != 0, -v, v)
+
+
+@triton.jit
+def decode_e4m3(code):
+    """8-bit e4m3fn code (uint8) -> float32. The NaN codes 0x7F/0xFF are not special-cased: the
+    formats never produce them."""
+    c = code.to(tl.int32)
+    e = (c >> 3) & 0xF
+    m = c & 0x7
+    # normal: rebias the exponent from 7 to 127 and move the 3 mantissa bits to the top of fp32's 23
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9, exact
+    v = tl.where(e == 0, sub, normal)
+    return tl.where((c & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def decode_e8m0(code):
+    """E8M0 byte b -> 2^(b - 127) as float32, exactly (0x00 -> 2^-127; 0xFF is never produced)."""
+    return exp2_int(code.to(tl.int32) - 127)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoders: float32 -> code (RNE, saturating), bit for bit equal to formats.codecs
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def encode_e4m3(x):
+    """float32 -> e4m3fn code as uint8 (RNE, saturating to +-448, sign kept for zeros)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.minimum(tl.abs(x), 448.0)
+    abits = a.to(tl.uint32, bitcast=True)
+    # Normal range (a >= 2^-6): round the 23-bit fp32 mantissa to 3 bits, ties to even, by adding
+    # 0x7FFFF plus the kept LSB; a carry ripples into the exponent as it should. Then rebias the
+    # exponent from 127 to 7.
+    rounded = (abits + 0x7FFFF + ((abits >> 20) & 1)) >> 20
+    normal = rounded.to(tl.int32) - ((127 - 7) << 3)
+    # Subnormal range (a < 2^-6): the code is a / 2^-9 rounded to an integer (0..8; 8 is 2^-6, the
+    # smallest normal, whose code is also 8). Adding 2^23 rounds to an integer (RNE) in one fp32
+    # addition; the integer is then read from the low mantissa bits.
+    sub = ((a * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000).to(tl.int32)
+    code = tl.where(a < 0.015625, sub, normal)
+    return (code | sign.to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
+def encode_e2m1(x):
+    """float32 -> 4-bit e2m1 code in a uint8 (RNE ties to the even code, saturating to +-6).
+
+    Each midpoint between neighbouring magnitudes (0|.5|1|1.5|2|3|4|6) either rounds up on a tie
+    (>=) or down (>), alternating so that ties land on the even code.
+    """
+    a = tl.abs(x)
+    code = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    sign = ((x.to(tl.uint32, bitcast=True) >> 28) & 0x8).to(tl.int32)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def ceil_log2(v):
+    """ceil(log2(v)) for positive normal float32 v, exactly, as int32 (exponent bits + 1 unless a power of two)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def floor_log2(v):
+    """floor(log2(v)) for positive normal float32 v, exactly, as int32."""
+    return ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side checks shared by the wrappers
+# ---------------------------------------------------------------------------------------------
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_activation(x, k: int, k_multiple: int, fmt: str, device=None) -> None:
+    """ValueError unless x is a bf16/fp16 tensor [..., K] with K == k (when k) and K % k_multiple == 0."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ACT_DTYPES:
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("x must have shape [..., K], got a 0-d tensor")
+    kx = x.shape[-1]
+    if kx <= 0 or kx % k_multiple:
+        raise ValueError(f"{fmt} needs K (x.shape[-1]) to be a positive multiple of {k_multiple}, got {kx}")
+    if k is not None and kx != k:
+        raise ValueError(f"x.shape[-1] must equal the weight's K={k}, got {kx}")
+    if device is not None and x.device != device:
+        raise ValueError(f"x must be on the weight's device {device}, got {x.device}")
+
+
+def check_weight(qweight, fmt: str) -> None:
+    """ValueError unless qweight is a linear-layout QuantizedTensor weight of format ``fmt``."""
+    from formats import QuantizedTensor
+
+    if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
+        raise ValueError("qweight must be a formats.QuantizedTensor with role 'weight'")
+    if qweight.fmt != fmt:
+        raise ValueError(f"qweight must be a {fmt} weight, got {qweight.fmt}")
+    if qweight.scale_layout != "linear":
+        raise ValueError(f"qweight.scale_layout must be 'linear' for the Triton kernels, got {qweight.scale_layout!r}")
+
+
+def check_bias(bias, n: int, device) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or bias.shape != (n,):
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be a tensor of shape ({n},), got {got}")
+    if bias.device != device:
+        raise ValueError(f"bias must be on {device}, got {bias.device}")
