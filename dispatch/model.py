@@ -8,7 +8,7 @@ so that the caller gets a plain ``torch.nn.Module`` (a ``BertModel``) whose
 sentence-transformers pipeline of this model (Transformer -> mean Pooling ->
 Normalize, ``max_seq_length`` 256).
 
-The BERT pooler (``pooler.dense``, a 384x384 ``nn.Linear`` + tanh) is not loaded:
+The BERT pooler (``pooler.dense``, a 384x384 ``nn.Linear`` + tanh) is removed:
 sentence-transformers computes it but never uses its output, so the model has
 exactly 36 ``nn.Linear`` layers, 6 per encoder layer.
 
@@ -17,6 +17,7 @@ This module imports nothing from the rest of the project.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -58,7 +59,7 @@ def load_minilm(device: str | torch.device = "cpu"):
     Returns:
         ``(tokenizer, model)``: a Hugging Face BERT tokenizer (lower-casing
         WordPiece, vocabulary 30522) and a ``transformers.BertModel`` in eval
-        mode, float32, on ``device``, without the pooler.  ``model(input_ids,
+        mode, float32, on ``device``, with ``model.pooler = None``.  ``model(input_ids,
         attention_mask=..., token_type_ids=...)[0]`` is the last hidden state,
         float32 ``[batch, seq, 384]``.  Its 36 ``nn.Linear`` layers are
         ``encoder.layer.{0..5}.attention.self.{query,key,value}`` (384->384),
@@ -89,9 +90,31 @@ def load_minilm(device: str | torch.device = "cpu"):
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     tokenizer.model_max_length = MAX_SEQ_LENGTH
-    model = AutoModel.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
+    with _quiet_transformers():
+        model = AutoModel.from_pretrained(str(path), local_files_only=True)
+    # BertModel.forward skips a pooler that is None; dropping it after loading
+    # (rather than add_pooling_layer=False) avoids an "unexpected keys" report.
+    model.pooler = None
     model = model.float().eval().to(device)
     return tokenizer, model
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Hide transformers' "Loading weights" progress bar, restoring its state afterwards."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+    except (ImportError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _batch_inputs(tokenizer, sentences: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,47 @@
+"""kernels_triton: the readable Triton implementation of all five formats.
+
+Each format module (fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4) has an activation-quantization
+kernel, a GEMM kernel and host wrappers with the same names:
+
+    quantize_activation(x, **opts) -> formats.QuantizedTensor   (bit-exact with the oracle)
+    gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16) -> Tensor [M, N]
+    linear(x, qweight, bias=None, **opts) -> Tensor [..., N]    (quantize + gemm)
+
+With no CUDA device and TRITON_INTERPRET unset, importing this package sets TRITON_INTERPRET=1
+(before any kernel is defined, which is when Triton reads it), so the kernels run on CPU tensors in
+Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from formats import FORMAT_NAMES  # noqa: E402
+
+
+def module(fmt: str):
+    """The kernels_triton.<fmt> module; ValueError naming the formats for an unknown one."""
+    if fmt not in FORMAT_NAMES:
+        raise ValueError(f"fmt must be one of {FORMAT_NAMES}, got {fmt!r}")
+    return importlib.import_module(f"{__name__}.{fmt}")
+
+
+def quantize_activation(x: torch.Tensor, fmt: str, **opts):
+    """Quantize activations x [..., K] (bf16/fp16) with the Triton kernel of ``fmt``; see the module."""
+    return module(fmt).quantize_activation(x, **opts)
+
+
+def gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16):
+    """GEMM alone on quantized operands (xq activation [M, K], qweight [N, K]); see the module."""
+    return module(qweight.fmt).gemm(xq, qweight, bias, out_dtype=out_dtype)
+
+
+def linear(x: torch.Tensor, qweight, bias=None, **opts):
+    """y = x . W^T (+ bias) with the Triton kernels of qweight's format; see the module."""
+    return module(qweight.fmt).linear(x, qweight, bias, **opts)

@@ -11,6 +11,7 @@ formats/ oracle bit for bit everywhere. Division that must match the oracle uses
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -123,6 +124,21 @@ def ceil_log2(v):
 def floor_log2(v):
     """floor(log2(v)) for positive normal float32 v, exactly, as int32."""
     return ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configurations
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileConfig:
+    """One GEMM launch configuration: tile sizes and the compiler knobs."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 # ---------------------------------------------------------------------------------------------
