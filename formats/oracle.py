@@ -17,7 +17,7 @@ from .base import QuantizedTensor, check_float_input, check_k, check_role
 FORMATS: dict[str, ModuleType] = {
     m.SPEC.name: m for m in (fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4)
 }
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def format_module(fmt: str) -> ModuleType:
