@@ -1,0 +1,126 @@
+"""Pieces shared by the three e4m3 formats (fp8_tensor, fp8_block, mxfp8): tile choices, operand
+checks, the row flattening of activations, and two small device helpers for the GEMM kernels.
+
+Each format module keeps its own kernels (a file is a lesson); only the plumbing lives here.
+
+Device helpers:
+    grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M) -> (pid_m, pid_n)
+        the "grouped ordering" of Triton's matmul tutorial: GROUP_M row tiles are walked together
+        so that consecutive programs reuse the same weight columns from L2.
+    round_to_bf16_rne(x) -> float32 holding a bf16 value
+        round-to-nearest-even to bf16 by bit arithmetic. Needed only under the interpreter, whose
+        fp32 -> bf16 cast truncates (../shared/notes/triton.md section 2); the cast after it is then
+        exact. On GPU the cast is already RNE, so kernels apply it behind a constexpr.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from formats import QuantizedTensor
+
+from ._common import TileConfig, check_bias, check_weight
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile choices
+# ---------------------------------------------------------------------------------------------
+def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | None = None) -> TileConfig:
+    """Tile sizes for the GEMM kernels.
+
+    Under the interpreter each (program x K-iteration) costs ~2-3 ms of Python whatever the tile
+    size, so the tiles are as large as the problem (up to 128 x 128, K up to 512 per step). On GPU:
+    Hopper-sized 128x128 tiles, 64-row tiles for small M, and 16-row tiles with narrower N for
+    decode shapes (M <= 16) so that enough programs run along N. ``block_k`` forces BLOCK_K (block
+    FP8 needs exactly 128: one scale per K step).
+    """
+    if interpreting:
+        bm = min(128, max(16, triton.next_power_of_2(M)))
+        bn = min(128, max(16, triton.next_power_of_2(N)))
+        bk = block_k or min(512, max(32, triton.next_power_of_2(K)))
+        return TileConfig(bm, bn, bk, GROUP_M=8, num_warps=4, num_stages=1)
+    bk = block_k or 128
+    if M <= 16:
+        return TileConfig(16, 64, bk, GROUP_M=8, num_warps=4, num_stages=4)
+    if M <= 64:
+        return TileConfig(64, 128, bk, GROUP_M=8, num_warps=4, num_stages=3)
+    return TileConfig(128, 128, bk, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) of an activation-quantization tile; BLOCK_K is a multiple of ``group``."""
+    if interpreting:
+        return min(256, triton.next_power_of_2(max(M, 1))), max(group, min(1024, triton.next_power_of_2(K)))
+    return 32, max(group, 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side plumbing
+# ---------------------------------------------------------------------------------------------
+def flatten_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> [M, K]; a view when the strides allow it (the kernels take both strides, so a
+    strided 2-D x needs no copy), otherwise a copy."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def check_gemm_operands(xq, qweight, bias, out_dtype, fmt: str) -> tuple[int, int, int]:
+    """Validate the GEMM operands of format ``fmt``; returns (M, N, K).
+
+    Raises ValueError naming the argument for: a weight that is not a linear-layout ``fmt`` weight,
+    an ``xq`` that is not a ``fmt`` activation, a K mismatch, operands on different devices, an
+    out_dtype outside bf16/fp16/fp32, or a bias that is not a float [N] tensor on the same device.
+    """
+    check_weight(qweight, fmt)
+    if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != fmt:
+        got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
+        raise ValueError(f"xq must be a {fmt} activation QuantizedTensor, got {got}")
+    if xq.scale_layout != "linear":
+        raise ValueError(f"xq.scale_layout must be 'linear', got {xq.scale_layout!r}")
+    n, k = qweight.shape
+    if xq.k != k:
+        raise ValueError(f"xq has K={xq.k} but qweight has K={k}; they must match")
+    if xq.device != qweight.device:
+        raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    check_bias(bias, n, qweight.device)
+    if bias is not None and bias.dtype not in BIAS_DTYPES:
+        raise ValueError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
+    return xq.rows, n, k
+
+
+def e4m3_operand(data: torch.Tensor, dot_fp8: bool) -> torch.Tensor:
+    """The e4m3 codes as the kernel should see them: float8_e4m3fn (Triton's float8e4nv pointer)
+    when the GPU dots them directly, uint8 when the kernel decodes them with decode_e4m3."""
+    return data if dot_fp8 else data.view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (pid_m, pid_n), walking GROUP_M row tiles per weight column tile."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def round_to_bf16_rne(x):
+    """float32 -> the nearest bf16 value (ties to even), still as float32. Add 0x7FFF plus the
+    kept LSB to the 16 bits being dropped, then drop them; a carry moves into the exponent."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)

@@ -1,0 +1,304 @@
+"""Per-tensor FP8 (W8A8) in Triton: dynamic activation quantization and the e4m3 GEMM.
+
+What this file teaches: the simplest scaled GEMM. One float32 scale for the whole activation and
+one for the whole weight, so the scales factor out of the K sum entirely:
+
+    y[m, n] = sum_k (qx[m, k] * sx) * (qw[n, k] * sw) + bias[n]
+            = (sum_k qx[m, k] * qw[n, k]) * sx * sw + bias[n]
+
+and the K loop is a plain matrix multiply of the e4m3 codes; the scales are applied once, in the
+epilogue.
+
+Activation quantization (spec: formats/fp8_tensor.py, the oracle):
+
+    sx   = max(amax(|x|), AMAX_FLOOR) / 448        (div_rn; or a static calibrated ``scale``)
+    qx   = e4m3(x / sx)                            (div_rn, then RNE with saturation to +-448)
+
+The amax is a reduction over the whole tensor, so quantization is two launches with no atomics
+and no host synchronization:
+
+    stage 1  _amax_partials_kernel: program p reduces rows [p*BLOCK_M, (p+1)*BLOCK_M) over all of
+             K and writes one float to partials[p].
+    stage 2  _quantize_kernel: every program reduces the (few) partials itself, computes sx,
+             program (0, 0) writes sx to the scale tensor, and each program quantizes its
+             [BLOCK_M, BLOCK_K] tile. A static ``scale`` skips stage 1 (the kernel reads sx).
+
+GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
+
+    acc = 0                                        (fp32 [BLOCK_M, BLOCK_N])
+    for k0 in range(0, K, BLOCK_K):
+        a = qx[offs_m, k0:k0+BLOCK_K]              (e4m3 [BLOCK_M, BLOCK_K])
+        b = qw[offs_n, k0:k0+BLOCK_K]^T            (e4m3 [BLOCK_K, BLOCK_N])
+        acc = dot(a, b, acc)                       (fp32 accumulation)
+    y = acc * sx * sw + bias                       (epilogue, then cast to out_dtype)
+
+On GPU the e4m3 tiles go straight into tl.dot (fp8 tensor cores). On Hopper, Triton's default for
+fp8 dots is *imprecise* accumulation (max_num_imprecise_acc = 2^30: the wgmma accumulator is never
+promoted to full fp32), measured at 4e-3..7e-3 relative error at 8192^3 on the H200. We pass
+max_num_imprecise_acc=BLOCK_K (128), which promotes into the fp32 accumulator after every K step
+(measured 1.5e-4; ~25% slower). Other architectures ignore the argument. Under the interpreter
+the codes are decoded to fp32 with _common.decode_e4m3 first (exact; the interpreter's fp8 paths
+are not trusted for anything but loads).
+
+Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
+fp8_tensor QuantizedTensor [N, K]. NaN/Inf in x are not checked (the oracle refuses them; checking
+here would need a host synchronization); the result is then unspecified.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from formats import QuantizedTensor
+from formats.base import check_positive_scalar
+from formats.constants import AMAX_FLOOR, E4M3_MAX
+
+from ._common import check_activation, check_bias, check_weight, decode_e4m3, encode_e4m3, interpreting
+from ._e4m3_gemm import (
+    check_gemm_operands,
+    e4m3_operand,
+    flatten_rows,
+    gemm_config,
+    grouped_tile,
+    quant_config,
+    round_to_bf16_rne,
+)
+
+FMT = "fp8_tensor"
+K_MULTIPLE = 1  # per-tensor scaling puts no constraint on K
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+PARTIALS_BLOCK = 1024  # partial maxima reduced per step in stage 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization, stage 1: one partial amax per row block
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _amax_partials_kernel(
+    # pointers
+    x_ptr, partials_ptr,
+    # dimensions
+    M, K,
+    # strides
+    stride_xm, stride_xk,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """partials[pid] = max |x| over rows [pid*BLOCK_M, (pid+1)*BLOCK_M) and all of K."""
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_off = offs_m.to(tl.int64) * stride_xm
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        # x tile [BLOCK_M, BLOCK_K]; masked elements read as 0, which never raises a max of |x|
+        x = tl.load(x_ptr + row_off[:, None] + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    tl.store(partials_ptr + pid, tl.max(amax, axis=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization, stage 2: reduce the partials, compute the scale, quantize a tile
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _quantize_kernel(
+    # pointers
+    x_ptr, q_ptr, scale_ptr, partials_ptr,
+    # dimensions
+    M, K, num_partials,
+    # strides
+    stride_xm, stride_xk, stride_qm, stride_qk,
+    # meta-parameters
+    STATIC_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIALS_BLOCK: tl.constexpr,
+):
+    """q[tile] = e4m3(x[tile] / scale); with a dynamic scale, also scale = max(amax, floor) / 448."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if STATIC_SCALE:
+        scale = tl.load(scale_ptr)
+    else:
+        # Every program redoes this small reduction rather than waiting on another program: there
+        # is no grid-wide barrier in Triton, and there are only cdiv(M, BLOCK_M) partials.
+        amax = tl.zeros([PARTIALS_BLOCK], dtype=tl.float32)
+        for p0 in range(0, num_partials, PARTIALS_BLOCK):
+            offs_p = p0 + tl.arange(0, PARTIALS_BLOCK)
+            amax = tl.maximum(amax, tl.load(partials_ptr + offs_p, mask=offs_p < num_partials, other=0.0))
+        # div_rn: IEEE division, as the oracle's torch division (plain / may be approximate on GPU)
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _AMAX_FLOOR), _E4M3_MAX)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(scale_ptr, scale)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    # x tile [BLOCK_M, BLOCK_K], read through both strides (x may be non-contiguous)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    q = encode_e4m3(tl.math.div_rn(x, scale))
+    q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
+    tl.store(q_ptrs, q, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM: y = (qx . qw^T) * sx * sw + bias
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gemm_kernel(
+    # pointers
+    x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
+    # dimensions
+    M, N, K,
+    # strides
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of y. x_ptr/w_ptr hold e4m3 codes: float8e4nv when DOT_FP8
+    (GPU), uint8 otherwise (interpreter, decoded to fp32 before the dot)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # x_ptrs is [BLOCK_M, BLOCK_K]; w_ptrs is [BLOCK_K, BLOCK_N], i.e. a tile of W^T read from W [N, K]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+
+    # ----- K loop: a plain matmul of the codes, fp32 accumulator [BLOCK_M, BLOCK_N] -----
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
+        if DOT_FP8:
+            # Hopper: promote the fp8 wgmma accumulator into fp32 every BLOCK_K (=128) products;
+            # Triton's default (2^30) never does and loses ~3 bits at large K.
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(decode_e4m3(a), decode_e4m3(b), acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    # ----- epilogue: the two per-tensor scales, then the bias -----
+    y = acc * tl.load(sx_ptr) * tl.load(sw_ptr)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if RNE_BF16:
+        y = round_to_bf16_rne(y)  # interpreter: its fp32 -> bf16 cast truncates
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers
+# ---------------------------------------------------------------------------------------------
+def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
+    """Quantize activations to per-tensor FP8 with the Triton kernels, bit for bit as
+    ``formats.quantize(x, "fp8_tensor", role="activation", scale=scale)``.
+
+    Args:
+        x: bfloat16/float16 [..., K] (any leading dims, any strides), finite values.
+        scale: static scale (a positive number or 0-d tensor, e.g. a calibrated input_scale);
+            None for the dynamic max(amax, AMAX_FLOOR) / 448.
+    Returns:
+        QuantizedTensor(fmt="fp8_tensor", role="activation", data float8_e4m3fn [M, K],
+        scale float32 0-d on x's device), M = prod(leading dims).
+    Raises:
+        ValueError: x not a bf16/fp16 tensor with K >= 1, or a non-positive/non-finite ``scale``.
+    """
+    check_activation(x, None, K_MULTIPLE, FMT)
+    x2 = flatten_rows(x)
+    M, K = x2.shape
+    if scale is None:
+        s = torch.empty((), dtype=torch.float32, device=x.device)
+    else:
+        s = check_positive_scalar(scale, "scale").to(x.device)
+    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    if M == 0:
+        if scale is None:  # the oracle's scale of an empty tensor: the amax floor over 448
+            s = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x.device) / E4M3_MAX
+        return QuantizedTensor(FMT, "activation", data, s, None, None, (M, K))
+
+    interp = interpreting()
+    block_m, block_k = quant_config(M, K, interp, group=32)
+    partials = s  # unused placeholder pointer when the scale is static
+    num_partials = 0
+    if scale is None:
+        num_partials = triton.cdiv(M, block_m)
+        partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
+        _amax_partials_kernel[(num_partials,)](
+            x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k
+        )
+    q = data.view(torch.uint8)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    _quantize_kernel[grid](
+        x2, q, s, partials,
+        M, K, num_partials,
+        x2.stride(0), x2.stride(1), q.stride(0), q.stride(1),
+        STATIC_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, PARTIALS_BLOCK=PARTIALS_BLOCK,
+    )
+    return QuantizedTensor(FMT, "activation", data, s, None, None, (M, K))
+
+
+def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y = (qx . qw^T) * sx * sw (+ bias) on quantized operands.
+
+    Args:
+        xq: fp8_tensor activation QuantizedTensor [M, K] (data float8_e4m3fn, scale float32 0-d).
+        qweight: fp8_tensor weight QuantizedTensor [N, K], linear scale layout.
+        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
+        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+    Returns:
+        [M, N] tensor of out_dtype (empty when M == 0).
+    Raises:
+        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
+    """
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
+    if M == 0:
+        return y
+    interp = interpreting()
+    dot_fp8 = not interp
+    cfg = gemm_config(M, N, K, interp)
+    x = e4m3_operand(xq.data, dot_fp8)
+    w = e4m3_operand(qweight.data, dot_fp8)
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    _gemm_kernel[grid](
+        x, w, xq.scale, qweight.scale, bias if bias is not None else y, y,
+        M, N, K,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and out_dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+           scale=None) -> torch.Tensor:
+    """y = x . W^T (+ bias) with x quantized to per-tensor FP8 on the fly.
+
+    Args:
+        x: bfloat16/float16 [..., K], any strides.
+        qweight: fp8_tensor weight QuantizedTensor [N, K] (linear layout) on x's device.
+        bias: optional float [N].
+        scale: static activation scale (see quantize_activation); None for dynamic.
+    Returns:
+        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
+    Raises:
+        ValueError: naming the argument: wrong weight format, x dtype, K mismatch, devices, bias shape.
+    """
+    check_weight(qweight, FMT)
+    N, K = qweight.shape
+    check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
+    check_bias(bias, N, qweight.device)
+    xq = quantize_activation(x, scale=scale)
+    return gemm(xq, qweight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], N)
