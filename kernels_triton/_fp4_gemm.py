@@ -1,0 +1,239 @@
+"""The block-scaled FP4 GEMM shared by nvfp4 and mxfp4 (and mxfp4's W4A16 variant).
+
+Both formats store e2m1 codes packed two per byte along K (uint8 [rows, K/2], element 2i in the low
+nibble) with one scale per GROUP elements along K (nvfp4: GROUP = 16, e4m3 scale bytes; mxfp4:
+GROUP = 32, E8M0 bytes). The kernel computes
+
+    acc[m, n] = sum_k  (e2m1(a[m, k]) * scale_a[m, k // GROUP]) * (e2m1(w[n, k]) * scale_w[n, k // GROUP])
+    y[m, n]   = acc[m, n] * alpha + bias[n]          (alpha = 1 / (g_x * g_w) for nvfp4, else 1)
+
+K loop of one [BLOCK_M, BLOCK_N] output tile (``fp4_gemm_kernel``):
+
+    acc = zeros([BLOCK_M, BLOCK_N], fp32)
+    for k0 in range(0, K, BLOCK_K):
+        a = dequant_e2m1_tile(A bytes [BLOCK_M, BLOCK_K/2], A scales [BLOCK_M, BLOCK_K/GROUP])  # [BLOCK_M, BLOCK_K]
+        w = dequant_e2m1_tile(W bytes [BLOCK_N, BLOCK_K/2], W scales [BLOCK_N, BLOCK_K/GROUP])  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(a.to(DOT), w.to(DOT).T, acc)                                              # fp32 accumulation
+    y = acc * alpha + bias
+
+The scales are applied to the decoded elements *before* the dot, so one tl.dot per K tile covers
+all the K/GROUP blocks inside it. This is exact in bf16 (the GPU's DOT dtype): an e2m1 value has
+2 significant bits and an e4m3 scale 4, so their product has at most 5 (bf16 keeps 8), and an E8M0
+scale is a power of two that only moves the exponent (bf16 has fp32's exponent range). The products
+of two such bf16 values are exact in the fp32 accumulator, so the only rounding is the fp32
+accumulation itself. Under TRITON_INTERPRET=1 tl.dot on bf16 is garbage, so DOT is fp32 there
+(also exact: the decoded values are fp32 numbers).
+
+W4A16 (``A16=True``): A is the bf16/fp16 activation itself, loaded [BLOCK_M, BLOCK_K] with any
+strides. bf16 dots as is. fp16 is not exactly representable in bf16 (11 vs 8 significant bits), and
+the decoded weights may not fit fp16's range (E8M0 scales reach 2^+-127), so on GPU an fp16 tile
+is split exactly into two bf16 tiles, a = hi + lo with hi = bf16(a) and lo = bf16(a - hi) (lo has at
+most 3 significant bits), and the kernel issues two bf16 dots into the same accumulator
+(``SPLIT_A16``). That costs a second tensor-core dot but loses nothing.
+
+Constraints: K % GROUP == 0 (the wrappers check it); BLOCK_K is a power of two >= 2 * GROUP;
+BLOCK_K need not divide K (the K tail is masked: masked bytes decode to 0). Row strides of the
+packed data and scales may be arbitrary, the K stride of packed data and scales must be 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, interpreting
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configurations
+# ---------------------------------------------------------------------------------------------
+def _pow2_clamp(v: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(v, 1))))
+
+
+def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
+    """Tile sizes for the FP4 GEMM.
+
+    Interpreter: a (program x K-iteration) costs ~2-3 ms of Python almost independently of the tile
+    size, so take tiles as large as the problem (up to 128 x 128 x 256). GPU (Hopper / SM12x):
+    128 x 128 x 64 with 8 warps; for decode-sized M (<= 16) a 16-row tile with more programs along N.
+    BLOCK_K = 64 keeps the in-register dequantization (two fp32 [128, 64] tiles) inside the register
+    budget and the shared memory of sm_120 (101376 B per block) for 3 stages.
+    """
+    if interp:
+        return TileConfig(
+            BLOCK_M=_pow2_clamp(M, 16, 128),
+            BLOCK_N=_pow2_clamp(N, 16, 128),
+            BLOCK_K=_pow2_clamp(K, 64, 256),
+            GROUP_M=8,
+            num_warps=4,
+            num_stages=1,
+        )
+    if M <= 16:
+        return TileConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    if M <= 64:
+        return TileConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+    return TileConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def dot_dtype(interp: bool):
+    """The tl.dot operand dtype: bf16 on GPU (exact for decoded FP4 values), fp32 in the interpreter."""
+    return tl.float32 if interp else tl.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                      SCALE_E4M3: tl.constexpr):
+    """Decode rows ``offs_r`` x K-columns [k0, k0 + BLOCK_K) of a packed e2m1 matrix, with block
+    scales applied, to float32 [BLOCK_R, BLOCK_K]. Out-of-range rows and K columns read as 0."""
+    rows = offs_r.to(tl.int64)
+    # Packed bytes [BLOCK_R, BLOCK_K // 2]: byte j holds elements 2j (low nibble) and 2j + 1 (high).
+    offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    b_mask = r_mask[:, None] & (offs_kb[None, :] < K // 2)
+    b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :], mask=b_mask, other=0)
+    lo = decode_e2m1(b & 0xF)  # elements 2j
+    hi = decode_e2m1(b >> 4)  # elements 2j + 1
+    # join stacks along a new last axis: [BLOCK_R, BLOCK_K // 2, 2], so the row-major reshape puts
+    # lo[j] at column 2j and hi[j] at column 2j + 1, the storage order.
+    v = tl.join(lo, hi).reshape(BLOCK_R, BLOCK_K)
+    # Scale bytes [BLOCK_R, BLOCK_K // GROUP]; a masked scale reads 0 and multiplies a masked 0.
+    offs_ks = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    s_mask = r_mask[:, None] & (offs_ks[None, :] < K // GROUP)
+    s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :], mask=s_mask, other=0)
+    if SCALE_E4M3:
+        sv = decode_e4m3(s)
+    else:
+        sv = decode_e8m0(s)
+    # Broadcast each scale over its GROUP elements: [BLOCK_R, BLOCK_K / GROUP, GROUP] * [.., .., 1].
+    v = v.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * sv[:, :, None]
+    return v.reshape(BLOCK_R, BLOCK_K)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GEMM kernel
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def fp4_gemm_kernel(
+    # pointers
+    a_ptr, a_scale_ptr,  # activation: packed uint8 [M, K/2] + scales [M, K/GROUP], or (A16) x [M, K]
+    w_ptr, w_scale_ptr,  # weight: packed uint8 [N, K/2] + scales [N, K/GROUP]
+    gx_ptr, gw_ptr,  # nvfp4 global scales (float32, one element each); unused otherwise
+    bias_ptr, c_ptr,  # bias [N] (any float dtype), output [M, N]
+    # dimensions
+    M, N, K,
+    # strides (K strides of packed data and scales are 1)
+    stride_am, stride_ak, stride_asm,
+    stride_wn, stride_wsn,
+    stride_cm,
+    # meta-parameters
+    GROUP: tl.constexpr,  # elements per scale along K: 16 (nvfp4) or 32 (mxfp4)
+    SCALE_E4M3: tl.constexpr,  # scale bytes are e4m3 (nvfp4) rather than E8M0 (mxfp4)
+    HAS_GLOBAL: tl.constexpr,  # apply alpha = 1 / (g_x * g_w) in the epilogue (nvfp4)
+    A16: tl.constexpr,  # activation is unquantized bf16/fp16 (W4A16)
+    SPLIT_A16: tl.constexpr,  # A16 with fp16 x on GPU: dot hi and lo bf16 halves (exact)
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # bf16 on GPU, fp32 under the interpreter
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # ----- program -> output tile, grouped along M so neighbouring programs share W tiles in L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+
+    # ----- main loop: acc [BLOCK_M, BLOCK_N] fp32 += A tile [BLOCK_M, BLOCK_K] . W tile^T [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # W tile, scales applied: [BLOCK_N, BLOCK_K] -> transposed to [BLOCK_K, BLOCK_N]
+        w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                              BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
+        w_t = tl.trans(w.to(DOT_DTYPE))
+        if A16:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x_mask = m_mask[:, None] & (offs_k[None, :] < K)
+            x_ptrs = (a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+                      + offs_k.to(tl.int64)[None, :] * stride_ak)
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if SPLIT_A16:
+                x32 = x.to(tl.float32)
+                x_hi = x32.to(tl.bfloat16)
+                x_lo = (x32 - x_hi.to(tl.float32)).to(tl.bfloat16)  # exact: <= 3 significant bits
+                acc = tl.dot(x_hi, w_t, acc)
+                acc = tl.dot(x_lo, w_t, acc)
+            else:
+                # bf16 x on GPU: already the DOT dtype; interpreter: widen to fp32 (exact)
+                acc = tl.dot(x.to(tl.float32).to(DOT_DTYPE), w_t, acc)
+        else:
+            a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                  BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
+            acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
+
+    # ----- epilogue: global scales (nvfp4), bias, cast, masked store
+    if HAS_GLOBAL:
+        # alpha = 1 / (g_x * g_w), computed here from the device tensors (no host sync, so the call
+        # can be captured in a CUDA graph); as two reciprocals so that g_x * g_w cannot overflow.
+        gx = tl.load(gx_ptr)
+        gw = tl.load(gw_ptr)
+        alpha = tl.math.div_rn(1.0, gx) * tl.math.div_rn(1.0, gw)
+        acc = acc * alpha
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launcher (the format modules check arguments before calling it)
+# ---------------------------------------------------------------------------------------------
+def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
+                    gx=None, gw=None, a16=False, config: TileConfig | None = None) -> torch.Tensor:
+    """Allocate the [M, N] output and launch fp4_gemm_kernel.
+
+    a: packed uint8 [M, K/2] with scales a_scale [M, K/group] (row stride free, K stride 1), or,
+    with a16, the bf16/fp16 activation [M, K] (any strides; a_scale ignored). w, w_scale: the
+    weight's packed bytes [N, K/2] and scale bytes [N, K/group] (uint8 views). gx, gw: float32
+    one-element device tensors (nvfp4), or None.
+    """
+    out = torch.empty((M, N), dtype=out_dtype, device=w.device)
+    if M == 0 or N == 0:
+        return out
+    interp = interpreting()
+    cfg = config or fp4_gemm_config(M, N, K, interp)
+    has_global = gx is not None
+    split = bool(a16 and a.dtype == torch.float16 and not interp)
+    if a16:
+        stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
+    else:
+        stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
+    # Unused pointer arguments still need a tensor; the weight's bytes stand in for them.
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    fp4_gemm_kernel[grid](
+        a, a_scale, w, w_scale,
+        gx if has_global else w_scale, gw if has_global else w_scale,
+        bias if bias is not None else out, out,
+        M, N, K,
+        stride_am, stride_ak, stride_asm,
+        w.stride(0), w_scale.stride(0),
+        out.stride(0),
+        GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, A16=a16, SPLIT_A16=split,
+        HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype(interp),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
