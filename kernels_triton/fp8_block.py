@@ -1,0 +1,257 @@
+"""Block FP8 (DeepSeek-V3 / DeepGEMM style) in Triton: 1x128 activation groups, 128x128 weight blocks.
+
+What this file teaches: scales that change along K cannot be pulled out of the K sum, but scales
+that are *constant over one K step* can be pulled out of that step. With BLOCK_K = 128 every K step
+sees exactly one activation scale per row and one weight scale per column, so
+
+    y[m, n] = sum over 128-wide K blocks kb of
+                  (sum_{k in kb} qx[m, k] * qw[n, k]) * sx[m, kb] * sw[n // 128, kb]   + bias[n]
+
+The inner sum is one tl.dot of e4m3 codes (a "partial"); the two scales multiply the partial before
+it joins the fp32 accumulator. Scales (spec: formats/fp8_block.py, the oracle):
+
+    sx [M, K/128]            activation: one per row and 128-wide group
+    sw [ceil(N/128), K/128]  weight: one per 128x128 block; row n uses sw[n // 128]
+    scale = max(amax_block, AMAX_FLOOR) / 448    (div_rn)
+            and with ue8m0=True rounded up to a power of two: 2^ceil(log2(scale))
+    code  = e4m3(x / scale)                      (div_rn, RNE, saturating)
+
+GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
+
+    acc = 0                                             (fp32 [BLOCK_M, BLOCK_N])
+    for kb in range(K // 128):
+        partial = dot(qx[offs_m, kb], qw[offs_n, kb]^T) (fp32 [BLOCK_M, BLOCK_N], fresh each step)
+        acc += partial * sx[offs_m, kb][:, None] * sw[offs_n // 128, kb][None, :]
+    y = acc + bias                                      (epilogue, then cast to out_dtype)
+
+sw is loaded per column as a vector, sw[offs_n // 128, kb], so BLOCK_N need not line up with the
+128-row weight blocks (any power of two works; a tile may straddle two weight blocks).
+
+On GPU the e4m3 tiles go straight into tl.dot. Each partial is a fresh 128-deep dot whose result
+is added to the fp32 accumulator in registers, so the accumulation is promoted to fp32 every K
+step whatever Triton's Hopper default is; we still pass max_num_imprecise_acc=BLOCK_K to say so.
+Under the interpreter the codes are decoded to fp32 with _common.decode_e4m3 before the dot.
+
+Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
+fp8_block QuantizedTensor [N, K]. NaN/Inf in x are not checked (no host synchronization).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from formats import QuantizedTensor
+from formats.constants import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK
+
+from ._common import (
+    check_activation,
+    check_bias,
+    check_weight,
+    ceil_log2,
+    decode_e4m3,
+    encode_e4m3,
+    exp2_int,
+    interpreting,
+)
+from ._e4m3_gemm import (
+    check_gemm_operands,
+    e4m3_operand,
+    flatten_rows,
+    gemm_config,
+    grouped_tile,
+    quant_config,
+    round_to_bf16_rne,
+)
+
+FMT = "fp8_block"
+K_MULTIPLE = FP8_BLOCK  # 128
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_GROUP = tl.constexpr(FP8_BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization: one program per [BLOCK_M rows] x [one 128-wide group]
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _quantize_kernel(
+    # pointers
+    x_ptr, q_ptr, s_ptr,
+    # dimensions
+    M,
+    # strides
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
+    # meta-parameters
+    UE8M0: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """q = e4m3(x / s) and s = max(amax, floor) / 448 (optionally 2^ceil(log2 s)) per 1x128 group."""
+    pid_m = tl.program_id(0)
+    kb = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = kb * _GROUP + tl.arange(0, _GROUP)
+    row_ok = offs_m < M
+    # x tile [BLOCK_M, 128]: exactly one group per row, so the group amax is a row max
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
+    x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX)
+    if UE8M0:
+        # power-of-two scale, exponent kept in the float32 normal range as formats.codecs.pow2_ceil
+        scale = exp2_int(tl.minimum(tl.maximum(ceil_log2(scale), -126), 127))
+    q = encode_e4m3(tl.math.div_rn(x, scale[:, None]))
+    q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
+    tl.store(q_ptrs, q, mask=row_ok[:, None])
+    tl.store(s_ptr + offs_m.to(tl.int64) * stride_sm + kb * stride_sk, scale, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM: y = sum_kb dot(qx_kb, qw_kb^T) * sx[:, kb] * sw[n // 128, kb] + bias
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gemm_kernel(
+    # pointers
+    x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
+    # dimensions
+    M, N, K,
+    # strides
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym, stride_yn,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of y; BLOCK_K must be 128 (one scale per K step)."""
+    tl.static_assert(BLOCK_K == _GROUP, "block FP8 needs BLOCK_K == 128: one scale per K step")
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # x_ptrs [BLOCK_M, BLOCK_K]; w_ptrs [BLOCK_K, BLOCK_N] (a tile of W^T read from W [N, K])
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    # scale pointers for K block 0: sx_ptrs [BLOCK_M] (one per row), sw_ptrs [BLOCK_N] (row n // 128)
+    sx_ptrs = sx_ptr + offs_m.to(tl.int64) * stride_sxm
+    sw_ptrs = sw_ptr + (offs_n // _GROUP).to(tl.int64) * stride_swn
+
+    # ----- K loop: one 128-deep partial per step, scaled before it joins the accumulator -----
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, K // BLOCK_K):
+        a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        if DOT_FP8:
+            partial = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+        else:
+            partial = tl.dot(decode_e4m3(a), decode_e4m3(b))
+        sx = tl.load(sx_ptrs + kb * stride_sxk, mask=m_ok, other=0.0)  # [BLOCK_M]
+        sw = tl.load(sw_ptrs + kb * stride_swk, mask=n_ok, other=0.0)  # [BLOCK_N]
+        acc += partial * sx[:, None] * sw[None, :]
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    # ----- epilogue: bias, cast, store -----
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if RNE_BF16:
+        y = round_to_bf16_rne(y)  # interpreter: its fp32 -> bf16 cast truncates
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers
+# ---------------------------------------------------------------------------------------------
+def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
+    """Quantize activations to block FP8 (1x128 groups) with the Triton kernel, bit for bit as
+    ``formats.quantize(x, "fp8_block", role="activation", ue8m0=ue8m0)``.
+
+    Args:
+        x: bfloat16/float16 [..., K], K a multiple of 128, any strides, finite values.
+        ue8m0: round every scale up to a power of two (DeepGEMM's UE8M0 scales).
+    Returns:
+        QuantizedTensor(fmt="fp8_block", role="activation", data float8_e4m3fn [M, K],
+        scale float32 [M, K/128], block_shape (1, 128)), M = prod(leading dims).
+    Raises:
+        ValueError: x not bf16/fp16, or K not a positive multiple of 128.
+    """
+    check_activation(x, None, K_MULTIPLE, FMT)
+    x2 = flatten_rows(x)
+    M, K = x2.shape
+    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((M, K // FP8_BLOCK), dtype=torch.float32, device=x.device)
+    if M:
+        block_m, _ = quant_config(M, K, interpreting(), group=FP8_BLOCK)
+        q = data.view(torch.uint8)
+        _quantize_kernel[(triton.cdiv(M, block_m), K // FP8_BLOCK)](
+            x2, q, scale,
+            M,
+            x2.stride(0), x2.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
+            UE8M0=bool(ue8m0), BLOCK_M=block_m,
+        )
+    return QuantizedTensor(FMT, "activation", data, scale, None, (1, FP8_BLOCK), (M, K))
+
+
+def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y = sum over 128-wide K blocks of (qx . qw^T) * sx * sw (+ bias) on quantized operands.
+
+    Args:
+        xq: fp8_block activation QuantizedTensor [M, K] (scale float32 [M, K/128]).
+        qweight: fp8_block weight QuantizedTensor [N, K] (scale float32 [ceil(N/128), K/128]), linear layout.
+        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
+        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+    Returns:
+        [M, N] tensor of out_dtype (empty when M == 0).
+    Raises:
+        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
+    """
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
+    if M == 0:
+        return y
+    interp = interpreting()
+    dot_fp8 = not interp
+    cfg = gemm_config(M, N, K, interp, block_k=FP8_BLOCK)
+    x = e4m3_operand(xq.data, dot_fp8)
+    w = e4m3_operand(qweight.data, dot_fp8)
+    sx, sw = xq.scale, qweight.scale
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    _gemm_kernel[grid](
+        x, w, sx, sw, bias if bias is not None else y, y,
+        M, N, K,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and out_dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+           ue8m0: bool = False) -> torch.Tensor:
+    """y = x . W^T (+ bias) with x quantized to block FP8 (1x128 groups) on the fly.
+
+    Args:
+        x: bfloat16/float16 [..., K], K a multiple of 128, any strides.
+        qweight: fp8_block weight QuantizedTensor [N, K] (linear layout) on x's device.
+        bias: optional float [N].
+        ue8m0: power-of-two activation scales (see quantize_activation).
+    Returns:
+        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
+    Raises:
+        ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 128 or
+            not the weight's K, devices, bias shape.
+    """
+    check_weight(qweight, FMT)
+    N, K = qweight.shape
+    check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
+    check_bias(bias, N, qweight.device)
+    xq = quantize_activation(x, ue8m0=ue8m0)
+    return gemm(xq, qweight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], N)

@@ -1,0 +1,268 @@
+"""MXFP8 (OCP MX, E4M3 elements, one E8M0 scale per 32 along K) in Triton.
+
+What this file teaches: a block-scaled GEMM whose scale blocks (32) are smaller than a K step, and
+how power-of-two scales make the simplest approach exact. Each operand tile is *dequantized in
+registers* (code value times its block's scale), then an ordinary tl.dot runs on the dequantized
+values:
+
+    y[m, n] = sum_k (qx[m, k] * 2^ex[m, k // 32]) * (qw[n, k] * 2^ew[n, k // 32]) + bias[n]
+
+Scales (spec: formats/mxfp8.py and formats/_mx.py, the oracle), per 1x32 block of a row:
+
+    ceil rule (default):  e = ceil(log2(max(amax, AMAX_FLOOR) / 448))      (div_rn, then exponent bits)
+    floor rule (OCP 6.3): e = floor(log2(max(amax, AMAX_FLOOR))) - 8       (8 = e4m3's emax)
+    e clamped to [-127, 127]; scale byte = e + 127 (E8M0)
+    code = e4m3(x * 2^-e)       (exact power-of-two scaling, then RNE with saturation)
+
+GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
+
+    acc = 0                                                   (fp32 [BLOCK_M, BLOCK_N])
+    for k0 in range(0, K, BLOCK_K):                           (BLOCK_K a multiple of 32)
+        a = decode_e4m3(qx[offs_m, k]) * decode_e8m0(sx[offs_m, k // 32])   -> DOT dtype [BLOCK_M, BLOCK_K]
+        b = decode_e4m3(qw[offs_n, k]) * decode_e8m0(sw[offs_n, k // 32])   -> DOT dtype [BLOCK_K, BLOCK_N]
+        acc = dot(a, b, acc)
+    y = acc + bias
+
+Why this is exact: an e4m3 value has 4 significant bits and an E8M0 scale is a power of two, so
+their product has 4 significant bits and an 8-bit exponent -- it is representable exactly in bf16
+(8 significant bits, fp32's exponent range) for every scale our quantizer produces (e in
+[-108, 120]). The tensor core then multiplies two such bf16 values exactly (8 significant bits
+in fp32) and accumulates in fp32. So the only rounding is fp32 accumulation, as in any fp32 GEMM;
+no scale is rounded. We chose this over per-32 sub-dots (dot the e4m3 codes 32 deep, multiply the
+partial by 2^(ex+ew)): that is also exact but needs one tl.dot per 32 elements of K, a [BLOCK_M,
+BLOCK_N] scale multiply per sub-dot and 32-deep fp8 dots, and is slower on Hopper (138 vs ~180
+TF/s measured in ../shared/notes/triton.md).
+
+DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
+there). The per-element scale is fetched as sx[offs_m, offs_k // 32], a [BLOCK_M, BLOCK_K] gather
+that hits the same 4 bytes per row of a 128-wide step: simple, and cached.
+
+Constraints: K a multiple of 32; x bf16/fp16 [..., K]; weight a linear-layout mxfp8
+QuantizedTensor [N, K] (scale uint8 [N, K/32]). E8M0 byte 0xFF (NaN) is not special-cased, and
+scale bytes below 2^-117 (never produced by our quantizer) could underflow bf16 on GPU. NaN/Inf in
+x are not checked (no host synchronization).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from formats import QuantizedTensor
+from formats._mx import SCALE_RULES
+from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS, MX_BLOCK
+
+from ._common import (
+    ceil_log2,
+    check_activation,
+    check_bias,
+    check_weight,
+    decode_e4m3,
+    decode_e8m0,
+    encode_e4m3,
+    exp2_int,
+    floor_log2,
+    interpreting,
+)
+from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, quant_config, round_to_bf16_rne
+
+FMT = "mxfp8"
+K_MULTIPLE = MX_BLOCK  # 32
+VEC_SIZE = tl.constexpr(MX_BLOCK)  # elements per E8M0 scale
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_E4M3_EMAX = tl.constexpr(E4M3_EMAX)
+_E8M0_BIAS = tl.constexpr(E8M0_BIAS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization: one program per [BLOCK_M rows] x [GROUPS blocks of 32]
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _quantize_kernel(
+    # pointers
+    x_ptr, q_ptr, s_ptr,
+    # dimensions
+    M, num_groups,
+    # strides
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
+    # meta-parameters
+    FLOOR_RULE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """Per 1x32 block: e from the block amax (ceil or floor rule), q = e4m3(x * 2^-e), s = e + 127."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)           # [BLOCK_M]
+    offs_g = pid_k * GROUPS + tl.arange(0, GROUPS)              # [GROUPS] block index along K
+    offs_k = offs_g[:, None] * VEC_SIZE + tl.arange(0, VEC_SIZE)[None, :]  # [GROUPS, 32]
+    mask = (offs_m < M)[:, None, None] & (offs_g < num_groups)[None, :, None]
+    # x tile [BLOCK_M, GROUPS, 32]: the last axis is one scale block, so its amax is one reduction
+    x_off = offs_m[:, None, None].to(tl.int64) * stride_xm + offs_k[None, :, :].to(tl.int64) * stride_xk
+    x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), _AMAX_FLOOR)  # [BLOCK_M, GROUPS]
+    if FLOOR_RULE:
+        e = floor_log2(amax) - _E4M3_EMAX
+    else:
+        e = ceil_log2(tl.math.div_rn(amax, _E4M3_MAX))
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    # x * 2^-e is exact (a power of two), like the oracle's ldexp
+    q = encode_e4m3(x * exp2_int(-e)[:, :, None])
+    q_off = offs_m[:, None, None].to(tl.int64) * stride_qm + offs_k[None, :, :].to(tl.int64) * stride_qk
+    tl.store(q_ptr + q_off, q, mask=mask)
+    s_off = offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
+    tl.store(s_ptr + s_off, (e + _E8M0_BIAS).to(tl.uint8), mask=(offs_m < M)[:, None] & (offs_g < num_groups)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM: dequantize both tiles in registers (exact in bf16), then dot
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gemm_kernel(
+    # pointers
+    x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
+    # dimensions
+    M, N, K,
+    # strides
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym, stride_yn,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, RNE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8."""
+    tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale block")
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    row_x = offs_m[:, None].to(tl.int64)  # [BLOCK_M, 1]
+    row_w = offs_n[None, :].to(tl.int64)  # [1, BLOCK_N]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K  # K is a multiple of 32, BLOCK_K may not divide it
+        # ----- x tile [BLOCK_M, BLOCK_K]: code * 2^e, the scale gathered per element (k // 32) -----
+        mask_x = m_ok[:, None] & k_ok[None, :]
+        qa = tl.load(x_ptr + row_x * stride_xm + offs_k[None, :] * stride_xk, mask=mask_x, other=0)
+        sa = tl.load(sx_ptr + row_x * stride_sxm + (offs_k // VEC_SIZE)[None, :] * stride_sxk, mask=mask_x, other=127)
+        a = decode_e4m3(qa) * decode_e8m0(sa)
+        # ----- w tile [BLOCK_K, BLOCK_N] (a tile of W^T read from W [N, K]) -----
+        mask_w = k_ok[:, None] & n_ok[None, :]
+        qb = tl.load(w_ptr + row_w * stride_wn + offs_k[:, None] * stride_wk, mask=mask_w, other=0)
+        sb = tl.load(sw_ptr + row_w * stride_swn + (offs_k // VEC_SIZE)[:, None] * stride_swk, mask=mask_w, other=127)
+        b = decode_e4m3(qb) * decode_e8m0(sb)
+        if DOT_BF16:
+            # exact: code * 2^e has 4 significant bits (see the module docstring)
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+
+    # ----- epilogue: bias, cast, store (all scales were applied in the K loop) -----
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if RNE_BF16:
+        y = round_to_bf16_rne(y)  # interpreter: its fp32 -> bf16 cast truncates
+    y_ptrs = y_ptr + row_x * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers
+# ---------------------------------------------------------------------------------------------
+def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
+    """Quantize activations to MXFP8 with the Triton kernel, bit for bit as
+    ``formats.quantize(x, "mxfp8", role="activation", scale_rule=scale_rule)``.
+
+    Args:
+        x: bfloat16/float16 [..., K], K a multiple of 32, any strides, finite values.
+        scale_rule: "ceil" (default: 2^ceil(log2(amax/448))) or "floor" (OCP MX 6.3).
+    Returns:
+        QuantizedTensor(fmt="mxfp8", role="activation", data float8_e4m3fn [M, K],
+        scale uint8 E8M0 [M, K/32], block_shape (1, 32)), M = prod(leading dims).
+    Raises:
+        ValueError: x not bf16/fp16, K not a positive multiple of 32, or an unknown scale_rule.
+    """
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    check_activation(x, None, K_MULTIPLE, FMT)
+    x2 = flatten_rows(x)
+    M, K = x2.shape
+    num_groups = K // MX_BLOCK
+    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((M, num_groups), dtype=torch.uint8, device=x.device)
+    if M:
+        block_m, block_k = quant_config(M, K, interpreting(), group=MX_BLOCK)
+        groups = block_k // MX_BLOCK
+        q = data.view(torch.uint8)
+        _quantize_kernel[(triton.cdiv(M, block_m), triton.cdiv(num_groups, groups))](
+            x2, q, scale,
+            M, num_groups,
+            x2.stride(0), x2.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
+            FLOOR_RULE=scale_rule == "floor", BLOCK_M=block_m, GROUPS=groups,
+        )
+    return QuantizedTensor(FMT, "activation", data, scale, None, (1, MX_BLOCK), (M, K))
+
+
+def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y = dequant(xq) . dequant(qweight)^T (+ bias), dequantizing in registers.
+
+    Args:
+        xq: mxfp8 activation QuantizedTensor [M, K] (scale uint8 E8M0 [M, K/32]).
+        qweight: mxfp8 weight QuantizedTensor [N, K] (scale uint8 [N, K/32]), linear layout.
+        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
+        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+    Returns:
+        [M, N] tensor of out_dtype (empty when M == 0).
+    Raises:
+        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
+    """
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
+    if M == 0:
+        return y
+    interp = interpreting()
+    # 64-deep K steps on GPU: the dequantized bf16 tiles live in registers before the dot
+    cfg = gemm_config(M, N, K, interp, block_k=None if interp else 64)
+    x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
+    sx, sw = xq.scale, qweight.scale
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    _gemm_kernel[grid](
+        x, w, sx, sw, bias if bias is not None else y, y,
+        M, N, K,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, DOT_BF16=not interp, RNE_BF16=interp and out_dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+           scale_rule: str = "ceil") -> torch.Tensor:
+    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly.
+
+    Args:
+        x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
+        qweight: mxfp8 weight QuantizedTensor [N, K] (linear layout) on x's device.
+        bias: optional float [N].
+        scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation).
+    Returns:
+        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
+    Raises:
+        ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 32 or
+            not the weight's K, devices, bias shape, scale_rule.
+    """
+    check_weight(qweight, FMT)
+    N, K = qweight.shape
+    check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
+    check_bias(bias, N, qweight.device)
+    xq = quantize_activation(x, scale_rule=scale_rule)
+    return gemm(xq, qweight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], N)
