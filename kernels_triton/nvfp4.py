@@ -170,7 +170,7 @@ def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the quantize kernels: whole small problems in the interpreter (each
     program costs milliseconds there), 32 x 128 (256 blocks of 16 per program) on GPU."""
     if interp:
-        return triton.next_power_of_2(min(max(M, 1), 128)), triton.next_power_of_2(min(K, 256))
+        return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
     return 32, 128
 
 
