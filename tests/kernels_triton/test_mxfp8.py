@@ -1,0 +1,143 @@
+"""kernels_triton.mxfp8 against the formats/ oracle: 1x32 E8M0 quantization bit for bit (ceil and
+floor rules), the dequantize-in-registers GEMM and linear within the issue's tolerances, argument
+errors. Runs under the interpreter on CPU and on a GPU."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import formats
+from _e4m3_testlib import (
+    check_gemm,
+    check_linear,
+    check_quantize,
+    error_calls,
+    make_bias,
+    make_weight,
+    require_gpu,
+    special_values,
+    strided_views,
+)
+from conftest import make_input, rel_err
+from kernels_triton import mxfp8 as mod
+
+FMT = "mxfp8"
+BLOCK = 32
+BF16, FP16 = torch.bfloat16, torch.float16
+
+# (M, K, dtype): every M of the issue; K at one block, several blocks, 96 (3 blocks) and 1056
+# (33 blocks: more than one quantization tile along K, the last one partial)
+QUANT_CASES = [(1, 32, BF16), (3, 96, FP16), (16, 1056, BF16), (100, 32, FP16), (257, 96, BF16), (257, 256, FP16)]
+
+
+@pytest.mark.parametrize("M,K,dtype", QUANT_CASES)
+def test_quantize_ceil_rule_matches_oracle_bit_for_bit(M, K, dtype):
+    check_quantize(mod, FMT, make_input((M, K), dtype, block=BLOCK))
+
+
+@pytest.mark.parametrize("M,K,dtype", [(3, 32, BF16), (100, 96, FP16), (257, 160, BF16)])
+def test_quantize_floor_rule_matches_oracle_bit_for_bit(M, K, dtype):
+    # the floor rule is up to one binade finer, so block maxima saturate to 448: exercised here
+    check_quantize(mod, FMT, make_input((M, K), dtype, block=BLOCK), scale_rule="floor")
+
+
+@pytest.mark.parametrize("dtype,rule", [(BF16, "ceil"), (FP16, "floor"), (BF16, "floor")])
+def test_quantize_zero_tiny_huge_blocks_match_oracle(dtype, rule):
+    check_quantize(mod, FMT, special_values(12, 128, dtype, block=BLOCK), scale_rule=rule)
+
+
+def test_quantize_non_contiguous_and_leading_dims():
+    for x in strided_views(33, 96, BF16, block=BLOCK):
+        check_quantize(mod, FMT, x)
+    x3 = make_input((2, 3, 64), FP16).transpose(0, 1)
+    assert check_quantize(mod, FMT, x3).shape == (6, 64)
+
+
+def test_quantize_empty_rows():
+    q = check_quantize(mod, FMT, make_input((0, 96)))
+    assert q.scale.shape == (0, 3) and q.scale.dtype == torch.uint8
+
+
+# (M, N, K, bias, out_dtype): each M and N of the issue; K = 96 and 544 are not multiples of the
+# interpreter's BLOCK_K, so the K mask is exercised
+GEMM_CASES = [
+    (1, 200, 32, True, BF16),
+    (3, 40, 96, False, FP16),
+    (16, 1, 544, True, FP16),
+    (100, 200, 96, True, BF16),
+    (257, 40, 256, False, BF16),
+    (257, 200, 128, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("M,N,K,has_bias,out_dtype", GEMM_CASES)
+def test_gemm_matches_reference_on_identical_operands(M, N, K, has_bias, out_dtype):
+    w = make_weight(FMT, N, K, BLOCK)
+    xq = formats.quantize(make_input((M, K), block=BLOCK), FMT, role="activation")
+    check_gemm(mod, xq, w, make_bias(N, BF16) if has_bias else None, out_dtype)
+
+
+def test_gemm_floor_rule_operands():
+    w = make_weight(FMT, 40, 128, BLOCK, scale_rule="floor")
+    xq = formats.quantize(make_input((16, 128)), FMT, role="activation", scale_rule="floor")
+    check_gemm(mod, xq, w, None, BF16)
+
+
+def test_gemm_empty_m_returns_empty():
+    w = make_weight(FMT, 40, 64, BLOCK)
+    y = check_gemm(mod, formats.quantize(make_input((0, 64)), FMT, role="activation"), w, None, BF16)
+    assert y.shape == (0, 40)
+
+
+def test_gemm_uses_each_e8m0_scale_where_it_belongs():
+    # Raise one weight block's exponent by 3 (x8) and lower one activation block's by 2: the kernel
+    # must follow the new reference, so a wrong k // 32 index cannot pass.
+    w = make_weight(FMT, 40, 128, BLOCK)
+    xq = formats.quantize(make_input((16, 128), zero_blocks=False), FMT, role="activation")
+    before = formats.reference_linear(xq, w, out_dtype=torch.float32)
+    sw, sx = w.scale.clone(), xq.scale.clone()
+    sw[7, 2] += 3
+    sx[4, 1] -= 2
+    y = check_gemm(mod, dataclasses.replace(xq, scale=sx), dataclasses.replace(w, scale=sw), None, torch.float32)
+    assert rel_err(y, before) > 0.01
+
+
+@pytest.mark.parametrize("shape,dtype,has_bias", [((2, 3, 96), BF16, True), ((5, 256), FP16, False), ((0, 32), BF16, True)])
+def test_linear_matches_reference(shape, dtype, has_bias):
+    w = make_weight(FMT, 40, shape[-1], BLOCK)
+    check_linear(mod, make_input(shape, dtype, block=BLOCK), w, make_bias(40) if has_bias else None)
+
+
+def test_linear_floor_rule_and_non_contiguous_x():
+    w = make_weight(FMT, 200, 64, BLOCK)
+    x = make_input((64, 9), FP16).t()
+    check_linear(mod, x, w, make_bias(200), scale_rule="floor")
+
+
+@pytest.mark.parametrize("case", [c[0] for c in error_calls(mod, FMT, 128, BLOCK, "fp8_block")] + ["scale_rule"])
+def test_argument_errors_name_the_argument(case):
+    calls = {name: (call, word) for name, call, word in error_calls(mod, FMT, 128, BLOCK, "fp8_block")}
+    calls["scale_rule"] = (lambda: mod.quantize_activation(make_input((2, 64)), scale_rule="round"), "scale_rule")
+    call, word = calls[case]
+    with pytest.raises(ValueError, match=re.escape(word)):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only: the issue's large shapes
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("M,N,K", [(4096, 4096, 4096), (1, 8192, 8192), (16, 8192, 8192)])
+def test_large_shapes_on_gpu(M, N, K):
+    require_gpu()
+    w = make_weight(FMT, N, K, BLOCK)
+    x = make_input((M, K), BF16, block=BLOCK)
+    xq = check_quantize(mod, FMT, x)
+    check_gemm(mod, xq, w, make_bias(N), BF16)
+    # fp32 output shows the accumulation error alone (the bf16 operands are exact)
+    y = mod.gemm(xq, w, out_dtype=torch.float32)
+    assert rel_err(y, formats.reference_linear(xq, w, out_dtype=torch.float32)) <= 1e-4
+    check_linear(mod, x, w, None)
