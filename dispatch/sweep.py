@@ -1,0 +1,307 @@
+"""``b12x-dual sweep``: the diff matrix on this device.
+
+formats x implementations available here x a shape grid x output dtypes. Rows are the five formats
+and MXFP4 weight-only (``mxfp4_w4a16``: MXFP4 weights, bf16/fp16 activations). Implementations:
+reference (formats/ oracle, float64 output), triton (kernels_triton), cute (kernels_cute where it
+runs; elsewhere skipped with the reason). Every cell draws fresh random inputs (normal values, outliers,
+all-zero blocks; a fresh weight quantized by the oracle) and gives every implementation the same ones.
+
+Per cell:
+  * activation bit-exactness: each implementation's quantize_activation(x) against
+    formats.quantize(x, fmt, role="activation"): codes, scales (unswizzled) and global scale compared
+    as bytes. Not applicable to W4A16.
+  * output agreement between every pair of implementations: norm_rel = ||a - b|| / ||b||, max_rel,
+    mean_rel and cosine (dispatch._harness.compare_outputs), b the earlier one in the order
+    reference, triton, cute (so reference is the denominator whenever it is in the pair).
+
+Tolerances (issues 3 and 5): norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; for cute vs triton
+on fp8_block (b12x's split-K with bf16 atomics) norm_rel <= 3e-3 and cosine >= 0.99999 (the wider
+of the two norm bounds applies). NaN or Inf never passes. An implementation that raises on a cell it
+claimed to support fails the cell.
+
+Grids (--grid):
+  small  M in {1, 3, 16}, (N, K) in {(40, 128), (64, 256)}: the CPU interpreter runs the whole matrix
+         in well under a minute.
+  large  M in {1, 16, 128, 4096}, (N, K) in {4096, 8192}^2: for the GPU.
+
+Exit status: 0 when every cell agrees, 1 when any disagrees (or an implementation raised), 2 for
+bad arguments. ``--json PATH`` writes every cell; the table gives one line per (variant, out dtype,
+pair) with the worst cell, and every failing cell.
+
+    b12x-dual sweep --grid small
+    python -m dispatch.sweep --grid large --json out/sweep.json      (no console script needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import traceback
+from typing import Any, Optional
+
+import torch
+
+import formats
+
+from . import _harness as H
+from ._harness import VARIANTS, Impl
+
+GRIDS: dict[str, dict[str, list]] = {
+    "small": {"m": [1, 3, 16], "nk": [(40, 128), (64, 256)]},
+    "large": {"m": [1, 16, 128, 4096], "nk": [(4096, 4096), (4096, 8192), (8192, 4096), (8192, 8192)]},
+}
+IMPL_ORDER = ("reference", "triton", "cute")
+
+TOL_NORM = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
+SPLITK_NORM, SPLITK_COSINE = 3e-3, 0.99999
+
+
+def tolerance(fmt: str, out_dtype: torch.dtype, a: str, b: str) -> dict[str, Optional[float]]:
+    """{"norm_rel": bound, "cosine": bound or None} for the pair (a, b) of implementations."""
+    tol: dict[str, Optional[float]] = {"norm_rel": TOL_NORM.get(out_dtype, 1e-3), "cosine": None}
+    if fmt == "fp8_block" and {a, b} == {"cute", "triton"}:
+        tol = {"norm_rel": max(tol["norm_rel"], SPLITK_NORM), "cosine": SPLITK_COSINE}
+    return tol
+
+
+def build_impls(names: Optional[list[str]], extra: Optional[dict[str, Impl]]) -> dict[str, Impl]:
+    """The implementations asked for (default: all built-in), then the extra ones, in order."""
+    builtin = H.builtin_impls()
+    names = list(builtin) if names is None else names
+    out = {n: builtin[n]() for n in IMPL_ORDER if n in names}
+    for n, impl in (extra or {}).items():
+        out[n] = impl
+    return out
+
+
+def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: dict[str, Impl], *,
+             seed: int, device: str) -> dict[str, Any]:
+    """One cell of the matrix: fresh inputs, every implementation, the comparisons."""
+    fmt, a16 = VARIANTS[variant]
+    gen = torch.Generator().manual_seed(seed)
+    x = H.make_input((M, K), dtype, gen, device)
+    w = H.make_weight(N, K, gen, device)
+    bias = torch.randn(N, generator=gen).to(dtype).to(device)
+    qweight = formats.quantize(w, fmt, role="weight")
+    cell: dict[str, Any] = {
+        "variant": variant, "fmt": fmt, "a16": a16, "M": M, "N": N, "K": K,
+        "out_dtype": H.DTYPE_NAMES[dtype], "seed": seed,
+        "ran": [], "skipped": {}, "errors": {}, "quant": {}, "pairs": [],
+    }
+    outs: dict[str, torch.Tensor] = {}
+    for name, impl in impls.items():
+        ok, why = impl.support(variant, M, N, K)
+        if not ok:
+            cell["skipped"][name] = why
+            continue
+        try:
+            prepared = impl.prepare(qweight, a16)
+            y = impl.linear(x, prepared, qweight, bias, a16)
+            outs[name] = y.detach().to("cpu", torch.float64) if y.dtype == torch.float64 else y.detach().cpu()
+            cell["ran"].append(name)
+        except Exception as e:
+            cell["errors"][name] = f"linear: {type(e).__name__}: {e}"
+            cell["traceback_" + name] = traceback.format_exc(limit=4)
+
+    # activation bit-exactness against the oracle
+    if not a16:
+        ref_q = formats.quantize(x, fmt, role="activation")
+        for name in cell["ran"]:
+            impl = impls[name]
+            if name == "reference" or impl.quantize is None:
+                continue
+            try:
+                cell["quant"][name] = H.compare_quantized(impl.quantize(x, fmt), ref_q)
+            except Exception as e:
+                cell["quant"][name] = {"ok": False, "detail": f"quantize_activation: {type(e).__name__}: {e}"}
+
+    # every pair, the earlier implementation as the denominator
+    for a, b in itertools.combinations(cell["ran"], 2):
+        m = H.compare_outputs(outs[b], outs[a])
+        tol = tolerance(fmt, dtype, a, b)
+        ok = m["norm_rel"] <= tol["norm_rel"] and (tol["cosine"] is None or m["cosine"] >= tol["cosine"])
+        cell["pairs"].append({"a": b, "b": a, **m, "tol_norm_rel": tol["norm_rel"],
+                              "tol_cosine": tol["cosine"], "ok": bool(ok)})
+
+    quant_ok = all(q.get("ok") is not False for q in cell["quant"].values())
+    cell["ok"] = bool(not cell["errors"] and quant_ok and all(p["ok"] for p in cell["pairs"]))
+    cell["status"] = "ok" if cell["ok"] else "FAIL"
+    if len(cell["ran"]) < 2 and cell["ok"]:
+        cell["status"] = "ok (nothing to compare)"
+    return cell
+
+
+def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]] = None, grid: str = "small",
+              dtypes: Optional[list[str]] = None, ms: Optional[list[int]] = None,
+              nk: Optional[list[tuple[int, int]]] = None, seed: int = 0,
+              extra_impls: Optional[dict[str, Impl]] = None, progress: bool = True,
+              device: Optional[str] = None) -> dict[str, Any]:
+    """Run the matrix and return the JSON-able result (see the module docstring for the fields).
+
+    ``extra_impls`` adds implementations (name -> dispatch._harness.Impl), e.g. a deliberately
+    broken one in the tests."""
+    device = device or H.default_device()
+    variants = H.variants_from_formats(variants)
+    dtypes = dtypes or ["bf16", "fp16"]
+    g = GRIDS[grid]
+    ms = ms or g["m"]
+    nk = nk or g["nk"]
+    impl_objs = build_impls(impls, extra_impls)
+    clock = H.Stopwatch()
+    cells = []
+    combos = [(v, dt, M, N, K) for v in variants for dt in dtypes for (N, K) in nk for M in ms]
+    with H.Progress(len(combos), "sweep", enabled=progress) as bar:
+        for i, (v, dt, M, N, K) in enumerate(combos):
+            t0 = clock()
+            cell = run_cell(v, M, N, K, H.DTYPES[dt], impl_objs, seed=seed * 100003 + i, device=device)
+            cell["seconds"] = round(clock() - t0, 3)
+            cells.append(cell)
+            bar.advance(f"{v} {dt} M={M} N={N} K={K} {cell['status']}")
+    failed = [c for c in cells if not c["ok"]]
+    compared = sum(1 for c in cells if c["pairs"] or c["quant"])
+    return {
+        "tool": "b12x-dual sweep",
+        "device": H.device_report(),
+        "versions": H.library_versions(),
+        "interpreter": H.interpreting(),
+        "grid": grid,
+        "args": {"variants": variants, "impls": list(impl_objs), "dtypes": dtypes, "m": ms,
+                 "nk": [list(t) for t in nk], "seed": seed},
+        "impls": {n: {"note": i.note} for n, i in impl_objs.items()},
+        "tolerances": {"norm_rel": {H.DTYPE_NAMES[k]: v for k, v in TOL_NORM.items()},
+                       "cute_vs_triton_fp8_block": {"norm_rel": SPLITK_NORM, "cosine": SPLITK_COSINE}},
+        "cells": cells,
+        "summary": {"cells": len(cells), "failed": len(failed), "compared": compared,
+                    "ok": not failed, "seconds": round(clock(), 2)},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def _quant_str(cells) -> str:
+    res = [q.get("ok") for c in cells for q in c["quant"].values()]
+    res = [r for r in res if r is not None]
+    if not res:
+        return "-"
+    return f"{sum(res)}/{len(res)} exact"
+
+
+def summarize(result: dict[str, Any], *, verbose: bool = False, plain: bool = False) -> None:
+    """Print the per-(variant, dtype, pair) table, the failing cells and the skip reasons."""
+    cells = result["cells"]
+    rows = []
+    groups: dict[tuple, list] = {}
+    for c in cells:
+        for p in c["pairs"] or [None]:
+            key = (c["variant"], c["out_dtype"], None if p is None else f"{p['a']} vs {p['b']}")
+            groups.setdefault(key, []).append((c, p))
+    for (variant, dt, pair), items in groups.items():
+        pcs = [(c, p) for c, p in items if p is not None]
+        cs = list({id(c): c for c, _ in items}.values())
+        if pcs:
+            worst_c, worst = max(pcs, key=lambda cp: cp[1]["norm_rel"])
+            shape = f"{worst_c['M']}x{worst_c['N']}x{worst_c['K']}"
+            nfail = sum(1 for _, p in pcs if not p["ok"])
+            rows.append([variant, dt, pair, len(pcs), _quant_str(cs), H.fmt_num(worst["norm_rel"]),
+                         H.fmt_num(worst["max_rel"]), H.fmt_num(worst["mean_rel"]),
+                         H.fmt_num(min(p["cosine"] for _, p in pcs), ".7f"), shape,
+                         H.fmt_num(worst["tol_norm_rel"]), "ok" if nfail == 0 else f"FAIL x{nfail}"])
+        else:
+            rows.append([variant, dt, "(one implementation)", len(cs), _quant_str(cs), "-", "-", "-", "-", "-",
+                         "-", "ok" if all(c["ok"] for c in cs) else "FAIL"])
+    title = (f"sweep on {result['device']['name']} ({'interpreter' if result['interpreter'] else 'GPU'}), "
+             f"grid {result['grid']}: worst cell per variant / out dtype / pair")
+    H.print_table(title, ["variant", "out", "pair", "cells", "act. bits", "norm rel", "max rel", "mean rel",
+                          "min cosine", "worst M x N x K", "tol", "status"], rows, plain=plain)
+
+    if verbose:
+        rows = []
+        for c in cells:
+            for p in c["pairs"] or [None]:
+                rows.append([c["variant"], c["out_dtype"], c["M"], c["N"], c["K"],
+                             "-" if p is None else f"{p['a']} vs {p['b']}", _quant_str([c]),
+                             "-" if p is None else H.fmt_num(p["norm_rel"]),
+                             "-" if p is None else H.fmt_num(p["cosine"], ".7f"), c["status"]])
+        H.print_table("every cell", ["variant", "out", "M", "N", "K", "pair", "act. bits", "norm rel",
+                                     "cosine", "status"], rows, plain=plain)
+
+    bad = [c for c in cells if not c["ok"]]
+    if bad:
+        rows = []
+        for c in bad:
+            why = [f"{n}: {e}" for n, e in c["errors"].items()]
+            why += [f"{n} activation: {q['detail']}" for n, q in c["quant"].items() if q.get("ok") is False]
+            why += [f"{p['a']} vs {p['b']}: norm_rel {H.fmt_num(p['norm_rel'])} > {p['tol_norm_rel']:g}"
+                    + (f" or cosine {p['cosine']:.7f} < {p['tol_cosine']}" if p["tol_cosine"] else "")
+                    for p in c["pairs"] if not p["ok"]]
+            rows.append([c["variant"], c["out_dtype"], f"{c['M']}x{c['N']}x{c['K']}", "; ".join(why)[:300]])
+        H.print_table(f"FAILING cells ({len(bad)})", ["variant", "out", "M x N x K", "why"], rows, plain=plain)
+
+    skipped = {}
+    for c in cells:
+        for n, why in c["skipped"].items():
+            skipped.setdefault((n, why), 0)
+            skipped[(n, why)] += 1
+    for (n, why), count in skipped.items():
+        print(f"skipped {n} in {count} cells: {why}")
+    s = result["summary"]
+    verdict = "all cells agree" if s["ok"] else f"{s['failed']} of {s['cells']} cells DISAGREE"
+    print(f"sweep: {s['cells']} cells, {s['compared']} with comparisons, {verdict} ({s['seconds']} s)")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("sweep", help="diff matrix: formats x implementations x shapes on this device",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grid", choices=list(GRIDS), default=None,
+                   help="shape grid (default: small without a GPU, large with one)")
+    p.add_argument("--formats", default=None,
+                   help=f"comma list from {list(VARIANTS)} (default: all)")
+    p.add_argument("--impls", default=None, help="comma list from reference,triton,cute (default: all)")
+    p.add_argument("--dtypes", default="bf16,fp16", help="activation/output dtypes: bf16,fp16")
+    p.add_argument("--m", default=None, help="comma list of M overriding the grid's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write every cell as JSON")
+    p.add_argument("--verbose", action="store_true", help="print every cell, not only the worst per group")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
+
+
+def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
+    try:
+        variants = H.parse_list(args.formats, VARIANTS, "format")
+        impls = H.parse_list(args.impls, IMPL_ORDER, "implementation")
+        dtypes = H.parse_list(args.dtypes, H.DTYPES, "dtype")
+        ms = H.parse_list(args.m, None, "M", int)
+    except ValueError as e:
+        print(f"b12x-dual sweep: {e}", file=sys.stderr)
+        return 2
+    grid = args.grid or ("large" if H.on_gpu() else "small")
+    result = run_sweep(variants=variants, impls=impls, grid=grid, dtypes=dtypes, ms=ms, seed=args.seed,
+                       extra_impls=extra_impls, progress=not args.no_progress)
+    summarize(result, verbose=args.verbose, plain=args.plain)
+    if args.json:
+        H.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0 if result["summary"]["ok"] else 1
+
+
+def main(argv=None, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
+    p = argparse.ArgumentParser(prog="b12x-dual sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv), extra_impls=extra_impls)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
