@@ -70,11 +70,12 @@ def test_quantize_activation_takes_leading_dims_and_strided_x():
 
 @pytest.mark.parametrize("rule", ["ceil", "floor"])
 def test_quantize_activation_extreme_blocks(rule):
-    # per row: a zero block (amax floor 2^-100 -> exponent -102 / -102), tiny normals, huge values
-    # near bf16's top (exponent +125), exact powers of two times 6 (ceil rule boundary), and
-    # values exactly on e2m1 midpoints (ties to even).
+    # per row: a zero block (amax floor 2^-100 -> exponent -102 under both rules), a block of tiny
+    # values (1e-30, and 1e-39: fp32 subnormals), huge values near bf16's top (exponent +125),
+    # powers of two times 6 (the ceil rule's boundary), and values exactly on e2m1 midpoints (ties
+    # to even).
     x = torch.zeros(4, 160)
-    x[:, 32:64] = torch.randn(4, 32) * 1e-30
+    x[:, 32:48] = torch.randn(4, 16) * 1e-30
     x[:, 64:96] = torch.randn(4, 32) * 1e37
     x[:, 96:128] = 6.0 * 2.0 ** torch.randint(-20, 20, (4, 32)).float()
     x[:, 128:160] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4) * torch.where(
@@ -82,6 +83,7 @@ def test_quantize_activation_extreme_blocks(rule):
     # a block below the amax floor (2^-100): exponent -102 and signed-zero codes (0x0 / 0x8). The
     # floor also keeps e >= -102, so E8M0's clamp at -127 is never reached from finite input.
     x = torch.cat([x, torch.randn(4, 32) * 1e-33], dim=1)
+    x[:, 48:64] = torch.randn(4, 16) * 1e-39  # fp32 subnormals (exact in bf16) inside a 1e-30 block
     x = x.to(BF16).to(DEVICE)
     q = mxfp4.quantize_activation(x, scale_rule=rule)
     assert_same_quantization(q, oracle_q(x, scale_rule=rule))

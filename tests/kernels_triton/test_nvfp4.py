@@ -90,6 +90,12 @@ def test_quantize_activation_all_zero_and_tiny_tensors():
     assert q.global_scale.item() == 2688.0 * 2.0**100  # amax floored at 2^-100
     tiny = make_input((7, 64), FP16, block=16) * 1e-6  # fp16 subnormals
     assert_same_quantization(nvfp4.quantize_activation(tiny), oracle_q(tiny))
+    sub = make_input((4, 32), BF16, block=16) * 1e-39  # bf16 values that are fp32 subnormals
+    sub[1] = make_input((1, 32), BF16, block=16)  # ... next to normal rows
+    for gs in (None, 1e30):
+        assert_same_quantization(nvfp4.quantize_activation(sub, global_scale=gs), oracle_q(sub, global_scale=gs))
+        assert_same_quantization(nvfp4.quantize_activation(sub[[0, 2]], global_scale=gs),
+                                 oracle_q(sub[[0, 2]], global_scale=gs))
 
 
 # ---------------------------------------------------------------------------------------------
