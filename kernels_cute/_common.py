@@ -1,0 +1,255 @@
+"""What the five kernels_cute format modules share: the b12x import, the prepared-weight container,
+the plan registry (capacity plans per token count), the alignment checks and the reload copy.
+
+Nothing here touches a private b12x symbol; the one module that does is kernels_cute/_compile.py.
+
+Plans. Every b12x GEMM call here carries an explicit ``plan=``: a
+``b12x.gemm.blockscaled.FixedBlockscaledQuery`` with ``max_rows = cap`` (a row *capacity*) and
+``expected_m = None``, planned with ``blockscaled.plan``. Such a plan serves any M <= cap (the
+runtime check in b12x's ``_FixedExecutionState._check`` is ``M <= max_rows`` when ``expected_m``
+is None), which is the same kind of plan b12x builds itself when ``mm`` is called without one
+(``heuristic_plan``: power-of-two capacity, ``expected_m=None``). ``kernels_cute.prepare``
+declares one plan per token count a server uses and compiles them ahead; at call time the
+smallest prepared capacity >= M serves the call. An M no prepared capacity covers gets a
+power-of-two capacity plan, compiled on first use by b12x (with b12x's warning) -- except during
+CUDA-graph capture, where we raise before b12x would compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+log = logging.getLogger("kernels_cute")
+
+B12X_VERSION = "1.5.1"  # the version these wrappers were written and checked against
+INSTALL_HINT = "pip install 'b12x-dual[cute]'  (b12x==1.5.1)"
+OUT_DTYPES = (torch.bfloat16, torch.float16)  # b12x GEMMs write bf16 or fp16 only
+SM12X_CAPABILITIES = ((12, 0), (12, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# b12x import
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def b12x_import_error() -> Optional[str]:
+    """None when ``b12x.gemm.blockscaled`` imports (it needs triton and nvidia-cutlass-dsl),
+    else the reason as one line."""
+    try:
+        importlib.import_module("b12x.gemm.blockscaled.api")
+    except Exception as e:  # noqa: BLE001  (any failure means "not usable", with the reason)
+        return f"b12x is not importable ({type(e).__name__}: {e}); install it with: {INSTALL_HINT}"
+    return None
+
+
+def blockscaled():
+    """The ``b12x.gemm.blockscaled`` module (RuntimeError naming the install line if missing)."""
+    err = b12x_import_error()
+    if err:
+        raise RuntimeError(err)
+    return importlib.import_module("b12x.gemm.blockscaled")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape support
+# ---------------------------------------------------------------------------------------------
+def check_alignment(fmt: str, M: int, N: int, K: int, *, k_multiple: int, n_multiple: int) -> tuple[bool, str]:
+    """(ok, reason) for b12x's alignment rules of one entry point."""
+    if min(M, N, K) < 0 or N == 0 or K == 0:
+        return False, f"{fmt}: M, N, K must be non-negative and N, K positive, got M={M} N={N} K={K}"
+    if K % k_multiple:
+        return False, f"{fmt}: b12x needs K % {k_multiple} == 0, got K={K}"
+    if N % n_multiple:
+        return False, f"{fmt}: b12x needs N % {n_multiple} == 0, got N={N}"
+    return True, f"{fmt}: M={M} N={N} K={K} meets b12x's alignment (K%{k_multiple}, N%{n_multiple})"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared weights
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CuteWeight:
+    """A weight prepared for one b12x entry point (built by ``kernels_cute.<fmt>.prepare_weight``).
+
+    Fields:
+        fmt: format name.
+        shape: (N, K).
+        data: element codes as b12x reads them: uint8 [N, K/2] (fp4, low nibble first) or
+            float8_e4m3fn [N, K].
+        scale: nvfp4/mxfp4: flat 128x4-swizzled scale bytes (float8_e4m3fn / uint8);
+            fp8_block: float32 [N/128, K/128]; mxfp8: uint8 E8M0 [N, K/32] (linear; b12x swizzles
+            it into ``packed``); fp8_tensor: float32 [1] (the weight scale sw).
+        global_scale: nvfp4: float32 [1], the weight's g_w; None otherwise.
+        packed: the ``b12x.gemm.blockscaled.pack_weight`` result for fp8_tensor / mxfp8, else None.
+        work: per-weight device scratch the hot path writes (fp8_tensor: the combined scale
+            sx * sw that ``packed`` borrows; nvfp4: alpha = 1 / (g_x * g_w)).
+    """
+
+    fmt: str
+    shape: tuple[int, int]
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: Optional[torch.Tensor] = None
+    packed: object = None
+    work: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return self.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"data": self.data, "scale": self.scale}
+        if self.global_scale is not None:
+            out["global_scale"] = self.global_scale
+        return out
+
+
+def check_qweight(qweight, fmt: str) -> None:
+    from formats import QuantizedTensor
+
+    if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight" or qweight.fmt != fmt:
+        got = f"a {qweight.fmt} {qweight.role}" if isinstance(qweight, QuantizedTensor) else type(qweight).__name__
+        raise ValueError(f"qweight must be a {fmt} weight QuantizedTensor, got {got}")
+    if qweight.scale_layout != "linear":
+        raise ValueError(f"qweight.scale_layout must be 'linear' (formats.quantize output), got {qweight.scale_layout!r}")
+
+
+def copy_into(into: CuteWeight, new: CuteWeight) -> CuteWeight:
+    """Weight reload with an unchanged layout: copy ``new``'s tensors into ``into``'s storage (so
+    addresses captured in CUDA graphs stay valid) and return ``into``. ValueError when the
+    layout differs (then prepare a fresh weight and re-capture)."""
+    if not isinstance(into, CuteWeight) or into.fmt != new.fmt or into.shape != new.shape:
+        raise ValueError(f"into= must be a prepared {new.fmt} weight of shape {new.shape}, got "
+                         f"{getattr(into, 'fmt', type(into).__name__)} {getattr(into, 'shape', '')}")
+    pairs = list(zip(_tensor_leaves(into), _tensor_leaves(new)))
+    if len(pairs) != len(_tensor_leaves(new)) or any(
+            a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in pairs):
+        raise ValueError(f"into= has a different storage layout than the reloaded {new.fmt} weight; "
+                         "prepare a new weight instead (and re-capture any CUDA graph)")
+    with torch.no_grad():
+        for dst, src in pairs:
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+    return into
+
+
+def _tensor_leaves(obj, _seen=None) -> list[torch.Tensor]:
+    """Every tensor reachable through dataclass fields / dicts, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out: list[torch.Tensor] = []
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.name == "work":
+                continue  # scratch, rewritten on every call
+            out += _tensor_leaves(getattr(obj, f.name))
+    elif isinstance(obj, dict):
+        for key in sorted(obj):
+            out += _tensor_leaves(obj[key])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan registry
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanKey:
+    """What a b12x plan is specialized on: format, row capacity, N, K, output dtype, device."""
+
+    fmt: str
+    cap: int
+    n: int
+    k: int
+    out_dtype: str
+    device: str
+
+
+_lock = threading.Lock()
+_plans: dict[PlanKey, object] = {}  # every plan made (prepared or not), by key
+_prepared_caps: dict[tuple, list[int]] = {}  # (fmt, n, k, out_dtype, device) -> sorted prepared caps
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"b12x writes bfloat16 or float16 only, got {dtype}")
+    return str(dtype).removeprefix("torch.")
+
+
+def get_plan(key: PlanKey, make_query: Callable[[int, int, int, str], object]):
+    """The b12x Plan for ``key`` (made once, bound to the device, kept for the process)."""
+    with _lock:
+        p = _plans.get(key)
+        if p is None:
+            bs = blockscaled()
+            p = dataclasses.replace(bs.plan(make_query(key.cap, key.n, key.k, key.out_dtype)),
+                                    _device=torch.device(key.device))
+            _plans[key] = p
+        return p
+
+
+def mark_prepared(key: PlanKey) -> None:
+    with _lock:
+        caps = _prepared_caps.setdefault((key.fmt, key.n, key.k, key.out_dtype, key.device), [])
+        if key.cap not in caps:
+            caps.append(key.cap)
+            caps.sort()
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def plan_for_call(fmt: str, M: int, N: int, K: int, out_dtype: torch.dtype, device: torch.device,
+                  make_query, cap_for: Callable[[int, int], int]):
+    """(plan, cap) serving an M-row call: the smallest prepared capacity >= M, else a fresh
+    power-of-two capacity plan (compiled by b12x on first use; RuntimeError under graph capture)."""
+    dev = str(torch.device(device))
+    name = dtype_name(out_dtype)
+    caps = _prepared_caps.get((fmt, N, K, name, dev), ())
+    cap = next((c for c in caps if c >= M), None)
+    if cap is None:
+        cap = cap_for(next_pow2(M), K)
+        key = PlanKey(fmt, cap, N, K, name, dev)
+        if key not in _plans and capturing():
+            raise RuntimeError(
+                f"kernels_cute.{fmt}: no prepared plan covers M={M} (N={N}, K={K}, {name}); a shape "
+                "used under CUDA graph capture must be prepared first with kernels_cute.prepare(...)")
+    return get_plan(PlanKey(fmt, cap, N, K, name, dev), make_query), cap
+
+
+def flatten_activation(x: torch.Tensor, K: int, fmt: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dtype not in OUT_DTYPES:
+        raise ValueError(f"x must be a bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x.shape[-1] must equal the weight's K={K}, got shape {tuple(x.shape)}")
+    return x.reshape(-1, K)
+
+
+def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """y + bias, summed in fp32 and rounded once more to y's dtype (b12x never fuses a bias into
+    the serialized GEMMs; the Triton kernels add it in fp32 before their single rounding, so this
+    can differ from them by one ulp of the output dtype)."""
+    if bias is None:
+        return y
+    if bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    return (y.float() + bias.float()).to(y.dtype)

@@ -1,0 +1,90 @@
+"""Block FP8 (1x128 activations, 128x128 weights, fp32 scales) on SM120/SM121 through b12x's
+serialized ``blockscaled.mm_block_fp8``.
+
+**Strategy.** DeepGEMM-style, as formats/fp8_block.py specifies:
+
+    xq = kernels_triton.fp8_block.quantize_activation(x)     e4m3 [M, K], fp32 sx [M, K/128]
+    y  = mm_block_fp8(xq.data, sx, W.data, sw [N/128, K/128], plan=cap plan)
+         (each 128-deep K step: e4m3 MMA, then acc += partial * sx * sw in fp32)
+    y += bias                                                 (fp32 sum, one more rounding)
+
+b12x has no 1x128 activation quantizer, so the Triton one (bit-exact with the oracle) is used; the
+compact row-major fp32 scales are what ``mm_block_fp8`` takes, no swizzle. ``gemm.block_fp8_linear``
+is deliberately *not* used: it requantizes the scales to UE8M0 and runs MXFP8 (different numbers).
+
+**Split-K.** For some decode shapes b12x splits K and sums the slices with bf16 atomics, so the
+output may differ from Triton's by more than one rounding and is not bit-reproducible (vllm#54996);
+the SM12x sweep allows ||d||/||ref|| <= 3e-3 and cosine >= 0.99999 for that reason.
+
+**Capability.** SM120/SM121 with b12x==1.5.1. **Shapes and limits.** K % 128 == 0 and N % 128 == 0
+(b12x; the oracle allows a partial last weight block, b12x does not), any M. ``ue8m0`` passes through
+to the activation quantizer.
+
+**References.** formats/fp8_block.py, kernels_triton/fp8_block.py,
+b12x/gemm/blockscaled/api.py::mm_block_fp8.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from formats import QuantizedTensor
+
+from . import _common as C
+
+FMT = "fp8_block"
+K_MULTIPLE = 128
+N_MULTIPLE = 128
+
+
+def supported(M: int, N: int, K: int) -> tuple[bool, str]:
+    return C.check_alignment(FMT, M, N, K, k_multiple=K_MULTIPLE, n_multiple=N_MULTIPLE)
+
+
+def cap_for(cap: int, K: int) -> int:
+    return cap
+
+
+def make_query(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
+    return C.blockscaled().FixedBlockscaledQuery(
+        recipe="block_fp8", call_kind="serialized", max_rows=cap, in_features=K, padded_in_features=K,
+        out_features=N, input_dtype="float8_e4m3fn", output_dtype=out_dtype, expected_m=None, alpha_mode="unit")
+
+
+def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = None, a16: bool = False) -> C.CuteWeight:
+    """Block-FP8 weight [N, K] -> e4m3 [N, K] + fp32 [N/128, K/128], both contiguous (any device)."""
+    if a16:
+        raise ValueError("fp8_block has no W8A16 variant here")
+    C.check_qweight(qweight, FMT)
+    if qweight.block_shape != (128, 128):
+        raise ValueError(f"fp8_block weights must have 128x128 blocks, got {qweight.block_shape}")
+    new = C.CuteWeight(FMT, tuple(qweight.shape), qweight.data.contiguous(),
+                       qweight.scale.to(torch.float32).contiguous())
+    return new if into is None else C.copy_into(into, new)
+
+
+def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
+    """kernels_triton.fp8_block.quantize_activation (bit-exact with the oracle): e4m3 [M, K] and
+    fp32 [M, K/128] compact scales, which is b12x's layout already."""
+    from kernels_triton import fp8_block as tri
+
+    return tri.quantize_activation(x, ue8m0=ue8m0)
+
+
+def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
+           ue8m0: bool = False, a16: bool = False) -> torch.Tensor:
+    """y = x . W^T (+ bias), W8A8 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
+    if a16:
+        raise ValueError("fp8_block has no W8A16 variant here")
+    N, K = prepared.shape
+    x2 = C.flatten_activation(x, K, FMT)
+    M = x2.shape[0]
+    if M == 0:
+        return x.new_empty((*x.shape[:-1], N))
+    xq = quantize_activation(x2, ue8m0=ue8m0)
+    plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
+    y = C.blockscaled().mm_block_fp8(xq.data.contiguous(), xq.scale.contiguous(), prepared.data, prepared.scale,
+                                      plan=plan, out_dtype=x.dtype)
+    return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)

@@ -1,0 +1,100 @@
+"""Per-tensor FP8 (W8A8) on SM120/SM121 through b12x's tensor-scaled FP8 GEMM
+(``blockscaled.pack_weight(w, scale)`` -> ``TensorFP8LinearWeight``, run by ``blockscaled.mm``).
+
+**Strategy.**
+
+    xq = kernels_triton.fp8_tensor.quantize_activation(x)    e4m3 [M, K], fp32 sx (0-d, on device)
+    y  = mm(xq.data, W_packed(output_scale = sx * sw), plan=cap plan)
+         (plain e4m3 MMA, fp32 accumulation, y = acc * output_scale in the epilogue)
+    y += bias                                                 (fp32 sum, one more rounding)
+
+b12x's tensor-FP8 weight carries one *combined* dequantization scale (it was designed for a static
+input scale). With a dynamic activation scale that scale changes every call, so ``linear`` builds
+a per-call copy of the frozen ``TensorFP8LinearWeight`` dataclass whose ``output_scale`` is the
+device tensor ``sx * sw`` (no host synchronization, nothing shared is mutated; the kernel reads
+``output_scale`` as its ``alpha`` tensor at run time). The rounding order differs from Triton's
+``(acc * sx) * sw`` by at most an fp32 ulp before the output rounding.
+
+b12x has no per-tensor FP8 activation quantizer (dynamic amax); the Triton one (bit-exact with the
+oracle) is used. On <= 64-SM parts (GB10) b12x runs M <= 8 on its block-FP8 kernel with unit scales;
+the numbers are the same W8A8 GEMM.
+
+**Capability.** SM120/SM121 with b12x==1.5.1 (``gemm.tensor_fp8_linear.is_supported()``, which also
+needs the SM120 MXF8 warp MMA in nvidia-cutlass-dsl). **Shapes and limits.** K % 128 == 0 (b12x pads
+K to 128 in the weight only; we do not pad activations) and N % 8 == 0. ``pack_weight`` needs CUDA
+tensors, so ``prepare_weight`` does too.
+
+**References.** formats/fp8_tensor.py, kernels_triton/fp8_tensor.py,
+b12x/gemm/blockscaled/_linear.py::pack_tensor_fp8_linear_weight / tensor_fp8_linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from formats import QuantizedTensor
+
+from . import _common as C
+
+FMT = "fp8_tensor"
+K_MULTIPLE = 128
+N_MULTIPLE = 8
+
+
+def supported(M: int, N: int, K: int) -> tuple[bool, str]:
+    return C.check_alignment(FMT, M, N, K, k_multiple=K_MULTIPLE, n_multiple=N_MULTIPLE)
+
+
+def cap_for(cap: int, K: int) -> int:
+    return cap
+
+
+def make_query(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
+    return C.blockscaled().FixedBlockscaledQuery(
+        recipe="tensor_fp8", call_kind="packed", max_rows=cap, in_features=K, padded_in_features=K,
+        out_features=N, input_dtype="float8_e4m3fn", output_dtype=out_dtype, expected_m=None)
+
+
+def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = None, a16: bool = False) -> C.CuteWeight:
+    """Per-tensor FP8 weight [N, K] (CUDA) -> b12x TensorFP8LinearWeight (borrows the e4m3 codes).
+
+    Raises ValueError for a wrong format, a CPU weight (b12x's pack_weight checks for CUDA), or a16.
+    """
+    if a16:
+        raise ValueError("fp8_tensor has no W8A16 variant here")
+    C.check_qweight(qweight, FMT)
+    if qweight.device.type != "cuda":
+        raise ValueError("kernels_cute.fp8_tensor.prepare_weight needs a CUDA weight (b12x pack_weight)")
+    data = qweight.data.contiguous()
+    sw = qweight.scale.reshape(1).to(torch.float32).contiguous()
+    packed = C.blockscaled().pack_weight(data, sw.clone())
+    new = C.CuteWeight(FMT, tuple(qweight.shape), data, sw, packed=packed)
+    return new if into is None else C.copy_into(into, new)
+
+
+def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
+    """kernels_triton.fp8_tensor.quantize_activation (bit-exact with the oracle): e4m3 [M, K] and a
+    0-d fp32 scale on the device."""
+    from kernels_triton import fp8_tensor as tri
+
+    return tri.quantize_activation(x, scale=scale)
+
+
+def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
+           scale=None, a16: bool = False) -> torch.Tensor:
+    """y = x . W^T (+ bias), W8A8 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
+    if a16:
+        raise ValueError("fp8_tensor has no W8A16 variant here")
+    N, K = prepared.shape
+    x2 = C.flatten_activation(x, K, FMT)
+    M = x2.shape[0]
+    if M == 0:
+        return x.new_empty((*x.shape[:-1], N))
+    xq = quantize_activation(x2, scale=scale)
+    plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
+    weight = replace(prepared.packed, output_scale=(xq.scale.reshape(1) * prepared.scale).contiguous())
+    y = C.blockscaled().mm(xq.data.contiguous(), weight, plan=plan, out_dtype=x.dtype)
+    return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)
