@@ -321,7 +321,7 @@ def compare_outputs(y: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 def _bytes_of(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if t is None:
         return None
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def linear_scales(q: QuantizedTensor) -> torch.Tensor:
@@ -354,7 +354,7 @@ def compare_quantized(q: Optional[QuantizedTensor], ref: QuantizedTensor) -> dic
             out[f"{name}_equal"] = False
             detail.append(f"{name}: {a.dtype}{tuple(a.shape)} vs oracle {b.dtype}{tuple(b.shape)}")
             continue
-        ab, bb = _bytes_of(a), _bytes_of(b)
+        ab, bb = _bytes_of(a), _bytes_of(b).to(a.device)
         bad = int((ab != bb).sum().item())
         out[f"{name}_equal"] = bad == 0
         out["mismatched_bytes"] += bad

@@ -98,7 +98,7 @@ def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: di
         try:
             prepared = impl.prepare(qweight, a16)
             y = impl.linear(x, prepared, qweight, bias, a16)
-            outs[name] = y.detach().to("cpu", torch.float64) if y.dtype == torch.float64 else y.detach().cpu()
+            outs[name] = y.detach()
             cell["ran"].append(name)
         except Exception as e:
             cell["errors"][name] = f"linear: {type(e).__name__}: {e}"
@@ -136,7 +136,7 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
               dtypes: Optional[list[str]] = None, ms: Optional[list[int]] = None,
               nk: Optional[list[tuple[int, int]]] = None, seed: int = 0,
               extra_impls: Optional[dict[str, Impl]] = None, progress: bool = True,
-              device: Optional[str] = None) -> dict[str, Any]:
+              device: Optional[str] = None, budget_s: Optional[float] = None) -> dict[str, Any]:
     """Run the matrix and return the JSON-able result (see the module docstring for the fields).
 
     ``extra_impls`` adds implementations (name -> dispatch._harness.Impl), e.g. a deliberately
@@ -150,9 +150,16 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
     impl_objs = build_impls(impls, extra_impls)
     clock = H.Stopwatch()
     cells = []
-    combos = [(v, dt, M, N, K) for v in variants for dt in dtypes for (N, K) in nk for M in ms]
+    # variants innermost: a time budget then cuts the last shapes of every variant, not whole variants
+    combos = [(v, dt, M, N, K) for dt in dtypes for (N, K) in nk for M in ms for v in variants]
+    skipped = []
     with H.Progress(len(combos), "sweep", enabled=progress) as bar:
         for i, (v, dt, M, N, K) in enumerate(combos):
+            if budget_s is not None and clock() > budget_s:
+                skipped.append({"variant": v, "out_dtype": dt, "M": M, "N": N, "K": K,
+                                "reason": f"time budget ({budget_s:g} s) spent"})
+                bar.advance(f"{v} {dt} M={M} N={N} K={K} skipped (budget)")
+                continue
             t0 = clock()
             cell = run_cell(v, M, N, K, H.DTYPES[dt], impl_objs, seed=seed * 100003 + i, device=device)
             cell["seconds"] = round(clock() - t0, 3)
@@ -172,8 +179,9 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
         "tolerances": {"norm_rel": {H.DTYPE_NAMES[k]: v for k, v in TOL_NORM.items()},
                        "cute_vs_triton_fp8_block": {"norm_rel": SPLITK_NORM, "cosine": SPLITK_COSINE}},
         "cells": cells,
+        "skipped": skipped,
         "summary": {"cells": len(cells), "failed": len(failed), "compared": compared,
-                    "ok": not failed, "seconds": round(clock(), 2)},
+                    "skipped_for_time": len(skipped), "ok": not failed, "seconds": round(clock(), 2)},
     }
 
 
@@ -248,6 +256,8 @@ def summarize(result: dict[str, Any], *, verbose: bool = False, plain: bool = Fa
         print(f"skipped {n} in {count} cells: {why}")
     s = result["summary"]
     verdict = "all cells agree" if s["ok"] else f"{s['failed']} of {s['cells']} cells DISAGREE"
+    if s.get("skipped_for_time"):
+        verdict += f"; {s['skipped_for_time']} cells NOT RUN (time budget)"
     print(f"sweep: {s['cells']} cells, {s['compared']} with comparisons, {verdict} ({s['seconds']} s)")
     sys.stdout.flush()
 
@@ -271,6 +281,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default="bf16,fp16", help="activation/output dtypes: bf16,fp16")
     p.add_argument("--m", default=None, help="comma list of M overriding the grid's")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new cell after this many seconds (the rest are listed as not run)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every cell as JSON")
     p.add_argument("--verbose", action="store_true", help="print every cell, not only the worst per group")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -288,7 +300,7 @@ def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
         return 2
     grid = args.grid or ("large" if H.on_gpu() else "small")
     result = run_sweep(variants=variants, impls=impls, grid=grid, dtypes=dtypes, ms=ms, seed=args.seed,
-                       extra_impls=extra_impls, progress=not args.no_progress)
+                       extra_impls=extra_impls, progress=not args.no_progress, budget_s=args.budget_s)
     summarize(result, verbose=args.verbose, plain=args.plain)
     if args.json:
         H.write_json(args.json, result)

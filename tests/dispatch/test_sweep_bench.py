@@ -1,0 +1,160 @@
+"""The sweep and bench harnesses run on a tiny grid (CPU interpreter here, GPU elsewhere): exit
+status, JSON fields, and that a wrong implementation is caught. Nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from dispatch import _harness as H
+from dispatch import bench, sweep
+
+ON_CPU = not torch.cuda.is_available()
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_sweep_small_subset_agrees_and_writes_json(tmp_path):
+    out = tmp_path / "sweep.json"
+    rc = sweep.main(["--grid", "small", "--formats", "fp8_block,nvfp4,mxfp4_w4a16", "--m", "1,3",
+                     "--dtypes", "bf16,fp16", "--json", str(out), "--no-progress", "--plain"])
+    assert rc == 0
+    res = _load(out)
+    for key in ("tool", "device", "versions", "grid", "args", "impls", "tolerances", "cells", "summary"):
+        assert key in res
+    assert res["summary"]["ok"] is True and res["summary"]["failed"] == 0
+    assert res["tolerances"]["norm_rel"] == {"bf16": 4e-3, "fp16": 1e-3}
+    cells = res["cells"]
+    assert len(cells) == 3 * 2 * 2 * 2  # variants x M x dtypes x (N, K)
+    assert {c["variant"] for c in cells} == {"fp8_block", "nvfp4", "mxfp4_w4a16"}
+    for c in cells:
+        for key in ("variant", "fmt", "a16", "M", "N", "K", "out_dtype", "ran", "skipped", "errors", "quant",
+                    "pairs", "ok", "seconds"):
+            assert key in c
+        assert c["ran"][:2] == ["reference", "triton"]
+        assert "cute" in c["skipped"] or "cute" in c["ran"]
+        pair = next(p for p in c["pairs"] if {p["a"], p["b"]} == {"triton", "reference"})
+        for key in ("norm_rel", "max_rel", "mean_rel", "cosine", "tol_norm_rel", "ok"):
+            assert key in pair
+        assert pair["ok"] and 0 < pair["norm_rel"] <= pair["tol_norm_rel"]
+        if c["a16"]:
+            assert c["fmt"] == "mxfp4" and c["quant"] == {}  # W4A16: no activation quantization
+        else:
+            q = c["quant"]["triton"]
+            assert q["ok"] and q["data_equal"] and q["scale_equal"] and q["mismatched_bytes"] == 0
+
+
+def _triton_based(name, *, linear_factor=1.0, corrupt_scale=False) -> H.Impl:
+    tri = H.triton_impl()
+
+    def linear(x, prepared, qweight, bias, a16):
+        return tri.linear(x, prepared, qweight, bias, a16) * linear_factor
+
+    def quantize(x, fmt):
+        q = tri.quantize(x, fmt)
+        if corrupt_scale:
+            from dataclasses import replace
+
+            s = q.scale.clone()
+            s.reshape(-1).view(torch.uint8)[:1] ^= 1  # flip one bit of the first scale byte
+            q = replace(q, scale=s)
+        return q
+
+    return H.Impl(name, linear, quantize=quantize, support=tri.support)
+
+
+def test_sweep_reports_a_wrong_output(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    rc = sweep.main(["--grid", "small", "--formats", "fp8_tensor", "--m", "3", "--dtypes", "bf16",
+                     "--impls", "reference,triton", "--json", str(out), "--no-progress", "--plain"],
+                    extra_impls={"broken": _triton_based("broken", linear_factor=1.01)})
+    assert rc == 1
+    res = _load(out)
+    assert res["summary"]["ok"] is False and res["summary"]["failed"] == len(res["cells"]) == 2
+    for c in res["cells"]:
+        bad = [p for p in c["pairs"] if not p["ok"]]
+        assert bad and all("broken" in (p["a"], p["b"]) for p in bad)
+        assert all(p["norm_rel"] > 5e-3 for p in bad)  # 1% off
+        assert next(p for p in c["pairs"] if {p["a"], p["b"]} == {"triton", "reference"})["ok"]
+    assert "DISAGREE" in capsys.readouterr().out
+
+
+def test_sweep_reports_activation_bits_that_differ(tmp_path):
+    out = tmp_path / "sweep.json"
+    rc = sweep.main(["--grid", "small", "--formats", "nvfp4", "--m", "1", "--dtypes", "bf16",
+                     "--impls", "reference", "--json", str(out), "--no-progress", "--plain"],
+                    extra_impls={"badscale": _triton_based("badscale", corrupt_scale=True)})
+    assert rc == 1
+    for c in _load(out)["cells"]:
+        q = c["quant"]["badscale"]
+        assert q["ok"] is False and q["data_equal"] is True and q["scale_equal"] is False
+        assert q["mismatched_bytes"] == 1
+
+
+def test_bench_tiny_grid_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = bench.main(["--shapes", "tiny", "--m", "1", "--formats", "fp8_tensor,mxfp4_w4a16", "--check",
+                     "--json", str(out), "--plot", str(png), "--no-progress", "--plain"])
+    assert rc == 0
+    res = _load(out)
+    for key in ("tool", "device", "versions", "cpu_interpreter", "ceilings", "args", "shapes", "baselines",
+                "results", "skipped", "targets", "seconds"):
+        assert key in res
+    if ON_CPU:
+        assert res["cpu_interpreter"] is True and "NOT performance numbers" in res["note"]
+        assert "NOT performance numbers" in capsys.readouterr().out
+    rows = res["results"]
+    base = {r["name"]: r for r in rows if r["kind"] == "baseline"}
+    assert set(base) == set(bench.BASELINES)
+    assert base["torch_bf16"]["us"] > 0
+    timed = [r for r in rows if r["kind"] == "impl" and r["name"] == "triton"]
+    assert {(r["variant"], r["mode"]) for r in timed} == {
+        ("fp8_tensor", "linear"), ("fp8_tensor", "gemm"), ("mxfp4_w4a16", "linear")}
+    for r in timed:
+        for key in ("shape", "model", "M", "N", "K", "us", "us_p20", "us_p80", "method", "flops", "bytes",
+                    "tflops", "gbps", "roofline_share", "speedup_vs", "check", "n_sets"):
+            assert key in r, key
+        assert r["us"] > 0 and r["flops"] == 2 * r["M"] * r["N"] * r["K"] and r["bytes"] > 0
+        assert "torch_bf16" in r["speedup_vs"]
+        assert r["check"]["ok"] and r["check"]["norm_rel"] <= 4e-3
+    # cute either ran or says why not
+    for r in rows:
+        if r["name"] == "cute":
+            assert r.get("us") or r.get("skipped") or r.get("error")
+    assert len(res["targets"]) == len(bench.TARGETS)
+    if H._have("matplotlib"):
+        assert png.exists() and png.stat().st_size > 0
+    # the summary mode reads the file back
+    assert bench.main(["--summarize", str(out), "--plain"]) == 0
+
+
+def test_bench_shape_table_and_plan():
+    ids = [s.id for s in bench.select_shapes("default", gpu=True, quick=False)]
+    assert ids[0] == "square" and "llama3.1-8b:gate_up" in ids and "deepseek-v3:q_a_kv_a" in ids
+    s = bench.SHAPE_BY_ID["qwen3-32b:gate_up"]
+    assert (s.N, s.K) == (51200, 5120)
+    assert [x.id for x in bench.select_shapes("llama3.1-8b", gpu=True, quick=False)] == [
+        "llama3.1-8b:qkv", "llama3.1-8b:gate_up", "llama3.1-8b:down"]
+    assert bench.select_shapes("96x256", gpu=True, quick=False)[0].N == 96
+    plan = bench.plan(bench.select_shapes("default", gpu=True, quick=False), None, gpu=True, quick=False)
+    assert plan[:3] == [(bench.SHAPE_BY_ID["square"], m) for m in (16, 4096, 8192)]
+    assert len(plan) == 10 * 5 + 1
+    assert os.path.basename(bench.__file__) == "bench.py"
+
+
+def test_output_without_rich_or_tqdm(monkeypatch, capsys):
+    """The H200 image may lack rich/tqdm: tables and progress fall back to plain text."""
+    monkeypatch.setattr(H, "HAVE_RICH", False)
+    monkeypatch.setattr(H, "HAVE_TQDM", False)
+    with H.Progress(4, "sweep") as bar:
+        for i in range(4):
+            bar.advance(f"cell {i}")
+    H.print_table("t", ["a", "bb"], [[1, "x"], [22, None]])
+    out, err = capsys.readouterr()
+    assert "sweep: 4/4 (100%)" in err
+    assert "a   bb" in out and "22" in out
