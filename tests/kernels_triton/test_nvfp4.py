@@ -12,6 +12,8 @@ CUDA tensor can differ from its scales on CPU, which are the specification.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -155,7 +157,6 @@ def test_gemm_applies_both_global_scales():
     ref = formats.reference_linear(xq.to("cpu"), qw.to("cpu"), out_dtype=FP32)
     assert rel_err(y, ref) <= TOL[FP32]
     # the same codes read with a doubled global scale must give half the result
-    from dataclasses import replace
     y2 = nvfp4.gemm(replace(xq, global_scale=xq.global_scale * 2), qw, out_dtype=FP32).cpu()
     assert rel_err(y2 * 2, ref) <= TOL[FP32]
 
