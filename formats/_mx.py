@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import block_amax, expand_blocks
+from .base import block_amax, expand_blocks, ieee_div
 from .codecs import ceil_log2, decode_e8m0, encode_e8m0, floor_log2
 from .constants import E8M0_BIAS, MX_BLOCK
 
@@ -27,7 +27,7 @@ def mx_scale_exponent(x: torch.Tensor, max_elem: float, emax_elem: int, scale_ru
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     amax = block_amax(x, 1, MX_BLOCK)
-    e = ceil_log2(amax / max_elem) if scale_rule == "ceil" else floor_log2(amax) - emax_elem
+    e = ceil_log2(ieee_div(amax, max_elem)) if scale_rule == "ceil" else floor_log2(amax) - emax_elem
     return e.clamp(-E8M0_BIAS, E8M0_BIAS)
 
 

@@ -125,6 +125,20 @@ def check_positive_scalar(v, name: str) -> torch.Tensor:
     return t.reshape(())
 
 
+def ieee_div(a: torch.Tensor, b) -> torch.Tensor:
+    """a / b, correctly rounded (IEEE) on every device.
+
+    torch evaluates ``tensor / python_number`` on CUDA, and ``number / tensor`` everywhere, as a
+    multiplication by a rounded reciprocal, which differs from the true quotient in the last bit
+    for a fair share of values. Dividing by a full tensor of the same shape is a true division on
+    CPU and CUDA alike, and the kernels (tl.math.div_rn) match it bit for bit.
+    """
+    if not isinstance(b, torch.Tensor):
+        b = torch.tensor(b, dtype=a.dtype, device=a.device)
+    a, b = torch.broadcast_tensors(a, b.to(a.device))
+    return torch.div(a.contiguous(), b.contiguous())
+
+
 def block_amax(x: torch.Tensor, block_rows: int, block_k: int) -> torch.Tensor:
     """max |x| over each (block_rows x block_k) block of a [rows, K] float32 matrix.
 

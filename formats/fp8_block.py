@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FormatSpec, QuantizedTensor, block_amax, check_role, expand_blocks
+from .base import FormatSpec, QuantizedTensor, block_amax, check_role, expand_blocks, ieee_div
 from .codecs import decode_e4m3, encode_e4m3, pow2_ceil
 from .constants import E4M3_MAX, FP8_BLOCK
 
@@ -43,10 +43,10 @@ def quantize(x: torch.Tensor, role: str = "weight", *, ue8m0: bool = False) -> Q
     """
     check_role(role)
     br, bk = SPEC.block(role)
-    scale = block_amax(x, br, bk) / E4M3_MAX
+    scale = ieee_div(block_amax(x, br, bk), E4M3_MAX)
     if ue8m0:
         scale = pow2_ceil(scale)
-    data = encode_e4m3(x / expand_blocks(scale, x.shape[0], br, bk))
+    data = encode_e4m3(ieee_div(x, expand_blocks(scale, x.shape[0], br, bk)))
     return QuantizedTensor(SPEC.name, role, data, scale, None, (br, bk), tuple(x.shape))
 
 

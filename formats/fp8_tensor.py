@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .base import FormatSpec, QuantizedTensor, check_positive_scalar, check_role
+from .base import FormatSpec, QuantizedTensor, check_positive_scalar, check_role, ieee_div
 from .codecs import decode_e4m3, encode_e4m3
 from .constants import AMAX_FLOOR, E4M3_MAX
 
@@ -34,7 +34,7 @@ SPEC = FormatSpec(
 def tensor_scale(x: torch.Tensor) -> torch.Tensor:
     """Dynamic per-tensor scale: max(amax, AMAX_FLOOR) / 448 as a float32 0-d tensor."""
     amax = x.abs().amax() if x.numel() else x.new_zeros(())
-    return amax.to(torch.float32).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    return ieee_div(amax.to(torch.float32).clamp_min(AMAX_FLOOR), E4M3_MAX)
 
 
 def quantize(x: torch.Tensor, role: str = "weight", *, scale: Optional[float] = None) -> QuantizedTensor:
@@ -51,7 +51,7 @@ def quantize(x: torch.Tensor, role: str = "weight", *, scale: Optional[float] = 
     """
     check_role(role)
     s = tensor_scale(x) if scale is None else check_positive_scalar(scale, "scale").to(x.device)
-    data = encode_e4m3(x / s)
+    data = encode_e4m3(ieee_div(x, s))
     return QuantizedTensor(SPEC.name, role, data, s, None, None, tuple(x.shape))
 
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .base import FormatSpec, QuantizedTensor, block_amax, check_positive_scalar, check_role, expand_blocks
+from .base import FormatSpec, QuantizedTensor, block_amax, check_positive_scalar, check_role, expand_blocks, ieee_div
 from .codecs import decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, pack_e2m1, unpack_e2m1
 from .constants import AMAX_FLOOR, E2M1_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 
@@ -35,7 +35,7 @@ SPEC = FormatSpec(
 
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """g = 448 * 6 / max(amax, AMAX_FLOOR) as a float32 0-d tensor (finite and positive)."""
-    return NVFP4_GLOBAL_NUMERATOR / amax.to(torch.float32).reshape(()).clamp_min(AMAX_FLOOR)
+    return ieee_div(torch.tensor(NVFP4_GLOBAL_NUMERATOR, device=amax.device), amax.to(torch.float32).reshape(()).clamp_min(AMAX_FLOOR))
 
 
 def quantize(x: torch.Tensor, role: str = "weight", *, global_scale: Optional[float] = None) -> QuantizedTensor:
@@ -58,9 +58,9 @@ def quantize(x: torch.Tensor, role: str = "weight", *, global_scale: Optional[fl
     else:
         g = check_positive_scalar(global_scale, "global_scale").to(x.device)
     amax_b = block_amax(x, 1, NVFP4_BLOCK)
-    scale = encode_e4m3((amax_b / E2M1_MAX) * g)
+    scale = encode_e4m3(ieee_div(amax_b, E2M1_MAX) * g)
     s = expand_blocks(decode_e4m3(scale), x.shape[0], 1, NVFP4_BLOCK)
-    scaled = torch.where(s > 0, (x * g) / s, torch.zeros_like(x))
+    scaled = torch.where(s > 0, ieee_div(x * g, s), torch.zeros_like(x))
     data = pack_e2m1(encode_e2m1(scaled))
     return QuantizedTensor(SPEC.name, role, data, scale, g, (1, NVFP4_BLOCK), tuple(x.shape))
 

@@ -5,7 +5,6 @@ along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16
 (float8_e4m3fn [rows, K/16], linear layout), and one float32 global scale g per tensor:
 
     g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
-                                                  (rounded as (1 / amax) * 2688, like the oracle)
     s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
     code = e2m1(div_rn(x * g, decode(s)))         code 0 where s == 0
     x   ~= e2m1_value(code) * decode(s) / g
@@ -76,11 +75,8 @@ _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _global_scale_from_amax(amax):
-    """g = 2688 / max(amax, AMAX_FLOOR), rounded exactly as the oracle does it: the oracle writes
-    ``2688.0 / amax`` with amax a tensor, which torch evaluates as ``amax.reciprocal() * 2688``
-    (two roundings; differs from the single IEEE quotient in ~1 of 4 values). So: reciprocal with
-    IEEE division, then one fp32 multiply."""
-    return tl.math.div_rn(1.0, tl.maximum(amax, _FLOOR)) * _G_NUM
+    """g = 2688 / max(amax, AMAX_FLOOR), one IEEE division, as the oracle (formats.base.ieee_div)."""
+    return tl.math.div_rn(tl.zeros_like(amax) + _G_NUM, tl.maximum(amax, _FLOOR))
 
 
 @triton.jit
