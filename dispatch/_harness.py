@@ -250,27 +250,28 @@ def builtin_impls() -> dict[str, Callable[[], Impl]]:
 # ---------------------------------------------------------------------------------------------
 def make_input(shape, dtype, gen: torch.Generator, device, *, block: int = 32) -> torch.Tensor:
     """Fresh random activations: normal values, ~0.2% outliers x40 and (when K allows) a few
-    all-zero ``block``-wide groups along K (both the amax and the zero-block paths)."""
-    x = torch.randn(*shape, generator=gen, dtype=torch.float32)
+    all-zero ``block``-wide groups along K (both the amax and the zero-block paths). Drawn on
+    ``device`` with ``gen`` (a generator of that device)."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float32, device=device)
     flat = x.reshape(-1, shape[-1])
     n = flat.numel()
     if n:
-        idx = torch.randint(0, n, (max(1, n // 500),), generator=gen)
+        idx = torch.randint(0, n, (max(1, n // 500),), generator=gen, device=device)
         flat.view(-1)[idx] *= 40.0
     if flat.shape[0] and shape[-1] >= 2 * block:
-        rows = torch.randint(0, flat.shape[0], (max(1, flat.shape[0] // 4),), generator=gen)
-        kb = torch.randint(0, shape[-1] // block, (rows.numel(),), generator=gen)
-        cols = (kb[:, None] * block + torch.arange(block)[None, :])
+        rows = torch.randint(0, flat.shape[0], (max(1, flat.shape[0] // 4),), generator=gen, device=device)
+        kb = torch.randint(0, shape[-1] // block, (rows.numel(),), generator=gen, device=device)
+        cols = kb[:, None] * block + torch.arange(block, device=device)[None, :]
         flat[rows[:, None], cols] = 0.0
-    return x.to(dtype).to(device)
+    return x.to(dtype)
 
 
 def make_weight(n: int, k: int, gen: torch.Generator, device) -> torch.Tensor:
     """A float32 weight [N, K] ~ N(0, 0.05^2) with a few outliers (outputs stay in fp16 range)."""
-    w = torch.randn(n, k, generator=gen, dtype=torch.float32) * 0.05
-    idx = torch.randint(0, w.numel(), (max(1, w.numel() // 1000),), generator=gen)
+    w = torch.randn(n, k, generator=gen, dtype=torch.float32, device=device) * 0.05
+    idx = torch.randint(0, w.numel(), (max(1, w.numel() // 1000),), generator=gen, device=device)
     w.view(-1)[idx] *= 20.0
-    return w.to(device)
+    return w
 
 
 def qt_nbytes(q: QuantizedTensor) -> int:

@@ -686,6 +686,31 @@ def print_results(result: dict, *, plain: bool = False) -> None:
     print_targets(result, plain=plain)
 
 
+def print_compact(result: dict, *, shape: str = "square", ms=(16, 4096, 8192), plain: bool = False) -> None:
+    """The rows of one shape at the targets' M values (the short table of a summary)."""
+    c = result["ceilings"]
+    if not result["cpu_interpreter"]:
+        print(f"ceilings: copy {H.fmt_num(c.get('copy_GBps'), '.0f')} GB/s, bf16 {H.fmt_num(c.get('bf16_TFLOPs'), '.0f')}"
+              f" TFLOP/s, fp8 {H.fmt_num(c.get('fp8_TFLOPs'), '.0f')} TFLOP/s")
+    rows = []
+    for r in result["results"]:
+        if r["shape"] != shape or r["M"] not in ms or r.get("skipped"):
+            continue
+        name = r["name"] if r["kind"] == "baseline" else f"{r['name']} {r['variant']}"
+        if r.get("error"):
+            rows.append([r["M"], name, r["mode"], "ERROR " + r["error"][:50], "", "", "", "", "", ""])
+            continue
+        sv = r.get("speedup_vs", {})
+        chk = r.get("check")
+        rows.append([r["M"], name, r["mode"], H.fmt_num(r["us"], ".1f"), H.fmt_num(r["tflops"], ".0f"),
+                     H.fmt_num(r["gbps"], ".0f"), _pct(r.get("roofline_share")), _x(sv.get("torch_bf16")),
+                     _x(sv.get("torch_fp8_tensor")) + " / " + _x(sv.get("torch_fp8_block")),
+                     "-" if not chk else f"{chk['norm_rel']:.1e}"])
+    if rows:
+        H.print_table(f"{shape}: M in {list(ms)}", ["M", "impl", "mode", "us", "TF/s", "GB/s", "roof", "vs bf16",
+                                                    "vs fp8 T / B", "rel err"], rows, plain=plain)
+
+
 def print_targets(result: dict, *, plain: bool = False) -> None:
     rows = []
     for t in result.get("targets", []):
@@ -840,7 +865,9 @@ def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
             with open(args.summarize) as f:
                 res = json.load(f)
             print(f"bench: {len([r for r in res['results'] if r.get('us')])} timed rows, "
-                  f"{len(res['skipped'])} configurations skipped, {res['seconds']} s")
+                  f"{len(res['skipped'])} configurations skipped (time budget), "
+                  f"{len([r for r in res['results'] if r.get('error')])} errors, {res['seconds']} s")
+            print_compact(res, plain=args.plain)
             print_targets(res, plain=args.plain)
         return 0
     try:

@@ -79,10 +79,10 @@ def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: di
              seed: int, device: str) -> dict[str, Any]:
     """One cell of the matrix: fresh inputs, every implementation, the comparisons."""
     fmt, a16 = VARIANTS[variant]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     x = H.make_input((M, K), dtype, gen, device)
     w = H.make_weight(N, K, gen, device)
-    bias = torch.randn(N, generator=gen).to(dtype).to(device)
+    bias = torch.randn(N, generator=gen, device=device).to(dtype)
     qweight = formats.quantize(w, fmt, role="weight")
     cell: dict[str, Any] = {
         "variant": variant, "fmt": fmt, "a16": a16, "M": M, "N": N, "K": K,
