@@ -1,0 +1,297 @@
+"""QuantLinear: an nn.Linear whose weight is quantized, served by the dispatcher; model-wide
+swapping (quantize_model) and safetensors save/load of the quantized weights.
+
+    model = quantize_model(model, "nvfp4", skip=["classifier"])   # every allowed nn.Linear swapped
+    save_quantized(model, "model.nvfp4.safetensors")
+    load_quantized(fresh_model, "model.nvfp4.safetensors")        # bit-exact round trip
+
+The quantized weight lives in buffers (codes, scales, global scale, stored as same-width integer
+views so that dtype casts of the model leave them alone), so ``.to(device)`` and ``state_dict()``
+work as for any module. What an implementation consumes is prepared from it once
+per implementation, lazily, on the first call that implementation serves (only cute repacks; the
+cache is dropped when the buffers move or are reloaded), never per call.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from formats import QuantizedTensor, spec
+
+from . import api, policy
+from .policy import split_variant, variant_name
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_FORMAT = "b12x-dual.quantized.v1"
+"""Value of the ``format`` metadata key in files written by save_quantized."""
+
+
+class QuantLinear(nn.Module):
+    """y = x . W^T + b with W stored quantized; each call goes through dispatch.
+
+    Args:
+        qweight: weight [N, K] from dispatch.quantize_weight (role "weight").
+        bias: optional [N] (kept in its own dtype; the implementations add it in their precision).
+        a16: MXFP4 weight-only (W4A16): activations are not quantized.
+        impl: pin this layer's implementation (None: use_impl() / B12X_IMPL / auto per call).
+        act_dtype: cast the input to this dtype for the call and the output back to the input's
+            dtype (e.g. bf16 to run a float32 model through kernels that take bf16/fp16);
+            None: pass the input as is.
+        act_opts: activation-quantization options passed to the implementation.
+    """
+
+    def __init__(self, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *, a16: bool = False,
+                 impl: Optional[str] = None, act_dtype: Optional[torch.dtype] = None,
+                 act_opts: Optional[dict] = None):
+        super().__init__()
+        if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
+            raise ValueError("qweight must be a QuantizedTensor with role 'weight'")
+        self.fmt = qweight.fmt
+        self.a16 = bool(a16)
+        self.variant = variant_name(self.fmt, self.a16)
+        self.impl = None if impl is None else policy.parse_impl(impl, "impl")
+        self.act_dtype = act_dtype
+        self.act_opts = dict(act_opts or {})
+        self.out_features, self.in_features = qweight.shape
+        self._meta = {"block_shape": qweight.block_shape, "scale_layout": qweight.scale_layout}
+        # The quantized tensors are stored as same-width integer views, so that module.to(dtype),
+        # .half() or .float() (which cast every floating-point buffer, float8 included) leave the
+        # codes and scales alone; ``qweight`` views them back as their real dtypes.
+        self._dtypes = {}
+        for buf, t in (("weight_data", qweight.data), ("weight_scale", qweight.scale),
+                       ("weight_global_scale", qweight.global_scale)):
+            self._dtypes[buf] = None if t is None else t.dtype
+            self.register_buffer(buf, None if t is None else _as_int(t))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._prepared: dict[str, object] = {}
+        self.last_impl: Optional[str] = None
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, *, a16: bool = False, impl: Optional[str] = None,
+                    act_dtype: Optional[torch.dtype] = None, act_opts: Optional[dict] = None,
+                    **weight_opts) -> "QuantLinear":
+        """Quantize an nn.Linear's weight to ``fmt`` (a format or "mxfp4_w4a16"); ``weight_opts``
+        go to quantize_weight. Raises ValueError when the shape does not suit the format."""
+        base, variant_a16 = split_variant(fmt)
+        w = linear.weight.detach()
+        qweight = api.quantize_weight(w, base, **weight_opts)
+        return cls(qweight, linear.bias, a16=a16 or variant_a16, impl=impl, act_dtype=act_dtype,
+                   act_opts=act_opts)
+
+    @property
+    def qweight(self) -> QuantizedTensor:
+        """The weight as a QuantizedTensor (views of the buffers, no copy)."""
+        def real(buf):
+            t = getattr(self, buf)
+            return None if t is None else t.view(self._dtypes[buf])
+
+        return QuantizedTensor(self.fmt, "weight", real("weight_data"), real("weight_scale"),
+                               real("weight_global_scale"), self._meta["block_shape"],
+                               (self.out_features, self.in_features), self._meta["scale_layout"])
+
+    # -- preparation ----------------------------------------------------------------------------
+    def prepared(self, impl: str):
+        """What ``impl`` consumes for this weight, prepared on first use and then reused."""
+        if impl not in self._prepared:
+            self._prepared[impl] = api.prepare(impl, self.qweight, a16=self.a16)
+        return self._prepared[impl]
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() replace the buffers: anything prepared from the old ones is stale.
+        self._prepared.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # load_state_dict copies new values into the buffers: re-prepare on the next call.
+        self._prepared.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    # -- call -----------------------------------------------------------------------------------
+    def choose(self, x: torch.Tensor) -> policy.Choice:
+        """The policy's choice for input ``x`` (no call is made)."""
+        m = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
+        return policy.choose(self.variant, m, self.out_features, self.in_features, api.device_of(x), impl=self.impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x.shape[-1] must be {self.in_features}, got {tuple(x.shape)}")
+        c = self.choose(x)
+        self.last_impl = c.impl
+        xin = x if self.act_dtype is None else x.to(self.act_dtype)
+        y = api.apply(c.impl, xin, self.prepared(c.impl), self.qweight, self.bias, a16=self.a16, **self.act_opts)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        if self.impl is not None:
+            impl = f"{self.impl} (pinned)"
+        else:
+            requested, source = policy.requested_impl()
+            impl = f"{requested} (from {source})"
+        if self.last_impl is not None:
+            impl += f", last call: {self.last_impl}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"format={self.fmt}, variant={self.variant}, impl={impl}")
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes viewed as an integer dtype of the same width (no copy)."""
+    return t.detach().contiguous().view(_INT_OF_WIDTH[t.element_size()])
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models
+# ---------------------------------------------------------------------------------------------
+Skip = Union[None, Iterable[str], Callable[[str, nn.Linear], bool]]
+
+
+def _skip_reason(name: str, module: nn.Linear, fmt: str, skip: Skip) -> Optional[str]:
+    if callable(skip):
+        if skip(name, module):
+            return "skip() returned True"
+    elif skip is not None:
+        for pattern in ([skip] if isinstance(skip, str) else skip):
+            if fnmatch.fnmatchcase(name, pattern):
+                return f"name matches skip pattern {pattern!r}"
+    base, _ = split_variant(fmt)
+    k_multiple = spec(base).k_multiple
+    if module.in_features % k_multiple:
+        return f"K={module.in_features} is not a multiple of {k_multiple} ({base} block)"
+    return None
+
+
+def quantize_model(model: nn.Module, fmt: str, skip: Skip = None, **opts) -> nn.Module:
+    """Replace, in place, every nn.Linear of ``model`` that ``fmt`` allows by a QuantLinear.
+
+    Args:
+        model: any module.
+        fmt: a format name or "mxfp4_w4a16".
+        skip: fnmatch patterns of module names to leave alone (e.g. ["lm_head", "*.gate"]), or a
+            callable(name, linear) -> bool.
+        **opts: QuantLinear.from_linear options (impl, act_dtype, act_opts, weight options).
+    Returns:
+        ``model``. Each layer left in place is logged (INFO) with the reason; the list is also in
+        ``model.b12x_skipped`` as {name: reason}.
+    """
+    split_variant(fmt)  # unknown format: ValueError before anything is touched
+    skipped: dict[str, str] = {}
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    for name, module in targets:
+        reason = _skip_reason(name, module, fmt, skip)
+        if reason is not None:
+            skipped[name] = reason
+            log.info("quantize_model(%s): left %s (%dx%d) unquantized: %s", fmt, name,
+                     module.out_features, module.in_features, reason)
+            continue
+        _set_submodule(model, name, QuantLinear.from_linear(module, fmt, **opts))
+    model.b12x_skipped = skipped
+    return model
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors
+# ---------------------------------------------------------------------------------------------
+def _layer_meta(q: QuantLinear) -> dict:
+    return {"fmt": q.fmt, "variant": q.variant, "a16": q.a16, "shape": [q.out_features, q.in_features],
+            "block_shape": None if q._meta["block_shape"] is None else list(q._meta["block_shape"]),
+            "scale_layout": q._meta["scale_layout"], "bias": q.bias is not None}
+
+
+def save_quantized(model: nn.Module, path) -> dict[str, dict]:
+    """Write every QuantLinear's quantized weight (and bias) to a safetensors file.
+
+    Tensors are named ``<layer>.weight_data``, ``.weight_scale``, ``.weight_global_scale`` (nvfp4)
+    and ``.bias``; the metadata holds ``format`` = SAFETENSORS_FORMAT and ``layers``, a JSON object
+    {layer: {fmt, variant, a16, shape, block_shape, scale_layout, bias}}. Returns that object.
+    """
+    from safetensors.torch import save_file
+
+    tensors, layers = {}, {}
+    for name, q in model.named_modules():
+        if not isinstance(q, QuantLinear):
+            continue
+        layers[name] = _layer_meta(q)
+        qw = q.qweight
+        for buf, t in (("weight_data", qw.data), ("weight_scale", qw.scale),
+                       ("weight_global_scale", qw.global_scale), ("bias", q.bias)):
+            if t is not None:
+                tensors[f"{name}.{buf}"] = t.detach().contiguous().cpu()
+    if not layers:
+        raise ValueError("the model has no QuantLinear layers to save (run quantize_model first)")
+    save_file(tensors, str(path), metadata={"format": SAFETENSORS_FORMAT, "layers": json.dumps(layers)})
+    return layers
+
+
+def read_quantized(path) -> dict[str, tuple[QuantizedTensor, Optional[torch.Tensor], dict]]:
+    """Read a save_quantized file: {layer: (qweight, bias or None, metadata)} on the CPU."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != SAFETENSORS_FORMAT:
+            raise ValueError(f"{path}: not a b12x-dual quantized file (metadata format={meta.get('format')!r})")
+        layers = json.loads(meta["layers"])
+        names = set(f.keys())
+        out = {}
+        for name, m in layers.items():
+            def get(buf):
+                key = f"{name}.{buf}"
+                return f.get_tensor(key) if key in names else None
+
+            block = None if m["block_shape"] is None else tuple(m["block_shape"])
+            q = QuantizedTensor(m["fmt"], "weight", get("weight_data"), get("weight_scale"),
+                                get("weight_global_scale"), block, tuple(m["shape"]), m["scale_layout"])
+            out[name] = (q, get("bias"), m)
+    return out
+
+
+def load_quantized(model: nn.Module, path, **opts) -> nn.Module:
+    """Load a save_quantized file into ``model``, in place.
+
+    A layer that is an nn.Linear is replaced by a QuantLinear built from the file (``opts``: impl,
+    act_dtype, act_opts); a layer that is already a QuantLinear of the same format and shape gets
+    the stored tensors copied into its existing buffers (their storage, hence captured CUDA graphs,
+    stays valid). Anything else raises ValueError naming the layer.
+    """
+    for name, (q, bias, m) in read_quantized(path).items():
+        try:
+            current = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{path}: layer {name!r} is not in the model") from None
+        if isinstance(current, QuantLinear):
+            if current.variant != m["variant"] or [current.out_features, current.in_features] != m["shape"]:
+                raise ValueError(f"{path}: layer {name!r} is {current.variant} {current.out_features}x"
+                                 f"{current.in_features} in the model but {m['variant']} {m['shape']} in the file")
+            with torch.no_grad():
+                for buf, t in (("weight_data", q.data), ("weight_scale", q.scale),
+                               ("weight_global_scale", q.global_scale), ("bias", bias)):
+                    if t is not None:
+                        dst = getattr(current, buf)
+                        dst.copy_(t if buf == "bias" else _as_int(t.to(current._dtypes[buf])))
+            current._prepared.clear()
+        elif isinstance(current, nn.Linear):
+            if [current.out_features, current.in_features] != m["shape"]:
+                raise ValueError(f"{path}: layer {name!r} is {current.out_features}x{current.in_features} in the "
+                                 f"model but {m['shape']} in the file")
+            dev = current.weight.device
+            new = QuantLinear(q.to(dev), None if bias is None else bias.to(dev), a16=m["a16"], **opts)
+            _set_submodule(model, name, new)
+        else:
+            raise ValueError(f"{path}: layer {name!r} is a {type(current).__name__}, not a Linear")
+    return model
