@@ -15,6 +15,16 @@ from conftest import DEVICE, device_name, make_input, rel_err
 # norm-wise ~1e-3 and ~2e-4 at most; the bounds are 4e-3 and 1e-3. fp32 output leaves
 # only the fp32 accumulation (~1e-7 here).
 TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+# On a GPU, fp8_tensor and fp8_block dot the e4m3 tiles directly; Hopper's fp8 MMA keeps fewer
+# accumulator bits than fp32 for the products inside one promotion interval (128 here), so fp32
+# output there shows 1.2e-4 to 3.1e-4 (H200, Triton 3.6, 2026-11-29). bf16/fp16 bounds unchanged.
+FP8_DIRECT_DOT_FP32_TOL = 5e-4
+
+
+def tolerance(out_dtype, fmt: str) -> float:
+    if out_dtype == torch.float32 and DEVICE == "cuda" and fmt in ("fp8_tensor", "fp8_block"):
+        return FP8_DIRECT_DOT_FP32_TOL
+    return TOL[out_dtype]
 
 
 def require_gpu():
