@@ -83,8 +83,8 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     M = x2.shape[0]
     if M == 0:
         return x.new_empty((*x.shape[:-1], N))
-    xq = quantize_activation(x2, ue8m0=ue8m0)
     plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
+    xq = quantize_activation(x2, ue8m0=ue8m0)
     y = C.blockscaled().mm_block_fp8(xq.data.contiguous(), xq.scale.contiguous(), prepared.data, prepared.scale,
                                       plan=plan, out_dtype=x.dtype)
     return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)

@@ -93,8 +93,8 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     M = x2.shape[0]
     if M == 0:
         return x.new_empty((*x.shape[:-1], N))
-    xq = quantize_activation(x2, scale=scale)
     plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
+    xq = quantize_activation(x2, scale=scale)
     weight = replace(prepared.packed, output_scale=(xq.scale.reshape(1) * prepared.scale).contiguous())
     y = C.blockscaled().mm(xq.data.contiguous(), weight, plan=plan, out_dtype=x.dtype)
     return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)

@@ -105,7 +105,7 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     M = x2.shape[0]
     if M == 0:
         return x.new_empty((*x.shape[:-1], N))
-    xq = quantize_activation(x2, scale_rule=scale_rule)
     plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
+    xq = quantize_activation(x2, scale_rule=scale_rule)
     y = C.blockscaled().mm_mxfp4(xq.data, xq.scale, prepared.data, prepared.scale, plan=plan, out_dtype=x.dtype)
     return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)

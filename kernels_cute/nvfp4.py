@@ -95,8 +95,8 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     M = x2.shape[0]
     if M == 0:
         return x.new_empty((*x.shape[:-1], N))
-    xq = quantize_activation(x2, global_scale=global_scale)
     plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
+    xq = quantize_activation(x2, global_scale=global_scale)
     alpha = (torch.reciprocal(xq.global_scale.reshape(1).float()) * torch.reciprocal(prepared.global_scale))
     y = C.blockscaled().mm_nvfp4(xq.data, xq.scale, prepared.data, prepared.scale, alpha,
                                   plan=plan, out_dtype=x.dtype)
