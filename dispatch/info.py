@@ -1,0 +1,49 @@
+"""``b12x-dual info``: the device, library versions, and auto's pick per format and shape class."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import api, policy
+from .devices import KNOWN_DEVICES, resolve
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "info",
+        help="device, library versions, and which implementation serves each format",
+        description="Show the device found, the versions of torch, triton, b12x and nvidia-cutlass-dsl, "
+                    "and for every format which implementation B12X_IMPL=auto picks for decode "
+                    "(M=1, 16) and prefill (M=4096) shapes, and why.",
+    )
+    p.add_argument("--device", default=None,
+                   help=f"a torch device (default: the one found) or a known part: {', '.join(KNOWN_DEVICES)}")
+    p.add_argument("-N", type=int, default=4096, help="output features of the example shapes (default 4096)")
+    p.add_argument("-K", type=int, default=4096, help="input features of the example shapes (default 4096)")
+    return p
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    dev = resolve(args.device)
+    console = Console(width=None if sys.stdout.isatty() else 160)  # rich assumes 80 columns in a pipe
+    console.print(f"[bold]device[/]: {api.describe_device(dev)}")
+    console.print("[bold]libraries[/]: " + ", ".join(f"{k} {v}" for k, v in api.library_versions().items()))
+    requested, source = policy.requested_impl()
+    console.print(f"[bold]{policy.ENV_VAR}[/]: {requested} (from {source})")
+    shapes = policy.shape_classes(args.N, args.K)
+    table = Table(title=f"auto's choice (N={args.N}, K={args.K})", show_lines=True)
+    table.add_column("format")
+    for label in shapes:
+        table.add_column(label)
+    for variant in policy.VARIANTS:
+        cells = []
+        for m, n, k in shapes.values():
+            c = policy.choose(variant, m, n, k, dev, impl="auto", log_fallback=False)
+            cells.append(f"[bold]{c.impl}[/]: {c.reason}")
+        table.add_row(variant, *cells)
+    console.print(table)
+    return 0
