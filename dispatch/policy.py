@@ -164,8 +164,10 @@ def _dist_version(dist: str) -> Optional[str]:
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def _b12x_is_supported(mod) -> Optional[bool]:
-    """b12x's own device gate for the running GPU, wherever this b12x version exposes it."""
+    """b12x's own device gate for the running GPU, wherever this b12x version exposes it (asked
+    once per process: the answer cannot change, and this sits on every call's path)."""
     fn = getattr(mod, "is_supported", None)
     if fn is None:
         try:
