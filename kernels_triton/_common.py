@@ -38,29 +38,32 @@ def exp2_int(e):
 
 @triton.jit
 def decode_e2m1(nibble):
-    """4-bit e2m1 code (any int type, values 0..15) -> float32 value."""
-    n = nibble.to(tl.int32)
-    # exponent field e = bits 2..1, mantissa m = bit 0: e == 0 is the subnormal 0.5 * m,
-    # otherwise (1 + m/2) * 2^(e - 1), i.e. fp32 exponent e - 1 + 127 and top mantissa bit m.
-    e = (n >> 1) & 0x3
-    m = n & 0x1
-    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, 0.5 * m.to(tl.float32), normal)
-    return tl.where((n & 0x8) != 0, -v, v)
+    """4-bit e2m1 code (any int type, values 0..15) -> float32 value.
+
+    Cheap form (this runs once per weight element, so every instruction counts): the 3 magnitude
+    bits e e m are placed at fp32 bits 24..22, i.e. the low 2 bits of the exponent field and the top
+    mantissa bit. That fp32 number is exactly value * 2^-126 for every code, the subnormal 0.5 too
+    (exponent field 0 is fp32's subnormal range, whose spacing matches), so one multiply by 2^126
+    gives the value: and/shift/or plus one fmul, no int->float conversion, no select. The multiply
+    must not flush subnormals; Triton emits plain mul.f32 (no .ftz), checked in the PTX.
+    """
+    n = nibble.to(tl.uint32)
+    bits = ((n & 0x7) << 22) | ((n & 0x8) << 28)  # magnitude at bits 24..22, sign at bit 31
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
 
 
 @triton.jit
 def decode_e4m3(code):
-    """8-bit e4m3fn code (uint8) -> float32. The NaN codes 0x7F/0xFF are not special-cased: the
-    formats never produce them."""
-    c = code.to(tl.int32)
-    e = (c >> 3) & 0xF
-    m = c & 0x7
-    # normal: rebias the exponent from 7 to 127 and move the 3 mantissa bits to the top of fp32's 23
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9, exact
-    v = tl.where(e == 0, sub, normal)
-    return tl.where((c & 0x80) != 0, -v, v)
+    """8-bit e4m3fn code -> float32. The NaN codes 0x7F/0xFF are not special-cased: the formats
+    never produce them.
+
+    Same trick as decode_e2m1: the 7 magnitude bits eeee mmm go to fp32 bits 26..20 (low 4 exponent
+    bits, top 3 mantissa bits); that is value * 2^-120 for every code, subnormals included, and one
+    multiply by 2^120 restores it.
+    """
+    c = code.to(tl.uint32)
+    bits = ((c & 0x7F) << 20) | ((c & 0x80) << 24)
+    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
 
 
 @triton.jit
@@ -139,6 +142,22 @@ class TileConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    # SPLIT_K > 1: SPLIT_K programs share one output tile, each summing K / SPLIT_K of it into an
+    # fp32 workspace that a second kernel adds up in a fixed order (deterministic). For decode-sized
+    # M, where one program per output tile leaves most SMs idle.
+    SPLIT_K: int = 1
+    # PREPASS: the dequantizing formats decode each operand once into a bf16 scratch matrix, then a
+    # plain bf16 GEMM runs (large M, where the fused kernel would re-decode every weight tile
+    # M / BLOCK_M times).
+    PREPASS: bool = False
+
+    def __str__(self) -> str:
+        s = f"{self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K} w{self.num_warps} s{self.num_stages}"
+        if self.SPLIT_K > 1:
+            s += f" splitk{self.SPLIT_K}"
+        if self.PREPASS:
+            s += " prepass+bf16gemm"
+        return s
 
 
 # ---------------------------------------------------------------------------------------------
