@@ -22,6 +22,7 @@ import triton.language as tl
 from formats import QuantizedTensor
 
 from ._common import TileConfig, check_bias, check_weight
+from ._twopass import split_k_for
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,14 +31,22 @@ BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ---------------------------------------------------------------------------------------------
 # Tile choices
 # ---------------------------------------------------------------------------------------------
-def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | None = None) -> TileConfig:
-    """Tile sizes for the GEMM kernels.
+def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | None = None,
+                prepass: bool = False) -> TileConfig:
+    """Tile sizes for the GEMM kernels (the SM90 table; docs/perf_notes.md has the measurements).
 
     Under the interpreter each (program x K-iteration) costs ~2-3 ms of Python whatever the tile
-    size, so the tiles are as large as the problem (up to 128 x 128, K up to 512 per step). On GPU:
-    Hopper-sized 128x128 tiles, 64-row tiles for small M, and 16-row tiles with narrower N for
-    decode shapes (M <= 16) so that enough programs run along N. ``block_k`` forces BLOCK_K (block
-    FP8 needs exactly 128: one scale per K step).
+    size, so the tiles are as large as the problem (up to 128 x 128, K up to 512 per step). On GPU,
+    by M:
+      M <= 16   16 x 64 x 128, 4 stages, one program per tile (the e4m3 dot formats; split-K measured
+                slower here: 30.5 vs 26.9 us at N = K = 8192), split-K for mxfp8, whose decode
+                arithmetic needs more programs in flight (206 -> 55 us).
+      M <= 64   64 x 64 with split-K: N / 64 programs alone leave most of the 132 SMs idle.
+      M <= 256  64 x 128, one program per tile.
+      larger    128 x 128 x 128, 8 warps, 3 stages (128 x 256 x 128 measured 382 vs 838 TF/s at
+                8192^3 for fp8_tensor: its 128-KB accumulator spills with max_num_imprecise_acc).
+                ``prepass`` (mxfp8): decode once into bf16, then a bf16 GEMM (_twopass).
+    ``block_k`` forces BLOCK_K (block FP8 needs exactly 128: one scale per K step).
     """
     if interpreting:
         bm = min(128, max(16, triton.next_power_of_2(M)))
@@ -45,11 +54,28 @@ def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | No
         bk = block_k or min(512, max(32, triton.next_power_of_2(K)))
         return TileConfig(bm, bn, bk, GROUP_M=8, num_warps=4, num_stages=1)
     bk = block_k or 128
+    if prepass and M > PREPASS_MIN_M:
+        return TileConfig(128, 256, 64, GROUP_M=8, num_warps=8, num_stages=3, PREPASS=True)
     if M <= 16:
-        return TileConfig(16, 64, bk, GROUP_M=8, num_warps=4, num_stages=4)
+        split = split_k_for(M, N, K, 16, 64, bk) if prepass else 1  # prepass marks mxfp8 (decoding)
+        return TileConfig(16, 64, bk, GROUP_M=8, num_warps=4, num_stages=4, SPLIT_K=split)
     if M <= 64:
+        return TileConfig(64, 64, bk, GROUP_M=8, num_warps=4, num_stages=3, SPLIT_K=split_k_for(M, N, K, 64, 64, bk))
+    if M <= 256:
         return TileConfig(64, 128, bk, GROUP_M=8, num_warps=4, num_stages=3)
     return TileConfig(128, 128, bk, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+PREPASS_MIN_M = 128  # mxfp8: above this M the decode pre-pass + bf16 GEMM beats the fused kernel
+
+# SM12x (RTX 50x0 / RTX PRO 6000 / DGX Spark): 101,376 B of shared memory per block, no wgmma.
+# UNTESTED ON HARDWARE, sized from the limits: 128 x 128 x 128 e4m3 with 3 stages needs
+# 3 * 256 * 128 = 96 KB; 128 x 256 would need 144 KB and does not fit.
+SM120_TABLE = {
+    "decode": TileConfig(16, 64, 128, GROUP_M=8, num_warps=4, num_stages=4),
+    "small": TileConfig(64, 128, 128, GROUP_M=8, num_warps=4, num_stages=3),
+    "large": TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
+}
 
 
 def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, int]:

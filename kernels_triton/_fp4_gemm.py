@@ -43,6 +43,14 @@ import triton
 import triton.language as tl
 
 from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, interpreting
+from ._twopass import (
+    launch_bf16_gemm,
+    launch_splitk_reduce,
+    scratch_dtype,
+    split_k_for,
+    splitk_plan,
+    splitk_workspace,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,14 +61,19 @@ def _pow2_clamp(v: int, lo: int, hi: int) -> int:
 
 
 def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
-    """Tile sizes for the FP4 GEMM.
+    """Tile sizes for the FP4 GEMM (the SM90 table; ``SM120_TABLE`` below is the SM12x one).
 
     Interpreter: a (program x K-iteration) costs milliseconds of Python and numpy, so take tiles as
     large as the problem, up to 256 x 256 x 512 (measured: M, N, K = 257, 200, 384 takes 0.24 s as
     one 256 x 256 x 512 program and 3.4 s as 64 x 64 x 128 tiles).
-    GPU (Hopper / SM12x): 128 x 128 x 64 with 8 warps; for decode-sized M (<= 16) a 16-row tile and
-    more programs along N. BLOCK_K = 64 keeps the in-register dequantization (two fp32 [128, 64]
-    tiles) inside the register budget, and 3 stages fit sm_120's 101376 B of shared memory.
+    GPU, by M (docs/perf_notes.md has the measurements behind each row):
+      M <= 16   16 x 128 x 128 with split-K (4 at N = 8192: 256 programs), so that more programs
+                share the weight stream and the decode arithmetic.
+      M <= 64   64 x 64 x 128, split-K likewise.
+      M <= 128  64 x 128 x 64 fused (split-K 2 when N is narrow).
+      M > 128   pre-pass: decode each operand once into bf16, then a bf16 GEMM (_twopass).
+    BLOCK_K = 64..128 keeps the in-register dequantization (fp32 [BLOCK, BLOCK_K] tiles) inside the
+    register budget.
     """
     if interp:
         return TileConfig(
@@ -71,11 +84,31 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
             num_warps=4,
             num_stages=1,
         )
+    if M > PREPASS_MIN_M:
+        return TileConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PREPASS=True)
     if M <= 16:
-        return TileConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+        # measured at N = K = 8192 (nvfp4, GEMM alone): 16x64 split 8 68.6 us, 16x128 split 4 56.2,
+        # 16x128 split 8 59.0, 16x32 split 4 91 (docs/perf_notes.md)
+        return TileConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3,
+                          SPLIT_K=split_k_for(M, N, K, 16, 128, 128, target=256))
     if M <= 64:
-        return TileConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    return TileConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        bm, bn, bk = 64, 64, 128
+    else:
+        bm, bn, bk = 64, 128, 64
+    return TileConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=4,
+                      num_stages=3, SPLIT_K=split_k_for(M, N, K, bm, bn, bk))
+
+
+PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
+# SM12x (RTX 50x0 / RTX PRO 6000 / DGX Spark): 101,376 B of shared memory per block, ~99 KB per SM,
+# no wgmma (mma.sync only), 1536 threads per SM. UNTESTED ON HARDWARE: sized from the limits only.
+# Fused 64 x 128 x 64 with 3 stages stores (64 + 128) * 32 B of codes + scales per stage (~20 KB);
+# the pre-pass GEMM 128 x 128 x 64 bf16 with 3 stages takes 3 * (128 + 128) * 64 * 2 = 96 KB.
+SM120_TABLE = {
+    "decode": TileConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
+    "small": TileConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+    "prepass_gemm": TileConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+}
 
 
 def dot_dtype(interp: bool):
@@ -135,8 +168,9 @@ def fp4_gemm_kernel(
     w_ptr, w_scale_ptr,  # weight: packed uint8 [N, K/2] + scales [N, K/GROUP]
     gx_ptr, gw_ptr,  # nvfp4 global scales (float32, one element each); unused otherwise
     bias_ptr, c_ptr,  # bias [N] (any float dtype), output [M, N]
+    ws_ptr,  # SPLIT_K > 1: fp32 workspace [SPLIT_K, M, N] (the epilogue then runs in _twopass)
     # dimensions
-    M, N, K,
+    M, N, K, K_PER,  # K_PER: K elements per split, a multiple of BLOCK_K (K when SPLIT_K == 1)
     # strides (K strides of packed data and scales are 1)
     stride_am, stride_ak, stride_asm,
     stride_wn, stride_wsn,
@@ -151,6 +185,7 @@ def fp4_gemm_kernel(
     DOT_DTYPE: tl.constexpr,  # bf16 on GPU, fp32 under the interpreter
     ROUND_BF16: tl.constexpr,  # interpreter + bf16 output: round to nearest even before the cast
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # ----- program -> output tile, grouped along M so neighbouring programs share W tiles in L2
     pid = tl.program_id(0)
@@ -168,9 +203,13 @@ def fp4_gemm_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
 
-    # ----- main loop: acc [BLOCK_M, BLOCK_N] fp32 += A tile [BLOCK_M, BLOCK_K] . W tile^T [BLOCK_K, BLOCK_N]
+    # ----- main loop over this program's K range [k_lo, k_hi) (all of K unless split-K):
+    # acc [BLOCK_M, BLOCK_N] fp32 += A tile [BLOCK_M, BLOCK_K] . W tile^T [BLOCK_K, BLOCK_N]
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         # W tile, scales applied: [BLOCK_N, BLOCK_K] -> transposed to [BLOCK_K, BLOCK_N]
         w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
                               BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
@@ -195,6 +234,12 @@ def fp4_gemm_kernel(
                                   BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
             acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
 
+    if SPLIT_K > 1:
+        # partial sum of this K range; splitk_reduce_kernel adds the slices and runs the epilogue
+        ws_ptrs = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+        return
+
     # ----- epilogue: global scales (nvfp4), bias, cast, masked store
     if HAS_GLOBAL:
         # alpha = 1 / (g_x * g_w), computed here from the device tensors (no host sync, so the call
@@ -210,6 +255,43 @@ def fp4_gemm_kernel(
         acc = round_to_bf16_rne(acc)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-pass for large M: decode a packed operand once into a scratch matrix (scales applied)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def fp4_dequant_kernel(
+    data_ptr, scale_ptr, out_ptr,  # packed uint8 [R, K/2], scale bytes [R, K/GROUP] -> out [R, K]
+    R, K,
+    stride_dr, stride_sr, stride_or,
+    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[rows, k-tile] = e2m1(codes) * scale, the same dequant_e2m1_tile the fused GEMM runs, so
+    the pre-pass GEMM sees the same (exact) operand values."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    r_mask = offs_r < R
+    v = dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+                          BLOCK_R, BLOCK_K, GROUP, SCALE_E4M3)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = out_ptr + offs_r.to(tl.int64)[:, None] * stride_or + offs_k[None, :]
+    tl.store(ptrs, v.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & (offs_k[None, :] < K))
+
+
+def dequant_fp4(data, scale, K: int, group: int, scale_e4m3: bool) -> torch.Tensor:
+    """Decoded [R, K] matrix (scratch_dtype(): bf16 on GPU, exact) of a packed operand."""
+    R = data.shape[0]
+    out = torch.empty((R, K), dtype=scratch_dtype(), device=data.device)
+    if R:
+        br, bk = (min(64, triton.next_power_of_2(R)), min(512, max(64, triton.next_power_of_2(K)))) \
+            if interpreting() else (32, 128)
+        fp4_dequant_kernel[(triton.cdiv(R, br), triton.cdiv(K, bk))](
+            data, scale, out, R, K, data.stride(0), scale.stride(0), out.stride(0),
+            GROUP=group, SCALE_E4M3=scale_e4m3, BLOCK_R=br, BLOCK_K=bk, num_warps=4,
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,17 +313,26 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
     cfg = config or fp4_gemm_config(M, N, K, interp)
     has_global = gx is not None
     split = bool(a16 and a.dtype == torch.float16 and not interp)
+    if cfg.PREPASS and not split:
+        # Large M: decode each operand once (bf16 scratch), then one plain GEMM; alpha and bias in
+        # its epilogue. W4A16 with bf16 x uses x itself (fp16 x keeps the fused hi/lo path).
+        wd = dequant_fp4(w, w_scale, K, group, scale_e4m3)
+        ad = a.to(wd.dtype) if a16 else dequant_fp4(a, a_scale, K, group, scale_e4m3)
+        return launch_bf16_gemm(ad, wd, out, bias=bias, alpha_mode=2 if has_global else 0, s1=gx, s2=gw,
+                                config=cfg)
     if a16:
         stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
     else:
         stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
     # Unused pointer arguments still need a tensor; the weight's bytes stand in for them.
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
     fp4_gemm_kernel[grid](
         a, a_scale, w, w_scale,
         gx if has_global else w_scale, gw if has_global else w_scale,
-        bias if bias is not None else out, out,
-        M, N, K,
+        bias if bias is not None else out, out, ws,
+        M, N, K, k_per,
         stride_am, stride_ak, stride_asm,
         w.stride(0), w_scale.stride(0),
         out.stride(0),
@@ -249,6 +340,9 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
         HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype(interp),
         ROUND_BF16=interp and out_dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if n_split > 1:
+        launch_splitk_reduce(ws, out, bias=bias, alpha_mode=2 if has_global else 0, s1=gx, s2=gw)
     return out

@@ -34,8 +34,14 @@ BLOCK_N] scale multiply per sub-dot and 32-deep fp8 dots, and is slower on Hoppe
 TF/s measured in ../shared/notes/triton.md).
 
 DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
-there). The per-element scale is fetched as sx[offs_m, offs_k // 32], a [BLOCK_M, BLOCK_K] gather
-that hits the same 4 bytes per row of a 128-wide step: simple, and cached.
+there). The scales are loaded once per 32-element block, [BLOCK_M, BLOCK_K / 32], and broadcast by a
+reshape to [BLOCK_M, BLOCK_K / 32, 32] (an earlier per-element gather sx[offs_m, offs_k // 32] hit
+the cache but cost one load instruction per element: 200 us at decode on the H200).
+
+Launch regimes (tile_config; _twopass explains both): decode-sized M splits K over several programs
+per output tile (split-K, fp32 workspace, ordered reduction); large M decodes each operand once
+into bf16 scratch (``_dequant_kernel``) and runs a plain bf16 GEMM, instead of re-decoding every
+weight tile M / BLOCK_M times.
 
 Constraints: K a multiple of 32; x bf16/fp16 [..., K]; weight a linear-layout mxfp8
 QuantizedTensor [N, K] (scale uint8 [N, K/32]). E8M0 byte 0xFF (NaN) is not special-cased, and
@@ -68,6 +74,7 @@ from ._common import (
     interpreting,
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, quant_config, round_to_bf16_rne
+from ._twopass import launch_bf16_gemm, launch_splitk_reduce, scratch_dtype, splitk_plan, splitk_workspace
 
 FMT = "mxfp8"
 K_MULTIPLE = MX_BLOCK  # 32
@@ -120,47 +127,64 @@ def _quantize_kernel(
 # GEMM: dequantize both tiles in registers (exact in bf16), then dot
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``rows`` x K columns [k0, k0 + BLOCK_K) of an MXFP8 matrix, decoded: fp32 [BLOCK_R, BLOCK_K].
+    One scale byte is loaded per 32 elements and broadcast over its block by a reshape (loading it
+    per element costs one load instruction per element)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    r64 = rows.to(tl.int64)[:, None]
+    q = tl.load(q_ptr + r64 * stride_qr + offs_k[None, :] * stride_qk,
+                mask=r_ok[:, None] & (offs_k[None, :] < K), other=0)
+    offs_g = k0 // VEC_SIZE + tl.arange(0, BLOCK_K // VEC_SIZE)
+    sc = tl.load(s_ptr + r64 * stride_sr + offs_g[None, :] * stride_sk,
+                 mask=r_ok[:, None] & (offs_g[None, :] < K // VEC_SIZE), other=127)
+    v = decode_e4m3(q).reshape(BLOCK_R, BLOCK_K // VEC_SIZE, VEC_SIZE) * decode_e8m0(sc)[:, :, None]
+    return v.reshape(BLOCK_R, BLOCK_K)
+
+
+@triton.jit
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
+    ws_ptr,  # SPLIT_K > 1: fp32 workspace [SPLIT_K, M, N]; _twopass reduces it and adds the bias
     # dimensions
-    M, N, K,
+    M, N, K, K_PER,  # K_PER: K elements per split (a multiple of BLOCK_K; K when SPLIT_K == 1)
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym, stride_yn,
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale block")
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    row_x = offs_m[:, None].to(tl.int64)  # [BLOCK_M, 1]
-    row_w = offs_n[None, :].to(tl.int64)  # [1, BLOCK_N]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K  # K is a multiple of 32, BLOCK_K may not divide it
-        # ----- x tile [BLOCK_M, BLOCK_K]: code * 2^e, the scale gathered per element (k // 32) -----
-        mask_x = m_ok[:, None] & k_ok[None, :]
-        qa = tl.load(x_ptr + row_x * stride_xm + offs_k[None, :] * stride_xk, mask=mask_x, other=0)
-        sa = tl.load(sx_ptr + row_x * stride_sxm + (offs_k // VEC_SIZE)[None, :] * stride_sxk, mask=mask_x, other=127)
-        a = decode_e4m3(qa) * decode_e8m0(sa)
-        # ----- w tile [BLOCK_K, BLOCK_N] (a tile of W^T read from W [N, K]) -----
-        mask_w = k_ok[:, None] & n_ok[None, :]
-        qb = tl.load(w_ptr + row_w * stride_wn + offs_k[:, None] * stride_wk, mask=mask_w, other=0)
-        sb = tl.load(sw_ptr + row_w * stride_swn + (offs_k // VEC_SIZE)[:, None] * stride_swk, mask=mask_w, other=127)
-        b = decode_e4m3(qb) * decode_e8m0(sb)
+    k_lo = pid_k * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
+        a = _dequant_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
+                          BLOCK_M, BLOCK_K)
+        b = _dequant_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
+                          BLOCK_N, BLOCK_K)
         if DOT_BF16:
             # exact: code * 2^e has 4 significant bits (see the module docstring)
-            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, tl.trans(b), acc)
+
+    if SPLIT_K > 1:  # a partial sum of this K range; the bias comes in the reduction
+        ws_ptrs = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+        return
 
     # ----- epilogue: bias, cast, store (all scales were applied in the K loop) -----
     y = acc
@@ -168,13 +192,48 @@ def _gemm_kernel(
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if RNE_BF16:
         y = round_to_bf16_rne(y)  # interpreter: its fp32 -> bf16 cast truncates
-    y_ptrs = y_ptr + row_x * stride_ym + offs_n[None, :] * stride_yn
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, K, stride_qr, stride_qk, stride_sr, stride_sk, stride_or,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pre-pass for large M: out [R, K] = code * 2^e, the GEMM's own _dequant_tile, stored once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    r_ok = rows < R
+    v = _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk, BLOCK_R, BLOCK_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_or + offs_k[None, :], v.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_k[None, :] < K))
+
+
+def _dequant(q, s) -> torch.Tensor:
+    """Decoded [R, K] (bf16 on GPU, exact; fp32 in the interpreter) of MXFP8 codes q and scales s."""
+    R, K = q.shape
+    out = torch.empty((R, K), dtype=scratch_dtype(), device=q.device)
+    if R:
+        br, bk = (min(64, triton.next_power_of_2(R)), min(512, max(32, triton.next_power_of_2(K)))) \
+            if interpreting() else (32, 128)
+        _dequant_kernel[(triton.cdiv(R, br), triton.cdiv(K, bk))](
+            q, s, out, R, K, q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
+            BLOCK_R=br, BLOCK_K=bk, num_warps=4,
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
+def tile_config(M: int, N: int, K: int):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the
+    bench): fused with 64-deep K steps on GPU (the decoded tiles live in registers before the dot),
+    split-K for decode, the bf16 pre-pass for large M."""
+    interp = interpreting()
+    return gemm_config(M, N, K, interp, block_k=None if interp else 64, prepass=True)
+
+
 def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
     """Quantize activations to MXFP8 with the Triton kernel, bit for bit as
     ``formats.quantize(x, "mxfp8", role="activation", scale_rule=scale_rule)``.
@@ -228,20 +287,26 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     if M == 0:
         return y
     interp = interpreting()
-    # 64-deep K steps on GPU: the dequantized bf16 tiles live in registers before the dot
-    cfg = gemm_config(M, N, K, interp, block_k=None if interp else 64)
+    cfg = tile_config(M, N, K)
     x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
     sx, sw = xq.scale, qweight.scale
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    if cfg.PREPASS:  # large M: decode each operand once, then a plain bf16 GEMM (_twopass)
+        return launch_bf16_gemm(_dequant(x, sx), _dequant(w, sw), y, bias=bias, config=cfg)
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
     _gemm_kernel[grid](
-        x, w, sx, sw, bias if bias is not None else y, y,
-        M, N, K,
+        x, w, sx, sw, bias if bias is not None else y, y, ws,
+        M, N, K, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, DOT_BF16=not interp, RNE_BF16=interp and out_dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if n_split > 1:
+        launch_splitk_reduce(ws, y, bias=bias)
     return y
 
 

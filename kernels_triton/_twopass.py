@@ -1,0 +1,206 @@
+"""Second kernels shared by the GEMMs of all five formats: the split-K reduction and the plain
+bf16 GEMM that follows a decode pre-pass.
+
+Both exist for the same reason: a quantized GEMM on Hopper has two regimes that one fused kernel
+serves badly.
+
+Decode (small M): the work is streaming the weight once. One program per [BLOCK_M, BLOCK_N] output
+tile gives only N / BLOCK_N programs (128 for N = 8192), each walking all of K one tile at a time:
+one or two programs per SM cannot keep enough loads in flight to reach HBM bandwidth. Split-K gives
+every output tile SPLIT_K programs, each summing a contiguous K range into its own fp32 slice of a
+workspace [SPLIT_K, M, N]; ``splitk_reduce_kernel`` then adds the slices in a fixed order (so the
+result does not depend on timing, unlike atomics) and applies the epilogue once:
+
+    y[m, n] = (sum_s ws[s, m, n]) * alpha + bias[n]        cast to the output dtype
+
+The workspace costs SPLIT_K * M * N * 4 bytes written and read: 4 MB at M = 16, N = 8192, SPLIT_K = 8,
+against 38 to 67 MB of weights.
+
+Prefill (large M): a dequantizing kernel (mxfp8, nvfp4, mxfp4) decodes each weight tile once per
+row tile, M / BLOCK_M times in all, and the bit arithmetic of the decode then costs more than the
+tensor-core work. The pre-pass decodes every operand exactly once into bf16 scratch (every decoded
+value is exact in bf16: see _fp4_gemm and mxfp8), and ``bf16_gemm_kernel`` multiplies the scratch
+matrices with the scales already applied. Same function, same fp32 accumulation; the price is
+2 bytes per element of scratch traffic, small next to 2 * M * N * K FLOPs once M is a few hundred.
+
+alpha (ALPHA_MODE, constexpr):
+    0  none
+    1  s1 * s2                    (fp8_tensor: the two per-tensor scales)
+    2  (1 / s1) * (1 / s2)        (nvfp4: the global scales; two IEEE reciprocals, so g_x * g_w cannot
+                                   overflow; read from device tensors, no host sync)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import TileConfig, interpreting
+
+
+@triton.jit
+def _round_to_bf16_rne(x):
+    """fp32 -> nearest bf16 value (ties to even), still fp32: the interpreter's bf16 cast truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
+              ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """acc * alpha + bias (see the module docstring), rounded for a bf16 store under the interpreter."""
+    if ALPHA_MODE == 1:
+        acc = acc * tl.load(s1_ptr) * tl.load(s2_ptr)
+    if ALPHA_MODE == 2:
+        acc = acc * (tl.math.div_rn(1.0, tl.load(s1_ptr)) * tl.math.div_rn(1.0, tl.load(s2_ptr)))
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = _round_to_bf16_rne(acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Split-K: sum the fp32 slices in order, then the epilogue
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def splitk_reduce_kernel(
+    ws_ptr, y_ptr, s1_ptr, s2_ptr, bias_ptr,
+    M, N, stride_ym,
+    SPLIT_K: tl.constexpr, ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """y[tile] = epilogue(sum_s ws[s, tile]); ws is contiguous fp32 [SPLIT_K, M, N]."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    mask = m_ok[:, None] & n_ok[None, :]
+    off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the same bits every run
+        acc += tl.load(ws_ptr + s * M * N + off, mask=mask, other=0.0)
+    acc = _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+TARGET_PROGRAMS = 1024  # H200: 132 SMs, ~8 small programs each in flight
+
+
+def split_k_for(M: int, N: int, K: int, bm: int, bn: int, bk: int, target: int = TARGET_PROGRAMS) -> int:
+    """Smallest power-of-two split that brings the grid to ``target`` programs, keeping at least
+    4 K tiles per program (fewer makes the fp32 workspace cost more than the extra programs gain)."""
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split = 1
+    while tiles * split < target and triton.cdiv(K, bk) >= 8 * split:
+        split *= 2
+    return split
+
+
+def splitk_plan(K: int, cfg: TileConfig) -> tuple[int, int]:
+    """(programs along K, K elements per program): K_PER is a multiple of BLOCK_K, so no program's
+    tile crosses into the next one's range; the split count may shrink for short K."""
+    k_tiles = triton.cdiv(K, cfg.BLOCK_K)
+    k_per = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K)) * cfg.BLOCK_K
+    return triton.cdiv(K, k_per), k_per
+
+
+def splitk_workspace(split: int, M: int, N: int, device) -> torch.Tensor:
+    return torch.empty((split, M, N), dtype=torch.float32, device=device)
+
+
+def launch_splitk_reduce(ws, y, *, bias=None, alpha_mode=0, s1=None, s2=None) -> torch.Tensor:
+    """y [M, N] (row stride free, column stride 1) = epilogue(ws.sum(0)), summed in order."""
+    split, M, N = ws.shape
+    bm, bn = (min(64, triton.next_power_of_2(M)), min(256, triton.next_power_of_2(N))) if interpreting() \
+        else (16, 256)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    splitk_reduce_kernel[grid](
+        ws, y, s1 if s1 is not None else ws, s2 if s2 is not None else ws,
+        bias if bias is not None else ws,
+        M, N, y.stride(0),
+        SPLIT_K=split, ALPHA_MODE=alpha_mode, HAS_BIAS=bias is not None,
+        ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+    )
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-pass path: a plain GEMM of two decoded (bf16 on GPU, fp32 in the interpreter) matrices
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def bf16_gemm_kernel(
+    a_ptr, b_ptr, s1_ptr, s2_ptr, bias_ptr, y_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_ym,
+    ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """y = epilogue(A [M, K] . B [N, K]^T). A and B are already decoded with their scales applied,
+    so the K loop is the textbook Triton matmul (Hopper: wgmma fed by pipelined loads)."""
+    pid = tl.program_id(0)
+    # grouped ordering: GROUP_M row tiles walk one column of weight tiles together (L2 reuse)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    acc = _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def bf16_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
+    """Tiles of the pre-pass GEMM: whole small problems in the interpreter; on Hopper the usual
+    128 x 256 x 64, 8 warps, 3 stages (3 * (128 + 256) * 64 * 2 B = 144 KB of shared memory)."""
+    if interp:
+        p = triton.next_power_of_2
+        return TileConfig(min(128, max(16, p(M))), min(128, max(16, p(N))), min(256, max(16, p(K))),
+                          num_warps=4, num_stages=1)
+    return TileConfig(128, 256, 64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def scratch_dtype() -> torch.dtype:
+    """The pre-pass scratch dtype: bf16 on GPU; fp32 in the interpreter, whose bf16 tl.dot is wrong."""
+    return torch.float32 if interpreting() else torch.bfloat16
+
+
+def launch_bf16_gemm(a, b, y, *, bias=None, alpha_mode=0, s1=None, s2=None,
+                     config: TileConfig | None = None) -> torch.Tensor:
+    """y [M, N] = epilogue(a [M, K] . b [N, K]^T); a and b share one dtype (bf16, or fp32 in the interpreter)."""
+    M, K = a.shape
+    N = b.shape[0]
+    interp = interpreting()
+    cfg = config or bf16_gemm_config(M, N, K, interp)
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    bf16_gemm_kernel[grid](
+        a, b, s1 if s1 is not None else a, s2 if s2 is not None else a, bias if bias is not None else y, y,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        ALPHA_MODE=alpha_mode, HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
