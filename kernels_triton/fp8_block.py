@@ -66,6 +66,7 @@ from ._e4m3_gemm import (
     quant_config,
     round_to_bf16_rne,
 )
+from ._twopass import launch_splitk_reduce, splitk_plan, splitk_workspace
 
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
@@ -115,21 +116,27 @@ def _quantize_kernel(
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
+    ws_ptr,  # SPLIT_K > 1: fp32 workspace [SPLIT_K, M, N]; _twopass reduces it and adds the bias
     # dimensions
-    M, N, K,
+    M, N, K, K_PER,  # K_PER: K elements per split (a multiple of 128; K when SPLIT_K == 1)
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym, stride_yn,
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of y; BLOCK_K must be 128 (one scale per K step)."""
+    """One [BLOCK_M, BLOCK_N] tile of y (or, split-K, its sum over K blocks [kb_lo, kb_hi)); BLOCK_K
+    must be 128 (one scale per K step)."""
     tl.static_assert(BLOCK_K == _GROUP, "block FP8 needs BLOCK_K == 128: one scale per K step")
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    pid_k = tl.program_id(1)
+    kb_lo = pid_k * (K_PER // BLOCK_K)
+    kb_hi = tl.minimum(kb_lo + K_PER // BLOCK_K, K // BLOCK_K)
+    offs_k = kb_lo * BLOCK_K + tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
     # x_ptrs [BLOCK_M, BLOCK_K]; w_ptrs [BLOCK_K, BLOCK_N] (a tile of W^T read from W [N, K])
@@ -141,7 +148,7 @@ def _gemm_kernel(
 
     # ----- K loop: one 128-deep partial per step, scaled before it joins the accumulator -----
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, K // BLOCK_K):
+    for kb in range(kb_lo, kb_hi):
         a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         if DOT_FP8:
@@ -153,6 +160,11 @@ def _gemm_kernel(
         acc += partial * sx[:, None] * sw[None, :]
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
+
+    if SPLIT_K > 1:  # a partial sum of this K range; the bias comes in the reduction
+        ws_ptrs = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+        return
 
     # ----- epilogue: bias, cast, store -----
     y = acc
@@ -167,6 +179,11 @@ def _gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
+def tile_config(M: int, N: int, K: int):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
+    return gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK)
+
+
 def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
     """Quantize activations to block FP8 (1x128 groups) with the Triton kernel, bit for bit as
     ``formats.quantize(x, "fp8_block", role="activation", ue8m0=ue8m0)``.
@@ -217,20 +234,25 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return y
     interp = interpreting()
     dot_fp8 = not interp
-    cfg = gemm_config(M, N, K, interp, block_k=FP8_BLOCK)
+    cfg = tile_config(M, N, K)
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
     sx, sw = xq.scale, qweight.scale
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
     _gemm_kernel[grid](
-        x, w, sx, sw, bias if bias is not None else y, y,
-        M, N, K,
+        x, w, sx, sw, bias if bias is not None else y, y, ws,
+        M, N, K, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and out_dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if n_split > 1:
+        launch_splitk_reduce(ws, y, bias=bias)
     return y
 
 

@@ -17,8 +17,8 @@ Activation quantization (spec: formats/fp8_tensor.py, the oracle):
 The amax is a reduction over the whole tensor, so quantization is two launches with no atomics
 and no host synchronization:
 
-    stage 1  _amax_partials_kernel: program p reduces rows [p*BLOCK_M, (p+1)*BLOCK_M) over all of
-             K and writes one float to partials[p].
+    stage 1  _amax_partials_kernel: program (p, q) reduces rows [p*BLOCK_M, (p+1)*BLOCK_M) over the
+             K tiles q, q + Pk, ... and writes one float to partials[p * Pk + q].
     stage 2  _quantize_kernel: every program reduces the (few) partials itself, computes sx,
              program (0, 0) writes sx to the scale tensor, and each program quantizes its
              [BLOCK_M, BLOCK_K] tile. A static ``scale`` skips stage 1 (the kernel reads sx).
@@ -67,12 +67,16 @@ from ._e4m3_gemm import (
     quant_config,
     round_to_bf16_rne,
 )
+from ._twopass import launch_splitk_reduce, splitk_plan, splitk_workspace
 
 FMT = "fp8_tensor"
 K_MULTIPLE = 1  # per-tensor scaling puts no constraint on K
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 PARTIALS_BLOCK = 1024  # partial maxima reduced per step in stage 2
+# max_num_imprecise_acc of the Hopper fp8 dot: promote the wgmma accumulator to fp32 every 128
+# products (K = 8192: max-rel error 1.5e-4; never promoting: 4e-3..7e-3, over the 1e-3 budget).
+IMPRECISE_ACC = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,18 +93,22 @@ def _amax_partials_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """partials[pid] = max |x| over rows [pid*BLOCK_M, (pid+1)*BLOCK_M) and all of K."""
-    pid = tl.program_id(0)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    """partials[pid_m * Pk + pid_k] = max |x| over rows [pid_m*BLOCK_M, (pid_m+1)*BLOCK_M) and the
+    K tiles pid_k, pid_k + Pk, ... The grid spans K as well as M: a program walking all of K issues
+    its loads one after another (at decode, M = 16 and K = 8192, that was ~45 us for one program)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pk = tl.num_programs(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_off = offs_m.to(tl.int64) * stride_xm
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         # x tile [BLOCK_M, BLOCK_K]; masked elements read as 0, which never raises a max of |x|
         x = tl.load(x_ptr + row_off[:, None] + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    tl.store(partials_ptr + pid, tl.max(amax, axis=0))
+    tl.store(partials_ptr + pid_m * num_pk + pid_k, tl.max(amax, axis=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,38 +161,48 @@ def _quantize_kernel(
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
+    ws_ptr,  # SPLIT_K > 1: fp32 workspace [SPLIT_K, M, N]; _twopass reduces it and runs the epilogue
     # dimensions
-    M, N, K,
+    M, N, K, K_PER,  # K_PER: K elements per split (a multiple of BLOCK_K; K when SPLIT_K == 1)
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y. x_ptr/w_ptr hold e4m3 codes: float8e4nv when DOT_FP8
     (GPU), uint8 otherwise (interpreter, decoded to fp32 before the dot)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     # x_ptrs is [BLOCK_M, BLOCK_K]; w_ptrs is [BLOCK_K, BLOCK_N], i.e. a tile of W^T read from W [N, K]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
 
     # ----- K loop: a plain matmul of the codes, fp32 accumulator [BLOCK_M, BLOCK_N] -----
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 - k_lo + offs_k) < K
         a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
         if DOT_FP8:
-            # Hopper: promote the fp8 wgmma accumulator into fp32 every BLOCK_K (=128) products;
+            # Hopper: promote the fp8 wgmma accumulator into fp32 every IMPRECISE_ACC (128) products;
             # Triton's default (2^30) never does and loses ~3 bits at large K.
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         else:
             acc = tl.dot(decode_e4m3(a), decode_e4m3(b), acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
+
+    if SPLIT_K > 1:  # a partial sum of this K range; the scales and bias come in the reduction
+        ws_ptrs = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        return
 
     # ----- epilogue: the two per-tensor scales, then the bias -----
     y = acc * tl.load(sx_ptr) * tl.load(sw_ptr)
@@ -199,6 +217,11 @@ def _gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
+def tile_config(M: int, N: int, K: int):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
+    return gemm_config(M, N, K, interpreting())
+
+
 def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     """Quantize activations to per-tensor FP8 with the Triton kernels, bit for bit as
     ``formats.quantize(x, "fp8_tensor", role="activation", scale=scale)``.
@@ -231,9 +254,12 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     partials = s  # unused placeholder pointer when the scale is static
     num_partials = 0
     if scale is None:
-        num_partials = triton.cdiv(M, block_m)
+        pm = triton.cdiv(M, block_m)
+        # K programs per row block: up to ~PARTIALS_BLOCK partials in all (stage 2 reads them all)
+        pk = 1 if interp else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
+        num_partials = pm * pk
         partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
-        _amax_partials_kernel[(num_partials,)](
+        _amax_partials_kernel[(pm, pk)](
             x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k
         )
     q = data.view(torch.uint8)
@@ -267,18 +293,23 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return y
     interp = interpreting()
     dot_fp8 = not interp
-    cfg = gemm_config(M, N, K, interp)
+    cfg = tile_config(M, N, K)
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
     _gemm_kernel[grid](
-        x, w, xq.scale, qweight.scale, bias if bias is not None else y, y,
-        M, N, K,
+        x, w, xq.scale, qweight.scale, bias if bias is not None else y, y, ws,
+        M, N, K, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and out_dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT_K=n_split, IMPRECISE_ACC=IMPRECISE_ACC,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if n_split > 1:
+        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=1, s1=xq.scale, s2=qweight.scale)
     return y
 
 

@@ -63,7 +63,7 @@ from ._common import (
     floor_log2,
     interpreting,
 )
-from ._fp4_gemm import launch_fp4_gemm
+from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm
 
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
@@ -167,6 +167,11 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
             CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k,
         )
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, VEC_SIZE), (M, K))
+
+
+def tile_config(M: int, N: int, K: int):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
+    return fp4_gemm_config(M, N, K, interpreting())
 
 
 def _check_out_dtype(out_dtype) -> None:

@@ -11,8 +11,9 @@ along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16
 
 Quantization (``quantize_activation``) runs two kernels:
 
-    _amax_partial_kernel   (dynamic g only) P programs, each the max |x| over a strided set of row
-                           tiles -> partial[P] (no atomics, so the result does not depend on timing)
+    _amax_partial_kernel   (dynamic g only) a (Pm, Pk) grid of programs, each the max |x| over a
+                           strided set of row and K tiles -> partial[Pm * Pk] (no atomics, so the
+                           result does not depend on timing)
     _quantize_kernel       every program reduces partial[0:P] itself (P <= 256, a few hundred
                            bytes), forms g, then quantizes its [BLOCK_M, BLOCK_K] tile:
         xb    = x tile as [BLOCK_M, BLOCK_K/16, 16] float32
@@ -59,7 +60,7 @@ from ._common import (
     encode_e4m3,
     interpreting,
 )
-from ._fp4_gemm import launch_fp4_gemm
+from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
@@ -86,19 +87,23 @@ def _amax_partial_kernel(
     stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """partial[pid] = max |x| over row tiles pid, pid + P, pid + 2P, ... (all K)."""
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
+    """partial[pid_m * Pk + pid_k] = max |x| over the row tiles pid_m, pid_m + Pm, ... and the K tiles
+    pid_k, pid_k + Pk, ... of a (Pm, Pk) grid. The grid spans K too: one program walking all of K
+    would issue its loads one after another (decode M = 16, K = 8192: 64 dependent steps, ~45 us)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pm = tl.num_programs(0)
+    num_pk = tl.num_programs(1)
     amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for m0 in range(pid * BLOCK_M, M, num_programs * BLOCK_M):
+    for m0 in range(pid_m * BLOCK_M, M, num_pm * BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
             ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-    tl.store(partial_ptr + pid, tl.max(tl.max(amax, axis=1), axis=0))
+    tl.store(partial_ptr + pid_m * num_pk + pid_k, tl.max(tl.max(amax, axis=1), axis=0))
 
 
 @triton.jit
@@ -216,9 +221,11 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
         g = torch.empty((1,), dtype=torch.float32, device=device)
         num_partials = 1
         if dynamic:
-            num_partials = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
+            pm = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
+            pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
+            num_partials = pm * pk
             g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
-            _amax_partial_kernel[(num_partials,)](
+            _amax_partial_kernel[(pm, pk)](
                 x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
         grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
         _quantize_kernel[grid](
@@ -230,6 +237,11 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
         )
     return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
                            (1, VEC_SIZE), (M, K))
+
+
+def tile_config(M: int, N: int, K: int):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
+    return fp4_gemm_config(M, N, K, interpreting())
 
 
 def _check_activation_q(xq, qweight) -> None:
