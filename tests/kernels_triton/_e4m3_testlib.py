@@ -75,7 +75,8 @@ def check_gemm(mod, xq, qweight, bias, out_dtype):
     if y.numel():
         assert ref.abs().max().item() > 0, "reference is all zeros: the comparison could not fail"
         err = rel_err(y, ref)
-        assert err <= TOL[out_dtype], f"rel err {err:.3e} > {TOL[out_dtype]:.0e}"
+        tol = tolerance(out_dtype, qweight.fmt)
+        assert err <= tol, f"rel err {err:.3e} > {tol:.0e}"
     return y
 
 

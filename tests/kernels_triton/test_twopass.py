@@ -1,0 +1,81 @@
+"""The two-kernel launch paths of every format (kernels_triton/_twopass.py), forced on small shapes
+so that they run under the interpreter too: split-K (fp32 workspace + ordered reduction, the
+epilogue in the reduction) and the decode pre-pass + plain GEMM. On a GPU the tile tables pick
+them only for decode-sized M (split-K) and large M (pre-pass); here every format takes each path
+on shapes with a K tail, a partial N tile and a bias, against the oracle at the usual tolerances."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import formats
+from _e4m3_testlib import make_bias, tolerance
+from conftest import DEVICE, make_input, rel_err
+from kernels_triton import _fp4_gemm, _twopass, fp8_block, fp8_tensor, module, mxfp4
+from kernels_triton._common import TileConfig, interpreting
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+FP4 = ("nvfp4", "mxfp4")
+# (fmt, block_k, K): fp8_block needs BLOCK_K = 128; 3 or 5 K tiles leave uneven splits
+CASES = [("fp8_tensor", 64, 320), ("fp8_block", 128, 640), ("mxfp8", 64, 320), ("nvfp4", 64, 320), ("mxfp4", 64, 320)]
+
+
+def _force(monkeypatch, fmt: str, cfg: TileConfig) -> None:
+    if fmt in FP4:
+        monkeypatch.setattr(_fp4_gemm, "fp4_gemm_config", lambda *a, **k: cfg)
+    else:
+        monkeypatch.setattr(module(fmt), "tile_config", lambda *a, **k: cfg)
+
+
+def _check(fmt, M, N, K, bias, out_dtype):
+    w = formats.quantize(make_input((N, K)) * 0.05, fmt, role="weight")
+    xq = formats.quantize(make_input((M, K)), fmt, role="activation")
+    y = module(fmt).gemm(xq, w, bias, out_dtype=out_dtype)
+    ref = formats.reference_linear(xq, w, bias, out_dtype=out_dtype)
+    assert y.shape == ref.shape and y.dtype == out_dtype
+    err = rel_err(y, ref)
+    assert err <= tolerance(out_dtype, fmt), f"{fmt}: rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("fmt,block_k,K", CASES)
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_matches_reference(monkeypatch, fmt, block_k, K, split):
+    cfg = TileConfig(16, 32, block_k, GROUP_M=1, num_warps=4, num_stages=1 if interpreting() else 3, SPLIT_K=split)
+    n_split, k_per = _twopass.splitk_plan(K, cfg)
+    assert n_split > 1 and k_per % block_k == 0
+    _force(monkeypatch, fmt, cfg)
+    _check(fmt, 5, 40, K, make_bias(40).to(DEVICE), BF16)
+    _check(fmt, 17, 33, K, None, FP32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("out_dtype", [BF16, FP16])
+def test_prepass_matches_reference(monkeypatch, fmt, out_dtype):
+    cfg = TileConfig(32, 32, 64, GROUP_M=2, num_warps=4, num_stages=1 if interpreting() else 3, PREPASS=True)
+    _force(monkeypatch, fmt, cfg)
+    _check(fmt, 37, 48, 320, make_bias(48).to(DEVICE), out_dtype)
+
+
+def test_prepass_w4a16_bf16(monkeypatch):
+    cfg = TileConfig(32, 32, 64, GROUP_M=2, num_warps=4, num_stages=1 if interpreting() else 3, PREPASS=True)
+    monkeypatch.setattr(_fp4_gemm, "fp4_gemm_config", lambda *a, **k: cfg)
+    w = formats.quantize(make_input((48, 256)) * 0.05, "mxfp4", role="weight")
+    x = make_input((37, 256), BF16).to(DEVICE)
+    y = mxfp4.gemm_w4a16(x, w)
+    ref = (x.double() @ formats.dequantize(w, torch.float64).T).to(BF16)
+    assert rel_err(y, ref) <= tolerance(BF16, "mxfp4")
+
+
+def test_split_k_plan_covers_k_once():
+    for K in (128, 320, 8192, 8192 + 64):
+        for split in (1, 2, 3, 8, 64):
+            n, per = _twopass.splitk_plan(K, TileConfig(16, 64, 64, SPLIT_K=split))
+            covered = [k for s in range(n) for k in range(s * per, min(K, (s + 1) * per))]
+            assert covered == list(range(K)) and per % 64 == 0
+
+
+def test_tile_config_is_exposed():
+    for fmt in ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4"):
+        assert isinstance(module(fmt).tile_config(16, 8192, 8192), TileConfig)
+    assert fp8_tensor.tile_config(16, 64, 128).BLOCK_K and fp8_block.tile_config(1, 64, 128).BLOCK_K == 128
