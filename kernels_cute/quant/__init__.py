@@ -95,6 +95,8 @@ def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTens
     unknown = sorted(set(opts) - set(OPTIONS[fmt]))
     if unknown:
         raise ValueError(f"{fmt} takes options {OPTIONS[fmt]}, got unknown {unknown}")
+    if fmt == "mxfp4" and opts.get("scale_rule", "ceil") not in mxfp4.SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {mxfp4.SCALE_RULES}, got {opts['scale_rule']!r}")
     check_activation(x, None, K_MULTIPLE[fmt], fmt)
     if x.device.type != "cuda":
         raise ValueError(f"the CuTe DSL quantizers need a CUDA tensor, got x on {x.device}")
@@ -113,10 +115,7 @@ def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTens
         data, s = fp8_block.quantize(x2, ue8m0=bool(opts.get("ue8m0", False)))
         return QuantizedTensor(fmt, "activation", data, s, None, (1, FP8_BLOCK), (M, K))
     if fmt == "mxfp4":
-        rule = opts.get("scale_rule", "ceil")
-        if rule not in mxfp4.SCALE_RULES:
-            raise ValueError(f"scale_rule must be one of {mxfp4.SCALE_RULES}, got {rule!r}")
-        data, s = mxfp4.quantize(x2, scale_rule=rule, swizzled=swizzled)
+        data, s = mxfp4.quantize(x2, scale_rule=opts.get("scale_rule", "ceil"), swizzled=swizzled)
         return QuantizedTensor(fmt, "activation", data, s, None, (1, MX_BLOCK), (M, K), layout)
     gs = opts.get("global_scale")
     g_in = None if gs is None else _static_global_scale(gs, x.device)
