@@ -244,6 +244,16 @@ def flatten_activation(x: torch.Tensor, K: int, fmt: str) -> torch.Tensor:
     return x.reshape(-1, K)
 
 
+QUANTIZERS = ("triton", "cute")  # activation quantizer of the kernels_cute paths (see kernels_cute/quant)
+
+
+def check_quantizer(quantizer: str) -> str:
+    """``quantizer`` if it is "triton" or "cute", else ValueError."""
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
+    return quantizer
+
+
 def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
     """y + bias, summed in fp32 and rounded once more to y's dtype (b12x never fuses a bias into
     the serialized GEMMs; the Triton kernels add it in fp32 before their single rounding, so this

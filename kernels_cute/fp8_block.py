@@ -65,16 +65,23 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
+def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False, quantizer: str = "triton") -> QuantizedTensor:
     """kernels_triton.fp8_block.quantize_activation (bit-exact with the oracle): e4m3 [M, K] and
-    fp32 [M, K/128] compact scales, which is b12x's layout already."""
+    fp32 [M, K/128] compact scales, which is b12x's layout already.
+    ``quantizer``: "triton" (default) or "cute" (our CuTe DSL kernels, kernels_cute/quant; bit for
+    bit the same result).
+    """
+    if C.check_quantizer(quantizer) == "cute":
+        from .quant import quantize_activation_cute
+
+        return quantize_activation_cute(x, FMT, ue8m0=ue8m0)
     from kernels_triton import fp8_block as tri
 
     return tri.quantize_activation(x, ue8m0=ue8m0)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           ue8m0: bool = False, a16: bool = False) -> torch.Tensor:
+           ue8m0: bool = False, a16: bool = False, quantizer: str = "triton") -> torch.Tensor:
     """y = x . W^T (+ bias), W8A8 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError("fp8_block has no W8A16 variant here")
@@ -84,7 +91,7 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     if M == 0:
         return x.new_empty((*x.shape[:-1], N))
     plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
-    xq = quantize_activation(x2, ue8m0=ue8m0)
+    xq = quantize_activation(x2, ue8m0=ue8m0, quantizer=quantizer)
     y = C.blockscaled().mm_block_fp8(xq.data.contiguous(), xq.scale.contiguous(), prepared.data, prepared.scale,
                                       plan=plan, out_dtype=x.dtype)
     return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)

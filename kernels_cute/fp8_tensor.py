@@ -75,16 +75,23 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
+def quantize_activation(x: torch.Tensor, *, scale=None, quantizer: str = "triton") -> QuantizedTensor:
     """kernels_triton.fp8_tensor.quantize_activation (bit-exact with the oracle): e4m3 [M, K] and a
-    0-d fp32 scale on the device."""
+    0-d fp32 scale on the device.
+    ``quantizer``: "triton" (default) or "cute" (our CuTe DSL kernels, kernels_cute/quant; bit for
+    bit the same result).
+    """
+    if C.check_quantizer(quantizer) == "cute":
+        from .quant import quantize_activation_cute
+
+        return quantize_activation_cute(x, FMT, scale=scale)
     from kernels_triton import fp8_tensor as tri
 
     return tri.quantize_activation(x, scale=scale)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           scale=None, a16: bool = False) -> torch.Tensor:
+           scale=None, a16: bool = False, quantizer: str = "triton") -> torch.Tensor:
     """y = x . W^T (+ bias), W8A8 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError("fp8_tensor has no W8A16 variant here")
@@ -94,7 +101,7 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     if M == 0:
         return x.new_empty((*x.shape[:-1], N))
     plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
-    xq = quantize_activation(x2, scale=scale)
+    xq = quantize_activation(x2, scale=scale, quantizer=quantizer)
     weight = replace(prepared.packed, output_scale=(xq.scale.reshape(1) * prepared.scale).contiguous())
     y = C.blockscaled().mm(xq.data.contiguous(), weight, plan=plan, out_dtype=x.dtype)
     return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)

@@ -86,9 +86,16 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
+def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil", quantizer: str = "triton") -> QuantizedTensor:
     """kernels_triton.mxfp4.quantize_activation (bit-exact with the oracle), scales then swizzled
-    (uint8 E8M0 flat, scale_layout="swizzled_128x4")."""
+    (uint8 E8M0 flat, scale_layout="swizzled_128x4").
+    ``quantizer``: "triton" (default) or "cute" (our CuTe DSL kernels, kernels_cute/quant; bit for
+    bit the same result). The CuTe kernel writes the swizzled layout directly.
+    """
+    if C.check_quantizer(quantizer) == "cute":
+        from .quant import quantize_activation_cute
+
+        return quantize_activation_cute(x, FMT, scale_rule=scale_rule, swizzled=True)
     from kernels_triton import mxfp4 as tri
 
     xq = tri.quantize_activation(x, scale_rule=scale_rule)
@@ -96,7 +103,7 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           scale_rule: str = "ceil", a16: bool = False) -> torch.Tensor:
+           scale_rule: str = "ceil", a16: bool = False, quantizer: str = "triton") -> torch.Tensor:
     """y = x . W^T (+ bias), W4A4 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError(f"kernels_cute.mxfp4: {A16_UNSUPPORTED}")
@@ -106,6 +113,6 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     if M == 0:
         return x.new_empty((*x.shape[:-1], N))
     plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
-    xq = quantize_activation(x2, scale_rule=scale_rule)
+    xq = quantize_activation(x2, scale_rule=scale_rule, quantizer=quantizer)
     y = C.blockscaled().mm_mxfp4(xq.data, xq.scale, prepared.data, prepared.scale, plan=plan, out_dtype=x.dtype)
     return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)

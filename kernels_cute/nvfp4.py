@@ -75,10 +75,18 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None) -> QuantizedTensor:
+def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None,
+                        quantizer: str = "triton") -> QuantizedTensor:
     """kernels_triton.nvfp4.quantize_activation (bit-exact with the oracle), scales then swizzled:
     QuantizedTensor(data uint8 [M, K/2], scale float8_e4m3fn flat swizzled, global_scale f32 0-d,
-    scale_layout="swizzled_128x4")."""
+    scale_layout="swizzled_128x4").
+    ``quantizer``: "triton" (default) or "cute" (our CuTe DSL kernels, kernels_cute/quant; bit for
+    bit the same result). The CuTe kernel writes the swizzled layout directly.
+    """
+    if C.check_quantizer(quantizer) == "cute":
+        from .quant import quantize_activation_cute
+
+        return quantize_activation_cute(x, FMT, global_scale=global_scale, swizzled=True)
     from kernels_triton import nvfp4 as tri
 
     xq = tri.quantize_activation(x, global_scale=global_scale)
@@ -86,7 +94,8 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           global_scale: Union[None, float, torch.Tensor] = None, a16: bool = False) -> torch.Tensor:
+           global_scale: Union[None, float, torch.Tensor] = None, a16: bool = False,
+           quantizer: str = "triton") -> torch.Tensor:
     """y = x . W^T (+ bias), W4A4 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError("nvfp4 has no W4A16 variant here (only mxfp4_w4a16)")
@@ -96,7 +105,7 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     if M == 0:
         return x.new_empty((*x.shape[:-1], N))
     plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
-    xq = quantize_activation(x2, global_scale=global_scale)
+    xq = quantize_activation(x2, global_scale=global_scale, quantizer=quantizer)
     alpha = (torch.reciprocal(xq.global_scale.reshape(1).float()) * torch.reciprocal(prepared.global_scale))
     y = C.blockscaled().mm_nvfp4(xq.data, xq.scale, prepared.data, prepared.scale, alpha,
                                   plan=plan, out_dtype=x.dtype)
