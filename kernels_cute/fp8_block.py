@@ -3,12 +3,13 @@ serialized ``blockscaled.mm_block_fp8``.
 
 **Strategy.** DeepGEMM-style, as formats/fp8_block.py specifies:
 
-    xq = kernels_triton.fp8_block.quantize_activation(x)     e4m3 [M, K], fp32 sx [M, K/128]
+    xq = kernels_cute.quant (or kernels_triton) quantizer     e4m3 [M, K], fp32 sx [M, K/128]
     y  = mm_block_fp8(xq.data, sx, W.data, sw [N/128, K/128], plan=cap plan)
          (each 128-deep K step: e4m3 MMA, then acc += partial * sx * sw in fp32)
     y += bias                                                 (fp32 sum, one more rounding)
 
-b12x has no 1x128 activation quantizer, so the Triton one (bit-exact with the oracle) is used; the
+b12x has no 1x128 activation quantizer, so ours in CuTe DSL (kernels_cute/quant; or the Triton one with
+``quantizer="triton"``, both bit-exact with the oracle) is used; the
 compact row-major fp32 scales are what ``mm_block_fp8`` takes, no swizzle. ``gemm.block_fp8_linear``
 is deliberately *not* used: it requantizes the scales to UE8M0 and runs MXFP8 (different numbers).
 
@@ -65,11 +66,11 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False, quantizer: str = "triton") -> QuantizedTensor:
+def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
     """kernels_triton.fp8_block.quantize_activation (bit-exact with the oracle): e4m3 [M, K] and
     fp32 [M, K/128] compact scales, which is b12x's layout already.
-    ``quantizer``: "triton" (default) or "cute" (our CuTe DSL kernels, kernels_cute/quant; bit for
-    bit the same result).
+    ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
+    (kernels_triton); bit for bit the same result.
     """
     if C.check_quantizer(quantizer) == "cute":
         from .quant import quantize_activation_cute
@@ -81,7 +82,7 @@ def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False, quantizer: str 
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           ue8m0: bool = False, a16: bool = False, quantizer: str = "triton") -> torch.Tensor:
+           ue8m0: bool = False, a16: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> torch.Tensor:
     """y = x . W^T (+ bias), W8A8 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError("fp8_block has no W8A16 variant here")

@@ -3,7 +3,7 @@
 
 **Strategy.**
 
-    xq = kernels_triton.fp8_tensor.quantize_activation(x)    e4m3 [M, K], fp32 sx (0-d, on device)
+    xq = kernels_cute.quant (or kernels_triton) quantizer    e4m3 [M, K], fp32 sx (0-d, on device)
     y  = mm(xq.data, W_packed(output_scale = sx * sw), plan=cap plan)
          (plain e4m3 MMA, fp32 accumulation, y = acc * output_scale in the epilogue)
     y += bias                                                 (fp32 sum, one more rounding)
@@ -15,8 +15,8 @@ device tensor ``sx * sw`` (no host synchronization, nothing shared is mutated; t
 ``output_scale`` as its ``alpha`` tensor at run time). The rounding order differs from Triton's
 ``(acc * sx) * sw`` by at most an fp32 ulp before the output rounding.
 
-b12x has no per-tensor FP8 activation quantizer (dynamic amax); the Triton one (bit-exact with the
-oracle) is used. On <= 64-SM parts (GB10) b12x runs M <= 8 on its block-FP8 kernel with unit scales;
+b12x has no per-tensor FP8 activation quantizer (dynamic amax); ours in CuTe DSL (kernels_cute/quant,
+bit-exact with the oracle) is used, or the Triton one with ``quantizer="triton"``. On <= 64-SM parts (GB10) b12x runs M <= 8 on its block-FP8 kernel with unit scales;
 the numbers are the same W8A8 GEMM.
 
 **Capability.** SM120/SM121 with b12x==1.5.1 (``gemm.tensor_fp8_linear.is_supported()``, which also
@@ -75,11 +75,11 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, scale=None, quantizer: str = "triton") -> QuantizedTensor:
+def quantize_activation(x: torch.Tensor, *, scale=None, quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
     """kernels_triton.fp8_tensor.quantize_activation (bit-exact with the oracle): e4m3 [M, K] and a
     0-d fp32 scale on the device.
-    ``quantizer``: "triton" (default) or "cute" (our CuTe DSL kernels, kernels_cute/quant; bit for
-    bit the same result).
+    ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
+    (kernels_triton); bit for bit the same result.
     """
     if C.check_quantizer(quantizer) == "cute":
         from .quant import quantize_activation_cute
@@ -91,7 +91,7 @@ def quantize_activation(x: torch.Tensor, *, scale=None, quantizer: str = "triton
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           scale=None, a16: bool = False, quantizer: str = "triton") -> torch.Tensor:
+           scale=None, a16: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> torch.Tensor:
     """y = x . W^T (+ bias), W8A8 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError("fp8_tensor has no W8A16 variant here")

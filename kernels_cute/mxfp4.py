@@ -2,12 +2,13 @@
 
 **Strategy.** y = x . W^T with both operands MXFP4 (formats/mxfp4.py):
 
-    xq  = kernels_triton.mxfp4.quantize_activation(x)   codes uint8 [M, K/2], E8M0 bytes [M, K/32]
+    xq  = kernels_cute.quant (or kernels_triton) quantizer   codes uint8 [M, K/2], E8M0 bytes [M, K/32]
     sfa = formats.swizzle_128x4(xq.scale)               flat 128x4-swizzled scale bytes
     y   = mm_mxfp4(xq.data, sfa, W.data, W.scale_swz, plan=cap plan)   fp32 accumulation, no alpha
     y  += bias                                          (fp32 sum, one more rounding)
 
-b12x ships no MXFP4 activation quantizer, so the Triton one (bit-exact with the oracle) is used.
+b12x ships no MXFP4 activation quantizer, so ours in CuTe DSL (kernels_cute/quant; or the Triton one
+with ``quantizer="triton"``, both bit-exact with the oracle) is used.
 
 **The tile_k=256 bug, routed around.** b12x 1.5.1's ``_select_fp4_tile_k`` (written for NVFP4)
 also picks tile_k=256 for MXFP4 when the planned M is <= 128 and K >= 4096, and that lowering fails
@@ -86,11 +87,11 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil", quantizer: str = "triton") -> QuantizedTensor:
+def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil", quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
     """kernels_triton.mxfp4.quantize_activation (bit-exact with the oracle), scales then swizzled
     (uint8 E8M0 flat, scale_layout="swizzled_128x4").
-    ``quantizer``: "triton" (default) or "cute" (our CuTe DSL kernels, kernels_cute/quant; bit for
-    bit the same result). The CuTe kernel writes the swizzled layout directly.
+    ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
+    (kernels_triton); bit for bit the same result. The CuTe kernel writes the swizzled layout directly.
     """
     if C.check_quantizer(quantizer) == "cute":
         from .quant import quantize_activation_cute
@@ -103,7 +104,7 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil", quantizer:
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           scale_rule: str = "ceil", a16: bool = False, quantizer: str = "triton") -> torch.Tensor:
+           scale_rule: str = "ceil", a16: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> torch.Tensor:
     """y = x . W^T (+ bias), W4A4 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError(f"kernels_cute.mxfp4: {A16_UNSUPPORTED}")

@@ -13,7 +13,8 @@
 ``quantization.nvfp4``, which also needs M % 128 and K % 128); the oracle and kernels_triton compute
 ``e4m3(div_rn(amax, 6) * g)``. ``1/6`` is inexact in fp32, so the two can land on different sides of
 an e4m3 rounding boundary and give different codes. The Triton quantizer is bit-exact with the
-oracle (tests/kernels_triton), so the CuTe path uses it and then swizzles the scales.
+oracle (tests/kernels_triton), and so is ours in CuTe DSL (kernels_cute/quant, any M): the CuTe path
+uses ours (``quantizer="triton"`` for the Triton one) and then swizzles the scales.
 
 **Capability.** SM120/SM121 with b12x==1.5.1 (``blockscaled.is_supported()``).
 
@@ -76,12 +77,12 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
 
 
 def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None,
-                        quantizer: str = "triton") -> QuantizedTensor:
+                        quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
     """kernels_triton.nvfp4.quantize_activation (bit-exact with the oracle), scales then swizzled:
     QuantizedTensor(data uint8 [M, K/2], scale float8_e4m3fn flat swizzled, global_scale f32 0-d,
     scale_layout="swizzled_128x4").
-    ``quantizer``: "triton" (default) or "cute" (our CuTe DSL kernels, kernels_cute/quant; bit for
-    bit the same result). The CuTe kernel writes the swizzled layout directly.
+    ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
+    (kernels_triton); bit for bit the same result. The CuTe kernel writes the swizzled layout directly.
     """
     if C.check_quantizer(quantizer) == "cute":
         from .quant import quantize_activation_cute
@@ -95,7 +96,7 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
            global_scale: Union[None, float, torch.Tensor] = None, a16: bool = False,
-           quantizer: str = "triton") -> torch.Tensor:
+           quantizer: str = C.DEFAULT_QUANTIZER) -> torch.Tensor:
     """y = x . W^T (+ bias), W4A4 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError("nvfp4 has no W4A16 variant here (only mxfp4_w4a16)")
