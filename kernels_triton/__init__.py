@@ -7,19 +7,32 @@ kernel, a GEMM kernel and host wrappers with the same names:
     gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16) -> Tensor [M, N]
     linear(x, qweight, bias=None, **opts) -> Tensor [..., N]    (quantize + gemm)
 
-With no CUDA device and TRITON_INTERPRET unset, importing this package sets TRITON_INTERPRET=1
-(before any kernel is defined, which is when Triton reads it), so the kernels run on CPU tensors in
-Triton's interpreter.
+With no CUDA device and TRITON_INTERPRET unset, importing this package sets TRITON_INTERPRET=1, so
+the kernels run on CPU tensors in Triton's interpreter. Triton reads the variable when it is first
+imported, so this package must be imported before anything else imports triton (transformers
+does); otherwise it warns, and the variable has to be set in the environment instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
+import warnings
 
 import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    if "triton" in sys.modules:
+        # Triton reads the variable when it is first imported (e.g. by transformers), so setting
+        # it now is too late: the kernels would fail inside Triton instead of being interpreted.
+        warnings.warn(
+            "kernels_triton: no CUDA device and TRITON_INTERPRET is unset, but triton was already "
+            "imported; the Triton kernels will not run. Import kernels_triton (or dispatch) before "
+            "anything that imports triton, or set TRITON_INTERPRET=1 in the environment.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 from formats import FORMAT_NAMES  # noqa: E402

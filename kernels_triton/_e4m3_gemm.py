@@ -36,7 +36,7 @@ def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | No
     """Tile sizes for the GEMM kernels (the SM90 table; docs/perf_notes.md has the measurements).
 
     Under the interpreter each (program x K-iteration) costs ~2-3 ms of Python whatever the tile
-    size, so the tiles are as large as the problem (up to 128 x 128, K up to 512 per step). On GPU,
+    size, so the tiles are as large as the problem (up to 256 x 256, K up to 512 per step). On GPU,
     by M:
       M <= 16   16 x 64 x 128, 4 stages, one program per tile (the e4m3 dot formats; split-K measured
                 slower here: 30.5 vs 26.9 us at N = K = 8192), split-K for mxfp8, whose decode
@@ -49,8 +49,8 @@ def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | No
     ``block_k`` forces BLOCK_K (block FP8 needs exactly 128: one scale per K step).
     """
     if interpreting:
-        bm = min(128, max(16, triton.next_power_of_2(M)))
-        bn = min(128, max(16, triton.next_power_of_2(N)))
+        bm = min(256, max(16, triton.next_power_of_2(M)))
+        bn = min(256, max(16, triton.next_power_of_2(N)))
         bk = block_k or min(512, max(32, triton.next_power_of_2(K)))
         return TileConfig(bm, bn, bk, GROUP_M=8, num_warps=4, num_stages=1)
     bk = block_k or 128
