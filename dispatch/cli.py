@@ -12,7 +12,7 @@ import importlib
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
-SUBCOMMANDS = ["dispatch.info", "dispatch.demo", "dispatch.sweep"]
+SUBCOMMANDS = ["dispatch.info", "dispatch.demo", "dispatch.sweep", "dispatch.bench"]
 """Modules providing a subcommand, in the order ``--help`` lists them."""
 
 
