@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import rel_err
+from conftest import DEVICE, rel_err
 from formats import reference_linear
 from dispatch import QuantLinear, api, policy, quantize_model
 from dispatch.policy import ImplementationUnavailable
@@ -59,6 +59,7 @@ def test_quant_linear_matches_nn_linear_within_the_format_error(variant, impl):
     lo, hi = REL_ERR_BOUNDS[variant]
     for seed in SEEDS:
         lin, x = _layer(seed)
+        lin, x = lin.to(DEVICE), x.to(DEVICE)  # the GPU where there is one (the interpreter is off there)
         q = QuantLinear.from_linear(lin, variant, impl=impl, act_dtype=torch.bfloat16)
         with torch.no_grad():
             y, ref = q(x), lin(x)
