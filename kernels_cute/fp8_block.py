@@ -67,7 +67,7 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
 
 
 def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
-    """kernels_triton.fp8_block.quantize_activation (bit-exact with the oracle): e4m3 [M, K] and
+    """1x128 block-FP8 activation quantization, bit-exact with the oracle: e4m3 [M, K] and
     fp32 [M, K/128] compact scales, which is b12x's layout already.
     ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
     (kernels_triton); bit for bit the same result.

@@ -76,7 +76,7 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
 
 
 def quantize_activation(x: torch.Tensor, *, scale=None, quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
-    """kernels_triton.fp8_tensor.quantize_activation (bit-exact with the oracle): e4m3 [M, K] and a
+    """Per-tensor FP8 activation quantization, bit-exact with the oracle: e4m3 [M, K] and a
     0-d fp32 scale on the device.
     ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
     (kernels_triton); bit for bit the same result.

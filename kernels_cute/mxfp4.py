@@ -88,7 +88,7 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
 
 
 def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil", quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
-    """kernels_triton.mxfp4.quantize_activation (bit-exact with the oracle), scales then swizzled
+    """MXFP4 activation quantization, bit-exact with the oracle, scales in the swizzled layout
     (uint8 E8M0 flat, scale_layout="swizzled_128x4").
     ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
     (kernels_triton); bit for bit the same result. The CuTe kernel writes the swizzled layout directly.

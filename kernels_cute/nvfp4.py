@@ -2,8 +2,8 @@
 
 **Strategy.** y = x . W^T with both operands NVFP4 (formats/nvfp4.py):
 
-    xq = kernels_triton.nvfp4.quantize_activation(x)          codes uint8 [M, K/2], e4m3 [M, K/16], g_x
-    sfa = formats.swizzle_128x4(xq.scale)                     flat 128x4-swizzled scale bytes
+    xq = kernels_cute.quant (default) or kernels_triton quantizer:  codes uint8 [M, K/2], e4m3 [M, K/16], g_x
+    sfa = xq.scale, flat 128x4-swizzled (the CuTe quantizer writes it so; Triton's is swizzled after)
     y  = mm_nvfp4(xq.data, sfa, W.data, W.scale_swz, alpha, plan=cap plan)   fp32 accumulation
          alpha = (1 / g_x) * (1 / g_w)                        (float32 [1], on the device)
     y += bias                                                 (fp32 sum, one more rounding)
@@ -78,7 +78,7 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
 
 def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None,
                         quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
-    """kernels_triton.nvfp4.quantize_activation (bit-exact with the oracle), scales then swizzled:
+    """NVFP4 activation quantization, bit-exact with the oracle, scales in the swizzled layout:
     QuantizedTensor(data uint8 [M, K/2], scale float8_e4m3fn flat swizzled, global_scale f32 0-d,
     scale_layout="swizzled_128x4").
     ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"

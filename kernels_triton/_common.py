@@ -195,6 +195,12 @@ def check_weight(qweight, fmt: str) -> None:
         raise ValueError(f"qweight.scale_layout must be 'linear' for the Triton kernels, got {qweight.scale_layout!r}")
 
 
+def kernel_bias(bias):
+    """The bias as the kernels read it: ``bias_ptr + offs_n``, so a strided view (e.g. a column of a
+    matrix) must be made contiguous first, or the kernel would read the wrong elements."""
+    return None if bias is None else bias.contiguous()
+
+
 def check_bias(bias, n: int, device) -> None:
     if bias is None:
         return

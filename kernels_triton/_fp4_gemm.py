@@ -61,7 +61,8 @@ def _pow2_clamp(v: int, lo: int, hi: int) -> int:
 
 
 def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
-    """Tile sizes for the FP4 GEMM (the SM90 table; ``SM120_TABLE`` below is the SM12x one).
+    """Tile sizes for the FP4 GEMM (the SM90 table; it also serves SM12x for now: ``SM120_TABLE``
+    below is written but not selected until it has been measured on SM12x hardware).
 
     Interpreter: a (program x K-iteration) costs milliseconds of Python and numpy, so take tiles as
     large as the problem, up to 256 x 256 x 512 (measured: M, N, K = 257, 200, 384 takes 0.24 s as
@@ -101,9 +102,10 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
 
 PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
 # SM12x (RTX 50x0 / RTX PRO 6000 / DGX Spark): 101,376 B of shared memory per block, ~99 KB per SM,
-# no wgmma (mma.sync only), 1536 threads per SM. UNTESTED ON HARDWARE: sized from the limits only.
-# Fused 64 x 128 x 64 with 3 stages stores (64 + 128) * 32 B of codes + scales per stage (~20 KB);
-# the pre-pass GEMM 128 x 128 x 64 bf16 with 3 stages takes 3 * (128 + 128) * 64 * 2 = 96 KB.
+# no wgmma (mma.sync only), 1536 threads per SM. UNTESTED ON HARDWARE and NOT SELECTED YET (SM12x
+# runs fp4_gemm_config's SM90 choices). Shared memory, from Triton 3.9's allocation for sm_120 (it
+# keeps num_stages - 1 buffers there): the pre-pass GEMM 128 x 128 x 64 bf16, 3 stages, 65,536 B;
+# the SM90 pre-pass tile 128 x 256 x 64, 98,304 B: both under the 101,376 B limit.
 SM120_TABLE = {
     "decode": TileConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
     "small": TileConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
@@ -243,7 +245,8 @@ def fp4_gemm_kernel(
     # ----- epilogue: global scales (nvfp4), bias, cast, masked store
     if HAS_GLOBAL:
         # alpha = 1 / (g_x * g_w), computed here from the device tensors (no host sync, so the call
-        # can be captured in a CUDA graph); as two reciprocals so that g_x * g_w cannot overflow.
+        # can be captured in a CUDA graph); as two reciprocals so that g_x * g_w cannot overflow
+        # (their product underflows only when amax_x * amax_w < ~1e-31).
         gx = tl.load(gx_ptr)
         gw = tl.load(gw_ptr)
         alpha = tl.math.div_rn(1.0, gx) * tl.math.div_rn(1.0, gw)
@@ -310,9 +313,11 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
     if M == 0 or N == 0:
         return out
     interp = interpreting()
-    cfg = config or fp4_gemm_config(M, N, K, interp)
-    has_global = gx is not None
     split = bool(a16 and a.dtype == torch.float16 and not interp)
+    # fp16 W4A16 keeps the fused hi/lo kernel at every M, so it never takes the pre-pass GEMM's tile
+    # (128 x 256 spills in the fused kernel): it uses the fused config of M <= 128 instead.
+    cfg = config or fp4_gemm_config(min(M, PREPASS_MIN_M) if split else M, N, K, interp)
+    has_global = gx is not None
     if cfg.PREPASS and not split:
         # Large M: decode each operand once (bf16 scratch), then one plain GEMM; alpha and bias in
         # its epilogue. W4A16 with bf16 x uses x itself (fp16 x keeps the fused hi/lo path).

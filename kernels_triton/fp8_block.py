@@ -56,6 +56,7 @@ from ._common import (
     encode_e4m3,
     exp2_int,
     interpreting,
+    kernel_bias,
 )
 from ._e4m3_gemm import (
     check_gemm_operands,
@@ -136,7 +137,7 @@ def _gemm_kernel(
     pid_k = tl.program_id(1)
     kb_lo = pid_k * (K_PER // BLOCK_K)
     kb_hi = tl.minimum(kb_lo + K_PER // BLOCK_K, K // BLOCK_K)
-    offs_k = kb_lo * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_k = (kb_lo * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)  # int64: K * stride may pass 2^31
     m_ok = offs_m < M
     n_ok = offs_n < N
     # x_ptrs [BLOCK_M, BLOCK_K]; w_ptrs [BLOCK_K, BLOCK_N] (a tile of W^T read from W [N, K])
@@ -229,6 +230,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y

@@ -57,7 +57,7 @@ from formats import QuantizedTensor
 from formats.base import check_positive_scalar
 from formats.constants import AMAX_FLOOR, E4M3_MAX
 
-from ._common import check_activation, check_bias, check_weight, decode_e4m3, encode_e4m3, interpreting
+from ._common import check_activation, check_bias, check_weight, kernel_bias, decode_e4m3, encode_e4m3, interpreting
 from ._e4m3_gemm import (
     check_gemm_operands,
     e4m3_operand,
@@ -288,6 +288,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y

@@ -62,6 +62,7 @@ from ._common import (
     exp2_int,
     floor_log2,
     interpreting,
+    kernel_bias,
 )
 from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm
 
@@ -207,6 +208,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     _check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
+    bias = kernel_bias(bias)
     return launch_fp4_gemm(
         xq.data.contiguous(), xq.scale.contiguous(), qweight.data.contiguous(), qweight.scale.contiguous(),
         M=xq.rows, N=N, K=K, group=VEC_SIZE, scale_e4m3=False, bias=bias, out_dtype=out_dtype,
@@ -236,6 +238,7 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
     _check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
+    bias = kernel_bias(bias)
     return launch_fp4_gemm(
         x2d, None, qweight.data.contiguous(), qweight.scale.contiguous(),
         M=x2d.shape[0], N=N, K=K, group=VEC_SIZE, scale_e4m3=False, bias=bias, out_dtype=out_dtype,

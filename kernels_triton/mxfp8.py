@@ -72,6 +72,7 @@ from ._common import (
     exp2_int,
     floor_log2,
     interpreting,
+    kernel_bias,
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, quant_config, round_to_bf16_rne
 from ._twopass import launch_bf16_gemm, launch_splitk_reduce, scratch_dtype, splitk_plan, splitk_workspace
@@ -283,6 +284,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y

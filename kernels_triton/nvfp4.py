@@ -59,6 +59,7 @@ from ._common import (
     encode_e2m1,
     encode_e4m3,
     interpreting,
+    kernel_bias,
 )
 from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm
 
@@ -277,6 +278,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
+    bias = kernel_bias(bias)
     return launch_fp4_gemm(
         xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8),
         qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
