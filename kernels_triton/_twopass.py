@@ -79,10 +79,10 @@ def splitk_reduce_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     mask = m_ok[:, None] & n_ok[None, :]
-    off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    rows = offs_m.to(tl.int64)  # int64: the workspace [SPLIT_K * M, N] may pass 2^31 elements
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: the same bits every run
-        acc += tl.load(ws_ptr + s * M.to(tl.int64) * N + off, mask=mask, other=0.0)  # int64: S*M*N may pass 2^31
+        acc += tl.load(ws_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     acc = _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
