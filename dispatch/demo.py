@@ -43,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "demo",
         help="quantize all-MiniLM-L6-v2 in every format and compare its sentence embeddings",
-        description=__doc__.split("\n\n")[1],
+        description="\n\n".join(__doc__.split("\n\n")[1:3]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--formats", default=",".join(DEMO_VARIANTS),
@@ -258,9 +258,11 @@ def run(args) -> int:
         return 2
     print_table(report)
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         err.print(f"wrote {args.json}")
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(report, args.plot)
         err.print(f"wrote {args.plot}")
     return 0

@@ -5,8 +5,8 @@ decision a pure function of (device, format, shape) that the tests can evaluate 
 or a DGX Spark on a machine that has neither. :func:`current_device` builds the value for the GPU
 this process actually sees (or the CPU entry when there is none).
 
-Numbers (SMs, shared memory per block, memory bandwidth) come from ../shared/notes/triton.md
-(vendor data sheets; 101,376 B = the 99 KiB opt-in limit per block on SM12x, 232,448 B = 227 KiB
+Numbers (SMs, shared memory per block, memory bandwidth) come from the vendors' data sheets
+(101,376 B = the 99 KiB opt-in limit per block on SM12x, 232,448 B = 227 KiB
 on SM90).
 """
 

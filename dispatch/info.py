@@ -28,11 +28,15 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    dev = resolve(args.device)
     console = Console(width=None if sys.stdout.isatty() else 160)  # rich assumes 80 columns in a pipe
+    try:
+        dev = resolve(args.device)
+        requested, source = policy.requested_impl()
+    except ValueError as e:  # a bad --device or B12X_IMPL: one clear line, no traceback
+        Console(stderr=True).print(f"[red]b12x-dual info: {e}[/]")
+        return 2
     console.print(f"[bold]device[/]: {api.describe_device(dev)}")
     console.print("[bold]libraries[/]: " + ", ".join(f"{k} {v}" for k, v in api.library_versions().items()))
-    requested, source = policy.requested_impl()
     console.print(f"[bold]{policy.ENV_VAR}[/]: {requested} (from {source})")
     shapes = policy.shape_classes(args.N, args.K)
     table = Table(title=f"auto's choice (N={args.N}, K={args.K})", show_lines=True)

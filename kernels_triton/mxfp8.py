@@ -31,7 +31,7 @@ in fp32) and accumulates in fp32. So the only rounding is fp32 accumulation, as 
 no scale is rounded. We chose this over per-32 sub-dots (dot the e4m3 codes 32 deep, multiply the
 partial by 2^(ex+ew)): that is also exact but needs one tl.dot per 32 elements of K, a [BLOCK_M,
 BLOCK_N] scale multiply per sub-dot and 32-deep fp8 dots, and is slower on Hopper (138 vs ~180
-TF/s measured in ../shared/notes/triton.md).
+TF/s in the team's first H200 measurements).
 
 DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
 there). The scales are loaded once per 32-element block, [BLOCK_M, BLOCK_K / 32], and broadcast by a

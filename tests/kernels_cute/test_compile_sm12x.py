@@ -73,7 +73,10 @@ def grid_result(tmp_path_factory):
         cells_by_arch[arch] = cells
     # Under pytest-xdist every worker builds this fixture; the first one compiles, the others wait
     # on a lock in the shared temp root and read its reports.
-    shared = tmp_path_factory.getbasetemp().parent / "kernels-cute-compile"
+    # (a worker's basetemp is <session>/popen-gwN, so its parent is this session's; without xdist
+    # the parent would be shared by every pytest session, so use the session's own basetemp)
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kernels-cute-compile"
     shared.mkdir(exist_ok=True)
     done = shared / ("corners.json" if CORNERS else "full.json")
     t0 = time.perf_counter()
