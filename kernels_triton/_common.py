@@ -129,6 +129,18 @@ def floor_log2(v):
     return ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
 
 
+@triton.jit
+def round_to_bf16_rne(x):
+    """float32 -> the nearest bf16 value (ties to even), still as float32, by bit arithmetic: add
+    0x7FFF plus the kept LSB to the 16 bits being dropped, then clear them (a carry moves into the
+    exponent). Needed before a bf16 store under the interpreter, whose fp32 -> bf16 cast truncates;
+    the value is then exact in bf16, so the truncating cast keeps it. On GPU the cast is already
+    RNE and the kernels skip this behind a constexpr. Finite inputs (inf stays inf)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tile configurations
 # ---------------------------------------------------------------------------------------------

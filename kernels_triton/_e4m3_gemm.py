@@ -1,5 +1,5 @@
 """Pieces shared by the three e4m3 formats (fp8_tensor, fp8_block, mxfp8): tile choices, operand
-checks, the row flattening of activations, and two small device helpers for the GEMM kernels.
+checks, the row flattening of activations, and a small device helper for the GEMM kernels.
 
 Each format module keeps its own kernels (a file is a lesson); only the plumbing lives here.
 
@@ -7,10 +7,7 @@ Device helpers:
     grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M) -> (pid_m, pid_n)
         the "grouped ordering" of Triton's matmul tutorial: GROUP_M row tiles are walked together
         so that consecutive programs reuse the same weight columns from L2.
-    round_to_bf16_rne(x) -> float32 holding a bf16 value
-        round-to-nearest-even to bf16 by bit arithmetic. Needed only under the interpreter, whose
-        fp32 -> bf16 cast truncates (measured by the team, Triton 3.6 and 3.9); the cast after it is then
-        exact. On GPU the cast is already RNE, so kernels apply it behind a constexpr.
+(``round_to_bf16_rne``, the interpreter's bf16 rounding fix, lives in _common and is re-exported.)
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import triton.language as tl
 
 from formats import QuantizedTensor
 
-from ._common import TileConfig, check_bias, check_weight
+from ._common import TileConfig, check_bias, check_weight, round_to_bf16_rne  # noqa: F401 (re-exported for the e4m3 modules)
 from ._twopass import split_k_for
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -145,10 +142,3 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m, pid_n
 
 
-@triton.jit
-def round_to_bf16_rne(x):
-    """float32 -> the nearest bf16 value (ties to even), still as float32. Add 0x7FFF plus the
-    kept LSB to the 16 bits being dropped, then drop them; a carry moves into the exponent."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, interpreting
+from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, interpreting, round_to_bf16_rne
 from ._twopass import (
     launch_bf16_gemm,
     launch_splitk_reduce,
@@ -148,16 +148,6 @@ def dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, str
     # Broadcast each scale over its GROUP elements: [BLOCK_R, BLOCK_K / GROUP, GROUP] * [.., .., 1].
     v = v.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * sv[:, :, None]
     return v.reshape(BLOCK_R, BLOCK_K)
-
-
-@triton.jit
-def round_to_bf16_rne(x):
-    """fp32 -> the nearest bf16 value (ties to even), still as fp32, by bit arithmetic. Used before
-    a bf16 store under the interpreter, whose fp32 -> bf16 cast truncates (on GPU the cast is RNE);
-    the value is then exact in bf16 and the truncating cast keeps it. Finite inputs (inf stays inf)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 # ---------------------------------------------------------------------------------------------

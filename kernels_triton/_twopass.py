@@ -37,15 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, interpreting
-
-
-@triton.jit
-def _round_to_bf16_rne(x):
-    """fp32 -> nearest bf16 value (ties to even), still fp32: the interpreter's bf16 cast truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+from ._common import TileConfig, interpreting, round_to_bf16_rne
 
 
 @triton.jit
@@ -59,7 +51,7 @@ def _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND_BF16:
-        acc = _round_to_bf16_rne(acc)
+        acc = round_to_bf16_rne(acc)
     return acc
 
 
