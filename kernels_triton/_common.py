@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from formats.constants import AMAX_FLOOR  # noqa: F401  (re-exported for the kernels' docs)
-
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""

@@ -7,7 +7,8 @@ Device helpers:
     grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M) -> (pid_m, pid_n)
         the "grouped ordering" of Triton's matmul tutorial: GROUP_M row tiles are walked together
         so that consecutive programs reuse the same weight columns from L2.
-(``round_to_bf16_rne``, the interpreter's bf16 rounding fix, lives in _common and is re-exported.)
+(``round_to_bf16_rne``, the interpreter's bf16 rounding fix, and the split-K epilogue live in
+_common and _twopass.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton.language as tl
 
 from formats import QuantizedTensor
 
-from ._common import TileConfig, check_bias, check_weight, round_to_bf16_rne  # noqa: F401 (re-exported for the e4m3 modules)
+from ._common import TileConfig, check_bias, check_weight
 from ._twopass import split_k_for
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, interpreting, round_to_bf16_rne
 from ._twopass import (
+    store_splitk_partial,
     launch_bf16_gemm,
     launch_splitk_reduce,
     scratch_dtype,
@@ -228,8 +229,7 @@ def fp4_gemm_kernel(
 
     if SPLIT_K > 1:
         # partial sum of this K range; splitk_reduce_kernel adds the slices and runs the epilogue
-        ws_ptrs = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+        store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, m_mask[:, None] & n_mask[None, :])
         return
 
     # ----- epilogue: global scales (nvfp4), bias, cast, masked store

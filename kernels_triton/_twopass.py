@@ -41,7 +41,7 @@ from ._common import TileConfig, interpreting, round_to_bf16_rne
 
 
 @triton.jit
-def _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
+def epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
               ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
     """acc * alpha + bias (see the module docstring), rounded for a bf16 store under the interpreter."""
     if ALPHA_MODE == 1:
@@ -53,6 +53,13 @@ def _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
     if ROUND_BF16:
         acc = round_to_bf16_rne(acc)
     return acc
+
+
+@triton.jit
+def store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, mask):
+    """Write one program's fp32 partial sum into slice pid_k of the workspace [SPLIT_K, M, N] (the
+    layout splitk_reduce_kernel reads); the epilogue runs there, once, after the ordered sum."""
+    tl.store(ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +82,7 @@ def splitk_reduce_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: the same bits every run
         acc += tl.load(ws_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-    acc = _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
+    acc = epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -160,7 +167,7 @@ def bf16_gemm_kernel(
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    acc = _epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
+    acc = epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -57,7 +57,16 @@ from formats import QuantizedTensor
 from formats.base import check_positive_scalar
 from formats.constants import AMAX_FLOOR, E4M3_MAX
 
-from ._common import check_activation, check_bias, check_weight, kernel_bias, decode_e4m3, encode_e4m3, interpreting
+from ._common import (
+    check_activation,
+    check_bias,
+    check_weight,
+    decode_e4m3,
+    encode_e4m3,
+    interpreting,
+    kernel_bias,
+    round_to_bf16_rne,
+)
 from ._e4m3_gemm import (
     check_gemm_operands,
     e4m3_operand,
@@ -65,9 +74,8 @@ from ._e4m3_gemm import (
     gemm_config,
     grouped_tile,
     quant_config,
-    round_to_bf16_rne,
 )
-from ._twopass import launch_splitk_reduce, splitk_plan, splitk_workspace
+from ._twopass import launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 FMT = "fp8_tensor"
 K_MULTIPLE = 1  # per-tensor scaling puts no constraint on K
@@ -200,8 +208,7 @@ def _gemm_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     if SPLIT_K > 1:  # a partial sum of this K range; the scales and bias come in the reduction
-        ws_ptrs = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, (offs_m[:, None] < M) & (offs_n[None, :] < N))
         return
 
     # ----- epilogue: the two per-tensor scales, then the bias -----

@@ -74,8 +74,16 @@ from ._common import (
     interpreting,
     kernel_bias,
 )
-from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, quant_config, round_to_bf16_rne
-from ._twopass import launch_bf16_gemm, launch_splitk_reduce, scratch_dtype, splitk_plan, splitk_workspace
+from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, quant_config
+from ._twopass import (
+    epilogue,
+    launch_bf16_gemm,
+    launch_splitk_reduce,
+    scratch_dtype,
+    splitk_plan,
+    splitk_workspace,
+    store_splitk_partial,
+)
 
 FMT = "mxfp8"
 K_MULTIPLE = MX_BLOCK  # 32
@@ -183,16 +191,13 @@ def _gemm_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
 
     if SPLIT_K > 1:  # a partial sum of this K range; the bias comes in the reduction
-        ws_ptrs = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+        store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
         return
 
     # ----- epilogue: bias, cast, store (all scales were applied in the K loop) -----
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if RNE_BF16:
-        y = round_to_bf16_rne(y)  # interpreter: its fp32 -> bf16 cast truncates
+    # (RNE_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
+    # (alpha mode 0: every scale was applied in the K loop, so the two scale pointers are unused)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, 0, HAS_BIAS, RNE_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
