@@ -175,7 +175,7 @@ def _skip_reason(name: str, module: nn.Linear, fmt: str, skip: Skip) -> Optional
                 return f"name matches skip pattern {pattern!r}"
     k_multiple = spec(registry.variant(fmt).fmt).k_multiple
     if module.in_features % k_multiple:
-        return f"K={module.in_features} is not a multiple of {k_multiple} ({base} block)"
+        return f"K={module.in_features} is not a multiple of {k_multiple} ({registry.variant(fmt).fmt} block)"
     return None
 
 
