@@ -202,7 +202,7 @@ class CuteBackend(Backend):
         if probe.module is None:
             return False, f"b12x is not installed ({probe.error}); install it with: {INSTALL_CUTE}"
         if _is_running_device(device):
-            ok, why = importlib.import_module("kernels_cute").device_gate(self.fmt)
+            ok, why = importlib.import_module("kernels_cute").device_gate(self.variant)
             if not ok:
                 return False, why
             return True, f"b12x {probe.version} supports {device.arch}"
@@ -214,7 +214,7 @@ class CuteBackend(Backend):
             return False, f"cute: {why}"
         mod = self._module()
         if self.a16:
-            return mod.supported(problem.M, problem.N, problem.K, a16=True)
+            return mod.supported(problem.M, problem.N, problem.K, a16=True, dtype=problem.dtype)
         return mod.supported(problem.M, problem.N, problem.K)
 
     def prepare(self, qweight, into=None):

@@ -14,8 +14,8 @@ from dispatch.registry import Backend, Problem, UnsupportedEntry
 from conftest import device_name
 
 VARIANTS = tuple(registry.VARIANTS)
-# b12x's pack_weight (tensor FP8, MXFP8) checks that the weight is on a CUDA device.
-PREPARE_NEEDS_CUDA = {("cute", "fp8_tensor"), ("cute", "mxfp8")}
+# b12x's pack_weight (tensor FP8, MXFP8, NVFP4 W4A16) checks that the weight is on a CUDA device.
+PREPARE_NEEDS_CUDA = {("cute", "fp8_tensor"), ("cute", "mxfp8"), ("cute", "nvfp4_w4a16")}
 
 
 def test_every_format_of_formats_has_one_registry_entry():
