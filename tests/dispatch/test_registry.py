@@ -111,7 +111,7 @@ def _leaves(obj) -> list[torch.Tensor]:
 
 def test_prepare_refuses_another_format_or_shape():
     b = registry.get("triton", "nvfp4")
-    with pytest.raises(ValueError, match="qweight must be a nvfp4 weight QuantizedTensor"):
+    with pytest.raises(ValueError, match="qweight must be a nvfp4 weight, got mxfp4"):
         b.prepare(_weight("mxfp4", 0))
     with pytest.raises(ValueError, match=r"into= must be a nvfp4 weight of shape \(64, 256\)"):
         copy_quantized_into(_weight("nvfp4", 0), _weight("nvfp4", 1, n=64))
