@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from formats import QuantizedTensor, spec
+from formats.validate import check_scale_values, check_weight
 
 from . import api, policy, registry
 
@@ -52,8 +53,9 @@ class QuantLinear(nn.Module):
                  impl: Optional[str] = None, act_dtype: Optional[torch.dtype] = None,
                  act_opts: Optional[dict] = None):
         super().__init__()
-        if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
-            raise ValueError("qweight must be a QuantizedTensor with role 'weight'")
+        check_weight(qweight)
+        if qweight.data.is_meta:
+            raise ValueError("qweight is on the meta device; quantize a materialized weight")
         self.fmt = qweight.fmt
         self.a16 = bool(a16)
         self.variant = registry.variant_name(self.fmt, self.a16)
@@ -248,26 +250,56 @@ def save_quantized(model: nn.Module, path) -> dict[str, dict]:
 
 
 def read_quantized(path) -> dict[str, tuple[QuantizedTensor, Optional[torch.Tensor], dict]]:
-    """Read a save_quantized file: {layer: (qweight, bias or None, metadata)} on the CPU."""
-    from safetensors import safe_open
+    """Read a save_quantized file: {layer: (qweight, bias or None, metadata)} on the CPU.
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != SAFETENSORS_FORMAT:
-            raise ValueError(f"{path}: not a b12x-dual quantized file (metadata format={meta.get('format')!r})")
-        layers = json.loads(meta["layers"])
-        names = set(f.keys())
-        out = {}
-        for name, m in layers.items():
-            def get(buf):
-                key = f"{name}.{buf}"
-                return f.get_tensor(key) if key in names else None
+    Every layer's weight is validated as it is read (formats.validate: dtypes and shapes per format,
+    then the scale values: global and fp32 scales finite and > 0, no NaN scale codes).
+    Raises:
+        ValueError naming the path (and the layer and tensor where there is one): an unreadable or
+        truncated file, not a b12x-dual file, a tensor missing from a layer or present in the file
+        without belonging to a layer, or a tensor of the wrong dtype or shape for its format.
+    """
+    from safetensors import SafetensorError, safe_open
 
-            block = None if m["block_shape"] is None else tuple(m["block_shape"])
-            q = QuantizedTensor(m["fmt"], "weight", get("weight_data"), get("weight_scale"),
-                                get("weight_global_scale"), block, tuple(m["shape"]), m["scale_layout"])
-            out[name] = (q, get("bias"), m)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != SAFETENSORS_FORMAT:
+                raise ValueError(f"{path}: not a b12x-dual quantized file (metadata format={meta.get('format')!r})")
+            layers = json.loads(meta["layers"])
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, json.JSONDecodeError, KeyError) as e:
+        raise ValueError(f"{path}: cannot read it as a b12x-dual safetensors file "
+                         f"({type(e).__name__}: {e}); is it truncated or of another kind?") from None
+    out, used = {}, set()
+    for name, m in layers.items():
+        def get(buf, required):
+            key = f"{name}.{buf}"
+            if key in tensors:
+                used.add(key)
+                return tensors[key]
+            if required:
+                raise ValueError(f"{path}: layer {name!r}: tensor {key!r} is missing from the file")
+            return None
+
+        block = None if m["block_shape"] is None else tuple(m["block_shape"])
+        q = QuantizedTensor(m["fmt"], "weight", get("weight_data", True), get("weight_scale", True),
+                            get("weight_global_scale", False), block, tuple(m["shape"]), m["scale_layout"])
+        what = f"{path}: layer {name!r} weight"
+        check_weight(q, m["fmt"], name=what)
+        check_scale_values(q, name=what)
+        out[name] = (q, get("bias", bool(m["bias"])), m)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"{path}: tensors {extra} belong to no layer of the file's metadata")
     return out
+
+
+def _check_materialized(module: nn.Module, name: str, path) -> None:
+    meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(f"{path}: layer {name!r} has tensors on the meta device ({meta}); materialize the "
+                         "model first (e.g. model.to_empty(device=...)) so the weights have real storage")
 
 
 def load_quantized(model: nn.Module, path, **opts) -> nn.Module:
@@ -277,13 +309,16 @@ def load_quantized(model: nn.Module, path, **opts) -> nn.Module:
     act_dtype, act_opts); a layer that is already a QuantLinear of the same format and shape gets
     the stored tensors copied into its existing buffers and from there into every weight prepared
     for a backend (their storage, hence captured CUDA graphs, stays valid). Anything else raises
-    ValueError naming the layer.
+    ValueError naming the layer: a layer missing from the model, of another variant or shape, or on
+    the meta device; and what read_quantized raises for the file (missing, extra, mis-shaped or
+    mis-typed tensors, a truncated file).
     """
     for name, (q, bias, m) in read_quantized(path).items():
         try:
             current = model.get_submodule(name)
         except AttributeError:
             raise ValueError(f"{path}: layer {name!r} is not in the model") from None
+        _check_materialized(current, name, path)
         if isinstance(current, QuantLinear):
             if current.variant != m["variant"] or [current.out_features, current.in_features] != m["shape"]:
                 raise ValueError(f"{path}: layer {name!r} is {current.variant} {current.out_features}x"

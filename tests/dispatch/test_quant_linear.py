@@ -245,3 +245,77 @@ def test_reload_keeps_every_prepared_address_and_serves_the_new_weight(tmp_path,
     assert {k: [t.data_ptr() for t in v] for k, v in _prepared_tensors(model.up).items()} == ptrs
     with policy.use_impl("reference"), torch.no_grad():
         assert torch.equal(model.up(x), third.up(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad checkpoints fail at load, naming the file, the layer and the tensor
+# ---------------------------------------------------------------------------------------------
+def _saved(tmp_path, variant="nvfp4"):
+    torch.manual_seed(5)
+    path = tmp_path / "q.safetensors"
+    save_quantized(quantize_model(_Toy(), variant), path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return path, {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def _rewrite(path, tensors, meta):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("key", ["up.weight_scale", "up.weight_global_scale", "up.bias", "up.weight_data"])
+def test_a_tensor_missing_from_the_file_is_named(tmp_path, key):
+    path, tensors, meta = _saved(tmp_path)
+    del tensors[key]
+    _rewrite(path, tensors, meta)
+    pattern = "global_scale" if key.endswith("global_scale") else f"tensor '{key}' is missing from the file"
+    with pytest.raises(ValueError, match=f"layer 'up'.*{pattern}"):
+        load_quantized(quantize_model(_Toy(), "nvfp4"), path)
+
+
+def test_an_extra_tensor_is_named(tmp_path):
+    path, tensors, meta = _saved(tmp_path)
+    tensors["up.stray"] = torch.zeros(3)
+    _rewrite(path, tensors, meta)
+    with pytest.raises(ValueError, match=r"tensors \['up.stray'\] belong to no layer"):
+        read_quantized(path)
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (lambda t: t.float(), r"layer 'up' weight.scale"),                        # e4m3 scales stored as fp32
+    (lambda t: t[:-1], r"layer 'up' weight.scale"),                           # one row short
+])
+def test_a_mis_typed_or_mis_shaped_scale_is_named(tmp_path, change, pattern):
+    path, tensors, meta = _saved(tmp_path)
+    tensors["up.weight_scale"] = change(tensors["up.weight_scale"]).contiguous()
+    _rewrite(path, tensors, meta)
+    with pytest.raises(ValueError, match=pattern):
+        read_quantized(path)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_bad_global_scale_value_fails_at_load_not_at_the_first_call(tmp_path, bad):
+    path, tensors, meta = _saved(tmp_path)
+    tensors["up.weight_global_scale"] = torch.full_like(tensors["up.weight_global_scale"], bad)
+    _rewrite(path, tensors, meta)
+    with pytest.raises(ValueError, match=r"layer 'up' weight.global_scale must be finite and > 0"):
+        read_quantized(path)
+
+
+def test_a_truncated_file_names_the_path(tmp_path):
+    path, _, _ = _saved(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{path}: cannot read it"):
+        read_quantized(path)
+
+
+def test_loading_into_a_meta_device_model_raises(tmp_path):
+    path, _, _ = _saved(tmp_path)
+    with torch.device("meta"):
+        model = _Toy()
+    with pytest.raises(ValueError, match="layer 'up' has tensors on the meta device"):
+        load_quantized(model, path)
