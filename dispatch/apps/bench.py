@@ -42,7 +42,7 @@ Without CUDA, the bench runs a tiny grid through Triton's interpreter with host 
 numbers are NOT performance numbers (it says so); it exists so that tests can check the harness.
 
     b12x-dual bench --quick --check --json out/bench.json --plot out/bench.png
-    python -m dispatch.bench --summarize out/bench.json [--sweep-json out/sweep.json]
+    python -m dispatch.apps.bench --summarize out/bench.json [--sweep-json out/sweep.json]
 """
 
 from __future__ import annotations

