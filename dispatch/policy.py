@@ -37,7 +37,7 @@ import torch
 
 from formats import FORMAT_NAMES
 
-from .devices import DeviceInfo, current_device
+from .devices import DeviceInfo, current_device, interpreting
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +234,8 @@ def triton_support(fmt: str, device: DeviceInfo) -> tuple[bool, str]:
         return False, f"kernels_triton.{fmt} is not in this installation"
     if device.kind == "cpu":
         importlib.import_module("kernels_triton")  # sets TRITON_INTERPRET=1 when there is no GPU
-        value = os.environ.get("TRITON_INTERPRET", "")
-        if value in ("", "0"):
+        if not interpreting():
+            value = os.environ.get("TRITON_INTERPRET", "")
             return False, (f"CPU tensors need Triton's interpreter but TRITON_INTERPRET={value!r}; set "
                            "TRITON_INTERPRET=1 before kernels_triton is imported, or move the inputs to the GPU")
         return True, "Triton interpreter on CPU (TRITON_INTERPRET=1)"

@@ -6,8 +6,8 @@ Implementations (``Impl``), each reached the same way whatever library is behind
     reference  formats/ oracle: formats.quantize (activation) and formats.reference_linear (float64
                out, so it is the exact value of the quantized operands' product)
     triton     kernels_triton.<fmt>: quantize_activation, gemm, linear (a16=True for W4A16)
-    cute       kernels_cute.<fmt> when it exposes ``linear`` and this device can run it (SM120/121);
-               otherwise skipped with the reason (dispatch.policy.cute_support when importable)
+    cute       kernels_cute.<fmt>: quantize_activation, linear (no separate GEMM) when this device can
+               run it (SM120/121); otherwise skipped with the reason (dispatch.policy.cute_support)
 
 A test (or a user) can add an implementation by passing ``extra_impls={"name": Impl(...)}``.
 
@@ -24,18 +24,16 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 import kernels_triton  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU, before any kernel)
 import formats
-from formats import FORMAT_NAMES, QuantizedTensor
-
-A16_VARIANT = "mxfp4_w4a16"
-VARIANTS: dict[str, tuple[str, bool]] = {**{f: (f, False) for f in FORMAT_NAMES}, A16_VARIANT: ("mxfp4", True)}
-"""Rows of the matrix: the five formats and MXFP4 weight-only (W4A16) -> (format, a16)."""
+from dispatch.devices import interpreting
+from dispatch.policy import A16_VARIANT, VARIANTS  # noqa: F401  (the rows of the matrix: variant -> (format, a16))
+from formats import QuantizedTensor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -62,14 +60,10 @@ def variants_from_formats(names: Optional[list[str]]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Devices and versions
+# Devices (versions: dispatch.api.library_versions)
 # ---------------------------------------------------------------------------------------------
 def on_gpu() -> bool:
     return torch.cuda.is_available()
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def default_device() -> str:
@@ -90,19 +84,6 @@ def device_report() -> dict[str, Any]:
         "l2_bytes": int(getattr(p, "L2_cache_size", 0)),
         "memory_bytes": int(p.total_memory),
     }
-
-
-def library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("triton", "b12x", "nvidia-cutlass-dsl", "numpy"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = "not installed"
-    out["cuda"] = str(torch.version.cuda)
-    return out
 
 
 def current_device_info():
@@ -234,10 +215,9 @@ def cute_impl() -> Impl:
             return None
         return m.quantize_activation(x)
 
-    def gemm(xq, prepared, qweight, bias, out_dtype):
-        return mod(qweight.fmt).gemm(xq, prepared, bias, out_dtype=out_dtype)
-
-    return Impl("cute", linear, prepare=prepare, quantize=quantize, gemm=gemm, support=support,
+    # No gemm: kernels_cute.<fmt> exposes the whole linear only (it quantizes its own activations),
+    # so bench records cute's GEMM-alone rows as skipped, saying so.
+    return Impl("cute", linear, prepare=prepare, quantize=quantize, support=support,
                 note="b12x CuTe DSL (SM120/SM121)")
 
 

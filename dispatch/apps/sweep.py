@@ -44,8 +44,12 @@ import torch
 
 import formats
 
+from dispatch.api import library_versions
+from dispatch.devices import interpreting
+from dispatch.policy import VARIANTS
+
 from . import _harness as H
-from ._harness import VARIANTS, Impl
+from ._harness import Impl
 
 GRIDS: dict[str, dict[str, list]] = {
     "small": {"m": [1, 3, 16], "nk": [(40, 128), (64, 256)]},
@@ -170,8 +174,8 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
     return {
         "tool": "b12x-dual sweep",
         "device": H.device_report(),
-        "versions": H.library_versions(),
-        "interpreter": H.interpreting(),
+        "versions": library_versions(),
+        "interpreter": interpreting(),
         "grid": grid,
         "args": {"variants": variants, "impls": list(impl_objs), "dtypes": dtypes, "m": ms,
                  "nk": [list(t) for t in nk], "seed": seed},

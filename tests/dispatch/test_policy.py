@@ -9,8 +9,7 @@ import torch
 
 import kernels_cute
 from dispatch import api, policy
-from dispatch.devices import CPU, KNOWN_DEVICES, current_device
-from kernels_triton._common import interpreting
+from dispatch.devices import CPU, KNOWN_DEVICES, current_device, interpreting
 from dispatch.policy import ImplementationUnavailable, InvalidImplementation, choose, use_impl
 
 VARIANTS = tuple(policy.VARIANTS)  # the five formats and mxfp4_w4a16
@@ -235,7 +234,7 @@ def test_explain_reports_device_versions_and_both_shape_classes(monkeypatch):
                                     "4800 GB/s)")
     versions = api.library_versions()
     assert text.splitlines()[1] == "libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items())
-    assert list(versions) == ["torch", "triton", "b12x", "nvidia-cutlass-dsl"]
+    assert list(versions) == ["torch", "triton", "b12x", "nvidia-cutlass-dsl", "numpy", "python", "cuda"]
     for label in ("M=8 ", "decode M=1 ", "decode M=16 ", "prefill M=4096 "):
         assert f"nvfp4 {label}" in text
     assert "auto -> triton: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90" in text

@@ -9,7 +9,7 @@ import os
 import torch
 
 from dispatch.apps import _harness as H
-from dispatch.apps import bench, sweep
+from dispatch.apps import bench, bench_plan, bench_record, sweep
 
 ON_CPU = not torch.cuda.is_available()
 
@@ -110,7 +110,7 @@ def test_bench_tiny_grid_writes_json_and_plot(tmp_path, capsys):
         assert "NOT performance numbers" in capsys.readouterr().out
     rows = res["results"]
     base = {r["name"]: r for r in rows if r["kind"] == "baseline"}
-    assert set(base) == set(bench.BASELINES)
+    assert set(base) == set(bench_plan.BASELINES)
     assert base["torch_bf16"]["us"] > 0
     timed = [r for r in rows if r["kind"] == "impl" and r["name"] == "triton"]
     assert {(r["variant"], r["mode"]) for r in timed} == {
@@ -126,7 +126,7 @@ def test_bench_tiny_grid_writes_json_and_plot(tmp_path, capsys):
     for r in rows:
         if r["name"] == "cute":
             assert r.get("us") or r.get("skipped") or r.get("error")
-    assert len(res["targets"]) == len(bench.TARGETS)
+    assert len(res["targets"]) == len(bench_record.TARGETS)
     if H._have("matplotlib"):
         assert png.exists() and png.stat().st_size > 0
     # the summary mode reads the file back
@@ -134,15 +134,15 @@ def test_bench_tiny_grid_writes_json_and_plot(tmp_path, capsys):
 
 
 def test_bench_shape_table_and_plan():
-    ids = [s.id for s in bench.select_shapes("default", gpu=True, quick=False)]
+    ids = [s.id for s in bench_plan.select_shapes("default", gpu=True, quick=False)]
     assert ids[0] == "square" and "llama3.1-8b:gate_up" in ids and "deepseek-v3:q_a_kv_a" in ids
-    s = bench.SHAPE_BY_ID["qwen3-32b:gate_up"]
+    s = bench_plan.SHAPE_BY_ID["qwen3-32b:gate_up"]
     assert (s.N, s.K) == (51200, 5120)
-    assert [x.id for x in bench.select_shapes("llama3.1-8b", gpu=True, quick=False)] == [
+    assert [x.id for x in bench_plan.select_shapes("llama3.1-8b", gpu=True, quick=False)] == [
         "llama3.1-8b:qkv", "llama3.1-8b:gate_up", "llama3.1-8b:down"]
-    assert bench.select_shapes("96x256", gpu=True, quick=False)[0].N == 96
-    plan = bench.plan(bench.select_shapes("default", gpu=True, quick=False), None, gpu=True, quick=False)
-    assert plan[:3] == [(bench.SHAPE_BY_ID["square"], m) for m in (16, 4096, 8192)]
+    assert bench_plan.select_shapes("96x256", gpu=True, quick=False)[0].N == 96
+    plan = bench_plan.plan(bench_plan.select_shapes("default", gpu=True, quick=False), None, gpu=True, quick=False)
+    assert plan[:3] == [(bench_plan.SHAPE_BY_ID["square"], m) for m in (16, 4096, 8192)]
     assert len(plan) == 10 * 5 + 1
     assert os.path.basename(bench.__file__) == "bench.py"
 
