@@ -41,18 +41,6 @@ DTYPE_NAMES[torch.float32] = "fp32"
 DTYPE_NAMES[torch.float64] = "fp64"
 
 
-def parse_list(value: Optional[str], allowed=None, what: str = "value", conv=str) -> Optional[list]:
-    """"a,b,c" -> [a, b, c] (None stays None); ValueError naming ``allowed`` for an unknown item."""
-    if value is None:
-        return None
-    items = [conv(v.strip()) for v in str(value).split(",") if v.strip()]
-    if allowed is not None:
-        bad = [v for v in items if v not in allowed]
-        if bad:
-            raise ValueError(f"unknown {what} {bad}; choose from {list(allowed)}")
-    return items
-
-
 def variants_from_formats(names: Optional[list[str]]) -> list[str]:
     """--formats: format names and/or "mxfp4_w4a16"; "mxfp4" alone keeps only W4A4, so the default
     (None) is all five formats plus the W4A16 row."""

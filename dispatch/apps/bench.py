@@ -54,6 +54,7 @@ from typing import Optional
 from dispatch.policy import VARIANTS
 
 from . import _harness as H
+from . import argtypes as A
 from ._harness import Impl
 from .bench_plan import BASELINES, GRAPH_MAX_M, QUICK_M, QUICK_SHAPES, select_shapes
 from .bench_record import plot, print_results, summarize
@@ -70,47 +71,60 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _shape_spec(value: str) -> str:
+    """--shapes, checked against the table at parse time (selected again when the run starts)."""
+    try:
+        select_shapes(value, gpu=True, quick=False)
+    except ValueError as e:
+        raise A.Invalid(f"invalid shape list {value!r} ({e})") from None
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--formats", default=None, help=f"comma list from {list(VARIANTS)} (default: all)")
-    p.add_argument("--impls", default=None, help="comma list from triton,cute (default: both; cute skips off SM12x)")
-    p.add_argument("--shapes", default=None,
+    p.add_argument("--formats", type=A.choice_list(VARIANTS, "format"), default=None,
+                   help=f"comma list from {list(VARIANTS)} (default: all)")
+    p.add_argument("--impls", type=A.choice_list(("triton", "cute"), "implementation"), default=None,
+                   help="comma list from triton,cute (default: both; cute skips off SM12x)")
+    p.add_argument("--shapes", type=_shape_spec, default=None,
                    help="ids, model prefixes, 'default', 'all' or NxK (default: 'default' on GPU, 'tiny' on CPU)")
-    p.add_argument("--m", default=None, help="comma list of M (default: 1,16,64,512,4096 (+8192 square) on GPU)")
-    p.add_argument("--baselines", default=",".join(BASELINES), help="comma list from " + ",".join(BASELINES))
+    p.add_argument("--m", type=A.int_list, default=None,
+                   help="comma list of M (default: 1,16,64,512,4096 (+8192 square) on GPU)")
+    p.add_argument("--baselines", type=A.choice_list(BASELINES, "baseline"), default=",".join(BASELINES),
+                   help="comma list from " + ",".join(BASELINES))
     p.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, M {QUICK_M}")
     p.add_argument("--check", action="store_true",
                    help="re-check each timed configuration against formats.reference_linear (256 rows)")
-    p.add_argument("--budget-s", type=float, default=None, help="stop starting new configurations after this many seconds")
-    p.add_argument("--warmup-ms", type=float, default=10)
-    p.add_argument("--rep-ms", type=float, default=50)
-    p.add_argument("--graph-max-m", type=int, default=GRAPH_MAX_M, help="CUDA-graph replay for M up to this")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--plot", default=None, metavar="PATH")
+    p.add_argument("--budget-s", type=A.nonnegative_float, default=None,
+                   help="stop starting new configurations after this many seconds")
+    p.add_argument("--warmup-ms", type=A.positive_float, default=10)
+    p.add_argument("--rep-ms", type=A.positive_float, default=50)
+    p.add_argument("--graph-max-m", type=A.nonnegative_int, default=GRAPH_MAX_M,
+                   help="CUDA-graph replay for M up to this")
+    p.add_argument("--seed", type=A.nonnegative_int, default=0)
+    p.add_argument("--json", type=A.output_path, default=None, metavar="PATH")
+    p.add_argument("--plot", type=A.output_path, default=None, metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
-    p.add_argument("--summarize", default=None, metavar="BENCH_JSON",
+    p.add_argument("--summarize", type=A.input_file, default=None, metavar="BENCH_JSON",
                    help="print the targets of a bench JSON (and --sweep-json's summary) and exit")
-    p.add_argument("--sweep-json", default=None, metavar="SWEEP_JSON")
+    p.add_argument("--sweep-json", type=A.input_file, default=None, metavar="SWEEP_JSON")
 
 
 def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
+    """The bench with the parsed options (every value already checked by its ``type=``); 0 when
+    every timed configuration ran and passed --check, 1 otherwise, 2 for a summary that cannot be read."""
     if args.summarize or args.sweep_json:
-        summarize(args.summarize, args.sweep_json, plain=args.plain)
+        try:
+            summarize(args.summarize, args.sweep_json, plain=args.plain)
+        except (OSError, ValueError, KeyError) as e:  # not a bench/sweep JSON: one line, no traceback
+            print(f"b12x-dual bench: cannot summarize: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
         return 0
-    try:
-        variants = H.parse_list(args.formats, VARIANTS, "format")
-        impls = H.parse_list(args.impls, ("triton", "cute"), "implementation")
-        baselines = H.parse_list(args.baselines, BASELINES, "baseline")
-        ms = H.parse_list(args.m, None, "M", int)
-        shapes = select_shapes(args.shapes, gpu=H.on_gpu(), quick=args.quick) if args.shapes else None
-    except ValueError as e:
-        print(f"b12x-dual bench: {e}", file=sys.stderr)
-        return 2
-    result = run_bench(variants=variants, impls=impls, shapes=shapes, ms=ms, quick=args.quick, baselines=baselines,
-                       check=args.check, budget_s=args.budget_s, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                       graph_max_m=args.graph_max_m, seed=args.seed, progress=not args.no_progress,
-                       extra_impls=extra_impls)
+    shapes = select_shapes(args.shapes, gpu=H.on_gpu(), quick=args.quick) if args.shapes else None
+    result = run_bench(variants=args.formats, impls=args.impls, shapes=shapes, ms=args.m, quick=args.quick,
+                       baselines=args.baselines, check=args.check, budget_s=args.budget_s,
+                       warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graph_max_m=args.graph_max_m,
+                       seed=args.seed, progress=not args.no_progress, extra_impls=extra_impls)
     print_results(result, plain=args.plain)
     if args.plot:
         why = plot(result, args.plot)

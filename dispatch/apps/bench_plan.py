@@ -9,6 +9,7 @@ docs/bench.md.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -63,7 +64,8 @@ CPU_NOTE = ("CPU: no CUDA device. Kernels ran in Triton's INTERPRETER and were t
 
 
 def select_shapes(spec: Optional[str], *, gpu: bool, quick: bool) -> list[Shape]:
-    """--shapes: ids, model prefixes, "default", "all" or NxK (comma separated)."""
+    """--shapes: ids, model prefixes, "default", "all" or NxK (comma separated); ValueError naming
+    what is allowed for anything else."""
     if spec is None:
         if not gpu:
             return [SHAPE_BY_ID["tiny"]]
@@ -78,11 +80,12 @@ def select_shapes(spec: Optional[str], *, gpu: bool, quick: bool) -> list[Shape]
             out.append(SHAPE_BY_ID[item])
         elif any(s.id.startswith(item + ":") for s in SHAPES):
             out += [s for s in SHAPES if s.id.startswith(item + ":")]
-        elif "x" in item.lower():
+        elif re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", item.lower()):
             n, k = (int(v) for v in item.lower().split("x"))
             out.append(Shape(f"{n}x{k}", "-", "given", n, k))
         else:
-            raise ValueError(f"unknown shape {item!r}; ids: {[s.id for s in SHAPES]}, or NxK")
+            raise ValueError(f"unknown shape {item!r}; ids: {[s.id for s in SHAPES]}, model prefixes, "
+                             "'default', 'all', or NxK with positive integers")
     seen, uniq = set(), []
     for s in out:
         if s.id not in seen:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Optional
 
 from . import _harness as H
@@ -249,6 +250,7 @@ def plot(result: dict, path: str) -> Optional[str]:
         title += " -- CPU INTERPRETER, NOT PERFORMANCE NUMBERS"
     fig.suptitle(title)
     fig.tight_layout()
+    Path(path).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return None

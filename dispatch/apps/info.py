@@ -8,6 +8,8 @@ import sys
 from dispatch import api, policy
 from dispatch.devices import KNOWN_DEVICES, resolve
 
+from . import argtypes as A
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -17,10 +19,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "and for every format which implementation B12X_IMPL=auto picks for decode "
                     "(M=1, 16) and prefill (M=4096) shapes, and why.",
     )
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=A.known_device, default=None,
                    help=f"a torch device (default: the one found) or a known part: {', '.join(KNOWN_DEVICES)}")
-    p.add_argument("-N", type=int, default=4096, help="output features of the example shapes (default 4096)")
-    p.add_argument("-K", type=int, default=4096, help="input features of the example shapes (default 4096)")
+    p.add_argument("-N", type=A.positive_int, default=4096, help="output features of the example shapes (default 4096)")
+    p.add_argument("-K", type=A.positive_int, default=4096, help="input features of the example shapes (default 4096)")
     return p
 
 

@@ -72,11 +72,14 @@ def test_forced_cute_demo_fails_fast_with_the_named_error(capsys):
     assert "implementation 'cute' cannot serve this call" in err and "SM120/SM121" in err
 
 
-def test_formats_option_is_checked():
+def test_formats_option_is_checked(capsys):
     assert parse_formats("nvfp4, mxfp4_w4a16") == ["nvfp4", "mxfp4_w4a16"]
     with pytest.raises(ValueError, match="--formats takes names from"):
         parse_formats("nvfp4,int4")
-    assert cli.main(["demo", "--formats", "int4"]) == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--formats", "int4"])
+    assert e.value.code == 2
+    assert "argument --formats: invalid format list 'int4'" in capsys.readouterr().err
 
 
 @needs_model
