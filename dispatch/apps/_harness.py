@@ -7,7 +7,7 @@ Implementations (``Impl``), each reached the same way whatever library is behind
                out, so it is the exact value of the quantized operands' product)
     triton     kernels_triton.<fmt>: quantize_activation, gemm, linear (a16=True for W4A16)
     cute       kernels_cute.<fmt>: quantize_activation, linear (no separate GEMM) when this device can
-               run it (SM120/121); otherwise skipped with the reason (dispatch.policy.cute_support)
+               run it (SM120/121); otherwise skipped with the reason (the registry's cute backend)
 
 A test (or a user) can add an implementation by passing ``extra_impls={"name": Impl(...)}``.
 
@@ -31,8 +31,9 @@ import torch
 
 import kernels_triton  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU, before any kernel)
 import formats
-from dispatch.devices import interpreting
-from dispatch.policy import A16_VARIANT, VARIANTS  # noqa: F401  (the rows of the matrix: variant -> (format, a16))
+from dispatch import registry
+from dispatch.devices import current_device, interpreting
+from dispatch.registry import VARIANTS
 from formats import QuantizedTensor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,14 +75,19 @@ def device_report() -> dict[str, Any]:
     }
 
 
-def current_device_info():
-    """dispatch.devices.current_device() when that module imports, else None."""
-    try:
-        from dispatch.devices import current_device
+def split(variant: str) -> tuple[str, bool]:
+    """A variant name of dispatch.registry.VARIANTS -> (format, a16); ValueError naming them otherwise."""
+    v = registry.variant(variant)
+    return v.fmt, v.a16
 
-        return current_device()
-    except Exception:
-        return None
+
+def registry_support(impl: str, variant: str, M: int, N: int, K: int) -> tuple[bool, str]:
+    """The registry's verdict on (impl, variant) for this process's device and shape (bf16)."""
+    try:
+        entry = registry.get(impl, variant)
+    except registry.Unsupported as e:
+        return False, str(e)
+    return registry.check(entry, registry.Problem(variant, M, N, K), current_device())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +137,7 @@ def triton_impl() -> Impl:
         return kernels_triton.module(fmt)
 
     def support(variant, M, N, K):
-        fmt, _ = VARIANTS[variant]
+        fmt, _ = split(variant)
         try:
             mod(fmt)
         except Exception as e:  # a format module not written yet, or one that does not import
@@ -160,7 +166,7 @@ def cute_impl() -> Impl:
         return importlib.import_module(f"kernels_cute.{fmt}")
 
     def support(variant, M, N, K):
-        fmt, _ = VARIANTS[variant]
+        fmt, _ = split(variant)
         # the device first: that is the reason that matters on a machine without SM12x
         if not on_gpu():
             return False, "cute needs an SM120/SM121 GPU; no CUDA device here"
@@ -173,19 +179,9 @@ def cute_impl() -> Impl:
             return False, f"kernels_cute.{fmt} does not import ({type(e).__name__}: {e})"
         if not callable(getattr(m, "linear", None)):
             return False, f"kernels_cute.{fmt} has no linear()"
-        try:  # the dispatcher's own test, when it is there: b12x installed and supporting, the shape
-            from dispatch.policy import cute_support
-
-            dev = current_device_info()
-            if dev is not None:
-                ok, why = cute_support(variant, M, N, K, dev)
-                if not ok:
-                    return False, why
-        except ImportError:
-            pass
-        except Exception as e:
-            return False, f"dispatch.policy.cute_support failed ({type(e).__name__}: {e})"
-        return True, ""
+        # the dispatcher's own test: b12x installed and supporting this GPU, the shape
+        ok, why = registry_support("cute", variant, M, N, K)
+        return (True, "") if ok else (False, why)
 
     def prepare(qweight, a16):
         m = mod(qweight.fmt)

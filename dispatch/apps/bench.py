@@ -51,7 +51,7 @@ import argparse
 import sys
 from typing import Optional
 
-from dispatch.policy import VARIANTS
+from dispatch.registry import VARIANTS
 
 from . import _harness as H
 from . import argtypes as A

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 import formats
 from dispatch.api import library_versions
-from dispatch.policy import A16_VARIANT, VARIANTS
 
 from . import _harness as H
 from ._harness import Impl
@@ -143,7 +142,7 @@ def compute_ceiling(name: str, variant: Optional[str], ceilings: dict) -> tuple[
     bf16, W4A16 and the e2m1 formats on devices without FP4 tensor cores (sm_90; the FP4 MMA rate is not
     measurable through torch, so sm_100/sm_12x fall back to the fp8 rate and say so)."""
     bf16, fp8 = ceilings.get("bf16_TFLOPs"), ceilings.get("fp8_TFLOPs")
-    if name == "torch_bf16" or variant == A16_VARIANT:
+    if name == "torch_bf16" or (variant is not None and H.split(variant)[1]):
         return bf16, "bf16"
     if name.startswith("torch_fp8") or variant in ("fp8_tensor", "fp8_block", "mxfp8"):
         return (fp8, "fp8") if fp8 else (bf16, "bf16 (no fp8 measured)")
@@ -336,7 +335,7 @@ def time_baseline(session: Session, cfg: Config, name: str) -> None:
 
 def modes_of(variant: str) -> list[str]:
     """The whole linear, and the GEMM alone except for W4A16 (no activation quantization)."""
-    return ["linear"] if VARIANTS[variant][1] else ["linear", "gemm"]
+    return ["linear"] if H.split(variant)[1] else ["linear", "gemm"]
 
 
 def _impl_calls(cfg: Config, impl: Impl, fmt: str, a16: bool, mode: str, l2: int, gpu: bool):
@@ -359,7 +358,7 @@ def time_impl(session: Session, cfg: Config, variant: str, iname: str, impl: Imp
               unsupported: Optional[str]) -> str:
     """One implementation row: skipped (with the reason), timed and (--check) re-checked, or the
     error it raised. Returns the progress label."""
-    fmt, a16 = VARIANTS[variant]
+    fmt, a16 = H.split(variant)
     M, N, K = cfg.M, cfg.shape.N, cfg.shape.K
     label = f"{cfg.shape.id} M={M} {variant} {iname}"
     row = {"kind": "impl", "name": iname, "variant": variant, "fmt": fmt, "a16": a16, "mode": mode, **cfg.common}

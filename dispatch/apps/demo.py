@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dispatch import api, policy
+from dispatch import api, policy, registry
 from dispatch.quant_linear import QuantLinear, quantize_model
 
 from . import argtypes as A
@@ -145,7 +145,7 @@ def run_demo(variants: Sequence[str] = DEMO_VARIANTS, *, impl: Optional[str] = N
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dev_info = api.device_of(torch.empty(0, device=device))
     for variant in variants:  # a forced implementation that cannot serve fails before any work
-        policy.choose(variant, 1, 384, 384, dev_info, impl=impl, log_fallback=False)
+        registry.choose(variant, 1, 384, 384, dev_info, impl=impl, log_choice=False)
     t0 = time.perf_counter()
     tokenizer, base_model = load_minilm(device)
     sentences, pairs = load_sentences()

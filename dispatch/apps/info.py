@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dispatch import api, policy
+from dispatch import api, policy, registry
 from dispatch.devices import KNOWN_DEVICES, resolve
 
 from . import argtypes as A
@@ -45,10 +45,10 @@ def run(args) -> int:
     table.add_column("format")
     for label in shapes:
         table.add_column(label)
-    for variant in policy.VARIANTS:
+    for variant in registry.VARIANTS:
         cells = []
         for m, n, k in shapes.values():
-            c = policy.choose(variant, m, n, k, dev, impl="auto", log_fallback=False)
+            c = registry.choose(variant, m, n, k, dev, impl="auto", log_choice=False)
             cells.append(f"[bold]{c.impl}[/]: {c.reason}")
         table.add_row(variant, *cells)
     console.print(table)

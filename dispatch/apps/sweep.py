@@ -46,7 +46,7 @@ import formats
 
 from dispatch.api import library_versions
 from dispatch.devices import interpreting
-from dispatch.policy import VARIANTS
+from dispatch.registry import VARIANTS
 
 from . import _harness as H
 from . import argtypes as A
@@ -83,7 +83,7 @@ def build_impls(names: Optional[list[str]], extra: Optional[dict[str, Impl]]) ->
 def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: dict[str, Impl], *,
              seed: int, device: str) -> dict[str, Any]:
     """One cell of the matrix: fresh inputs, every implementation, the comparisons."""
-    fmt, a16 = VARIANTS[variant]
+    fmt, a16 = H.split(variant)
     gen = torch.Generator(device=device).manual_seed(seed)
     x = H.make_input((M, K), dtype, gen, device)
     w = H.make_weight(N, K, gen, device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatch import policy
+from dispatch import policy, registry
 from dispatch.apps import cli
 
 
@@ -41,10 +41,13 @@ def test_info_shows_every_variant_for_a_described_device(capsys, monkeypatch):
     assert cli.main(["info", "--device", "h200"]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200 (sm_90, 132 SMs, 232448 B shared memory per block, 4800 GB/s)" in out
-    for variant in policy.VARIANTS:
+    for variant in registry.VARIANTS:
         assert variant in out
     assert "decode M=1" in out and "decode M=16" in out and "prefill M=4096" in out
-    assert out.count("triton: cute needs an SM120/SM121 GPU") == 3 * len(policy.VARIANTS)
+    # auto picks triton in every cell: cute needs SM12x, and has no mxfp4_w4a16 entry at all
+    a16_only = [v for v in registry.VARIANTS if v == "mxfp4_w4a16"]
+    assert out.count("triton: cute needs an SM120/SM121 GPU") == 3 * (len(registry.VARIANTS) - len(a16_only))
+    assert out.count("triton: cute does not implement mxfp4_w4a16") == 3 * len(a16_only)
 
 
 # ---------------------------------------------------------------------------------------------
