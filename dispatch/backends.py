@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from formats import QuantizedTensor, reference_linear, spec
+from formats.validate import check_weight
 
 from .devices import DeviceInfo, current_device, interpreting
 from .registry import Backend, Problem, UnsupportedEntry
@@ -42,12 +43,6 @@ def _k_ok(problem: Problem) -> tuple[bool, str]:
     if problem.M < 0 or problem.N <= 0:
         return False, f"M must be >= 0 and N > 0, got M={problem.M} N={problem.N}"
     return True, ""
-
-
-def _check_weight(qweight, fmt: str) -> None:
-    if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight" or qweight.fmt != fmt:
-        got = f"a {qweight.fmt} {qweight.role}" if isinstance(qweight, QuantizedTensor) else type(qweight).__name__
-        raise ValueError(f"qweight must be a {fmt} weight QuantizedTensor (see dispatch.quantize_weight), got {got}")
 
 
 def copy_quantized_into(into: QuantizedTensor, new: QuantizedTensor) -> QuantizedTensor:
@@ -83,7 +78,7 @@ class ReferenceBackend(Backend):
         return True, "float64 oracle (formats.reference_linear)"
 
     def prepare(self, qweight, into=None):
-        _check_weight(qweight, self.fmt)
+        check_weight(qweight, self.fmt)
         return qweight if into is None else copy_quantized_into(into, qweight)
 
     def apply(self, x, prepared, bias=None, **act_opts):
@@ -137,7 +132,7 @@ class TritonBackend(Backend):
         return f"{name} path: {why}"
 
     def prepare(self, qweight, into=None):
-        _check_weight(qweight, self.fmt)
+        check_weight(qweight, self.fmt)
         return qweight if into is None else copy_quantized_into(into, qweight)
 
     def apply(self, x, prepared, bias=None, **act_opts):
@@ -202,7 +197,7 @@ class CuteBackend(Backend):
         if probe.module is None:
             return False, f"b12x is not installed ({probe.error}); install it with: {INSTALL_CUTE}"
         if _is_running_device(device):
-            ok, why = importlib.import_module("kernels_cute").device_gate(self.fmt)
+            ok, why = importlib.import_module("kernels_cute").device_gate(self.variant)
             if not ok:
                 return False, why
             return True, f"b12x {probe.version} supports {device.arch}"
@@ -214,11 +209,11 @@ class CuteBackend(Backend):
             return False, f"cute: {why}"
         mod = self._module()
         if self.a16:
-            return mod.supported(problem.M, problem.N, problem.K, a16=True)
+            return mod.supported(problem.M, problem.N, problem.K, a16=True, dtype=problem.dtype)
         return mod.supported(problem.M, problem.N, problem.K)
 
     def prepare(self, qweight, into=None):
-        _check_weight(qweight, self.fmt)
+        check_weight(qweight, self.fmt)
         return self._module().prepare_weight(qweight, into=into, a16=self.a16)
 
     def apply(self, x, prepared, bias=None, *, quantizer: str = "cute", **act_opts):

@@ -6,7 +6,7 @@ Implementations (``Impl``), each reached the same way whatever library is behind
     reference  formats/ oracle: formats.quantize (activation) and formats.reference_linear (float64
                out, so it is the exact value of the quantized operands' product)
     triton     kernels_triton.<fmt>: quantize_activation, gemm, linear (a16=True for W4A16)
-    cute       kernels_cute.<fmt>: quantize_activation, linear (no separate GEMM) when this device can
+    cute       kernels_cute.<fmt>: quantize_activation, gemm, linear when this device can
                run it (SM120/121); otherwise skipped with the reason (the registry's cute backend)
 
 A test (or a user) can add an implementation by passing ``extra_impls={"name": Impl(...)}``.
@@ -199,9 +199,10 @@ def cute_impl() -> Impl:
             return None
         return m.quantize_activation(x)
 
-    # No gemm: kernels_cute.<fmt> exposes the whole linear only (it quantizes its own activations),
-    # so bench records cute's GEMM-alone rows as skipped, saying so.
-    return Impl("cute", linear, prepare=prepare, quantize=quantize, support=support,
+    def gemm(xq, prepared, qweight, bias, out_dtype):
+        return mod(qweight.fmt).gemm(xq, prepared, bias, out_dtype=out_dtype)
+
+    return Impl("cute", linear, prepare=prepare, quantize=quantize, gemm=gemm, support=support,
                 note="b12x CuTe DSL (SM120/SM121)")
 
 

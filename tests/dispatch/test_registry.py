@@ -14,8 +14,8 @@ from dispatch.registry import Backend, Problem, UnsupportedEntry
 from conftest import device_name
 
 VARIANTS = tuple(registry.VARIANTS)
-# b12x's pack_weight (tensor FP8, MXFP8) checks that the weight is on a CUDA device.
-PREPARE_NEEDS_CUDA = {("cute", "fp8_tensor"), ("cute", "mxfp8")}
+# b12x's pack_weight (tensor FP8, MXFP8, NVFP4 W4A16) checks that the weight is on a CUDA device.
+PREPARE_NEEDS_CUDA = {("cute", "fp8_tensor"), ("cute", "mxfp8"), ("cute", "nvfp4_w4a16")}
 
 
 def test_every_format_of_formats_has_one_registry_entry():
@@ -111,7 +111,7 @@ def _leaves(obj) -> list[torch.Tensor]:
 
 def test_prepare_refuses_another_format_or_shape():
     b = registry.get("triton", "nvfp4")
-    with pytest.raises(ValueError, match="qweight must be a nvfp4 weight QuantizedTensor"):
+    with pytest.raises(ValueError, match="qweight must be a nvfp4 weight, got mxfp4"):
         b.prepare(_weight("mxfp4", 0))
     with pytest.raises(ValueError, match=r"into= must be a nvfp4 weight of shape \(64, 256\)"):
         copy_quantized_into(_weight("nvfp4", 0), _weight("nvfp4", 1, n=64))
