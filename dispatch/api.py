@@ -10,6 +10,7 @@ Every call goes through the backend registry (dispatch.registry): ``choose`` pic
 
 from __future__ import annotations
 
+import platform
 import weakref
 from typing import Optional, Union
 
@@ -84,15 +85,19 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
 # explain
 # ---------------------------------------------------------------------------------------------
 def library_versions() -> dict[str, str]:
-    """Installed versions of torch, triton, b12x and nvidia-cutlass-dsl ("not installed" if absent)."""
+    """Versions of what the results depend on, for reports and JSON: torch, triton, b12x,
+    nvidia-cutlass-dsl and numpy as installed ("not installed" if absent), the Python version, and
+    the CUDA version torch was built with ("None" for a CPU-only torch)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"torch": torch.__version__}
-    for dist in ("triton", "b12x", "nvidia-cutlass-dsl"):
+    for dist in ("triton", "b12x", "nvidia-cutlass-dsl", "numpy"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
             out[dist] = "not installed"
+    out["python"] = platform.python_version()
+    out["cuda"] = str(torch.version.cuda)
     return out
 
 

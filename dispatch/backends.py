@@ -21,7 +21,7 @@ import torch
 from formats import QuantizedTensor, reference_linear, spec
 from formats.validate import check_weight
 
-from .devices import DeviceInfo, current_device
+from .devices import DeviceInfo, current_device, interpreting
 from .registry import Backend, Problem, UnsupportedEntry
 
 INSTALL_CUTE = "pip install 'b12x-dual[cute]'"
@@ -111,8 +111,8 @@ class TritonBackend(Backend):
             return False, f"kernels_triton.{self.fmt} is not in this installation"
         if device.kind == "cpu":
             importlib.import_module("kernels_triton")  # sets TRITON_INTERPRET=1 when there is no GPU
-            value = os.environ.get("TRITON_INTERPRET", "")
-            if value in ("", "0"):
+            if not interpreting():
+                value = os.environ.get("TRITON_INTERPRET", "")
                 return False, (f"CPU tensors need Triton's interpreter but TRITON_INTERPRET={value!r}; set "
                                "TRITON_INTERPRET=1 before kernels_triton is imported, or move the inputs to the GPU")
             return True, "Triton interpreter on CPU (TRITON_INTERPRET=1)"

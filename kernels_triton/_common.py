@@ -10,7 +10,6 @@ formats/ oracle bit for bit everywhere. Division that must match the oracle uses
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +18,7 @@ import triton.language as tl
 
 from formats import validate as _validate
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from . import interpreting  # noqa: F401  (defined next to where the package sets TRITON_INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------

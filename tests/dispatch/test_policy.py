@@ -10,10 +10,9 @@ import torch
 
 import kernels_cute
 from dispatch import api, backends, policy, registry
-from dispatch.devices import CPU, KNOWN_DEVICES, current_device
+from dispatch.devices import CPU, KNOWN_DEVICES, current_device, interpreting
 from dispatch.policy import ImplementationUnavailable, InvalidImplementation, use_impl
 from dispatch.registry import choose
-from conftest import interpreting
 
 VARIANTS = tuple(registry.VARIANTS)
 SHAPES = {"decode M=1": (1, 4096, 4096), "decode M=16": (16, 4096, 4096), "prefill M=4096": (4096, 4096, 4096)}
@@ -265,7 +264,7 @@ def test_explain_reports_device_versions_and_every_reason_of_the_walk(monkeypatc
                                     "4800 GB/s)")
     versions = api.library_versions()
     assert text.splitlines()[1] == "libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items())
-    assert list(versions) == ["torch", "triton", "b12x", "nvidia-cutlass-dsl"]
+    assert list(versions) == ["torch", "triton", "b12x", "nvidia-cutlass-dsl", "numpy", "python", "cuda"]
     for label in ("M=8 ", "decode M=1 ", "decode M=16 ", "prefill M=4096 "):
         assert f"nvfp4 {label}" in text
     assert ("auto -> triton: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90; Triton kernels on sm_90; "
