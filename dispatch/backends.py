@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from formats import QuantizedTensor, reference_linear, spec
+from formats import QuantizedTensor, quantize, reference_linear, spec
 from formats.validate import check_weight
 
 from .devices import DeviceInfo, current_device, interpreting
@@ -84,6 +84,12 @@ class ReferenceBackend(Backend):
     def apply(self, x, prepared, bias=None, **act_opts):
         return reference_linear(x, prepared, bias, a16=self.a16, **act_opts)
 
+    def quantize_activation(self, x, **act_opts):
+        return quantize(x, self.fmt, role="activation", **act_opts)
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        return reference_linear(xq, prepared, bias, out_dtype=out_dtype)
+
 
 # ---------------------------------------------------------------------------------------------
 # triton
@@ -140,6 +146,12 @@ class TritonBackend(Backend):
         if self.a16:
             return mod.linear(x, prepared, bias, a16=True, **act_opts)
         return mod.linear(x, prepared, bias, **act_opts)
+
+    def quantize_activation(self, x, **act_opts):
+        return self._module().quantize_activation(x, **act_opts)
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,6 +242,12 @@ class CuteBackend(Backend):
         if self.a16:
             return mod.linear(x, prepared, bias, a16=True, **act_opts)
         return mod.linear(x, prepared, bias, **act_opts)
+
+    def quantize_activation(self, x, **act_opts):
+        return self._module().quantize_activation(x, **act_opts)
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
 
 
 CUTE_UNSUPPORTED = {

@@ -171,6 +171,25 @@ class Backend:
         """Extra detail for explain (e.g. which kernel path); empty by default."""
         return ""
 
+    # Two optional verbs for the test sweeps and benchmarks, which look inside a call: the
+    # activation quantizer alone (compared bit for bit with the oracle) and the GEMM alone.
+    def quantize_activation(self, x: torch.Tensor, **act_opts):
+        """x [..., K] -> the activation QuantizedTensor this backend's GEMM consumes.
+        Raises NotImplementedError where the backend has no separate quantizer (W4A16)."""
+        raise NotImplementedError(f"{self.name} has no separate activation quantizer")
+
+    def gemm(self, xq, prepared, bias: Optional[torch.Tensor] = None,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The GEMM alone on an already quantized activation xq [M, K] -> [M, N] of ``out_dtype``.
+        Raises NotImplementedError where the backend has no separate GEMM (W4A16)."""
+        raise NotImplementedError(f"{self.name} has no separate GEMM entry")
+
+    @property
+    def splits(self) -> bool:
+        """True when quantize_activation and gemm are available separately."""
+        return (type(self).quantize_activation is not Backend.quantize_activation
+                and type(self).gemm is not Backend.gemm and not self.a16)
+
 
 @dataclass(frozen=True)
 class UnsupportedEntry:
