@@ -56,7 +56,7 @@ _GATES = {
 DECLARED_UNSUPPORTED = ("mxfp4_w4a16",)
 SERVED = tuple(v for v in VARIANTS if v in _GATES and v not in DECLARED_UNSUPPORTED)
 
-__all__ = ["FORMATS", "VARIANTS", "SERVED", "CuteWeight", "Preparation", "module", "supported",
+__all__ = ["FORMATS", "VARIANTS", "SERVED", "CuteWeight", "Preparation", "device_gate", "module", "supported",
            "prepare_weight", "gemm", "linear", "prepare", "B12X_VERSION"]
 
 
@@ -86,6 +86,17 @@ def query_maker(variant: str):
 @functools.lru_cache(maxsize=None)
 def _b12x_gate(variant: str) -> bool:
     return bool(importlib.import_module(_GATES[variant]).is_supported())
+
+
+def device_gate(variant: str) -> tuple[bool, str]:
+    """b12x's own ``is_supported()`` for the entry point of ``variant`` on the running GPU (asked
+    once per process), as (ok, reason). Call it only where a CUDA device is present."""
+    if variant not in _GATES:
+        return False, f"kernels_cute does not serve {variant!r} (it serves {SERVED})"
+    if not _b12x_gate(variant):
+        return False, (f"{_GATES[variant]}.is_supported() is False on this GPU "
+                       "(b12x needs nvidia-cutlass-dsl>=4.6 and triton)")
+    return True, f"{_GATES[variant]}.is_supported() is True"
 
 
 def _is_running_device(device) -> bool:
@@ -123,9 +134,10 @@ def supported(fmt: str, M: int, N: int, K: int, device, *, dtype: Optional[torch
     mod = module(fmt)
     if base == "mxfp4" and a16:
         return mod.supported(M, N, K, a16=True)
-    if _is_running_device(device) and not _b12x_gate(fmt):
-        return False, (f"{_GATES[fmt]}.is_supported() is False on this sm_{cap[0]}{cap[1]} GPU "
-                       "(b12x needs nvidia-cutlass-dsl>=4.6 and triton)")
+    if _is_running_device(device):
+        ok, why = device_gate(fmt)
+        if not ok:
+            return False, why
     return mod.supported(M, N, K, a16=True, dtype=dtype) if a16 else mod.supported(M, N, K)
 
 
