@@ -67,6 +67,7 @@ class ReferenceBackend(Backend):
     """The formats/ oracle: dequantize both operands, float64 matmul, one rounding."""
 
     impl = "reference"
+    extra_options = ("out_dtype",)
 
     def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
         return True, "the formats/ oracle runs on every device"
@@ -82,6 +83,7 @@ class ReferenceBackend(Backend):
         return qweight if into is None else copy_quantized_into(into, qweight)
 
     def apply(self, x, prepared, bias=None, **act_opts):
+        self.check_options(act_opts)
         return reference_linear(x, prepared, bias, a16=self.a16, **act_opts)
 
     def quantize_activation(self, x, **act_opts):
@@ -142,6 +144,7 @@ class TritonBackend(Backend):
         return qweight if into is None else copy_quantized_into(into, qweight)
 
     def apply(self, x, prepared, bias=None, **act_opts):
+        self.check_options(act_opts)
         mod = self._module()
         if self.a16:
             return mod.linear(x, prepared, bias, a16=True, **act_opts)
@@ -194,6 +197,7 @@ class CuteBackend(Backend):
     """
 
     impl = "cute"
+    extra_options = ("quantizer",)
 
     def _module(self):
         import kernels_cute
@@ -229,6 +233,7 @@ class CuteBackend(Backend):
         return self._module().prepare_weight(qweight, into=into, a16=self.a16)
 
     def apply(self, x, prepared, bias=None, *, quantizer: str = "cute", **act_opts):
+        self.check_options(act_opts)
         mod = self._module()
         if quantizer == "triton" and not self.a16:
             import kernels_triton

@@ -56,6 +56,7 @@ class QuantLinear(nn.Module):
         check_weight(qweight)
         if qweight.data.is_meta:
             raise ValueError("qweight is on the meta device; quantize a materialized weight")
+        check_scale_values(qweight)  # once per layer, where it is built (reads the scales: a sync)
         self.fmt = qweight.fmt
         self.a16 = bool(a16)
         self.variant = registry.variant_name(self.fmt, self.a16)

@@ -23,13 +23,15 @@ What the caller asked for (``impl=`` > ``use_impl()`` > ``B12X_IMPL`` > auto) is
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from formats import FORMAT_NAMES
+from formats import FORMAT_NAMES, format_module
 
 from .devices import DeviceInfo
 from .policy import ImplementationUnavailable, requested_impl
@@ -166,6 +168,28 @@ class Backend:
 
     def apply(self, x: torch.Tensor, prepared, bias: Optional[torch.Tensor] = None, **act_opts) -> torch.Tensor:
         raise NotImplementedError
+
+    extra_options: tuple[str, ...] = ()
+    """Keyword options of apply beyond the format's activation options (e.g. reference's out_dtype)."""
+
+    @functools.cached_property
+    def act_options(self) -> frozenset[str]:
+        """The activation options apply takes: the keyword-only options of the format's oracle
+        quantizer (fp8_tensor ``scale``, fp8_block ``ue8m0``, MX ``scale_rule``, nvfp4
+        ``global_scale``; none for W4A16), plus ``extra_options``."""
+        names = set(self.extra_options)
+        if not self.a16:
+            sig = inspect.signature(format_module(self.fmt).quantize)
+            names |= {p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY}
+        return frozenset(names)
+
+    def check_options(self, opts: dict) -> None:
+        """ValueError naming an option this backend does not take, and the ones it does."""
+        bad = set(opts) - self.act_options
+        if bad:
+            allowed = ", ".join(sorted(self.act_options)) or "none"
+            raise ValueError(f"{self.name}: unknown option(s) {sorted(bad)} for {self.variant} on {self.impl}; "
+                             f"allowed: {allowed}")
 
     def describe(self, problem: Problem, device: DeviceInfo) -> str:
         """Extra detail for explain (e.g. which kernel path); empty by default."""

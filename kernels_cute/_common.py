@@ -172,11 +172,13 @@ def copy_into(into: CuteWeight, new: CuteWeight) -> CuteWeight:
     """Weight reload with an unchanged layout: copy ``new``'s tensors into ``into``'s storage (so
     addresses captured in CUDA graphs stay valid) and return ``into``. ValueError when the
     layout differs (then prepare a fresh weight and re-capture)."""
-    if not isinstance(into, CuteWeight) or into.fmt != new.fmt or into.shape != new.shape:
-        raise ValueError(f"into= must be a prepared {new.fmt} weight of shape {new.shape}, got "
-                         f"{getattr(into, 'fmt', type(into).__name__)} {getattr(into, 'shape', '')}")
-    pairs = list(zip(_tensor_leaves(into), _tensor_leaves(new)))
-    if len(pairs) != len(_tensor_leaves(new)) or any(
+    if (not isinstance(into, CuteWeight) or into.fmt != new.fmt or into.shape != new.shape
+            or into.a16 != new.a16):
+        raise ValueError(f"into= must be a prepared {new.variant} weight of shape {new.shape}, got "
+                         f"{getattr(into, 'variant', type(into).__name__)} {getattr(into, 'shape', '')}")
+    old_leaves, new_leaves = _tensor_leaves(into), _tensor_leaves(new)
+    pairs = list(zip(old_leaves, new_leaves))
+    if len(old_leaves) != len(new_leaves) or any(
             a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in pairs):
         raise ValueError(f"into= has a different storage layout than the reloaded {new.fmt} weight; "
                          "prepare a new weight instead (and re-capture any CUDA graph)")
@@ -187,7 +189,7 @@ def copy_into(into: CuteWeight, new: CuteWeight) -> CuteWeight:
     return into
 
 
-def _tensor_leaves(obj, _seen=None) -> list[torch.Tensor]:
+def _tensor_leaves(obj) -> list[torch.Tensor]:
     """Every tensor reachable through dataclass fields / dicts, in a fixed order."""
     if isinstance(obj, torch.Tensor):
         return [obj]

@@ -130,3 +130,24 @@ def test_reference_and_triton_backends_agree_through_apply(variant):
     y_tri = tri.apply(x, tri.prepare(qw)).double()
     assert torch.isfinite(y_tri).all()
     assert ((y_tri - y_ref).norm() / y_ref.norm()).item() <= 2 ** -8
+
+
+@pytest.mark.parametrize("impl,variant,opt", [
+    ("triton", "nvfp4", "scale_rule"),      # an MX option given to NVFP4
+    ("triton", "mxfp4", "ue8m0"),           # a block-FP8 option given to MXFP4
+    ("triton", "fp8_block", "out_dtype"),   # the reference's option given to a kernel
+    ("reference", "mxfp4_w4a16", "scale_rule"),  # W4A16 quantizes no activation
+])
+def test_an_option_meant_for_another_format_or_implementation_is_named(impl, variant, opt):
+    b = registry.get(impl, variant)
+    qw = _weight(variant, 0, n=64, k=256)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"{impl}:{variant}: unknown option\(s\) \['{opt}'\].*allowed: "):
+        b.apply(x, b.prepare(qw), **{opt: None})
+
+
+def test_each_backend_takes_its_formats_activation_options():
+    assert registry.get("triton", "nvfp4").act_options == {"global_scale"}
+    assert registry.get("reference", "fp8_tensor").act_options == {"scale", "out_dtype"}
+    assert registry.get("cute", "mxfp8").act_options == {"scale_rule", "quantizer"}
+    assert registry.get("triton", "mxfp4_w4a16").act_options == frozenset()
