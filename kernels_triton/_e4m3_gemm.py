@@ -66,18 +66,6 @@ def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | No
 
 PREPASS_MIN_M = 128  # mxfp8: above this M the decode pre-pass + bf16 GEMM beats the fused kernel
 
-# SM12x (RTX 50x0 / RTX PRO 6000 / DGX Spark): 101,376 B of shared memory per block, no wgmma.
-# UNTESTED ON HARDWARE and NOT SELECTED YET (SM12x runs gemm_config's SM90 choices). Triton 3.9
-# keeps num_stages - 1 buffers on sm_120 (all num_stages on sm_90): 128 x 256 x 128 e4m3 with
-# 3 stages takes 98,304 B there (fits) but 147,456 B on sm_90; these numbers depend on the Triton
-# version, so check the compiler's shared-memory report before trusting a larger tile.
-SM120_TABLE = {
-    "decode": TileConfig(16, 64, 128, GROUP_M=8, num_warps=4, num_stages=4),
-    "small": TileConfig(64, 128, 128, GROUP_M=8, num_warps=4, num_stages=3),
-    "large": TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
-}
-
-
 def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of an activation-quantization tile; BLOCK_K is a multiple of ``group``."""
     if interpreting:

@@ -66,7 +66,7 @@ from ._e4m3_gemm import (
     grouped_tile,
     quant_config,
 )
-from ._twopass import epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
@@ -167,8 +167,8 @@ def _gemm_kernel(
 
     # ----- epilogue: bias, cast, store -----
     # (RNE_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
-    # (alpha mode 0: every scale was applied in the K loop, so the two scale pointers are unused)
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, 0, HAS_BIAS, RNE_BF16)
+    # (NO_ALPHA: every scale was applied in the K loop, so the two scale pointers are unused)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

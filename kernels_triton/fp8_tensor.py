@@ -75,7 +75,7 @@ from ._e4m3_gemm import (
     grouped_tile,
     quant_config,
 )
-from ._twopass import launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+from ._twopass import ALPHA_SCALES, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 FMT = "fp8_tensor"
 K_MULTIPLE = 1  # per-tensor scaling puts no constraint on K
@@ -317,7 +317,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=1, s1=xq.scale, s2=qweight.scale)
+        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=xq.scale, s2=qweight.scale)
     return y
 
 

@@ -76,6 +76,7 @@ from ._common import (
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, quant_config
 from ._twopass import (
+    NO_ALPHA,
     epilogue,
     launch_bf16_gemm,
     launch_splitk_reduce,
@@ -196,8 +197,8 @@ def _gemm_kernel(
 
     # ----- epilogue: bias, cast, store (all scales were applied in the K loop) -----
     # (RNE_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
-    # (alpha mode 0: every scale was applied in the K loop, so the two scale pointers are unused)
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, 0, HAS_BIAS, RNE_BF16)
+    # (NO_ALPHA: every scale was applied in the K loop, so the two scale pointers are unused)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
