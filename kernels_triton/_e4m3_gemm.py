@@ -20,6 +20,9 @@ import triton.language as tl
 from formats import QuantizedTensor
 
 from ._common import TileConfig, check_bias, check_weight
+from ._common import interpreting as _interpreting
+from ._paths import sm_count
+from ._tiles import sm12x_config
 from ._twopass import split_k_for
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,6 +68,14 @@ def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | No
 
 
 PREPASS_MIN_M = 128  # mxfp8: above this M the decode pre-pass + bf16 GEMM beats the fused kernel
+
+def native_config(M: int, N: int, K: int, device, *, kind: str = "e4m3", block_k: int | None = None) -> TileConfig:
+    """Tile of a native (tl.dot_scaled) e4m3 GEMM: the SM12x table (_tiles) on a GPU, the
+    interpreter's whole-problem tiles otherwise (``block_k`` forces BLOCK_K there)."""
+    if _interpreting():
+        return gemm_config(M, N, K, True, block_k=block_k)
+    return sm12x_config(kind, M, N, K, sm_count(device))
+
 
 def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of an activation-quantization tile; BLOCK_K is a multiple of ``group``."""

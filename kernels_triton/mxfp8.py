@@ -73,8 +73,10 @@ from ._common import (
     floor_log2,
     interpreting,
     kernel_bias,
+    scale_offsets,
 )
-from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, quant_config
+from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
+from ._paths import resolve_path
 from ._twopass import (
     NO_ALPHA,
     epilogue,
@@ -203,6 +205,64 @@ def _gemm_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# ---------------------------------------------------------------------------------------------
+# GEMM, native path: the scales go into the block-scaled MMA (SM12x), nothing is decoded
+# ---------------------------------------------------------------------------------------------
+# [native-kernel]
+@triton.jit
+def _native_gemm_kernel(
+    # pointers
+    x_ptr, w_ptr,  # e4m3 codes as uint8: x [M, K], w [N, K] (K contiguous)
+    sx_ptr, sw_ptr,  # E8M0 scale bytes: sx [M, K/32] linear, sw [N, K/32] linear or swizzled 128x4
+    bias_ptr, y_ptr,
+    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and adds the bias
+    # dimensions
+    M, N, K, K_PER,
+    # strides
+    stride_xm, stride_wn, stride_sxm, stride_swn, stride_ym,
+    # meta-parameters
+    W_SWIZZLED: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of y = sum_k (qx * 2^ex) (qw * 2^ew): on SM12x each
+    tl.dot_scaled is mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, one
+    E8M0 scale per 32 elements of a row of x and of a row of w, applied inside the instruction."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    n_scales = K // VEC_SIZE
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = tl.program_id(1) * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        # codes [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; the K tail reads code 0
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0)
+        b = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0)
+        # E8M0 bytes, one per 32 codes: [BLOCK_M, BLOCK_K / 32] and [BLOCK_N, BLOCK_K / 32]
+        offs_g = k0 // VEC_SIZE + tl.arange(0, BLOCK_K // VEC_SIZE)
+        g_ok = offs_g < n_scales
+        sa = tl.load(sx_ptr + scale_offsets(offs_m, offs_g, n_scales, stride_sxm, False),
+                     mask=m_ok[:, None] & g_ok[None, :], other=127)
+        sb = tl.load(sw_ptr + scale_offsets(offs_n, offs_g, n_scales, stride_swn, W_SWIZZLED),
+                     mask=n_ok[:, None] & g_ok[None, :], other=127)
+        acc = tl.dot_scaled(a, sa, "e4m3", b.T, sb, "e4m3", acc)
+
+    if SPLIT:  # a partial sum of this K range; the bias comes in the reduction
+        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
+        return
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+# [/native-kernel]
+
+
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, K, stride_qr, stride_qk, stride_sr, stride_sk, stride_or,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -276,24 +336,29 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias), dequantizing in registers.
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
+    """y = dequant(xq) . dequant(qweight)^T (+ bias): natively (tl.dot_scaled, the SM12x
+    block-scaled MMA) or portably (dequantizing in registers); gemm_path picks by device.
 
     Args:
         xq: mxfp8 activation QuantizedTensor [M, K] (scale uint8 E8M0 [M, K/32]).
         qweight: mxfp8 weight QuantizedTensor [N, K] (scale uint8 [N, K/32]), linear layout.
         bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
         out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        path: None (gemm_path's choice for the weight's device), "native" or "portable".
     Returns:
         [M, N] tensor of out_dtype (empty when M == 0).
     Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
+        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
+            unknown path.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
+    if resolve_path(path, FMT, qweight.device) == "native":
+        return _gemm_native(xq, qweight, bias, y)
     interp = interpreting()
     cfg = tile_config(M, N, K)
     x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
@@ -318,8 +383,32 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     return y
 
 
+def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
+    """Launch _native_gemm_kernel into y [M, N] (the SM12x tile table; split-K for small M)."""
+    M, N = y.shape
+    K = qweight.k
+    cfg = native_config(M, N, K, y.device)
+    x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
+    sx, sw = xq.scale.contiguous(), qweight.scale.contiguous()
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
+    _native_gemm_kernel[grid](
+        x, w, sx, sw, bias if bias is not None else y, y, ws,
+        M, N, K, k_per,
+        x.stride(0), w.stride(0), sx.stride(0), sw.stride(0), y.stride(0),
+        W_SWIZZLED=False, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT=n_split > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if n_split > 1:
+        launch_splitk_reduce(ws, y, bias=bias)
+    return y
+
+
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           scale_rule: str = "ceil") -> torch.Tensor:
+           scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly.
 
     Args:
@@ -327,6 +416,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         qweight: mxfp8 weight QuantizedTensor [N, K] (linear layout) on x's device.
         bias: optional float [N].
         scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation).
+        path: None (auto for x's device), "native" or "portable" (see gemm).
     Returns:
         [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
     Raises:
@@ -338,4 +428,4 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
     xq = quantize_activation(x, scale_rule=scale_rule)
-    return gemm(xq, qweight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], N)
+    return gemm(xq, qweight, bias, out_dtype=x.dtype, path=path).reshape(*x.shape[:-1], N)
