@@ -7,6 +7,11 @@ kernel, a GEMM kernel and host wrappers with the same names:
     gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16) -> Tensor [M, N]
     linear(x, qweight, bias=None, **opts) -> Tensor [..., N]    (quantize + gemm)
 
+Two GEMM paths per format (``path=None | "native" | "portable"`` on gemm and linear): native is
+tl.dot_scaled, the block-scaled tensor-core MMA on SM120/SM121; portable decodes operand tiles in
+registers and runs a plain tl.dot (Hopper, Ada, the interpreter). ``gemm_path(fmt, capability,
+a16=...) -> (path, reason)`` is the policy, a pure function the dispatcher can report.
+
 With no CUDA device and TRITON_INTERPRET unset, importing this package sets TRITON_INTERPRET=1, so
 the kernels run on CPU tensors in Triton's interpreter. Triton reads the variable when it is first
 imported, so this package must be imported before anything else imports triton (transformers
@@ -36,6 +41,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from formats import FORMAT_NAMES  # noqa: E402
+
+from ._paths import PATHS, gemm_path  # noqa: E402,F401
 
 
 def module(fmt: str):
