@@ -69,6 +69,7 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
     SM121); shared/notes/triton.md.
     """
     _check_fmt(fmt, a16)
+    # [gemm-path]
     if capability is None:
         return "portable", ("no CUDA device: the Triton interpreter runs the portable decode-in-registers "
                             "kernels (its dot_scaled decodes e4m3 scales as E8M0)")
@@ -86,6 +87,7 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
         return "native", f"{arch} has block-scaled MMA: tl.dot_scaled -> {native_instruction(fmt)}"
     return "portable", (f"{arch} has no block-scaled MMA that Triton targets here; Triton would emulate "
                         "dot_scaled by upcasting to bf16, which the portable kernel does explicitly and exactly")
+    # [/gemm-path]
 
 
 def device_capability(device) -> Optional[tuple[int, int]]:

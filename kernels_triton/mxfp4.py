@@ -221,10 +221,13 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     check_bias(bias, N, qweight.device)
     bias = kernel_bias(bias)
     a, sa = xq.data.contiguous(), xq.scale.contiguous()
+    # [native-call]
     if resolve_path(path, FMT, qweight.device) == "native":
+        # nvfp4's kernel with one E8M0 (uint8) scale per 32 and no global scale
         sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)
         return launch_fp4_dot_scaled(a, sa, qweight.data.contiguous(), sw, M=xq.rows, N=N, K=K, vec_size=VEC_SIZE,
                                      scale_e4m3=False, w_swizzled=swizzled, bias=bias, out_dtype=out_dtype)
+    # [/native-call]
     return launch_fp4_gemm(
         a, sa, qweight.data.contiguous(), qweight.scale.contiguous(),
         M=xq.rows, N=N, K=K, group=VEC_SIZE, scale_e4m3=False, bias=bias, out_dtype=out_dtype,
