@@ -140,9 +140,14 @@ def test_fp8_block_ue8m0_native_refuses_non_power_of_two_scales():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_gemm_path_by_device_family(fmt):
-    for cap in ((12, 0), (12, 1)):
+    triton_version = tuple(int(v) for v in __import__("triton").__version__.split(".")[:2])
+    for cap, need in (((12, 0), (3, 6)), ((12, 1), (3, 8))):  # triton#8494 / #10010
         path, why = kernels_triton.gemm_path(fmt, cap)
-        assert path == "native" and f"sm_{cap[0]}{cap[1]}" in why and "block_scale" in why
+        assert f"sm_{cap[0]}{cap[1]}" in why
+        if triton_version >= need:
+            assert path == "native" and "block_scale" in why
+        else:
+            assert path == "portable" and "triton#" in why
     for cap in ((9, 0), (8, 9), (10, 0)):
         path, why = kernels_triton.gemm_path(fmt, cap)
         assert path == "portable" and f"sm_{cap[0]}{cap[1]}" in why
