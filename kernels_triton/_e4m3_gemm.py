@@ -39,13 +39,12 @@ def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | No
     Under the interpreter each (program x K-iteration) costs ~2-3 ms of Python whatever the tile
     size, so the tiles are as large as the problem (up to 256 x 256, K up to 512 per step). On GPU,
     by M:
-      M <= 16   16 x 64 x 128, 4 stages, one program per tile (the e4m3 dot formats; split-K measured
-                slower here: 30.5 vs 26.9 us at N = K = 8192), split-K for mxfp8, whose decode
-                arithmetic needs more programs in flight (206 -> 55 us).
+      M <= 16   16 x 64 x 128, 4 stages, one program per tile (the e4m3 dot formats, where split-K
+                was slower), split-K for mxfp8, whose decode arithmetic needs more programs in flight.
       M <= 64   64 x 64 with split-K: N / 64 programs alone leave most of the 132 SMs idle.
       M <= 256  64 x 128, one program per tile.
-      larger    128 x 128 x 128, 8 warps, 3 stages (128 x 256 x 128 measured 382 vs 838 TF/s at
-                8192^3 for fp8_tensor: its 128-KB accumulator spills with max_num_imprecise_acc).
+      larger    128 x 128 x 128, 8 warps, 3 stages (128 x 256 x 128 is slower for fp8_tensor: its
+                128-KB accumulator spills with max_num_imprecise_acc).
                 ``prepass`` (mxfp8): decode once into bf16, then a bf16 GEMM (_twopass).
     ``block_k`` forces BLOCK_K (block FP8 needs exactly 128: one scale per K step).
     """

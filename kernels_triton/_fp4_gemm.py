@@ -1,4 +1,6 @@
-"""The block-scaled FP4 GEMM shared by nvfp4 and mxfp4 (and mxfp4's W4A16 variant).
+"""The portable block-scaled FP4 GEMM shared by nvfp4 and mxfp4 (and their W4A16 variant): decode
+in registers, then a plain tl.dot. GPUs without block-scaled MMA (Hopper, Ada) and the interpreter
+run it for W4A4, every device for W4A16; the native SM12x kernel is nvfp4.fp4_dot_scaled_kernel.
 
 Both formats store e2m1 codes packed two per byte along K (uint8 [rows, K/2], element 2i in the low
 nibble) with one scale per GROUP elements along K (nvfp4: GROUP = 16, e4m3 scale bytes; mxfp4:
@@ -70,8 +72,8 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
     ``_tiles.sm12x_config("e2m1_portable", ...)``, see ``portable_config``).
 
     Interpreter: a (program x K-iteration) costs milliseconds of Python and numpy, so take tiles as
-    large as the problem, up to 256 x 256 x 512 (measured: M, N, K = 257, 200, 384 takes 0.24 s as
-    one 256 x 256 x 512 program and 3.4 s as 64 x 64 x 128 tiles).
+    large as the problem, up to 256 x 256 x 512 (one big program is an order of magnitude faster
+    there than many small ones; docs/results.md).
     GPU, by M (docs/perf_notes.md has the measurements behind each row):
       M <= 16   16 x 128 x 128 with split-K (4 at N = 8192: 256 programs), so that more programs
                 share the weight stream and the decode arithmetic.
@@ -93,8 +95,7 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
     if M > PREPASS_MIN_M:
         return TileConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PREPASS=True)
     if M <= 16:
-        # measured at N = K = 8192 (nvfp4, GEMM alone): 16x64 split 8 68.6 us, 16x128 split 4 56.2,
-        # 16x128 split 8 59.0, 16x32 split 4 91 (docs/perf_notes.md)
+        # 16 x 128 with split 4 beat 16 x 64 / split 8 and 16 x 32 (docs/perf_notes.md)
         return TileConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3,
                           SPLIT_K=split_k_for(M, N, K, 16, 128, 128, target=256))
     if M <= 64:

@@ -96,7 +96,7 @@ def splitk_reduce_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-TARGET_PROGRAMS = 1024  # H200: 132 SMs, ~8 small programs each in flight
+TARGET_PROGRAMS = 1024  # Hopper: 132 SMs, ~8 small programs each in flight
 
 
 def split_k_for(M: int, N: int, K: int, bm: int, bn: int, bk: int, target: int = TARGET_PROGRAMS) -> int:

@@ -32,6 +32,12 @@ is added to the fp32 accumulator in registers, so the accumulation is promoted t
 step whatever Triton's Hopper default is; we still pass max_num_imprecise_acc=BLOCK_K to say so.
 Under the interpreter the codes are decoded to fp32 with _common.decode_e4m3 before the dot.
 
+Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
+each 128-deep partial is a tl.dot_scaled with unit E8M0 scales (the full-rate block-scaled MMA)
+promoted as above; with ``ue8m0=True`` (power-of-two scales, DeepGEMM's UE8M0) each scale 2^e is
+handed to the MMA as its E8M0 byte e + 127, repeated over its four 32-blocks, and no promotion
+step is needed (a scale that is not a power of two makes its rows/columns of y NaN).
+
 Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
 fp8_block QuantizedTensor [N, K]. NaN/Inf in x are not checked (no host synchronization).
 """

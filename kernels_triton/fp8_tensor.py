@@ -34,11 +34,17 @@ GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
 
 On GPU the e4m3 tiles go straight into tl.dot (fp8 tensor cores). On Hopper, Triton's default for
 fp8 dots is *imprecise* accumulation (max_num_imprecise_acc = 2^30: the wgmma accumulator is never
-promoted to full fp32), measured at 4e-3..7e-3 relative error at 8192^3 on the H200. We pass
+promoted to full fp32), which loses about 3 bits at K = 8192 (docs/results.md). We pass
 max_num_imprecise_acc=BLOCK_K (128), which promotes into the fp32 accumulator after every K step
-(measured 1.5e-4; ~25% slower). Other architectures ignore the argument. Under the interpreter
+(a few times more accurate, somewhat slower). Other architectures ignore the argument. Under the interpreter
 the codes are decoded to fp32 with _common.decode_e4m3 first (exact; the interpreter's fp8 paths
 are not trusted for anything but loads).
+
+Two paths (kernels_triton._paths.gemm_path picks by device; ``path=`` forces one): the portable
+kernel above (``_gemm_kernel``, a plain fp8 tl.dot), and on SM12x ``_native_gemm_kernel``: the
+same codes through tl.dot_scaled with every E8M0 scale 127 (2^0), because there the plain fp8 MMA
+runs at half the 8-bit rate and the block-scaled one at full rate (triton#11320); the two scales
+stay in the epilogue either way.
 
 Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
 fp8_tensor QuantizedTensor [N, K]. NaN/Inf in x are not checked (the oracle refuses them; checking
@@ -94,7 +100,7 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 PARTIALS_BLOCK = 1024  # partial maxima reduced per step in stage 2
 # max_num_imprecise_acc of the Hopper fp8 dot: promote the wgmma accumulator to fp32 every 128
-# products (K = 8192: max-rel error 1.5e-4; never promoting: 4e-3..7e-3, over the 1e-3 budget).
+# products (never promoting loses ~3 bits at K = 8192, over the 1e-3 relative-error budget).
 IMPRECISE_ACC = 128
 
 
@@ -114,7 +120,7 @@ def _amax_partials_kernel(
 ):
     """partials[pid_m * Pk + pid_k] = max |x| over rows [pid_m*BLOCK_M, (pid_m+1)*BLOCK_M) and the
     K tiles pid_k, pid_k + Pk, ... The grid spans K as well as M: a program walking all of K issues
-    its loads one after another (at decode, M = 16 and K = 8192, that was ~45 us for one program)."""
+    its loads one after another (at decode, one program would walk all of K = 8192 alone)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pk = tl.num_programs(1)

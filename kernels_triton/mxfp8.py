@@ -30,18 +30,24 @@ their product has 4 significant bits and an 8-bit exponent -- it is representabl
 in fp32) and accumulates in fp32. So the only rounding is fp32 accumulation, as in any fp32 GEMM;
 no scale is rounded. We chose this over per-32 sub-dots (dot the e4m3 codes 32 deep, multiply the
 partial by 2^(ex+ew)): that is also exact but needs one tl.dot per 32 elements of K, a [BLOCK_M,
-BLOCK_N] scale multiply per sub-dot and 32-deep fp8 dots, and is slower on Hopper (138 vs ~180
-TF/s in the team's first H200 measurements).
+BLOCK_N] scale multiply per sub-dot and 32-deep fp8 dots, and is slower on Hopper
+(docs/results.md). On SM12x the native path below hands the codes and scales to the block-scaled
+MMA instead, which applies the scales inside the instruction.
 
 DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
 there). The scales are loaded once per 32-element block, [BLOCK_M, BLOCK_K / 32], and broadcast by a
-reshape to [BLOCK_M, BLOCK_K / 32, 32] (an earlier per-element gather sx[offs_m, offs_k // 32] hit
-the cache but cost one load instruction per element: 200 us at decode on the H200).
+reshape to [BLOCK_M, BLOCK_K / 32, 32] (a per-element gather sx[offs_m, offs_k // 32] would hit
+the cache but cost one load instruction per element).
 
 Launch regimes (tile_config; _twopass explains both): decode-sized M splits K over several programs
 per output tile (split-K, fp32 workspace, ordered reduction); large M decodes each operand once
 into bf16 scratch (``_dequant_kernel``) and runs a plain bf16 GEMM, instead of re-decoding every
 weight tile M / BLOCK_M times.
+
+Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
+no decoding at all. tl.dot_scaled takes the e4m3 codes and the E8M0 bytes and lowers to
+mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, which applies one scale per
+32 elements of each row inside the instruction: the same exact products, fp32 accumulation.
 
 Constraints: K a multiple of 32; x bf16/fp16 [..., K]; weight a linear-layout mxfp8
 QuantizedTensor [N, K] (scale uint8 [N, K/32]). E8M0 byte 0xFF (NaN) is not special-cased, and
