@@ -57,9 +57,10 @@ def quantize_activation(x: torch.Tensor, fmt: str, **opts):
     return module(fmt).quantize_activation(x, **opts)
 
 
-def gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16):
-    """GEMM alone on quantized operands (xq activation [M, K], qweight [N, K]); see the module."""
-    return module(qweight.fmt).gemm(xq, qweight, bias, out_dtype=out_dtype)
+def gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16, **opts):
+    """GEMM alone on quantized operands (xq activation [M, K], qweight [N, K]; ``path=``, and
+    fp8_block's ``ue8m0=``); see the module."""
+    return module(qweight.fmt).gemm(xq, qweight, bias, out_dtype=out_dtype, **opts)
 
 
 def linear(x: torch.Tensor, qweight, bias=None, **opts):

@@ -111,6 +111,13 @@ def sm_count(device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def default_device() -> torch.device:
+    """The device this process's kernels run on when none is given: the current GPU, else the CPU."""
+    if torch.cuda.is_available() and not interpreting():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def resolve_path(path: Optional[str], fmt: str, device, *, a16: bool = False) -> str:
     """The path a call takes: ``path`` when forced ("native" | "portable"), else gemm_path's choice
     for ``device``. ValueError for an unknown path or a forced native path that would be wrong or

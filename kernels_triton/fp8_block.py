@@ -73,7 +73,7 @@ from ._e4m3_gemm import (
     native_config,
     quant_config,
 )
-from ._paths import resolve_path
+from ._paths import default_device, resolve_path
 from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 FMT = "fp8_block"
@@ -262,8 +262,12 @@ def _native_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
+def tile_config(M: int, N: int, K: int, path=None):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
+    and ``path`` (None: gemm_path's choice; native with fp32 scales), as gemm uses it (the bench)."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_config(M, N, K, dev, kind="fp8_block", block_k=FP8_BLOCK)
     return gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK)
 
 
@@ -329,7 +333,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return _gemm_native(xq, qweight, bias, y, bool(ue8m0))
     interp = interpreting()
     dot_fp8 = not interp
-    cfg = tile_config(M, N, K)
+    cfg = tile_config(M, N, K, path="portable")
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
     sx, sw = xq.scale, qweight.scale

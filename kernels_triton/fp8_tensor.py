@@ -82,7 +82,7 @@ from ._e4m3_gemm import (
     native_config,
     quant_config,
 )
-from ._paths import resolve_path
+from ._paths import default_device, resolve_path
 from ._twopass import (
     ALPHA_SCALES,
     epilogue,
@@ -296,8 +296,12 @@ def _native_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
+def tile_config(M: int, N: int, K: int, path=None):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
+    and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_config(M, N, K, dev)
     return gemm_config(M, N, K, interpreting())
 
 
@@ -378,7 +382,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return _gemm_native(xq, qweight, bias, y)
     interp = interpreting()
     dot_fp8 = not interp
-    cfg = tile_config(M, N, K)
+    cfg = tile_config(M, N, K, path="portable")
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
     n_split, k_per = splitk_plan(K, cfg)

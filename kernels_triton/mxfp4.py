@@ -72,9 +72,9 @@ from ._common import (
     interpreting,
     kernel_bias,
 )
-from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm
-from ._paths import resolve_path
-from .nvfp4 import check_fp4_weight, launch_fp4_dot_scaled, weight_scale_bytes
+from ._fp4_gemm import launch_fp4_gemm, portable_config
+from ._paths import default_device, resolve_path
+from .nvfp4 import check_fp4_weight, launch_fp4_dot_scaled, native_tile_config, weight_scale_bytes
 
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
@@ -180,9 +180,13 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, VEC_SIZE), (M, K))
 
 
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
-    return fp4_gemm_config(M, N, K, interpreting())
+def tile_config(M: int, N: int, K: int, path=None):
+    """The W4A4 GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's
+    device and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_tile_config(M, N, K, dev)
+    return portable_config(M, N, K, dev)
 
 
 def _check_out_dtype(out_dtype) -> None:

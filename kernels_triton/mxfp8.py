@@ -82,7 +82,7 @@ from ._common import (
     scale_offsets,
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
-from ._paths import resolve_path
+from ._paths import default_device, resolve_path
 from ._twopass import (
     NO_ALPHA,
     epilogue,
@@ -299,10 +299,14 @@ def _dequant(q, s) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the
-    bench): fused with 64-deep K steps on GPU (the decoded tiles live in registers before the dot),
-    split-K for decode, the bf16 pre-pass for large M."""
+def tile_config(M: int, N: int, K: int, path=None):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
+    and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it). Native: the
+    SM12x table. Portable: fused with 64-deep K steps on GPU (the decoded tiles live in registers
+    before the dot), split-K for decode, the bf16 pre-pass for large M."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_config(M, N, K, dev)
     interp = interpreting()
     return gemm_config(M, N, K, interp, block_k=None if interp else 64, prepass=True)
 
@@ -366,7 +370,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     if resolve_path(path, FMT, qweight.device) == "native":
         return _gemm_native(xq, qweight, bias, y)
     interp = interpreting()
-    cfg = tile_config(M, N, K)
+    cfg = tile_config(M, N, K, path="portable")
     x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
     sx, sw = xq.scale, qweight.scale
     if cfg.PREPASS:  # large M: decode each operand once, then a plain bf16 GEMM (_twopass)

@@ -71,9 +71,9 @@ from formats.constants import NVFP4_BLOCK
 
 from ._common import TileConfig, check_activation, check_bias, check_weight, interpreting, kernel_bias, scale_offsets
 from ._e4m3_gemm import grouped_tile
-from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm
+from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm, portable_config
 from ._nvfp4_quant import quantize_activation
-from ._paths import resolve_path, sm_count
+from ._paths import default_device, resolve_path, sm_count
 from ._tiles import sm12x_config
 from ._twopass import (
     ALPHA_GLOBAL_RECIP,
@@ -231,9 +231,13 @@ def check_fp4_weight(qweight, fmt: str, path: Optional[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 # The wrappers: check, allocate, launch
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int):
-    """The portable GEMM's launch configuration on this device (the bench reports it)."""
-    return fp4_gemm_config(M, N, K, interpreting())
+def tile_config(M: int, N: int, K: int, path=None):
+    """The W4A4 GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's
+    device and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_tile_config(M, N, K, dev)
+    return portable_config(M, N, K, dev)
 
 
 def _check_activation_q(xq, qweight) -> None:
