@@ -14,14 +14,15 @@ choice without a GPU; the kernels call ``resolve_path`` with the operand's devic
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Optional
 
 import torch
 import triton
 
-from formats import FORMAT_NAMES, spec
+from formats import FORMAT_NAMES, QuantizedTensor, spec
 
-from ._common import interpreting
+from ._common import check_weight, interpreting
 
 PATHS = ("native", "portable")
 # W4A16 exists for the formats with e2m1 elements (weight-only FP4); derived, not listed.
@@ -140,3 +141,32 @@ def resolve_path(path: Optional[str], fmt: str, device, *, a16: bool = False) ->
                 raise ValueError(f"{fmt} path='native' does not compile on sm_{cap[0]}{cap[1]} with Triton "
                                  f"{triton.__version__} (triton#7549, fixed in 3.7)")
     return path
+
+
+NATIVE_SCALE_LAYOUTS = ("linear", "swizzled_128x4")
+
+
+def weight_scale_bytes(qweight: QuantizedTensor, fmt: str, vec_size: int) -> tuple[torch.Tensor, bool]:
+    """(scale bytes as uint8, swizzled?) of a weight with 1-byte block scales (nvfp4, mxfp4, mxfp8),
+    linear [N, K/vec_size] or flat swizzled 128x4. ValueError for another layout or a swizzled
+    buffer of the wrong size."""
+    from formats.layout import swizzled_size
+
+    n, k = qweight.shape
+    if qweight.scale_layout == "linear":
+        return qweight.scale.contiguous().view(torch.uint8), False
+    if qweight.scale_layout != "swizzled_128x4":
+        raise ValueError(f"qweight.scale_layout must be one of {NATIVE_SCALE_LAYOUTS}, got {qweight.scale_layout!r}")
+    need = swizzled_size(n, k // vec_size)
+    if qweight.scale.dim() != 1 or qweight.scale.numel() != need:
+        raise ValueError(f"{fmt} swizzled_128x4 weight scales must be 1-D with {need} bytes for [{n}, {k}], "
+                         f"got shape {tuple(qweight.scale.shape)}")
+    return qweight.scale.contiguous().view(torch.uint8), True
+
+
+def check_native_weight(qweight, fmt: str, path: Optional[str]) -> None:
+    """check_weight, except that a forced native path also takes swizzled 128x4 weight scales."""
+    if path == "native" and isinstance(qweight, QuantizedTensor) and qweight.scale_layout == "swizzled_128x4":
+        check_weight(replace(qweight, scale_layout="linear"), fmt)
+    else:
+        check_weight(qweight, fmt)

@@ -73,8 +73,8 @@ from ._common import (
     kernel_bias,
 )
 from ._fp4_gemm import launch_fp4_gemm, portable_config
-from ._paths import default_device, resolve_path
-from .nvfp4 import check_fp4_weight, launch_fp4_dot_scaled, native_tile_config, weight_scale_bytes
+from ._paths import check_native_weight, default_device, resolve_path, weight_scale_bytes
+from .nvfp4 import launch_fp4_dot_scaled, native_tile_config
 
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
@@ -210,7 +210,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         ValueError: wrong format/role/layout of either operand, K or device mismatch, bad bias
             shape or device, unsupported out_dtype, unknown path.
     """
-    check_fp4_weight(qweight, FMT, path)
+    check_native_weight(qweight, FMT, path)
     if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != FMT:
         got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
         raise ValueError(f"xq must be an {FMT} activation QuantizedTensor, got {got}")
@@ -288,7 +288,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
             different devices, wrong weight format or layout, bad bias shape, unknown scale_rule,
             unknown path, path="native" with a16.
     """
-    check_fp4_weight(qweight, FMT, path)
+    check_native_weight(qweight, FMT, path)
     check_activation(x, qweight.k, VEC_SIZE, FMT, device=qweight.device)
     N = qweight.shape[0]
     check_bias(bias, N, qweight.device)

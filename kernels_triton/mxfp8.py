@@ -57,6 +57,7 @@ x are not checked (no host synchronization).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -71,7 +72,6 @@ from ._common import (
     ceil_log2,
     check_activation,
     check_bias,
-    check_weight,
     decode_e4m3,
     decode_e8m0,
     encode_e4m3,
@@ -82,7 +82,7 @@ from ._common import (
     scale_offsets,
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
-from ._paths import default_device, resolve_path
+from ._paths import check_native_weight, default_device, resolve_path, weight_scale_bytes
 from ._twopass import (
     NO_ALPHA,
     epilogue,
@@ -352,7 +352,8 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
 
     Args:
         xq: mxfp8 activation QuantizedTensor [M, K] (scale uint8 E8M0 [M, K/32]).
-        qweight: mxfp8 weight QuantizedTensor [N, K] (scale uint8 [N, K/32]), linear layout.
+        qweight: mxfp8 weight QuantizedTensor [N, K] (scale uint8 [N, K/32]), linear layout
+            (swizzled 128x4 too with path="native").
         bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
         out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
         path: None (gemm_path's choice for the weight's device), "native" or "portable".
@@ -362,7 +363,10 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
             unknown path.
     """
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    swizzled = path == "native" and isinstance(qweight, QuantizedTensor) and qweight.scale_layout == "swizzled_128x4"
+    # a forced native path also reads swizzled 128x4 weight scales (the operand checks want linear)
+    M, N, K = check_gemm_operands(xq, replace(qweight, scale_layout="linear") if swizzled else qweight,
+                                  bias, out_dtype, FMT)
     bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
@@ -399,15 +403,16 @@ def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
     K = qweight.k
     cfg = native_config(M, N, K, y.device)
     x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
-    sx, sw = xq.scale.contiguous(), qweight.scale.contiguous()
+    sx = xq.scale.contiguous()
+    sw, swizzled = weight_scale_bytes(qweight, FMT, MX_BLOCK)
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
     _native_gemm_kernel[grid](
         x, w, sx, sw, bias if bias is not None else y, y, ws,
         M, N, K, k_per,
-        x.stride(0), w.stride(0), sx.stride(0), sw.stride(0), y.stride(0),
-        W_SWIZZLED=False, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
+        x.stride(0), w.stride(0), sx.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
+        W_SWIZZLED=swizzled, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT=n_split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -423,7 +428,8 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
 
     Args:
         x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
-        qweight: mxfp8 weight QuantizedTensor [N, K] (linear layout) on x's device.
+        qweight: mxfp8 weight QuantizedTensor [N, K] on x's device (linear layout; swizzled 128x4 too
+            with path="native").
         bias: optional float [N].
         scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation).
         path: None (auto for x's device), "native" or "portable" (see gemm).
@@ -433,7 +439,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 32 or
             not the weight's K, devices, bias shape, scale_rule.
     """
-    check_weight(qweight, FMT)
+    check_native_weight(qweight, FMT, path)
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)

@@ -59,7 +59,6 @@ Constraints: K % 16 == 0 (the K tail of a tile is masked; BLOCK_K >= 64, triton#
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional, Union
 
 import torch
@@ -73,7 +72,7 @@ from ._common import TileConfig, check_activation, check_bias, check_weight, int
 from ._e4m3_gemm import grouped_tile
 from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm, portable_config
 from ._nvfp4_quant import quantize_activation
-from ._paths import default_device, resolve_path, sm_count
+from ._paths import check_native_weight, default_device, resolve_path, sm_count, weight_scale_bytes
 from ._tiles import sm12x_config
 from ._twopass import (
     ALPHA_GLOBAL_RECIP,
@@ -90,7 +89,6 @@ __all__ = ["fp4_dot_scaled_kernel", "gemm", "gemm_w4a16", "linear", "quantize_ac
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SCALE_LAYOUTS = ("linear", "swizzled_128x4")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,31 +201,6 @@ def launch_fp4_dot_scaled(a, a_scale, w, w_scale, *, M, N, K, vec_size, scale_e4
 # [/native-launch]
 
 
-def weight_scale_bytes(qweight: QuantizedTensor, fmt: str, vec_size: int) -> tuple[torch.Tensor, bool]:
-    """(scale bytes as uint8, swizzled?) of an FP4 weight whose scales are linear [N, K/vec_size] or
-    flat swizzled 128x4. ValueError for another layout or a swizzled buffer of the wrong size."""
-    from formats.layout import swizzled_size
-
-    n, k = qweight.shape
-    if qweight.scale_layout == "linear":
-        return qweight.scale.contiguous().view(torch.uint8), False
-    if qweight.scale_layout != "swizzled_128x4":
-        raise ValueError(f"qweight.scale_layout must be one of {SCALE_LAYOUTS}, got {qweight.scale_layout!r}")
-    need = swizzled_size(n, k // vec_size)
-    if qweight.scale.dim() != 1 or qweight.scale.numel() != need:
-        raise ValueError(f"{fmt} swizzled_128x4 weight scales must be 1-D with {need} bytes for [{n}, {k}], "
-                         f"got shape {tuple(qweight.scale.shape)}")
-    return qweight.scale.contiguous().view(torch.uint8), True
-
-
-def check_fp4_weight(qweight, fmt: str, path: Optional[str]) -> None:
-    """check_weight, except that a forced native path also takes swizzled 128x4 weight scales."""
-    if path == "native" and isinstance(qweight, QuantizedTensor) and qweight.scale_layout == "swizzled_128x4":
-        check_weight(replace(qweight, scale_layout="linear"), fmt)
-    else:
-        check_weight(qweight, fmt)
-
-
 # ---------------------------------------------------------------------------------------------
 # The wrappers: check, allocate, launch
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +247,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
             shape or device, unsupported out_dtype, unknown path, or path="native" where it would
             be wrong (the interpreter) or does not compile (sm_90 with Triton < 3.7).
     """
-    check_fp4_weight(qweight, FMT, path)
+    check_native_weight(qweight, FMT, path)
     _check_activation_q(xq, qweight)
     _check_out_dtype(out_dtype)
     N, K = qweight.shape
@@ -349,7 +322,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
             different devices, wrong weight format or layout, bad bias shape, bad global_scale,
             unknown path, path="native" with a16 or where it would be wrong.
     """
-    check_fp4_weight(qweight, FMT, path)
+    check_native_weight(qweight, FMT, path)
     check_activation(x, qweight.k, VEC_SIZE, FMT, device=qweight.device)
     N = qweight.shape[0]
     check_bias(bias, N, qweight.device)

@@ -89,7 +89,8 @@ def builds() -> list[Build]:
             for row, cfg in _tiles.sm12x_entries(kind).items():
                 for split in ((False, True) if _tiles.can_split(row) else (False,)):
                     if fp4:
-                        # swizzled weight scales only change the scale addresses of the one FP4 body
+                        # swizzled weight scales only change the scale addresses of the one FP4 body,
+                        # whose nvfp4 instance compiles both
                         for swz in ((False, True) if e4m3_scales else (False,)):
                             c = dict(VEC_SIZE=vec, SCALE_E4M3=e4m3_scales, W_SWIZZLED=swz,
                                      ALPHA_MODE=ALPHA_GLOBAL_RECIP if e4m3_scales else ALPHA_NONE,
@@ -108,8 +109,11 @@ def builds() -> list[Build]:
                         out.append(_native_e4m3(fmt, "fp8_tensor:_native_gemm_kernel", fmt, {}, row, cfg, split,
                                                 {"sx_ptr": "*fp32", "sw_ptr": "*fp32"}))
                     else:
-                        out.append(_native_e4m3(fmt, f"{fmt}:_native_gemm_kernel", fmt, dict(W_SWIZZLED=False),
-                                                row, cfg, split))
+                        for swz in (False, True):
+                            b = _native_e4m3(fmt, f"{fmt}:_native_gemm_kernel", fmt, dict(W_SWIZZLED=swz),
+                                             row, cfg, split)
+                            b.name += " swizzled" if swz else ""
+                            out.append(b)
         if not fp4:
             continue
         # W4A16: the portable kernel with the SM12x "e2m1_portable" table, bf16 and fp16 activations

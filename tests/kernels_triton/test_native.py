@@ -101,7 +101,11 @@ def test_native_split_k_and_bf16_output_match_portable(fmt, monkeypatch):
     assert bool(((yb - y32).abs() <= y32.abs() * 2.0 ** -8 + 2 * _bound(xq, qw, bias, k)).all())
 
 
-@pytest.mark.parametrize("fmt", FP4)
+# formats with one 1-byte scale per row and block (the swizzled 128x4 layout's domain): mxfp8, nvfp4, mxfp4
+ONE_BYTE_SCALES = tuple(f for f in FORMAT_NAMES if spec(f).weight_block and spec(f).weight_block[0] == 1)
+
+
+@pytest.mark.parametrize("fmt", ONE_BYTE_SCALES)
 def test_native_reads_swizzled_128x4_weight_scales(fmt):
     """The same weight with scales in the swizzled 128x4 layout (formats.swizzle_128x4) gives the
     same bits as with linear scales; N = 200 leaves a partial 128-row scale tile."""
@@ -120,6 +124,8 @@ def test_native_reads_swizzled_128x4_weight_scales(fmt):
     bad = replace(qs, scale=qs.scale[:-1])
     with pytest.raises(ValueError, match="swizzled_128x4 weight scales"):
         mod.gemm(xq, bad.to(DEVICE), path="native")
+    x = make_input((3, k))
+    assert torch.equal(mod.linear(x, qs.to(DEVICE), path="native"), mod.linear(x, qw.to(DEVICE), path="native"))
 
 
 def test_fp8_block_ue8m0_native_refuses_non_power_of_two_scales():
