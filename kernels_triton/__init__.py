@@ -40,14 +40,16 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         )
     os.environ["TRITON_INTERPRET"] = "1"
 
-from formats import FORMAT_NAMES  # noqa: E402
-
-from ._paths import PATHS, gemm_path  # noqa: E402,F401
 
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set and not "0")."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+from formats import FORMAT_NAMES  # noqa: E402
+
+from ._paths import PATHS, gemm_path  # noqa: E402,F401  (after interpreting: _common imports it)
 
 
 def module(fmt: str):
