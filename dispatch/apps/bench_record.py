@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from dispatch import registry
+
 from . import _harness as H
 from .bench_plan import BASELINES, CPU_NOTE
 
@@ -180,8 +182,8 @@ def print_sweep_summary(sweep: dict, *, plain: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------
 # Plot
 # ---------------------------------------------------------------------------------------------
-COLORS = {"fp8_tensor": "tab:blue", "fp8_block": "tab:orange", "mxfp8": "tab:green", "nvfp4": "tab:red",
-          "mxfp4": "tab:purple", "mxfp4_w4a16": "tab:brown"}
+COLORS = {v: f"C{i}" for i, v in enumerate(registry.VARIANTS)}
+"""One colour per variant, in the registry's order (matplotlib's colour cycle)."""
 
 
 def plot(result: dict, path: str) -> Optional[str]:
