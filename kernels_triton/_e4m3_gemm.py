@@ -92,14 +92,16 @@ def flatten_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def check_gemm_operands(xq, qweight, bias, out_dtype, fmt: str) -> tuple[int, int, int]:
+def check_gemm_operands(xq, qweight, bias, out_dtype, fmt: str,
+                        layouts: tuple[str, ...] = ("linear",)) -> tuple[int, int, int]:
     """Validate the GEMM operands of format ``fmt``; returns (M, N, K).
 
-    Raises ValueError naming the argument for: a weight that is not a linear-layout ``fmt`` weight,
+    Raises ValueError naming the argument for: a weight that is not a ``fmt`` weight with a scale
+    layout of ``layouts``,
     an ``xq`` that is not a ``fmt`` activation, a K mismatch, operands on different devices, an
     out_dtype outside bf16/fp16/fp32, or a bias that is not a float [N] tensor on the same device.
     """
-    check_weight(qweight, fmt)
+    check_weight(qweight, fmt, layouts)
     if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != fmt:
         got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
         raise ValueError(f"xq must be a {fmt} activation QuantizedTensor, got {got}")

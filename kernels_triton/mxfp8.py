@@ -57,7 +57,6 @@ x are not checked (no host synchronization).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -82,7 +81,7 @@ from ._common import (
     scale_offsets,
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
-from ._paths import check_native_weight, default_device, resolve_path, weight_scale_bytes
+from ._paths import NATIVE_SCALE_LAYOUTS, check_native_weight, default_device, resolve_path, weight_scale_bytes
 from ._twopass import (
     NO_ALPHA,
     epilogue,
@@ -363,10 +362,9 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
             unknown path.
     """
-    swizzled = path == "native" and isinstance(qweight, QuantizedTensor) and qweight.scale_layout == "swizzled_128x4"
-    # a forced native path also reads swizzled 128x4 weight scales (the operand checks want linear)
-    M, N, K = check_gemm_operands(xq, replace(qweight, scale_layout="linear") if swizzled else qweight,
-                                  bias, out_dtype, FMT)
+    # a forced native path also reads swizzled 128x4 weight scales
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT,
+                                  NATIVE_SCALE_LAYOUTS if path == "native" else ("linear",))
     bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
