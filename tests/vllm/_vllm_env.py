@@ -36,7 +36,10 @@ import harness  # noqa: E402
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory) -> Path:
     """One checkpoint directory for all xdist workers of this run (written once, under a lock)."""
-    root = tmp_path_factory.getbasetemp().parent / "b12x_vllm_checkpoints"
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # workers' basetemps share this run's parent
+        base = base.parent
+    root = base / "b12x_vllm_checkpoints"
     root.mkdir(exist_ok=True)
     return root
 
