@@ -17,7 +17,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # vLLM's CPU platform (without it VllmConfig() cannot infer a device)
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_PLUGINS", "b12x_dual")
 
 INSTALL = "pip install --no-deps -r tests/vllm/requirements-cpu.txt"
@@ -26,8 +29,6 @@ try:
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"vLLM 0.33.0 is not importable ({type(e).__name__}: {e}); install it with: {INSTALL}",
                 allow_module_level=True)
-
-import torch  # noqa: E402
 
 import checkpoints  # noqa: E402
 import harness  # noqa: E402

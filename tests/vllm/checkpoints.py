@@ -5,10 +5,10 @@ hidden 384, intermediate 1536, 12 heads of 32). Its Linear layers are quantized 
 compressed-tensors (``apply_quantization_config``, ``calculate_qparams``, ``generate_gparam``,
 ``ModelCompressor.compress_model``); only the observers (min/max per block, input abs-max from a
 calibration batch) are computed here, because compressed-tensors keeps them in llm-compressor.
-Two further families are derived from those files by renaming tensors the way their exporters
+Three further families are derived from those files by renaming tensors the way their exporters
 name them: ModelOpt NVFP4 (``weight_scale_2`` = 1/global scale, ``input_scale`` = 1/input global
-scale) and a DeepSeek-style ``Fp8Config`` block checkpoint (``weight_scale_inv``,
-``weight_block_size``). No packing code of ours is involved anywhere.
+scale), ModelOpt MXFP8 (same tensors, ModelOpt's config) and a DeepSeek-style ``Fp8Config`` block
+checkpoint (``weight_scale_inv``, ``weight_block_size``). No packing code of ours is involved anywhere.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CT_PRESETS = {
     "ct_mxfp4": "MXFP4",
     "ct_mxfp8": "MXFP8",
 }
-DERIVED = {"modelopt_nvfp4": "ct_nvfp4", "deepseek_fp8_block": "ct_fp8_block"}
+DERIVED = {"modelopt_nvfp4": "ct_nvfp4", "modelopt_mxfp8": "ct_mxfp8", "deepseek_fp8_block": "ct_fp8_block"}
 KINDS = tuple(CT_PRESETS) + tuple(DERIVED)
 
 # vLLM's fused layers and the checkpoint modules they load (BERT names).
@@ -205,6 +205,17 @@ def write_modelopt_nvfp4(ct_dir: Path, out: Path) -> Path:
     return _rewrite(ct_dir, out, rename, update)
 
 
+def write_modelopt_mxfp8(ct_dir: Path, out: Path) -> Path:
+    """ModelOpt MXFP8: the same tensors as compressed-tensors' (weight e4m3, weight_scale E8M0 bytes),
+    ModelOpt's config."""
+
+    def update(_):
+        return {"quant_method": "modelopt", "quant_algo": "MXFP8", "kv_cache_quant_algo": None,
+                "exclude_modules": ["pooler.dense"]}
+
+    return _rewrite(ct_dir, out, lambda name, t: [(name, t)], update)
+
+
 def write_deepseek_fp8_block(ct_dir: Path, out: Path, *, ue8m0: bool = False) -> Path:
     """DeepSeek-V3 ``Fp8Config`` naming: weight_scale_inv (fp32, or float8_e8m0fnu powers of two
     rounded up when ``ue8m0``), ``weight_block_size`` [128, 128]."""
@@ -234,6 +245,8 @@ def build(kind: str, root: Path) -> Path:
         return write_ct(out, CT_PRESETS[kind])
     if kind == "modelopt_nvfp4":
         return write_modelopt_nvfp4(build("ct_nvfp4", root), out)
+    if kind == "modelopt_mxfp8":
+        return write_modelopt_mxfp8(build("ct_mxfp8", root), out)
     if kind == "deepseek_fp8_block":
         return write_deepseek_fp8_block(build("ct_fp8_block", root), out)
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

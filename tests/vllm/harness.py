@@ -14,11 +14,12 @@ import os
 import socket
 from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_PLUGINS", "b12x_dual")  # load our entry point only
-
 import dispatch  # noqa: E402,F401  (sets TRITON_INTERPRET before anything imports triton)
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_PLUGINS", "b12x_dual")  # load our entry point only
 
 from checkpoints import LINEARS, PREFIX  # noqa: E402
 

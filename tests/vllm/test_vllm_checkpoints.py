@@ -30,6 +30,7 @@ FAMILIES = {
     "deepseek_fp8_block": ("B12xDualFp8BlockKernel", "fp8_block"),
     "ct_mxfp4": ("B12xDualMxFp4Kernel", "mxfp4"),
     "ct_mxfp8": ("B12xDualMxfp8Kernel", "mxfp8"),
+    "modelopt_mxfp8": ("B12xDualMxfp8Kernel", "mxfp8"),
 }
 # Norm-wise bound of a Triton kernel against the float64 oracle with bf16 output: the kernels
 # accumulate exact products in fp32, so what remains is the output rounding (2^-9 relative per
@@ -71,7 +72,7 @@ def expected(kind: str, d, name: str) -> tuple[QuantizedTensor, dict, bool]:
         w = cat("weight")
         s = cat("weight_scale" if kind == "ct_fp8_block" else "weight_scale_inv").float()
         return QuantizedTensor("fp8_block", "weight", w, s, None, (128, 128), tuple(w.shape)), {}, False
-    if kind == "ct_mxfp8":
+    if kind in ("ct_mxfp8", "modelopt_mxfp8"):
         w = cat("weight")
         return QuantizedTensor("mxfp8", "weight", w, cat("weight_scale"), None, (1, 32), tuple(w.shape)), {}, False
     if kind == "ct_mxfp4":
@@ -142,7 +143,7 @@ def _emulation(kind):
         NvFp4LinearLayerConfig,
     )
 
-    if kind == "ct_mxfp8":
+    if kind in ("ct_mxfp8", "modelopt_mxfp8"):
         return lambda n, k: EmulationMxfp8LinearKernel(Mxfp8LinearLayerConfig(weight_shape=(n, k)))
     return lambda n, k: EmulationNvFp4LinearKernel(NvFp4LinearLayerConfig())
 

@@ -178,3 +178,11 @@ def test_selection_report(dist):
     # without the plugin, b12x falls back to vLLM's automatic choice here (no in-tree B12x on CPU)
     assert not by[("nvfp4_w4a4", "b12x", False)].chosen.startswith("B12xDual")
     assert "B12xDual" not in report.format_rows([by[("mxfp8", "b12x", False)]])
+
+
+def test_serve_compare_script_skips_naming_the_device():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "vllm_serve_compare.py"), "some/model"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if not torch.cuda.is_available():
+        assert "skipped: needs an SM120/SM121 GPU" in out.stdout and "found no CUDA device" in out.stdout
