@@ -126,8 +126,13 @@ class B12xDualFp8TensorKernel(_Adapter, FP8ScaledMMLinearKernel):
         w, a = config.weight_quant_key.scale, config.activation_quant_key.scale
         if not (w.static and w.group_shape.is_per_tensor()):
             return False, f"weight scale is {w.group_shape} (static={w.static}); b12x-dual takes one static per-tensor scale"
-        if not a.group_shape.is_per_tensor():
-            return False, f"activation scale group shape is {a.group_shape}; b12x-dual takes per-tensor (static or dynamic)"
+        # A dynamic checkpoint leaves the activation granularity to the runtime; vLLM asks for
+        # per-token scales there (its CUTLASS path's choice), our fp8_tensor uses one dynamic
+        # per-tensor scale (amax/448 per call), as the checkpoint's "dynamic, tensor" declares.
+        dynamic_token = not a.static and a.group_shape.is_per_token()
+        if not (a.group_shape.is_per_tensor() or dynamic_token):
+            return False, (f"activation scale group shape is {a.group_shape} (static={a.static}); b12x-dual "
+                           "takes per-tensor (static or dynamic) or dynamic per-token (served per tensor)")
         ok, why = _check_dtypes(config)
         if not ok:
             return ok, why

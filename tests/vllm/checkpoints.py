@@ -25,6 +25,7 @@ CT_PRESETS = {
     "ct_nvfp4": "NVFP4",
     "ct_nvfp4a16": "NVFP4A16",
     "ct_fp8": "FP8",
+    "ct_fp8_dynamic": "FP8 weights per tensor, activations dynamic per tensor",  # built below
     "ct_fp8_block": "FP8_BLOCK",
     "ct_mxfp4": "MXFP4",
     "ct_mxfp8": "MXFP8",
@@ -126,7 +127,14 @@ def write_ct(out: Path, preset: str, seed: int = 0) -> Path:
 
     model, ids = load_bert_layer0(seed)
     in_amax = _observe_inputs(model, ids)
-    scheme: QuantizationScheme = preset_name_to_scheme(preset, ["Linear"])
+    if preset.startswith("FP8 weights per tensor"):  # no preset: static per-tensor W, dynamic per-tensor x
+        from compressed_tensors.quantization import QuantizationArgs
+
+        fp8 = dict(num_bits=8, type="float", strategy="tensor", symmetric=True)
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**fp8, dynamic=False),
+                                    input_activations=QuantizationArgs(**fp8, dynamic=True))
+    else:
+        scheme = preset_name_to_scheme(preset, ["Linear"])
     qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["pooler.dense"])
     apply_quantization_config(model, qcfg)
 

@@ -26,6 +26,7 @@ FAMILIES = {
     "ct_nvfp4a16": ("B12xDualNvFp4W4A16Kernel", "nvfp4_w4a16"),
     "modelopt_nvfp4": ("B12xDualNvFp4Kernel", "nvfp4"),
     "ct_fp8": ("B12xDualFp8TensorKernel", "fp8_tensor"),
+    "ct_fp8_dynamic": ("B12xDualFp8TensorKernel", "fp8_tensor"),
     "ct_fp8_block": ("B12xDualFp8BlockKernel", "fp8_block"),
     "deepseek_fp8_block": ("B12xDualFp8BlockKernel", "fp8_block"),
     "ct_mxfp4": ("B12xDualMxFp4Kernel", "mxfp4"),
@@ -60,14 +61,15 @@ def expected(kind: str, d, name: str) -> tuple[QuantizedTensor, dict, bool]:
             return qw, {}, True
         gx = top("input_global_scale") if kind == "ct_nvfp4" else _recip(top("input_scale"))
         return qw, {"global_scale": gx}, False
-    if kind == "ct_fp8":
+    if kind in ("ct_fp8", "ct_fp8_dynamic"):
         # vLLM requantizes each shard to the largest weight scale (code * s_i / s_max, RNE).
         s_max = top("weight_scale")
         parts = [encode_e4m3(ieee_div(decode_e4m3(w) * s.float().reshape(()), s_max)) for w, s in
                  zip(sh["weight"], sh["weight_scale"])]
         w = torch.cat(parts, 0)
+        x_scale = top("input_scale") if kind == "ct_fp8" else None  # None: dynamic amax/448 per call
         return QuantizedTensor("fp8_tensor", "weight", w, s_max, None, None, tuple(w.shape)), \
-            {"scale": top("input_scale")}, False
+            {"scale": x_scale}, False
     if kind in ("ct_fp8_block", "deepseek_fp8_block"):
         w = cat("weight")
         s = cat("weight_scale" if kind == "ct_fp8_block" else "weight_scale_inv").float()
