@@ -33,6 +33,7 @@ class CheckpointError(ValueError):
 
 
 def layer_name(layer: torch.nn.Module) -> str:
+    """The layer's checkpoint prefix (vLLM's ``LinearBase.prefix``), else its class name."""
     return getattr(layer, "prefix", "") or type(layer).__name__
 
 
@@ -95,6 +96,13 @@ def e8m0_to_fp32(s: torch.Tensor) -> torch.Tensor:
 # One function per format: (layer, shard shape) -> QuantizedTensor (+ activation options)
 # ---------------------------------------------------------------------------------------------
 def fp8_tensor(layer, n: int, k: int, *, static_input: bool) -> tuple[QuantizedTensor, dict]:
+    """Per-tensor FP8 (CT W8A8 / ModelOpt FP8 after vLLM's processing).
+
+    Reads weight e4m3 (K, N) (the transposed view vLLM leaves; (N, K) is accepted too),
+    weight_scale fp32 0-d (the max over fused shards, which vLLM requantized to it) and, for a
+    static scheme, input_scale fp32 0-d. Returns (QuantizedTensor fp8_tensor [N, K], {"scale":
+    input scale or None for dynamic}). Raises CheckpointError.
+    """
     what = "per-tensor FP8"
     w = tensor(layer, "weight", dtypes=(torch.float8_e4m3fn,), what=what)
     if tuple(w.shape) == (k, n):  # CT / ModelOpt hand over the (K, N) transpose
@@ -107,6 +115,12 @@ def fp8_tensor(layer, n: int, k: int, *, static_input: bool) -> tuple[QuantizedT
 
 
 def fp8_block(layer, n: int, k: int) -> tuple[QuantizedTensor, dict]:
+    """Block FP8 (DeepSeek ``Fp8Config`` weight_scale_inv, CT FP8_BLOCK weight_scale).
+
+    Reads weight e4m3 (N, K) and the block scales (ceil(N/128), K/128), fp32/bf16 or UE8M0
+    (float8_e8m0fnu / uint8, decoded exactly to fp32). Returns (QuantizedTensor fp8_block, {}).
+    Raises CheckpointError (also for K % 128 != 0 in this shard).
+    """
     what = "block FP8 (128x128)"
     check_k(layer, what, k, 128)
     w = tensor(layer, "weight", dtypes=(torch.float8_e4m3fn,), what=what)
@@ -122,6 +136,8 @@ def fp8_block(layer, n: int, k: int) -> tuple[QuantizedTensor, dict]:
 
 
 def mxfp8(layer, n: int, k: int) -> tuple[QuantizedTensor, dict]:
+    """MXFP8 (CT / ModelOpt): weight e4m3 (N, K), weight_scale E8M0 bytes (N, K/32), OCP MX v1.0.
+    Returns (QuantizedTensor mxfp8, {}). Raises CheckpointError."""
     what = "MXFP8"
     check_k(layer, what, k, 32)
     w = tensor(layer, "weight", dtypes=(torch.float8_e4m3fn,), what=what)
@@ -141,6 +157,12 @@ def _fp4_codes(layer, what: str) -> tuple[torch.Tensor, int, int]:
 
 
 def nvfp4(layer, *, a16: bool) -> tuple[QuantizedTensor, dict]:
+    """NVFP4 (CT / ModelOpt after vLLM's processing): weight uint8 (N, K/2) (element 2i in the low
+    nibble), weight_scale e4m3 (N, K/16) linear, weight_global_scale fp32 0-d = 1/g_w and, for
+    W4A4, input_global_scale_inv fp32 0-d = g_x. Returns (QuantizedTensor nvfp4 with
+    global_scale g_w = 1/weight_global_scale (IEEE division), {"global_scale": g_x} or {}).
+    Source: NVIDIA NVFP4 recipe; vLLM's CT/ModelOpt NVFP4 schemes. Raises CheckpointError.
+    """
     what = "NVFP4 W4A16" if a16 else "NVFP4 W4A4"
     w, n, k = _fp4_codes(layer, what)
     check_k(layer, what, k, 16)
@@ -156,6 +178,8 @@ def nvfp4(layer, *, a16: bool) -> tuple[QuantizedTensor, dict]:
 
 
 def mxfp4(layer) -> tuple[QuantizedTensor, dict]:
+    """MXFP4 (CT mxfp4-pack-quantized, renamed weight by vLLM): weight uint8 (N, K/2), weight_scale
+    E8M0 bytes (N, K/32), OCP MX v1.0. Returns (QuantizedTensor mxfp4, {}). Raises CheckpointError."""
     what = "MXFP4"
     w, n, k = _fp4_codes(layer, what)
     check_k(layer, what, k, 32)
