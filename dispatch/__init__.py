@@ -3,11 +3,14 @@
 Public API (see docs/dispatch.md):
 
     quantize_weight(w, fmt, **opts)             oracle quantization of a weight [N, K]
-    linear(x, qweight, bias=None, *, impl=None) y = x . W^T (+ bias), implementation per policy
-    explain(fmt, M, N, K, device=None)          which implementation auto picks, and why
+    linear(x, qweight, bias=None, *, impl=None) y = x . W^T (+ bias), backend per registry.choose
+    explain(fmt, M, N, K, device=None)          which backend auto picks, and every reason
     use_impl("triton")                          context manager overriding B12X_IMPL
+    registry.get(impl, variant), choose(...)    the backends with vLLM's four verbs
     QuantLinear, quantize_model, save_quantized, load_quantized
     DeviceInfo, KNOWN_DEVICES, current_device
+
+docs/architecture.md shows the packages, the registry and where a call flows.
 """
 
 # Import kernels_triton first: with no GPU it sets TRITON_INTERPRET=1, which Triton must see before
@@ -15,31 +18,28 @@ Public API (see docs/dispatch.md):
 # every interpreted kernel fail with "Cannot call @triton.jit'd outside of the scope of a kernel").
 import kernels_triton  # noqa: F401,I001
 
+from . import registry
 from .api import explain, library_versions, linear, quantize_weight
 from .devices import CPU, KNOWN_DEVICES, DeviceInfo, current_device
-from .policy import (
-    ENV_VAR,
-    IMPLS,
-    VARIANTS,
-    Choice,
-    ImplementationUnavailable,
-    InvalidImplementation,
-    choose,
-    use_impl,
-)
+from .policy import ENV_VAR, IMPLS, ImplementationUnavailable, InvalidImplementation, use_impl
+from .registry import VARIANTS, Backend, Choice, NoBackend, Problem, Unsupported, choose
 from .quant_linear import QuantLinear, load_quantized, quantize_model, read_quantized, save_quantized
 
 __all__ = [
+    "Backend",
     "CPU",
     "ENV_VAR",
     "IMPLS",
     "KNOWN_DEVICES",
+    "NoBackend",
+    "Problem",
     "VARIANTS",
     "Choice",
     "DeviceInfo",
     "ImplementationUnavailable",
     "InvalidImplementation",
     "QuantLinear",
+    "Unsupported",
     "choose",
     "current_device",
     "explain",
@@ -49,6 +49,7 @@ __all__ = [
     "quantize_model",
     "quantize_weight",
     "read_quantized",
+    "registry",
     "save_quantized",
     "use_impl",
 ]

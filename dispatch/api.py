@@ -1,82 +1,47 @@
 """The public entry points: quantize_weight, linear and explain.
 
     qw = quantize_weight(w, "nvfp4")          # w [N, K] -> formats.QuantizedTensor (role "weight")
-    y  = linear(x, qw, bias)                  # x [..., K] -> y [..., N], implementation per policy
-    print(explain("nvfp4", 1, 4096, 4096))    # which implementation auto picks here, and why
+    y  = linear(x, qw, bias)                  # x [..., K] -> y [..., N], backend per registry.choose
+    print(explain("nvfp4", 1, 4096, 4096))    # which backend auto picks here, and why
 
-Each implementation is reached through two verbs: ``prepare(impl, qweight)`` turns the oracle's
-QuantizedTensor into what the implementation consumes (once per weight; only cute repacks), and
-``apply(impl, x, prepared, bias)`` is the call.
+Every call goes through the backend registry (dispatch.registry): ``choose`` picks the backend,
+``prepare`` repacks the weight once (cached per weight and backend), ``apply`` is the call.
 """
 
 from __future__ import annotations
 
-import importlib
+import platform
 import weakref
 from typing import Optional, Union
 
 import torch
 
-from formats import QuantizedTensor, quantize, reference_linear
+from formats import QuantizedTensor, quantize
 
-from . import policy
+from . import policy, registry
 from .devices import DeviceInfo, current_device, resolve
-from .policy import choose, split_variant, variant_name
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
     """Quantize a weight [N, K] with the formats/ oracle (``role="weight"``).
 
-    ``fmt`` may be the variant "mxfp4_w4a16" (its weight is plain MXFP4). ``opts`` are the format's
-    options (fp8_block ``ue8m0``, mxfp8/mxfp4 ``scale_rule``, nvfp4 ``global_scale``, fp8_tensor
-    ``scale``). Raises ValueError as formats.quantize does (K not a multiple of the block, ...).
+    ``fmt`` may be a weight-only variant ("nvfp4_w4a16", "mxfp4_w4a16": the weight is plain NVFP4 /
+    MXFP4). ``opts`` are the format's options (fp8_block ``ue8m0``, mxfp8/mxfp4 ``scale_rule``, nvfp4
+    ``global_scale``, fp8_tensor ``scale``). Raises ValueError as formats.quantize does (K not a
+    multiple of the block, ...) and for an unknown format.
     """
-    base, _ = split_variant(fmt)
-    return quantize(w, base, role="weight", **opts)
+    return quantize(w, registry.variant(fmt).fmt, role="weight", **opts)
 
 
-# ---------------------------------------------------------------------------------------------
-# prepare / apply per implementation
-# ---------------------------------------------------------------------------------------------
-def prepare(impl: str, qweight: QuantizedTensor, *, a16: bool = False):
-    """What ``impl`` consumes for this weight: the QuantizedTensor itself for triton and reference;
-    ``kernels_cute.<fmt>.prepare_weight(qweight)`` for cute (packed/swizzled to b12x's contract)."""
-    if impl in ("triton", "reference"):
-        return qweight
-    if impl == "cute":
-        mod = importlib.import_module(f"kernels_cute.{qweight.fmt}")
-        return mod.prepare_weight(qweight, a16=True) if a16 else mod.prepare_weight(qweight)
-    raise ValueError(f"impl must be one of {policy.CONCRETE_IMPLS}, got {impl!r}")
+# Prepared weights for linear() on a bare QuantizedTensor, keyed by (id, backend name) and dropped
+# when the QuantizedTensor is garbage-collected (QuantLinear keeps its own cache instead).
+_prepared: dict[tuple[int, str], object] = {}
 
 
-def apply(impl: str, x: torch.Tensor, prepared, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-          *, a16: bool = False, **opts) -> torch.Tensor:
-    """y = x . W^T (+ bias) with ``impl`` on an already prepared weight. ``opts`` go to the
-    implementation (activation options such as ``out_dtype`` for reference)."""
-    if impl == "reference":
-        return reference_linear(x, qweight, bias, a16=a16, **opts)
-    if impl == "triton":
-        import kernels_triton
-
-        mod = kernels_triton.module(qweight.fmt)
-        return mod.linear(x, qweight, bias, a16=True, **opts) if a16 else mod.linear(x, qweight, bias, **opts)
-    if impl == "cute":
-        mod = importlib.import_module(f"kernels_cute.{qweight.fmt}")
-        return mod.linear(x, prepared, bias, a16=True, **opts) if a16 else mod.linear(x, prepared, bias, **opts)
-    raise ValueError(f"impl must be one of {policy.CONCRETE_IMPLS}, got {impl!r}")
-
-
-# Prepared weights for linear() on a bare QuantizedTensor, keyed by (id, impl, a16) and dropped when
-# the QuantizedTensor is garbage-collected (QuantLinear keeps its own cache instead).
-_prepared: dict[tuple[int, str, bool], object] = {}
-
-
-def _prepared_for(impl: str, qweight: QuantizedTensor, a16: bool):
-    if impl != "cute":
-        return qweight
-    key = (id(qweight), impl, a16)
+def _prepared_for(backend: registry.Backend, qweight: QuantizedTensor):
+    key = (id(qweight), backend.name)
     if key not in _prepared:
-        _prepared[key] = prepare(impl, qweight, a16=a16)
+        _prepared[key] = backend.prepare(qweight)
         weakref.finalize(qweight, _prepared.pop, key, None)
     return _prepared[key]
 
@@ -86,43 +51,53 @@ def device_of(x: torch.Tensor) -> DeviceInfo:
     return current_device(x.device)
 
 
+def tokens(x: torch.Tensor) -> int:
+    """M of an activation [..., K]: the number of rows once the leading dims are flattened."""
+    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+
+
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            impl: Optional[str] = None, a16: bool = False, **opts) -> torch.Tensor:
-    """y = x . W^T (+ bias) for a quantized weight, through the implementation the policy picks.
+    """y = x . W^T (+ bias) for a quantized weight, through the backend the registry picks.
 
     Args:
         x: [..., K] float activations (bf16/fp16; the reference also takes float32).
         qweight: a weight from :func:`quantize_weight` ([N, K]).
         bias: optional [N].
         impl: per-call override of use_impl() / B12X_IMPL ("auto", "cute", "triton", "reference").
-        a16: MXFP4 weight-only (W4A16): the activations stay unquantized.
-        **opts: passed to the implementation (e.g. activation quantization options).
+        a16: weight-only (W4A16, nvfp4 and mxfp4): the activations stay unquantized.
+        **opts: passed to the backend's apply (activation options: fp8_tensor ``scale``, nvfp4
+            ``global_scale``, fp8_block ``ue8m0``, MX ``scale_rule``; cute ``quantizer``).
     Raises:
+        ValueError: qweight is not a weight QuantizedTensor, or a16 on a format without W4A16.
         ImplementationUnavailable: a forced implementation cannot serve this call.
         InvalidImplementation: an unknown implementation name.
     """
     if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
         raise ValueError("qweight must be a QuantizedTensor with role 'weight' (see quantize_weight)")
     n, k = qweight.shape
-    variant = variant_name(qweight.fmt, a16)
-    m = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    c = choose(variant, m, n, k, device_of(x), impl=impl)
-    return apply(c.impl, x, _prepared_for(c.impl, qweight, a16), qweight, bias, a16=a16, **opts)
+    variant = registry.variant_name(qweight.fmt, a16)
+    c = registry.choose(variant, tokens(x), n, k, device_of(x), impl=impl, dtype=x.dtype)
+    return c.backend.apply(x, _prepared_for(c.backend, qweight), bias, **opts)
 
 
 # ---------------------------------------------------------------------------------------------
 # explain
 # ---------------------------------------------------------------------------------------------
 def library_versions() -> dict[str, str]:
-    """Installed versions of torch, triton, b12x and nvidia-cutlass-dsl ("not installed" if absent)."""
+    """Versions of what the results depend on, for reports and JSON: torch, triton, b12x,
+    nvidia-cutlass-dsl and numpy as installed ("not installed" if absent), the Python version, and
+    the CUDA version torch was built with ("None" for a CPU-only torch)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"torch": torch.__version__}
-    for dist in ("triton", "b12x", "nvidia-cutlass-dsl"):
+    for dist in ("triton", "b12x", "nvidia-cutlass-dsl", "numpy"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
             out[dist] = "not installed"
+    out["python"] = platform.python_version()
+    out["cuda"] = str(torch.version.cuda)
     return out
 
 
@@ -135,14 +110,19 @@ def describe_device(device: DeviceInfo) -> str:
             f"{device.smem_per_block} B shared memory per block, {bw})")
 
 
-def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInfo, torch.device] = None) -> str:
-    """A few lines saying which implementation serves ``fmt`` here, and why.
+def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInfo, torch.device] = None, *,
+            dtype: torch.dtype = torch.bfloat16) -> str:
+    """A few lines saying which backend serves ``fmt`` here, and why.
 
     Reports the device (``device``: a DeviceInfo, a table key such as "rtx_5090", a torch device,
     or None for the one this process runs on), the library versions, what B12X_IMPL/use_impl
-    currently request, and auto's pick for the given shape and for decode (M=1, 16) and prefill
-    (M=4096) shapes of the same N, K.
+    currently request, and for the given shape and for decode (M=1, 16) and prefill (M=4096)
+    shapes of the same N, K: auto's pick, then every backend of the priority list with its
+    verdict and reason (and, for the chosen one, the kernel path it takes where it says).
+    ``fmt`` is a variant name (a format, or "nvfp4_w4a16" / "mxfp4_w4a16").
+    Raises ValueError for an unknown format or device.
     """
+    registry.variant(fmt)
     dev = resolve(device)
     versions = ", ".join(f"{k} {v}" for k, v in library_versions().items())
     requested, source = policy.requested_impl()
@@ -155,11 +135,22 @@ def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInf
     if M not in [m for m, _, _ in shapes.values()]:
         shapes = {f"M={M}": (M, N, K), **shapes}
     for label, (m, n, k) in shapes.items():
-        c = choose(fmt, m, n, k, dev, impl="auto", log_fallback=False)
-        lines.append(f"{fmt} {label} N={n} K={k}: auto -> {c.impl}: {c.reason}")
+        head = f"{fmt} {label} N={n} K={k}: auto -> "
+        try:
+            c = registry.choose(fmt, m, n, k, dev, impl="auto", dtype=dtype, log_choice=False)
+        except registry.NoBackend as e:
+            lines.append(head + f"error: {e}")
+            continue
+        lines.append(head + f"{c.impl}: {c.reason}")
+        if len(c.considered) > 1:  # something was skipped: show every step of the walk
+            for name, ok, why in c.considered:
+                lines.append(f"    {name}: {'yes' if ok else 'no'}: {why}")
+        detail = c.backend.describe(registry.Problem(fmt, m, n, k, dtype), dev)
+        if detail:
+            lines.append(f"    {c.impl} {detail}")
     if requested != "auto":
         try:
-            c = choose(fmt, M, N, K, dev)
+            c = registry.choose(fmt, M, N, K, dev, dtype=dtype, log_choice=False)
             lines.append(f"{fmt} M={M} N={N} K={K}: {source}={requested} -> {c.impl}: {c.reason}")
         except policy.ImplementationUnavailable as e:
             lines.append(f"{fmt} M={M} N={N} K={K}: {source}={requested} -> error: {e}")

@@ -18,6 +18,8 @@ from typing import Optional, Union
 
 import torch
 
+from kernels_triton import interpreting  # noqa: F401  (re-exported: the one definition)
+
 
 @dataclass(frozen=True)
 class DeviceInfo:

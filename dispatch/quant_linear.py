@@ -7,9 +7,11 @@ swapping (quantize_model) and safetensors save/load of the quantized weights.
 
 The quantized weight lives in buffers (codes, scales, global scale, stored as same-width integer
 views so that dtype casts of the model leave them alone), so ``.to(device)`` and ``state_dict()``
-work as for any module. What an implementation consumes is prepared from it once
-per implementation, lazily, on the first call that implementation serves (only cute repacks; the
-cache is dropped when the buffers move or are reloaded), never per call.
+work as for any module. What a backend consumes is prepared from it once per backend
+(dispatch.registry), lazily, on the first call that backend serves, never per call. A reload
+(load_quantized, load_state_dict) copies into the existing buffers and then into each prepared
+weight's existing storage, so every data_ptr() (and a CUDA graph that captured it) stays valid;
+``.to(device)`` allocates anew and drops the prepared weights.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import torch
 from torch import nn
 
 from formats import QuantizedTensor, spec
+from formats.validate import check_scale_values, check_weight
 
-from . import api, policy
-from .policy import split_variant, variant_name
+from . import api, policy, registry
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class QuantLinear(nn.Module):
     Args:
         qweight: weight [N, K] from dispatch.quantize_weight (role "weight").
         bias: optional [N] (kept in its own dtype; the implementations add it in their precision).
-        a16: MXFP4 weight-only (W4A16): activations are not quantized.
+        a16: weight-only (W4A16, nvfp4 and mxfp4): activations are not quantized.
         impl: pin this layer's implementation (None: use_impl() / B12X_IMPL / auto per call).
         act_dtype: cast the input to this dtype for the call and the output back to the input's
             dtype (e.g. bf16 to run a float32 model through kernels that take bf16/fp16);
@@ -51,11 +53,13 @@ class QuantLinear(nn.Module):
                  impl: Optional[str] = None, act_dtype: Optional[torch.dtype] = None,
                  act_opts: Optional[dict] = None):
         super().__init__()
-        if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
-            raise ValueError("qweight must be a QuantizedTensor with role 'weight'")
+        check_weight(qweight)
+        if qweight.data.is_meta:
+            raise ValueError("qweight is on the meta device; quantize a materialized weight")
+        check_scale_values(qweight)  # once per layer, where it is built (reads the scales: a sync)
         self.fmt = qweight.fmt
         self.a16 = bool(a16)
-        self.variant = variant_name(self.fmt, self.a16)
+        self.variant = registry.variant_name(self.fmt, self.a16)
         self.impl = None if impl is None else policy.parse_impl(impl, "impl")
         self.act_dtype = act_dtype
         self.act_opts = dict(act_opts or {})
@@ -78,12 +82,11 @@ class QuantLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, fmt: str, *, a16: bool = False, impl: Optional[str] = None,
                     act_dtype: Optional[torch.dtype] = None, act_opts: Optional[dict] = None,
                     **weight_opts) -> "QuantLinear":
-        """Quantize an nn.Linear's weight to ``fmt`` (a format or "mxfp4_w4a16"); ``weight_opts``
-        go to quantize_weight. Raises ValueError when the shape does not suit the format."""
-        base, variant_a16 = split_variant(fmt)
-        w = linear.weight.detach()
-        qweight = api.quantize_weight(w, base, **weight_opts)
-        return cls(qweight, linear.bias, a16=a16 or variant_a16, impl=impl, act_dtype=act_dtype,
+        """Quantize an nn.Linear's weight to ``fmt`` (a variant name of dispatch.registry.VARIANTS);
+        ``weight_opts`` go to quantize_weight. Raises ValueError when the shape does not suit the format."""
+        spec = registry.variant(fmt)
+        qweight = api.quantize_weight(linear.weight.detach(), spec.fmt, **weight_opts)
+        return cls(qweight, linear.bias, a16=a16 or spec.a16, impl=impl, act_dtype=act_dtype,
                    act_opts=act_opts)
 
     @property
@@ -98,11 +101,19 @@ class QuantLinear(nn.Module):
                                (self.out_features, self.in_features), self._meta["scale_layout"])
 
     # -- preparation ----------------------------------------------------------------------------
-    def prepared(self, impl: str):
-        """What ``impl`` consumes for this weight, prepared on first use and then reused."""
-        if impl not in self._prepared:
-            self._prepared[impl] = api.prepare(impl, self.qweight, a16=self.a16)
-        return self._prepared[impl]
+    def prepared(self, backend: registry.Backend):
+        """What ``backend`` consumes for this weight, prepared on first use and then reused."""
+        if backend.name not in self._prepared:
+            self._prepared[backend.name] = backend.prepare(self.qweight)
+        return self._prepared[backend.name]
+
+    def refresh_prepared(self) -> None:
+        """After new values were copied into the buffers: copy them into every prepared weight's
+        existing storage (``prepare(..., into=)``), so their data_ptr()s stay as they were."""
+        qweight = self.qweight
+        for name, old in self._prepared.items():
+            impl, variant = name.split(":", 1)
+            self._prepared[name] = registry.get(impl, variant).prepare(qweight, into=old)
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() replace the buffers: anything prepared from the old ones is stale.
@@ -110,15 +121,17 @@ class QuantLinear(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        # load_state_dict copies new values into the buffers: re-prepare on the next call.
-        self._prepared.clear()
-        return super()._load_from_state_dict(*args, **kwargs)
+        # load_state_dict copies new values into the existing buffers; the prepared weights follow.
+        out = super()._load_from_state_dict(*args, **kwargs)
+        self.refresh_prepared()
+        return out
 
     # -- call -----------------------------------------------------------------------------------
-    def choose(self, x: torch.Tensor) -> policy.Choice:
-        """The policy's choice for input ``x`` (no call is made)."""
-        m = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
-        return policy.choose(self.variant, m, self.out_features, self.in_features, api.device_of(x), impl=self.impl)
+    def choose(self, x: torch.Tensor) -> registry.Choice:
+        """The registry's choice for input ``x`` (no call is made)."""
+        dtype = x.dtype if self.act_dtype is None else self.act_dtype
+        return registry.choose(self.variant, api.tokens(x), self.out_features, self.in_features, api.device_of(x),
+                               impl=self.impl, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -126,7 +139,7 @@ class QuantLinear(nn.Module):
         c = self.choose(x)
         self.last_impl = c.impl
         xin = x if self.act_dtype is None else x.to(self.act_dtype)
-        y = api.apply(c.impl, xin, self.prepared(c.impl), self.qweight, self.bias, a16=self.a16, **self.act_opts)
+        y = c.backend.apply(xin, self.prepared(c.backend), self.bias, **self.act_opts)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -163,10 +176,9 @@ def _skip_reason(name: str, module: nn.Linear, fmt: str, skip: Skip) -> Optional
         for pattern in ([skip] if isinstance(skip, str) else skip):
             if fnmatch.fnmatchcase(name, pattern):
                 return f"name matches skip pattern {pattern!r}"
-    base, _ = split_variant(fmt)
-    k_multiple = spec(base).k_multiple
+    k_multiple = spec(registry.variant(fmt).fmt).k_multiple
     if module.in_features % k_multiple:
-        return f"K={module.in_features} is not a multiple of {k_multiple} ({base} block)"
+        return f"K={module.in_features} is not a multiple of {k_multiple} ({registry.variant(fmt).fmt} block)"
     return None
 
 
@@ -175,7 +187,7 @@ def quantize_model(model: nn.Module, fmt: str, skip: Skip = None, **opts) -> nn.
 
     Args:
         model: any module.
-        fmt: a format name or "mxfp4_w4a16".
+        fmt: a variant name (a format, or "nvfp4_w4a16" / "mxfp4_w4a16").
         skip: fnmatch patterns of module names to leave alone (e.g. ["lm_head", "*.gate"]), or a
             callable(name, linear) -> bool.
         **opts: QuantLinear.from_linear options (impl, act_dtype, act_opts, weight options).
@@ -183,7 +195,7 @@ def quantize_model(model: nn.Module, fmt: str, skip: Skip = None, **opts) -> nn.
         ``model``. Each layer left in place is logged (INFO) with the reason; the list is also in
         ``model.b12x_skipped`` as {name: reason}.
     """
-    split_variant(fmt)  # unknown format: ValueError before anything is touched
+    registry.variant(fmt)  # unknown format: ValueError before anything is touched
     skipped: dict[str, str] = {}
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     for name, module in targets:
@@ -239,26 +251,56 @@ def save_quantized(model: nn.Module, path) -> dict[str, dict]:
 
 
 def read_quantized(path) -> dict[str, tuple[QuantizedTensor, Optional[torch.Tensor], dict]]:
-    """Read a save_quantized file: {layer: (qweight, bias or None, metadata)} on the CPU."""
-    from safetensors import safe_open
+    """Read a save_quantized file: {layer: (qweight, bias or None, metadata)} on the CPU.
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != SAFETENSORS_FORMAT:
-            raise ValueError(f"{path}: not a b12x-dual quantized file (metadata format={meta.get('format')!r})")
-        layers = json.loads(meta["layers"])
-        names = set(f.keys())
-        out = {}
-        for name, m in layers.items():
-            def get(buf):
-                key = f"{name}.{buf}"
-                return f.get_tensor(key) if key in names else None
+    Every layer's weight is validated as it is read (formats.validate: dtypes and shapes per format,
+    then the scale values: global and fp32 scales finite and > 0, no NaN scale codes).
+    Raises:
+        ValueError naming the path (and the layer and tensor where there is one): an unreadable or
+        truncated file, not a b12x-dual file, a tensor missing from a layer or present in the file
+        without belonging to a layer, or a tensor of the wrong dtype or shape for its format.
+    """
+    from safetensors import SafetensorError, safe_open
 
-            block = None if m["block_shape"] is None else tuple(m["block_shape"])
-            q = QuantizedTensor(m["fmt"], "weight", get("weight_data"), get("weight_scale"),
-                                get("weight_global_scale"), block, tuple(m["shape"]), m["scale_layout"])
-            out[name] = (q, get("bias"), m)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != SAFETENSORS_FORMAT:
+                raise ValueError(f"{path}: not a b12x-dual quantized file (metadata format={meta.get('format')!r})")
+            layers = json.loads(meta["layers"])
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, json.JSONDecodeError, KeyError) as e:
+        raise ValueError(f"{path}: cannot read it as a b12x-dual safetensors file "
+                         f"({type(e).__name__}: {e}); is it truncated or of another kind?") from None
+    out, used = {}, set()
+    for name, m in layers.items():
+        def get(buf, required):
+            key = f"{name}.{buf}"
+            if key in tensors:
+                used.add(key)
+                return tensors[key]
+            if required:
+                raise ValueError(f"{path}: layer {name!r}: tensor {key!r} is missing from the file")
+            return None
+
+        block = None if m["block_shape"] is None else tuple(m["block_shape"])
+        q = QuantizedTensor(m["fmt"], "weight", get("weight_data", True), get("weight_scale", True),
+                            get("weight_global_scale", False), block, tuple(m["shape"]), m["scale_layout"])
+        what = f"{path}: layer {name!r} weight"
+        check_weight(q, m["fmt"], name=what)
+        check_scale_values(q, name=what)
+        out[name] = (q, get("bias", bool(m["bias"])), m)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"{path}: tensors {extra} belong to no layer of the file's metadata")
     return out
+
+
+def _check_materialized(module: nn.Module, name: str, path) -> None:
+    meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(f"{path}: layer {name!r} has tensors on the meta device ({meta}); materialize the "
+                         "model first (e.g. model.to_empty(device=...)) so the weights have real storage")
 
 
 def load_quantized(model: nn.Module, path, **opts) -> nn.Module:
@@ -266,14 +308,18 @@ def load_quantized(model: nn.Module, path, **opts) -> nn.Module:
 
     A layer that is an nn.Linear is replaced by a QuantLinear built from the file (``opts``: impl,
     act_dtype, act_opts); a layer that is already a QuantLinear of the same format and shape gets
-    the stored tensors copied into its existing buffers (their storage, hence captured CUDA graphs,
-    stays valid). Anything else raises ValueError naming the layer.
+    the stored tensors copied into its existing buffers and from there into every weight prepared
+    for a backend (their storage, hence captured CUDA graphs, stays valid). Anything else raises
+    ValueError naming the layer: a layer missing from the model, of another variant or shape, or on
+    the meta device; and what read_quantized raises for the file (missing, extra, mis-shaped or
+    mis-typed tensors, a truncated file).
     """
     for name, (q, bias, m) in read_quantized(path).items():
         try:
             current = model.get_submodule(name)
         except AttributeError:
             raise ValueError(f"{path}: layer {name!r} is not in the model") from None
+        _check_materialized(current, name, path)
         if isinstance(current, QuantLinear):
             if current.variant != m["variant"] or [current.out_features, current.in_features] != m["shape"]:
                 raise ValueError(f"{path}: layer {name!r} is {current.variant} {current.out_features}x"
@@ -284,7 +330,7 @@ def load_quantized(model: nn.Module, path, **opts) -> nn.Module:
                     if t is not None:
                         dst = getattr(current, buf)
                         dst.copy_(t if buf == "bias" else _as_int(t.to(current._dtypes[buf])))
-            current._prepared.clear()
+            current.refresh_prepared()
         elif isinstance(current, nn.Linear):
             if [current.out_features, current.in_features] != m["shape"]:
                 raise ValueError(f"{path}: layer {name!r} is {current.out_features}x{current.in_features} in the "

@@ -6,11 +6,12 @@ Shared by kernels_triton and kernels_cute (and nothing here imports them). Publi
     dequantize(q, dtype=torch.float32) -> Tensor
     reference_linear(x, qweight, bias=None, ...) -> Tensor   (float64, rounded once)
     swizzle_128x4 / unswizzle_128x4                            (cuBLAS / b12x scale layout)
+    validate.check_weight / check_activation / ...             (operand checks every kernel uses)
 
 See docs/formats.md for the bit layouts, scale rules and worked examples.
 """
 
-from . import codecs, constants, layout
+from . import codecs, constants, layout, validate
 from .base import FormatSpec, QuantizedTensor
 from .layout import swizzle_128x4, swizzled_offset, swizzled_size, unswizzle_128x4
 from .oracle import FORMATS, dequantize, format_module, quantize, reference_linear, spec
@@ -34,4 +35,5 @@ __all__ = [
     "swizzled_offset",
     "swizzled_size",
     "unswizzle_128x4",
+    "validate",
 ]

@@ -18,6 +18,7 @@ from .base import FormatSpec, QuantizedTensor, block_amax, check_role, expand_bl
 from .codecs import decode_e4m3, encode_e4m3, pow2_ceil
 from .constants import E4M3_MAX, FP8_BLOCK
 
+ORDER = 2  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
 SPEC = FormatSpec(
     name="fp8_block",
     k_multiple=FP8_BLOCK,

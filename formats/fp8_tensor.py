@@ -20,6 +20,7 @@ from .base import FormatSpec, QuantizedTensor, check_positive_scalar, check_role
 from .codecs import decode_e4m3, encode_e4m3
 from .constants import AMAX_FLOOR, E4M3_MAX
 
+ORDER = 1  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
 SPEC = FormatSpec(
     name="fp8_tensor",
     k_multiple=1,

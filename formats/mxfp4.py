@@ -18,6 +18,7 @@ from .base import FormatSpec, QuantizedTensor, check_role
 from .codecs import decode_e2m1, encode_e2m1, pack_e2m1, unpack_e2m1
 from .constants import E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
+ORDER = 5  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
 SPEC = FormatSpec(
     name="mxfp4",
     k_multiple=MX_BLOCK,

@@ -17,6 +17,7 @@ from .base import FormatSpec, QuantizedTensor, check_role
 from .codecs import decode_e4m3, encode_e4m3
 from .constants import E4M3_EMAX, E4M3_MAX, MX_BLOCK
 
+ORDER = 3  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
 SPEC = FormatSpec(
     name="mxfp8",
     k_multiple=MX_BLOCK,

@@ -22,6 +22,7 @@ from .base import FormatSpec, QuantizedTensor, block_amax, check_positive_scalar
 from .codecs import decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, pack_e2m1, unpack_e2m1
 from .constants import AMAX_FLOOR, E2M1_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 
+ORDER = 4  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
 SPEC = FormatSpec(
     name="nvfp4",
     k_multiple=NVFP4_BLOCK,

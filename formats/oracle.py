@@ -6,17 +6,31 @@ kernels; the tests in tests/formats pin it to the specifications.
 
 from __future__ import annotations
 
+import importlib
+import os
+import pkgutil
 from types import ModuleType
 from typing import Optional, Union
 
 import torch
 
-from . import fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
-from .base import QuantizedTensor, check_float_input, check_k, check_role
+from .base import FormatSpec, QuantizedTensor, check_float_input, check_k, check_role
 
-FORMATS: dict[str, ModuleType] = {
-    m.SPEC.name: m for m in (fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4)
-}
+
+def _discover() -> dict[str, ModuleType]:
+    """Every module of this package that defines a FormatSpec ``SPEC`` is a format (a new format
+    is one new file here), ordered by its ``ORDER``."""
+    found = []
+    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if info.name.startswith("_") or info.name == "oracle":
+            continue
+        mod = importlib.import_module(f"{__package__}.{info.name}")
+        if isinstance(getattr(mod, "SPEC", None), FormatSpec):
+            found.append((getattr(mod, "ORDER", 1000), mod.SPEC.name, mod))
+    return {name: mod for _, name, mod in sorted(found, key=lambda t: (t[0], t[1]))}
+
+
+FORMATS: dict[str, ModuleType] = _discover()
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 

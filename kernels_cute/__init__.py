@@ -1,16 +1,26 @@
 """kernels_cute: the production path on SM120/SM121, wrapping b12x's CuTe DSL GEMMs (b12x==1.5.1).
 
-One module per format (fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4), each a thin adapter to one
-b12x entry point, with the same verbs:
+One module per format of formats/ that b12x serves (fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4), each
+a thin adapter to one b12x entry point, with the same verbs:
 
     supported(M, N, K) -> (bool, reason)          shape support (b12x's alignment rules)
-    prepare_weight(qweight, *, into=None)         repack once to b12x's contract (into=: reload)
-    quantize_activation(x, **opts)                bit-exact with the oracle (see each module)
-    linear(x, prepared, bias=None, **opts)        W4A4 / W8A8 at every M, bf16/fp16 out, bias after
+    prepare_weight(qweight, *, into=None)         check (formats.validate) and repack once to b12x's
+                                                  contract (into=: reload into the same storage)
+    quantize_activation(x, **opts)                our CuTe DSL quantizer (kernels_cute/quant),
+                                                  bit-exact with the oracle
+    gemm(xq, prepared, bias=None, out_dtype=None) the b12x GEMM on an already quantized activation
+                                                  (any quantizer's: linear scales are swizzled inside)
+    linear(x, prepared, bias=None, **opts)        quantize_activation + gemm: W4A4 / W8A8 at every M,
+                                                  bf16/fp16 out, bias after
 
-This package adds the device gate (``supported(fmt, M, N, K, device)``, which the dispatcher's
-``auto`` consults) and ahead-of-time preparation (``prepare``). docs/cute.md explains the mapping
-onto b12x, the gaps routed around and how it was verified without SM12x hardware.
+plus the W4A16 route of nvfp4 (``prepare_weight(q, a16=True)``, ``linear(x, w, a16=True)``; the
+"nvfp4_w4a16" variant). kernels_cute imports no kernels_triton module; "Triton quantizer + CuTe
+GEMM" is composed by the caller (dispatch) as ``gemm(kernels_triton...quantize_activation(x), w)``.
+
+This package adds the device gate (``supported(variant, M, N, K, device)``, which the dispatcher's
+``auto`` consults; it answers (False, reason) for any variant it does not serve, never raises) and
+ahead-of-time preparation (``prepare``). docs/cute.md explains the mapping onto b12x, the gaps
+routed around and how it was verified without SM12x hardware.
 """
 
 from __future__ import annotations
@@ -22,36 +32,71 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+import formats
+
 from . import _common
 from ._common import B12X_VERSION, CuteWeight, PlanKey, SM12X_CAPABILITIES
 
-FORMATS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4")
-VARIANTS = FORMATS + ("mxfp4_w4a16",)
-# b12x's own device gate for each format's entry point (tensor-FP8 and MXFP8 also need the SM120
-# MXF8 warp MMA in nvidia-cutlass-dsl, so they have their own).
+# Every format and W4A16 variant formats/ defines (W4A16: the e2m1 formats), whether served or not.
+FORMATS = formats.FORMAT_NAMES
+VARIANTS = FORMATS + tuple(f"{f}_w4a16" for f in FORMATS if formats.spec(f).element == "e2m1")
+# What kernels_cute serves: variant -> b12x's own device gate for its entry point (tensor-FP8 and
+# MXFP8 also need the SM120 MXF8 warp MMA in nvidia-cutlass-dsl, so they have their own). A variant
+# of VARIANTS missing here (a format newly added to formats/) is answered "not served".
+# mxfp4_w4a16 is listed so that supported() gives b12x's reason (no A16 kernel for MXFP4).
 _GATES = {
     "fp8_tensor": "b12x.gemm.tensor_fp8_linear",
     "mxfp8": "b12x.gemm.mxfp8_linear",
     "fp8_block": "b12x.gemm.blockscaled",
     "nvfp4": "b12x.gemm.blockscaled",
+    "nvfp4_w4a16": "b12x.gemm.blockscaled",
     "mxfp4": "b12x.gemm.blockscaled",
+    "mxfp4_w4a16": "b12x.gemm.blockscaled",
 }
+DECLARED_UNSUPPORTED = ("mxfp4_w4a16",)
+SERVED = tuple(v for v in VARIANTS if v in _GATES and v not in DECLARED_UNSUPPORTED)
 
-__all__ = ["FORMATS", "VARIANTS", "CuteWeight", "Preparation", "module", "supported", "prepare_weight",
-           "linear", "prepare", "B12X_VERSION"]
+__all__ = ["FORMATS", "VARIANTS", "SERVED", "CuteWeight", "Preparation", "device_gate", "module", "supported",
+           "prepare_weight", "gemm", "linear", "prepare", "B12X_VERSION"]
 
 
-def module(fmt: str):
-    """The kernels_cute.<fmt> module ("mxfp4_w4a16" -> mxfp4); ValueError for an unknown name."""
-    base = "mxfp4" if fmt == "mxfp4_w4a16" else fmt
-    if base not in FORMATS:
-        raise ValueError(f"fmt must be one of {VARIANTS}, got {fmt!r}")
-    return importlib.import_module(f"{__name__}.{base}")
+def _split(variant: str) -> tuple[str, bool]:
+    """("nvfp4", True) for "nvfp4_w4a16"; (variant, False) otherwise."""
+    return (variant[: -len("_w4a16")], True) if variant.endswith("_w4a16") else (variant, False)
+
+
+def module(variant: str):
+    """The kernels_cute.<fmt> module of a served variant ("nvfp4_w4a16" -> nvfp4).
+
+    Raises ValueError naming the variants for a name outside VARIANTS, or one kernels_cute does
+    not serve (``supported`` gives the same reason without raising)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"fmt must be one of {VARIANTS}, got {variant!r}")
+    if variant not in _GATES:
+        raise ValueError(f"kernels_cute does not serve {variant!r} (it serves {SERVED})")
+    return importlib.import_module(f"{__name__}.{_split(variant)[0]}")
+
+
+def query_maker(variant: str):
+    """The function (cap, N, K, out_dtype) -> b12x query of a variant's plans."""
+    mod = module(variant)
+    return mod.make_query_a16 if _split(variant)[1] else mod.make_query
 
 
 @functools.lru_cache(maxsize=None)
-def _b12x_gate(fmt: str) -> bool:
-    return bool(importlib.import_module(_GATES[fmt]).is_supported())
+def _b12x_gate(variant: str) -> bool:
+    return bool(importlib.import_module(_GATES[variant]).is_supported())
+
+
+def device_gate(variant: str) -> tuple[bool, str]:
+    """b12x's own ``is_supported()`` for the entry point of ``variant`` on the running GPU (asked
+    once per process), as (ok, reason). Call it only where a CUDA device is present."""
+    if variant not in _GATES:
+        return False, f"kernels_cute does not serve {variant!r} (it serves {SERVED})"
+    if not _b12x_gate(variant):
+        return False, (f"{_GATES[variant]}.is_supported() is False on this GPU "
+                       "(b12x needs nvidia-cutlass-dsl>=4.6 and triton)")
+    return True, f"{_GATES[variant]}.is_supported() is True"
 
 
 def _is_running_device(device) -> bool:
@@ -61,41 +106,56 @@ def _is_running_device(device) -> bool:
     return tuple(torch.cuda.get_device_capability()) == tuple(device.capability)
 
 
-def supported(fmt: str, M: int, N: int, K: int, device) -> tuple[bool, str]:
-    """Can kernels_cute serve y[M, N] = x[M, K] . W[N, K]^T in format ``fmt`` on ``device``?
+def supported(fmt: str, M: int, N: int, K: int, device, *, dtype: Optional[torch.dtype] = None) -> tuple[bool, str]:
+    """Can kernels_cute serve y[M, N] = x[M, K] . W[N, K]^T in variant ``fmt`` on ``device``?
 
     Args:
-        fmt: one of VARIANTS ("mxfp4_w4a16" is the W4A16 variant).
+        fmt: a format or W4A16 variant name ("nvfp4_w4a16", "mxfp4_w4a16").
         device: any object with ``.capability`` (major, minor) and ``.sm_count`` (the
             dispatcher's DeviceInfo); b12x's own gate is consulted when it is the running GPU.
+        dtype: the activation dtype, when known (nvfp4_w4a16 takes bf16 only).
     Returns:
-        (ok, reason): False with an actionable reason when b12x is not importable, the capability is
-        not (12, 0) / (12, 1), b12x's is_supported() is false on the running GPU, or the shape
-        misses b12x's alignment; True with a description otherwise.
+        (ok, reason), never raising: False with an actionable reason for a variant kernels_cute
+        does not serve (an unknown name, a format formats/ defines but b12x has no entry point for,
+        mxfp4_w4a16), when b12x is not importable, the capability is not (12, 0) / (12, 1), b12x's
+        is_supported() is false on the running GPU, or the shape misses b12x's alignment; True with
+        a description otherwise.
     """
-    mod = module(fmt)
-    base = mod.FMT
+    if fmt not in _GATES:
+        known = "a format formats/ defines but " if fmt in VARIANTS else "not a format name; "
+        return False, f"kernels_cute does not serve {fmt!r} ({known}it serves {SERVED})"
+    base, a16 = _split(fmt)
     cap = tuple(getattr(device, "capability", (0, 0)))
     if getattr(device, "kind", "cuda") != "cuda" or cap not in SM12X_CAPABILITIES:
         return False, f"kernels_cute needs an SM120/SM121 GPU (capability (12, 0)/(12, 1)), got {cap}"
     err = _common.b12x_import_error()
     if err:
         return False, err
-    if fmt == "mxfp4_w4a16":
+    mod = module(fmt)
+    if base == "mxfp4" and a16:
         return mod.supported(M, N, K, a16=True)
-    if _is_running_device(device) and not _b12x_gate(base):
-        return False, (f"{_GATES[base]}.is_supported() is False on this sm_{cap[0]}{cap[1]} GPU "
-                       "(b12x needs nvidia-cutlass-dsl>=4.6 and triton)")
-    return mod.supported(M, N, K)
+    if _is_running_device(device):
+        ok, why = device_gate(fmt)
+        if not ok:
+            return False, why
+    return mod.supported(M, N, K, a16=True, dtype=dtype) if a16 else mod.supported(M, N, K)
 
 
 def prepare_weight(qweight, *, a16: bool = False, into: Optional[CuteWeight] = None) -> CuteWeight:
-    """``kernels_cute.<qweight.fmt>.prepare_weight`` (see there)."""
+    """``kernels_cute.<qweight.fmt>.prepare_weight`` (see there; ValueError for a malformed weight)."""
+    formats.validate.check_weight(qweight)
     return module(qweight.fmt).prepare_weight(qweight, into=into, a16=a16)
 
 
+def gemm(xq, prepared: CuteWeight, bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None):
+    """``kernels_cute.<prepared.fmt>.gemm``: the b12x GEMM on an already quantized activation."""
+    return module(prepared.fmt).gemm(xq, prepared, bias, out_dtype)
+
+
 def linear(x: torch.Tensor, prepared: CuteWeight, bias: Optional[torch.Tensor] = None, **opts) -> torch.Tensor:
-    """``kernels_cute.<prepared.fmt>.linear`` (see there)."""
+    """``kernels_cute.<prepared.fmt>.linear`` (see there); a W4A16-prepared weight runs W4A16."""
+    if prepared.a16:
+        opts.setdefault("a16", True)
     return module(prepared.fmt).linear(x, prepared, bias, **opts)
 
 
@@ -138,7 +198,7 @@ def token_counts(cuda_graph_sizes: Iterable[int] = (), max_tokens: Optional[int]
 
 def plan_keys(layers: Sequence[tuple[str, int, int]], counts: Iterable[int], *,
               out_dtype: torch.dtype = torch.bfloat16, device="cuda") -> tuple[list[PlanKey], list[str]]:
-    """Deduplicated plan keys for (fmt, N, K) layers x token counts, plus the skipped (unsupported
+    """Deduplicated plan keys for (variant, N, K) layers x token counts, plus the skipped (unsupported
     shape) reasons. Each count becomes the capacity the format plans for it (``cap_for``)."""
     dev = str(torch.device(device))
     if dev == "cuda" and torch.cuda.is_available():
@@ -146,14 +206,15 @@ def plan_keys(layers: Sequence[tuple[str, int, int]], counts: Iterable[int], *,
     name = _common.dtype_name(out_dtype)
     keys: dict[PlanKey, None] = {}
     skipped = []
-    for fmt, n, k in layers:
-        mod = module(fmt)
+    for variant, n, k in layers:
+        mod = module(variant)
+        a16 = _split(variant)[1]
         for m in counts:
-            ok, why = mod.supported(m, n, k)
+            ok, why = mod.supported(m, n, k, a16=True, dtype=out_dtype) if a16 else mod.supported(m, n, k)
             if not ok:
                 skipped.append(why)
                 continue
-            keys[PlanKey(mod.FMT, mod.cap_for(m, k), n, k, name, dev)] = None
+            keys[PlanKey(variant, mod.cap_for(m, k), n, k, name, dev)] = None
     return list(keys), skipped
 
 
@@ -163,7 +224,7 @@ def prepare(layers, *, cuda_graph_sizes: Iterable[int] = (), max_tokens: Optiona
     """Compile (and optionally tune) ahead of serving every plan the given layers will use.
 
     Args:
-        layers: (fmt, N, K) tuples, or CuteWeight objects (their fmt and shape are used).
+        layers: (variant, N, K) tuples, or CuteWeight objects (their variant and shape are used).
         cuda_graph_sizes / max_tokens / token_counts_extra: the token counts (1 is always included).
         out_dtype: activation / output dtype (bf16 or fp16).
         autotune: let b12x tune (the fixed serialized/prequantized plans used here have no tuning
@@ -181,13 +242,12 @@ def prepare(layers, *, cuda_graph_sizes: Iterable[int] = (), max_tokens: Optiona
 
     bs = _common.blockscaled()
     del bs
-    layers = [(w.fmt, w.n, w.k) if isinstance(w, CuteWeight) else tuple(w) for w in layers]
+    layers = [(w.variant, w.n, w.k) if isinstance(w, CuteWeight) else tuple(w) for w in layers]
     counts = token_counts(cuda_graph_sizes, max_tokens, token_counts_extra)
     keys, skipped = plan_keys(layers, counts, out_dtype=out_dtype, device=device)
     requests = []
     for key in keys:
-        mod = module(key.fmt)
-        plan = _common.get_plan(key, mod.make_query)
+        plan = _common.get_plan(key, query_maker(key.fmt))
         requests.append(plan.request(name=f"{key.fmt}:M<={key.cap}:N={key.n}:K={key.k}:{key.out_dtype}",
                                      prepare_call=lambda state: PreparedCall(run=lambda: None)))
     t0 = time.perf_counter()

@@ -1,7 +1,14 @@
-"""What the five kernels_cute format modules share: the b12x import, the prepared-weight container,
-the plan registry (capacity plans per token count), the alignment checks and the reload copy.
+"""What the kernels_cute format modules share: the b12x import, the prepared-weight container,
+the plan registry (capacity plans per token count), the alignment checks, the operand checks
+(formats.validate), the scale swizzle for b12x and the reload copy.
 
-Nothing here touches a private b12x symbol; the one module that does is kernels_cute/_compile.py.
+Private b12x API. One private field is set here: ``Plan._device`` (a dataclass field of every b12x
+``Plan``; b12x's own planners and ``heuristic_plan`` set it, ``blockscaled.plan`` leaves it None).
+``get_plan`` sets it to the device the plan is keyed on, so a plan made for cuda:1 is prepared and
+run there rather than on whatever device is current when b12x first touches it (b12x reads it in
+``detect_device(plan._device ...)``). ``kernels_cute._compile.PRIVATE_API`` lists it, and
+tests/kernels_cute/test_compile_sm12x.py fails naming it if a b12x release drops the field. Every
+other private symbol is used only by kernels_cute/_compile.py (compile-only checks).
 
 Plans. Every b12x GEMM call here carries an explicit ``plan=``: a
 ``b12x.gemm.blockscaled.FixedBlockscaledQuery`` with ``max_rows = cap`` (a row *capacity*) and
@@ -22,10 +29,12 @@ import functools
 import importlib
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from formats import QuantizedTensor, swizzle_128x4, validate
 
 log = logging.getLogger("kernels_cute")
 
@@ -78,22 +87,27 @@ def next_pow2(n: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Prepared weights
 # ---------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class CuteWeight:
     """A weight prepared for one b12x entry point (built by ``kernels_cute.<fmt>.prepare_weight``).
 
+    Frozen: nothing is reassigned after prepare; a reload (``prepare_weight(q, into=w)``) copies new
+    contents into the same tensors (``copy_into``), so CUDA graphs that captured them stay valid.
+
     Fields:
-        fmt: format name.
+        fmt: format name (formats.FORMAT_NAMES).
         shape: (N, K).
         data: element codes as b12x reads them: uint8 [N, K/2] (fp4, low nibble first) or
             float8_e4m3fn [N, K].
         scale: nvfp4/mxfp4: flat 128x4-swizzled scale bytes (float8_e4m3fn / uint8);
             fp8_block: float32 [N/128, K/128]; mxfp8: uint8 E8M0 [N, K/32] (linear; b12x swizzles
             it into ``packed``); fp8_tensor: float32 [1] (the weight scale sw).
-        global_scale: nvfp4: float32 [1], the weight's g_w; None otherwise.
-        packed: the ``b12x.gemm.blockscaled.pack_weight`` result for fp8_tensor / mxfp8, else None.
-        work: per-weight device scratch the hot path writes (fp8_tensor: the combined scale
-            sx * sw that ``packed`` borrows; nvfp4: alpha = 1 / (g_x * g_w)).
+        global_scale: nvfp4: float32 [1], the weight's g_w (w ~= code * s / g_w); None otherwise.
+        inv_global_scale: nvfp4: float32 [1], 1 / g_w, computed once at prepare (the per-call
+            alpha is ``(1 / g_x) * inv_global_scale`` on the device); None otherwise.
+        packed: the ``b12x.gemm.blockscaled.pack_weight`` result for fp8_tensor / mxfp8 and for
+            nvfp4 with ``a16``, else None.
+        a16: True for the W4A16 route (nvfp4 only: bf16 activations, b12x's A16 kernel).
     """
 
     fmt: str
@@ -101,8 +115,9 @@ class CuteWeight:
     data: torch.Tensor
     scale: torch.Tensor
     global_scale: Optional[torch.Tensor] = None
+    inv_global_scale: Optional[torch.Tensor] = None
     packed: object = None
-    work: dict = field(default_factory=dict)
+    a16: bool = False
 
     @property
     def n(self) -> int:
@@ -111,6 +126,11 @@ class CuteWeight:
     @property
     def k(self) -> int:
         return self.shape[1]
+
+    @property
+    def variant(self) -> str:
+        """The kernels_cute variant name ("nvfp4_w4a16" for the A16 route, else fmt)."""
+        return f"{self.fmt}_w4a16" if self.a16 else self.fmt
 
     @property
     def device(self) -> torch.device:
@@ -124,24 +144,41 @@ class CuteWeight:
 
 
 def check_qweight(qweight, fmt: str) -> None:
-    from formats import QuantizedTensor
+    """The weight checks of prepare_weight: formats.validate.check_weight (metadata: dtypes, shapes,
+    layout, devices) and check_scale_values (global and fp32 scales finite and > 0; this reads the
+    scales, so it synchronizes once, at prepare, never per call)."""
+    validate.check_weight(qweight, fmt)
+    validate.check_scale_values(qweight)
 
-    if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight" or qweight.fmt != fmt:
-        got = f"a {qweight.fmt} {qweight.role}" if isinstance(qweight, QuantizedTensor) else type(qweight).__name__
-        raise ValueError(f"qweight must be a {fmt} weight QuantizedTensor, got {got}")
-    if qweight.scale_layout != "linear":
-        raise ValueError(f"qweight.scale_layout must be 'linear' (formats.quantize output), got {qweight.scale_layout!r}")
+
+def linear_scale(q: QuantizedTensor) -> torch.Tensor:
+    """q's 1-byte block scales as a linear [rows, K/block] matrix (unswizzled if needed)."""
+    if q.scale_layout == "linear":
+        return q.scale
+    from formats import unswizzle_128x4
+
+    return unswizzle_128x4(q.scale, q.rows, q.k // q.block_shape[1])
+
+
+def swizzled_scale(q: QuantizedTensor) -> torch.Tensor:
+    """q's 1-byte block scales as b12x reads them: flat 128x4-swizzled storage (zero padding);
+    swizzled here when q holds the linear layout (formats.quantize, the Triton quantizers)."""
+    if q.scale_layout == "swizzled_128x4":
+        return q.scale.contiguous()
+    return swizzle_128x4(q.scale)
 
 
 def copy_into(into: CuteWeight, new: CuteWeight) -> CuteWeight:
     """Weight reload with an unchanged layout: copy ``new``'s tensors into ``into``'s storage (so
     addresses captured in CUDA graphs stay valid) and return ``into``. ValueError when the
     layout differs (then prepare a fresh weight and re-capture)."""
-    if not isinstance(into, CuteWeight) or into.fmt != new.fmt or into.shape != new.shape:
-        raise ValueError(f"into= must be a prepared {new.fmt} weight of shape {new.shape}, got "
-                         f"{getattr(into, 'fmt', type(into).__name__)} {getattr(into, 'shape', '')}")
-    pairs = list(zip(_tensor_leaves(into), _tensor_leaves(new)))
-    if len(pairs) != len(_tensor_leaves(new)) or any(
+    if (not isinstance(into, CuteWeight) or into.fmt != new.fmt or into.shape != new.shape
+            or into.a16 != new.a16):
+        raise ValueError(f"into= must be a prepared {new.variant} weight of shape {new.shape}, got "
+                         f"{getattr(into, 'variant', type(into).__name__)} {getattr(into, 'shape', '')}")
+    old_leaves, new_leaves = _tensor_leaves(into), _tensor_leaves(new)
+    pairs = list(zip(old_leaves, new_leaves))
+    if len(old_leaves) != len(new_leaves) or any(
             a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in pairs):
         raise ValueError(f"into= has a different storage layout than the reloaded {new.fmt} weight; "
                          "prepare a new weight instead (and re-capture any CUDA graph)")
@@ -152,15 +189,13 @@ def copy_into(into: CuteWeight, new: CuteWeight) -> CuteWeight:
     return into
 
 
-def _tensor_leaves(obj, _seen=None) -> list[torch.Tensor]:
+def _tensor_leaves(obj) -> list[torch.Tensor]:
     """Every tensor reachable through dataclass fields / dicts, in a fixed order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     out: list[torch.Tensor] = []
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            if f.name == "work":
-                continue  # scratch, rewritten on every call
             out += _tensor_leaves(getattr(obj, f.name))
     elif isinstance(obj, dict):
         for key in sorted(obj):
@@ -236,25 +271,31 @@ def plan_for_call(fmt: str, M: int, N: int, K: int, out_dtype: torch.dtype, devi
     return get_plan(PlanKey(fmt, cap, N, K, name, dev), make_query), cap
 
 
-def flatten_activation(x: torch.Tensor, K: int, fmt: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.dtype not in OUT_DTYPES:
-        raise ValueError(f"x must be a bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if x.dim() < 1 or x.shape[-1] != K:
-        raise ValueError(f"x.shape[-1] must equal the weight's K={K}, got shape {tuple(x.shape)}")
+def flatten_activation(x: torch.Tensor, K: int, fmt: str, device=None) -> torch.Tensor:
+    """x [..., K] bf16/fp16 as [M, K] (formats.validate.check_activation first: dtype, K, device)."""
+    validate.check_activation(x, K, fmt, device=device)
     return x.reshape(-1, K)
 
 
-QUANTIZERS = ("triton", "cute")  # activation quantizer of the kernels_cute paths (see kernels_cute/quant)
-# The CuTe DSL quantizers equal the oracle and the Triton quantizers bit for bit (316 cases on the
-# H200, 2026-11-29), so the production path uses them; "triton" stays available for debugging.
-DEFAULT_QUANTIZER = "cute"
+def quantize_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
+    """kernels_cute.quant.quantize_activation_cute (imported on first use: it needs CuTe DSL, which
+    preparing a weight does not)."""
+    from .quant import quantize_activation_cute
+
+    return quantize_activation_cute(x, fmt, **opts)
 
 
-def check_quantizer(quantizer: str) -> str:
-    """``quantizer`` if it is "triton" or "cute", else ValueError."""
-    if quantizer not in QUANTIZERS:
-        raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
-    return quantizer
+def check_out_dtype(out_dtype) -> torch.dtype:
+    """out_dtype (default bf16) if b12x can write it, else ValueError."""
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES} (what b12x writes), got {out_dtype}")
+    return out_dtype
+
+
+def check_xq(xq, prepared: CuteWeight, fmt: str) -> None:
+    """gemm()'s activation checks (metadata only): a ``fmt`` activation with the weight's K, on its device."""
+    validate.check_quantized_activation(xq, fmt, prepared.k, device=prepared.device)
 
 
 def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
@@ -263,6 +304,5 @@ def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Ten
     can differ from them by one ulp of the output dtype)."""
     if bias is None:
         return y
-    if bias.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    validate.check_bias(bias, n, y.device)
     return (y.float() + bias.float()).to(y.dtype)

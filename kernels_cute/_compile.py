@@ -1,6 +1,7 @@
 """Compile-only checks of kernels_cute's b12x plans for sm_120a / sm_121a on a host without one.
 
-This is the ONE module that touches b12x private API (PRIVATE_API lists every symbol;
+This is the one module that calls b12x private API (PRIVATE_API lists every symbol, including the
+``Plan._device`` field that kernels_cute/_common.py sets;
 ``check_private_api()`` and tests/kernels_cute/test_compile_sm12x.py fail loudly, naming the symbol,
 when a b12x release moves one).
 
@@ -48,6 +49,7 @@ PRIVATE_API = (
     ("b12x._lib.compile_pool", "compile_in_process"),
     ("b12x._lib.compile_plan", "compiled_program_available"),
     ("b12x.preparation.types", "Plan._compile_jobs"),  # a dataclass field of every Plan
+    ("b12x.preparation.types", "Plan._device"),  # set by kernels_cute._common.get_plan (see there)
 )
 
 FAKE_UUID = "GPU-00000000-0000-0000-0000-000000000000"
@@ -81,7 +83,7 @@ class CompileReport:
     artifact. lowering: tile_k / tile shape / split-K b12x chose.
     """
 
-    fmt: str
+    fmt: str  # a kernels_cute variant ("nvfp4", "nvfp4_w4a16", ...)
     M: int
     N: int
     K: int
@@ -163,7 +165,8 @@ def _child(arch: str, cells: list[dict]) -> None:
         try:
             mod = kernels_cute.module(rep.fmt)
             rep.cap = (mod.cap_for(rep.M, rep.K) if rep.variant == "ours" else next_pow2(rep.M))
-            plan = bs.plan(mod.make_query(rep.cap, rep.N, rep.K, cell.get("out_dtype", "bfloat16")))
+            make_query = kernels_cute.query_maker(rep.fmt)  # fmt may be a W4A16 variant
+            plan = bs.plan(make_query(rep.cap, rep.N, rep.K, cell.get("out_dtype", "bfloat16")))
             conf = plan.contract.configure(plan.query, device=dev.identity, override=plan.override)
             config = conf.pinned if conf.pinned is not None else conf.default
             jobs = plan._compile_jobs(config, dev)

@@ -3,14 +3,14 @@ serialized ``blockscaled.mm_block_fp8``.
 
 **Strategy.** DeepGEMM-style, as formats/fp8_block.py specifies:
 
-    xq = kernels_cute.quant (or kernels_triton) quantizer     e4m3 [M, K], fp32 sx [M, K/128]
+    xq = kernels_cute.quant quantizer                         e4m3 [M, K], fp32 sx [M, K/128]
     y  = mm_block_fp8(xq.data, sx, W.data, sw [N/128, K/128], plan=cap plan)
          (each 128-deep K step: e4m3 MMA, then acc += partial * sx * sw in fp32)
     y += bias                                                 (fp32 sum, one more rounding)
 
-b12x has no 1x128 activation quantizer, so ours in CuTe DSL (kernels_cute/quant; or the Triton one with
-``quantizer="triton"``, both bit-exact with the oracle) is used; the
-compact row-major fp32 scales are what ``mm_block_fp8`` takes, no swizzle. ``gemm.block_fp8_linear``
+b12x has no 1x128 activation quantizer, so ours in CuTe DSL (kernels_cute/quant, bit-exact with the
+oracle) is used; ``gemm(xq, prepared)`` takes one quantized elsewhere. The compact row-major fp32
+scales are what ``mm_block_fp8`` takes, no swizzle. ``gemm.block_fp8_linear``
 is deliberately *not* used: it requantizes the scales to UE8M0 and runs MXFP8 (different numbers).
 
 **Split-K.** For some decode shapes b12x splits K and sums the slices with bf16 atomics, so the
@@ -21,7 +21,7 @@ the SM12x sweep allows ||d||/||ref|| <= 3e-3 and cosine >= 0.99999 for that reas
 (b12x; the oracle allows a partial last weight block, b12x does not), any M. ``ue8m0`` passes through
 to the activation quantizer.
 
-**References.** formats/fp8_block.py, kernels_triton/fp8_block.py,
+**References.** formats/fp8_block.py, kernels_cute/quant/fp8_block.py,
 b12x/gemm/blockscaled/api.py::mm_block_fp8.
 """
 
@@ -55,44 +55,59 @@ def make_query(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
 
 
 def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = None, a16: bool = False) -> C.CuteWeight:
-    """Block-FP8 weight [N, K] -> e4m3 [N, K] + fp32 [N/128, K/128], both contiguous (any device)."""
+    """Block-FP8 weight [N, K] -> e4m3 [N, K] + fp32 [N/128, K/128], both contiguous (any device).
+
+    Raises ValueError for a malformed weight (formats.validate, values included; 128x128 blocks) or a16.
+    """
     if a16:
         raise ValueError("fp8_block has no W8A16 variant here")
     C.check_qweight(qweight, FMT)
-    if qweight.block_shape != (128, 128):
-        raise ValueError(f"fp8_block weights must have 128x128 blocks, got {qweight.block_shape}")
-    new = C.CuteWeight(FMT, tuple(qweight.shape), qweight.data.contiguous(),
-                       qweight.scale.to(torch.float32).contiguous())
+    new = C.CuteWeight(FMT, tuple(qweight.shape), qweight.data.contiguous(), qweight.scale.contiguous())
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
-    """1x128 block-FP8 activation quantization, bit-exact with the oracle: e4m3 [M, K] and
-    fp32 [M, K/128] compact scales, which is b12x's layout already.
-    ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
-    (kernels_triton); bit for bit the same result.
+def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
+    """1x128 block-FP8 activation quantization with our CuTe DSL kernels (kernels_cute/quant),
+    bit-exact with the oracle: e4m3 [M, K] and fp32 [M, K/128] compact scales (b12x's layout)."""
+    return C.quantize_cute(x, FMT, ue8m0=ue8m0)
+
+
+def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y = dequant(xq) . W^T (+ bias) on an already quantized activation.
+
+    Args:
+        xq: fp8_block activation [M, K] (e4m3 data, fp32 [M, K/128] scales), from any quantizer.
+        prepared: this module's prepare_weight result. bias: optional float [N] on its device.
+        out_dtype: bfloat16 (default) or float16.
+    Returns:
+        [M, N] of out_dtype from ``mm_block_fp8`` (+ bias).
+    Raises:
+        ValueError: a malformed xq (formats.validate), K or device mismatch, bad bias or out_dtype.
     """
-    if C.check_quantizer(quantizer) == "cute":
-        from .quant import quantize_activation_cute
-
-        return quantize_activation_cute(x, FMT, ue8m0=ue8m0)
-    from kernels_triton import fp8_block as tri
-
-    return tri.quantize_activation(x, ue8m0=ue8m0)
+    C.check_xq(xq, prepared, FMT)
+    out_dtype = C.check_out_dtype(out_dtype)
+    N, K = prepared.shape
+    C.validate.check_bias(bias, N, prepared.device)
+    M = xq.rows
+    if M == 0:
+        return torch.empty((0, N), dtype=out_dtype, device=prepared.device)
+    plan, _ = C.plan_for_call(FMT, M, N, K, out_dtype, prepared.device, make_query, cap_for)
+    y = C.blockscaled().mm_block_fp8(xq.data.contiguous(), xq.scale.contiguous(), prepared.data, prepared.scale,
+                                      plan=plan, out_dtype=out_dtype)
+    return C.add_bias(y, bias, N)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           ue8m0: bool = False, a16: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> torch.Tensor:
-    """y = x . W^T (+ bias), W8A8 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
+           ue8m0: bool = False, a16: bool = False) -> torch.Tensor:
+    """y = x . W^T (+ bias), W8A8 at every M: our quantizer, then gemm().
+    x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError("fp8_block has no W8A16 variant here")
     N, K = prepared.shape
-    x2 = C.flatten_activation(x, K, FMT)
-    M = x2.shape[0]
-    if M == 0:
+    x2 = C.flatten_activation(x, K, FMT, prepared.device)
+    C.validate.check_bias(bias, N, prepared.device)
+    if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], N))
-    plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
-    xq = quantize_activation(x2, ue8m0=ue8m0, quantizer=quantizer)
-    y = C.blockscaled().mm_block_fp8(xq.data.contiguous(), xq.scale.contiguous(), prepared.data, prepared.scale,
-                                      plan=plan, out_dtype=x.dtype)
-    return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)
+    y = gemm(quantize_activation(x2, ue8m0=ue8m0), prepared, bias, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], N)

@@ -3,7 +3,7 @@
 
 **Strategy.**
 
-    xq = kernels_cute.quant (or kernels_triton) quantizer    e4m3 [M, K], fp32 sx (0-d, on device)
+    xq = kernels_cute.quant quantizer (linear)                e4m3 [M, K], fp32 sx (0-d, on device)
     y  = mm(xq.data, W_packed(output_scale = sx * sw), plan=cap plan)
          (plain e4m3 MMA, fp32 accumulation, y = acc * output_scale in the epilogue)
     y += bias                                                 (fp32 sum, one more rounding)
@@ -16,15 +16,16 @@ device tensor ``sx * sw`` (no host synchronization, nothing shared is mutated; t
 ``(acc * sx) * sw`` by at most an fp32 ulp before the output rounding.
 
 b12x has no per-tensor FP8 activation quantizer (dynamic amax); ours in CuTe DSL (kernels_cute/quant,
-bit-exact with the oracle) is used, or the Triton one with ``quantizer="triton"``. On <= 64-SM parts (GB10) b12x runs M <= 8 on its block-FP8 kernel with unit scales;
-the numbers are the same W8A8 GEMM.
+bit-exact with the oracle) is used. ``gemm(xq, prepared)`` takes an activation quantized elsewhere
+(e.g. by the Triton quantizer, composed in dispatch). On <= 64-SM parts (GB10) b12x runs M <= 8 on
+its block-FP8 kernel with unit scales; the numbers are the same W8A8 GEMM.
 
 **Capability.** SM120/SM121 with b12x==1.5.1 (``gemm.tensor_fp8_linear.is_supported()``, which also
 needs the SM120 MXF8 warp MMA in nvidia-cutlass-dsl). **Shapes and limits.** K % 128 == 0 (b12x pads
 K to 128 in the weight only; we do not pad activations) and N % 8 == 0. ``pack_weight`` needs CUDA
 tensors, so ``prepare_weight`` does too.
 
-**References.** formats/fp8_tensor.py, kernels_triton/fp8_tensor.py,
+**References.** formats/fp8_tensor.py, kernels_cute/quant/fp8_tensor.py,
 b12x/gemm/blockscaled/_linear.py::pack_tensor_fp8_linear_weight / tensor_fp8_linear.
 """
 
@@ -61,7 +62,8 @@ def make_query(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
 def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = None, a16: bool = False) -> C.CuteWeight:
     """Per-tensor FP8 weight [N, K] (CUDA) -> b12x TensorFP8LinearWeight (borrows the e4m3 codes).
 
-    Raises ValueError for a wrong format, a CPU weight (b12x's pack_weight checks for CUDA), or a16.
+    Raises ValueError for a malformed weight (formats.validate, values included), a CPU weight
+    (b12x's pack_weight checks for CUDA), or a16.
     """
     if a16:
         raise ValueError("fp8_tensor has no W8A16 variant here")
@@ -75,33 +77,50 @@ def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = N
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, scale=None, quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
-    """Per-tensor FP8 activation quantization, bit-exact with the oracle: e4m3 [M, K] and a
-    0-d fp32 scale on the device.
-    ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
-    (kernels_triton); bit for bit the same result.
+def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
+    """Per-tensor FP8 activation quantization with our CuTe DSL kernels (kernels_cute/quant),
+    bit-exact with the oracle: e4m3 [M, K] and a 0-d fp32 scale on the device."""
+    return C.quantize_cute(x, FMT, scale=scale)
+
+
+def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y = dequant(xq) . W^T (+ bias) on an already quantized activation.
+
+    Args:
+        xq: fp8_tensor activation [M, K] (e4m3 data, one fp32 scale sx on the device), from any
+            quantizer (ours, formats.quantize, the Triton one).
+        prepared: this module's prepare_weight result. bias: optional float [N] on its device.
+        out_dtype: bfloat16 (default) or float16.
+    Returns:
+        [M, N] of out_dtype: mm(xq.data, W with output_scale = sx * sw) (+ bias).
+    Raises:
+        ValueError: a malformed xq (formats.validate), K or device mismatch, bad bias or out_dtype.
     """
-    if C.check_quantizer(quantizer) == "cute":
-        from .quant import quantize_activation_cute
-
-        return quantize_activation_cute(x, FMT, scale=scale)
-    from kernels_triton import fp8_tensor as tri
-
-    return tri.quantize_activation(x, scale=scale)
+    C.check_xq(xq, prepared, FMT)
+    out_dtype = C.check_out_dtype(out_dtype)
+    N, K = prepared.shape
+    C.validate.check_bias(bias, N, prepared.device)
+    M = xq.rows
+    if M == 0:
+        return torch.empty((0, N), dtype=out_dtype, device=prepared.device)
+    plan, _ = C.plan_for_call(FMT, M, N, K, out_dtype, prepared.device, make_query, cap_for)
+    # a per-call copy of the frozen packed weight whose combined scale is the device tensor sx * sw
+    weight = replace(prepared.packed, output_scale=(xq.scale.reshape(1).float() * prepared.scale).contiguous())
+    y = C.blockscaled().mm(xq.data.contiguous(), weight, plan=plan, out_dtype=out_dtype)
+    return C.add_bias(y, bias, N)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           scale=None, a16: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> torch.Tensor:
-    """y = x . W^T (+ bias), W8A8 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
+           scale=None, a16: bool = False) -> torch.Tensor:
+    """y = x . W^T (+ bias), W8A8 at every M: our quantizer, then gemm().
+    x bf16/fp16 [..., K] -> [..., N] of x's dtype. ``scale``: static input scale (None = dynamic)."""
     if a16:
         raise ValueError("fp8_tensor has no W8A16 variant here")
     N, K = prepared.shape
-    x2 = C.flatten_activation(x, K, FMT)
-    M = x2.shape[0]
-    if M == 0:
+    x2 = C.flatten_activation(x, K, FMT, prepared.device)
+    C.validate.check_bias(bias, N, prepared.device)
+    if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], N))
-    plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
-    xq = quantize_activation(x2, scale=scale, quantizer=quantizer)
-    weight = replace(prepared.packed, output_scale=(xq.scale.reshape(1) * prepared.scale).contiguous())
-    y = C.blockscaled().mm(xq.data.contiguous(), weight, plan=plan, out_dtype=x.dtype)
-    return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)
+    y = gemm(quantize_activation(x2, scale=scale), prepared, bias, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], N)

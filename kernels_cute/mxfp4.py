@@ -2,13 +2,14 @@
 
 **Strategy.** y = x . W^T with both operands MXFP4 (formats/mxfp4.py):
 
-    xq  = kernels_cute.quant (or kernels_triton) quantizer   codes uint8 [M, K/2], E8M0 bytes [M, K/32]
-    sfa = formats.swizzle_128x4(xq.scale)               flat 128x4-swizzled scale bytes
+    xq  = kernels_cute.quant quantizer   codes uint8 [M, K/2], E8M0 bytes written straight into the
+                                         flat 128x4-swizzled layout (sfa)
     y   = mm_mxfp4(xq.data, sfa, W.data, W.scale_swz, plan=cap plan)   fp32 accumulation, no alpha
     y  += bias                                          (fp32 sum, one more rounding)
 
-b12x ships no MXFP4 activation quantizer, so ours in CuTe DSL (kernels_cute/quant; or the Triton one
-with ``quantizer="triton"``, both bit-exact with the oracle) is used.
+b12x ships no MXFP4 activation quantizer, so ours in CuTe DSL (kernels_cute/quant, bit-exact with the
+oracle) is used. ``gemm(xq, prepared)`` takes an activation quantized elsewhere (linear scales are
+swizzled there with ``formats.swizzle_128x4``).
 
 **The tile_k=256 bug, routed around.** b12x 1.5.1's ``_select_fp4_tile_k`` (written for NVFP4)
 also picks tile_k=256 for MXFP4 when the planned M is <= 128 and K >= 4096, and that lowering fails
@@ -27,18 +28,17 @@ dispatcher routes it to Triton.
 
 **Capability.** SM120/SM121 with b12x==1.5.1. **Shapes and limits.** K % 256 == 0, N % 8 == 0, any M.
 
-**References.** formats/mxfp4.py, kernels_triton/mxfp4.py, b12x/gemm/blockscaled/api.py::mm_mxfp4,
+**References.** formats/mxfp4.py, kernels_cute/quant/mxfp4.py, b12x/gemm/blockscaled/api.py::mm_mxfp4,
 b12x/_lib/dense_gemm.py::_select_fp4_tile_k.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from formats import QuantizedTensor, swizzle_128x4
+from formats import QuantizedTensor
 
 from . import _common as C
 
@@ -77,43 +77,61 @@ def make_query(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
 
 
 def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = None, a16: bool = False) -> C.CuteWeight:
-    """MXFP4 weight [N, K] -> codes uint8 [N, K/2] + flat swizzled E8M0 bytes (any device).
+    """MXFP4 weight [N, K] (linear or swizzled scales) -> codes uint8 [N, K/2] + flat swizzled E8M0
+    bytes (any device).
 
-    Raises ValueError for a wrong format/layout, or ``a16=True`` (see A16_UNSUPPORTED)."""
+    Raises ValueError for a malformed weight (formats.validate, values included) or ``a16=True``
+    (see A16_UNSUPPORTED)."""
     if a16:
         raise ValueError(f"kernels_cute.mxfp4: {A16_UNSUPPORTED}")
     C.check_qweight(qweight, FMT)
-    new = C.CuteWeight(FMT, tuple(qweight.shape), qweight.data.contiguous(), swizzle_128x4(qweight.scale))
+    new = C.CuteWeight(FMT, tuple(qweight.shape), qweight.data.contiguous(), C.swizzled_scale(qweight))
     return new if into is None else C.copy_into(into, new)
 
 
-def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil", quantizer: str = C.DEFAULT_QUANTIZER) -> QuantizedTensor:
-    """MXFP4 activation quantization, bit-exact with the oracle, scales in the swizzled layout
-    (uint8 E8M0 flat, scale_layout="swizzled_128x4").
-    ``quantizer``: "cute" (default: our CuTe DSL kernels, kernels_cute/quant) or "triton"
-    (kernels_triton); bit for bit the same result. The CuTe kernel writes the swizzled layout directly.
+def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
+    """MXFP4 activation quantization with our CuTe DSL kernel (kernels_cute/quant), bit-exact with
+    the oracle; the E8M0 bytes are written in the swizzled layout (scale_layout="swizzled_128x4")."""
+    return C.quantize_cute(x, FMT, scale_rule=scale_rule, swizzled=True)
+
+
+def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y = dequant(xq) . W^T (+ bias) on an already quantized activation.
+
+    Args:
+        xq: mxfp4 activation [M, K] (codes uint8 [M, K/2], E8M0 bytes linear or swizzled_128x4),
+            from any quantizer; linear scales are swizzled here.
+        prepared: this module's prepare_weight result. bias: optional float [N] on its device.
+        out_dtype: bfloat16 (default) or float16.
+    Returns:
+        [M, N] of out_dtype from ``mm_mxfp4`` (+ bias).
+    Raises:
+        ValueError: a malformed xq (formats.validate), K or device mismatch, bad bias or out_dtype.
     """
-    if C.check_quantizer(quantizer) == "cute":
-        from .quant import quantize_activation_cute
-
-        return quantize_activation_cute(x, FMT, scale_rule=scale_rule, swizzled=True)
-    from kernels_triton import mxfp4 as tri
-
-    xq = tri.quantize_activation(x, scale_rule=scale_rule)
-    return replace(xq, scale=swizzle_128x4(xq.scale), scale_layout="swizzled_128x4")
+    C.check_xq(xq, prepared, FMT)
+    out_dtype = C.check_out_dtype(out_dtype)
+    N, K = prepared.shape
+    C.validate.check_bias(bias, N, prepared.device)
+    M = xq.rows
+    if M == 0:
+        return torch.empty((0, N), dtype=out_dtype, device=prepared.device)
+    plan, _ = C.plan_for_call(FMT, M, N, K, out_dtype, prepared.device, make_query, cap_for)
+    y = C.blockscaled().mm_mxfp4(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
+                                  plan=plan, out_dtype=out_dtype)
+    return C.add_bias(y, bias, N)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
-           scale_rule: str = "ceil", a16: bool = False, quantizer: str = C.DEFAULT_QUANTIZER) -> torch.Tensor:
-    """y = x . W^T (+ bias), W4A4 at every M. x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
+           scale_rule: str = "ceil", a16: bool = False) -> torch.Tensor:
+    """y = x . W^T (+ bias), W4A4 at every M: our quantizer, then gemm().
+    x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError(f"kernels_cute.mxfp4: {A16_UNSUPPORTED}")
     N, K = prepared.shape
-    x2 = C.flatten_activation(x, K, FMT)
-    M = x2.shape[0]
-    if M == 0:
+    x2 = C.flatten_activation(x, K, FMT, prepared.device)
+    C.validate.check_bias(bias, N, prepared.device)
+    if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], N))
-    plan, _ = C.plan_for_call(FMT, M, N, K, x.dtype, x.device, make_query, cap_for)
-    xq = quantize_activation(x2, scale_rule=scale_rule, quantizer=quantizer)
-    y = C.blockscaled().mm_mxfp4(xq.data, xq.scale, prepared.data, prepared.scale, plan=plan, out_dtype=x.dtype)
-    return C.add_bias(y, bias, N).reshape(*x.shape[:-1], N)
+    y = gemm(quantize_activation(x2, scale_rule=scale_rule), prepared, bias, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], N)

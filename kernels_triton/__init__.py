@@ -38,6 +38,11 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 from formats import FORMAT_NAMES  # noqa: E402
 
 
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set and not "0")."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def module(fmt: str):
     """The kernels_triton.<fmt> module; ValueError naming the formats for an unknown one."""
     if fmt not in FORMAT_NAMES:

@@ -10,17 +10,15 @@ formats/ oracle bit for bit everywhere. Division that must match the oracle uses
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from formats import validate as _validate
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from . import interpreting  # noqa: F401  (defined next to where the package sets TRITON_INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,36 +171,17 @@ class TileConfig:
 # ---------------------------------------------------------------------------------------------
 # Host-side checks shared by the wrappers
 # ---------------------------------------------------------------------------------------------
-ACT_DTYPES = (torch.bfloat16, torch.float16)
+ACT_DTYPES = _validate.ACT_DTYPES
 
 
 def check_activation(x, k: int, k_multiple: int, fmt: str, device=None) -> None:
-    """ValueError unless x is a bf16/fp16 tensor [..., K] with K == k (when k) and K % k_multiple == 0."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in ACT_DTYPES:
-        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
-    if x.dim() < 1:
-        raise ValueError("x must have shape [..., K], got a 0-d tensor")
-    kx = x.shape[-1]
-    if kx <= 0 or kx % k_multiple:
-        raise ValueError(f"{fmt} needs K (x.shape[-1]) to be a positive multiple of {k_multiple}, got {kx}")
-    if k is not None and kx != k:
-        raise ValueError(f"x.shape[-1] must equal the weight's K={k}, got {kx}")
-    if device is not None and x.device != device:
-        raise ValueError(f"x must be on the weight's device {device}, got {x.device}")
+    """formats.validate.check_activation (x bf16/fp16 [..., K], K == k when k, K % k_multiple == 0)."""
+    _validate.check_activation(x, k, fmt, device=device, k_multiple=k_multiple)
 
 
 def check_weight(qweight, fmt: str) -> None:
-    """ValueError unless qweight is a linear-layout QuantizedTensor weight of format ``fmt``."""
-    from formats import QuantizedTensor
-
-    if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
-        raise ValueError("qweight must be a formats.QuantizedTensor with role 'weight'")
-    if qweight.fmt != fmt:
-        raise ValueError(f"qweight must be a {fmt} weight, got {qweight.fmt}")
-    if qweight.scale_layout != "linear":
-        raise ValueError(f"qweight.scale_layout must be 'linear' for the Triton kernels, got {qweight.scale_layout!r}")
+    """formats.validate.check_weight, linear-layout scales only (what the Triton kernels read)."""
+    _validate.check_weight(qweight, fmt, layouts=("linear",))
 
 
 def kernel_bias(bias):
@@ -212,10 +191,5 @@ def kernel_bias(bias):
 
 
 def check_bias(bias, n: int, device) -> None:
-    if bias is None:
-        return
-    if not isinstance(bias, torch.Tensor) or bias.shape != (n,):
-        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"bias must be a tensor of shape ({n},), got {got}")
-    if bias.device != device:
-        raise ValueError(f"bias must be on {device}, got {bias.device}")
+    """formats.validate.check_bias: None, or a float [n] tensor on ``device``."""
+    _validate.check_bias(bias, n, device)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -50,7 +48,3 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture
 def device() -> str:
     return DEVICE
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

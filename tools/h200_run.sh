@@ -83,11 +83,11 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
   run_step pytest_gpu "$(min 90 $(( $(left) - 300 )))" $PY -m pytest tests/kernels_triton -m gpu -q -p no:cacheprovider
 fi
 # the harness's own tests, now on the GPU (tiny shapes; exercises graph capture, do_bench, _scaled_mm)
-run_step harness_tests "$(min 60 $(( $(left) - 270 )))" $PY -m pytest tests/dispatch/test_sweep_bench.py -q -p no:cacheprovider
+run_step harness_tests "$(min 60 $(( $(left) - 270 )))" $PY -m pytest tests/dispatch/apps/test_sweep_bench.py -q -p no:cacheprovider
 
 # ---- sweep -------------------------------------------------------------------------------------
 SWEEP_LIMIT=$(min 130 $(( $(left) - 170 )))
-run_step sweep "$SWEEP_LIMIT" $PY -m dispatch.sweep --grid large --budget-s $(( SWEEP_LIMIT > 70 ? SWEEP_LIMIT - 40 : SWEEP_LIMIT / 2 )) \
+run_step sweep "$SWEEP_LIMIT" $PY -m dispatch.apps.sweep --grid large --budget-s $(( SWEEP_LIMIT > 70 ? SWEEP_LIMIT - 40 : SWEEP_LIMIT / 2 )) \
   --json "$OUT/sweep.json" --no-progress ${SWEEP_ARGS:-}
 
 # ---- bench -------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ run_step sweep "$SWEEP_LIMIT" $PY -m dispatch.sweep --grid large --budget-s $(( 
 BENCH_LIMIT=$(( $(left) - 20 ))
 BUDGET=$(( BENCH_LIMIT - 75 ))
 if [ $BUDGET -lt 30 ]; then BUDGET=30; fi
-run_step bench "$BENCH_LIMIT" $PY -m dispatch.bench --check --budget-s $BUDGET \
+run_step bench "$BENCH_LIMIT" $PY -m dispatch.apps.bench --check --budget-s $BUDGET \
   --json "$OUT/bench.json" --plot "$OUT/bench.png" --no-progress ${BENCH_ARGS:-}
 
 # ---- summary (last: the device tool returns the end of the output) -----------------------------
@@ -111,7 +111,7 @@ run_step bench "$BENCH_LIMIT" $PY -m dispatch.bench --check --budget-s $BUDGET \
   [ -f "$OUT/sweep.json" ] && ARGS+=(--sweep-json "$OUT/sweep.json")
   [ -f "$OUT/bench.json" ] && ARGS+=(--summarize "$OUT/bench.json")
   if [ ${#ARGS[@]} -gt 0 ]; then
-    $PY -m dispatch.bench "${ARGS[@]}" --plain 2>&1 | cut -c1-200
+    $PY -m dispatch.apps.bench "${ARGS[@]}" --plain 2>&1 | cut -c1-200
   else
     echo "no sweep.json / bench.json written"
   fi

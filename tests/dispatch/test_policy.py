@@ -1,4 +1,5 @@
-"""dispatch.policy: the implementation table for every known device, B12X_IMPL, forced errors."""
+"""The implementation table through the registry: every known device x variant x shape class,
+B12X_IMPL, forced errors. The cute rows use kernels_cute's real, pure shape predicates (no stub)."""
 
 from __future__ import annotations
 
@@ -8,41 +9,41 @@ import pytest
 import torch
 
 import kernels_cute
-from dispatch import api, policy
-from dispatch.devices import CPU, KNOWN_DEVICES, current_device
-from kernels_triton._common import interpreting
-from dispatch.policy import ImplementationUnavailable, InvalidImplementation, choose, use_impl
+from dispatch import api, backends, policy, registry
+from dispatch.devices import CPU, KNOWN_DEVICES, current_device, interpreting
+from dispatch.policy import ImplementationUnavailable, InvalidImplementation, use_impl
+from dispatch.registry import choose
 
-VARIANTS = tuple(policy.VARIANTS)  # the five formats and mxfp4_w4a16
+VARIANTS = tuple(registry.VARIANTS)
 SHAPES = {"decode M=1": (1, 4096, 4096), "decode M=16": (16, 4096, 4096), "prefill M=4096": (4096, 4096, 4096)}
-SM12X = ("rtx_pro_6000", "rtx_5090", "rtx_5080", "gb10")
-SM90 = ("h100_sxm", "h200")
+SM12X = tuple(k for k, d in KNOWN_DEVICES.items() if d.is_sm12x)
+SM90 = tuple(k for k, d in KNOWN_DEVICES.items() if d.capability == (9, 0))
 # Where the Triton kernels run in this process: the CPU under the interpreter (CI), else the GPU.
 HERE = CPU if interpreting() else current_device()
 
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    """No B12X_IMPL from the environment, fresh fallback log, every Triton module present."""
+    """No B12X_IMPL from the environment, a fresh decision cache and log."""
     monkeypatch.delenv(policy.ENV_VAR, raising=False)
-    monkeypatch.setattr(policy, "_triton_module_present", lambda fmt: True)
-    policy.reset_fallback_log()
+    registry.clear_cache()
     yield
-    policy.reset_fallback_log()
+    registry.clear_cache()
 
 
 def _b12x(monkeypatch, installed: bool, version: str = "1.5.1"):
-    probe = policy.B12xProbe(object(), version, None) if installed else \
-        policy.B12xProbe(None, None, "ModuleNotFoundError: No module named 'b12x'")
-    monkeypatch.setattr(policy, "b12x_probe", lambda: probe)
+    probe = backends.B12xProbe(object(), version, None) if installed else \
+        backends.B12xProbe(None, None, "ModuleNotFoundError: No module named 'b12x'")
+    monkeypatch.setattr(backends, "b12x_probe", lambda: probe)
 
 
-def _fake_cute_supported(fmt, M, N, K, device):
-    """A stand-in for kernels_cute.supported: everything but MXFP4 at plan M <= 128 with K >= 4096
-    (the tile_k=256 compile failure in the notes), for the table test only."""
-    if fmt.startswith("mxfp4") and M <= 128 and K >= 4096:
-        return False, "MXFP4 with M <= 128 and K >= 4096 hits b12x's tile_k=256 bug"
-    return True, f"{fmt} {M}x{N}x{K} is in the supported set"
+def _cute_shape_rule(variant, M, N, K):
+    """kernels_cute's own predicate for the shape (the production rule, called directly)."""
+    spec = registry.VARIANTS[variant]
+    if variant in backends.CUTE_UNSUPPORTED:
+        return False, f"cute does not implement {variant}: {backends.CUTE_UNSUPPORTED[variant]}"
+    mod = kernels_cute.module(spec.fmt)
+    return mod.supported(M, N, K, a16=True) if spec.a16 else mod.supported(M, N, K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,11 +55,18 @@ def _expected_without_b12x(key):
         if interpreting():
             return "triton", why
         # on a GPU machine the interpreter is off, so CPU tensors can only go to the oracle
-        return "reference", f"{why}; {policy.triton_support('fp8_tensor', CPU)[1]}"
+        tri = registry.get("triton", "fp8_tensor").is_supported(CPU)[1]
+        return "reference", f"{why}; {tri}"
     if key in SM90:
         return "triton", f"cute needs an SM120/SM121 GPU; {KNOWN_DEVICES[key].name} is sm_90"
     return "triton", "b12x is not installed (ModuleNotFoundError: No module named 'b12x'); " \
                      "install it with: pip install 'b12x-dual[cute]'"
+
+
+def _reason_of(impl, variant, M, N, K, dev):
+    ok, why = registry.check(registry.entries()[(impl, variant)], registry.Problem(variant, M, N, K), dev)
+    assert ok
+    return why
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
@@ -66,9 +74,18 @@ def _expected_without_b12x(key):
 @pytest.mark.parametrize("key", list(KNOWN_DEVICES))
 def test_auto_without_b12x_picks_triton_everywhere_and_says_why(monkeypatch, key, variant, shape):
     _b12x(monkeypatch, installed=False)
-    c = choose(variant, *SHAPES[shape], KNOWN_DEVICES[key])
-    assert (c.impl, c.reason) == _expected_without_b12x(key)
+    M, N, K = SHAPES[shape]
+    dev = KNOWN_DEVICES[key]
+    c = choose(variant, M, N, K, dev)
+    impl, skipped = _expected_without_b12x(key)
+    if variant in backends.CUTE_UNSUPPORTED:
+        skipped = f"cute does not implement {variant}: {backends.CUTE_UNSUPPORTED[variant]}"
+        if key == "cpu" and not interpreting():
+            skipped += "; " + registry.get("triton", variant).is_supported(CPU)[1]
+    assert c.impl == impl
+    assert c.reason == f"{skipped}; {_reason_of(impl, variant, M, N, K, dev)}"
     assert (c.requested, c.source) == ("auto", "default")
+    assert [name for name, _, _ in c.considered] == list(registry.PRIORITY[variant][:len(c.considered)])
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
@@ -76,45 +93,44 @@ def test_auto_without_b12x_picks_triton_everywhere_and_says_why(monkeypatch, key
 @pytest.mark.parametrize("key", list(KNOWN_DEVICES))
 def test_auto_with_b12x_picks_cute_on_sm12x_for_the_supported_set(monkeypatch, key, variant, shape):
     _b12x(monkeypatch, installed=True)
-    monkeypatch.setattr(kernels_cute, "supported", _fake_cute_supported, raising=False)
     M, N, K = SHAPES[shape]
     dev = KNOWN_DEVICES[key]
     c = choose(variant, M, N, K, dev)
     if key not in SM12X:
-        assert (c.impl, c.reason) == _expected_without_b12x(key)
+        assert c.impl == _expected_without_b12x(key)[0]
         return
-    head = f"b12x 1.5.1 targets {dev.arch} (described device, not probed); "
-    ok, why = _fake_cute_supported(variant, M, N, K, dev)
+    head = f"b12x 1.5.1 targets {dev.arch} (described device, not probed)"
+    ok, why = _cute_shape_rule(variant, M, N, K)
     assert c.impl == ("cute" if ok else "triton")
-    assert c.reason == head + why
+    assert c.considered[0] == ("cute", ok, f"{head}; {why}" if ok else why)
 
 
-@pytest.mark.parametrize("key", SM12X)
-def test_auto_with_b12x_but_no_supported_set_stays_on_triton(monkeypatch, key):
+def test_an_unaligned_shape_on_sm12x_goes_to_triton_with_kernels_cute_reason(monkeypatch):
     _b12x(monkeypatch, installed=True)
-    monkeypatch.delattr(kernels_cute, "supported", raising=False)
-    c = choose("nvfp4", 4096, 4096, 4096, KNOWN_DEVICES[key])
+    c = choose("nvfp4", 16, 4100, 4096, KNOWN_DEVICES["gb10"])
     assert c.impl == "triton"
-    assert c.reason.endswith("kernels_cute has no supported shapes yet")
-
-
-def test_kernels_cute_supported_hook_forwards_to_kernels_cute(monkeypatch):
-    seen = []
-    monkeypatch.setattr(kernels_cute, "supported", lambda *a: (seen.append(a), (True, "yes"))[1], raising=False)
-    assert policy.kernels_cute_supported("mxfp4_w4a16", 8, 256, 512, KNOWN_DEVICES["gb10"]) == (True, "yes")
-    assert seen == [("mxfp4_w4a16", 8, 256, 512, KNOWN_DEVICES["gb10"])]
-    monkeypatch.delattr(kernels_cute, "supported")
-    assert policy.kernels_cute_supported("nvfp4", 8, 256, 512, KNOWN_DEVICES["gb10"]) == \
-        (False, "kernels_cute has no supported shapes yet")
+    assert c.reason.startswith("nvfp4: b12x needs N % 8 == 0, got N=4100; ")
+    with pytest.raises(ImplementationUnavailable, match=r"b12x needs N % 8 == 0, got N=4100"):
+        choose("nvfp4", 16, 4100, 4096, KNOWN_DEVICES["gb10"], impl="cute")
 
 
 def test_auto_without_the_triton_module_falls_back_to_the_reference(monkeypatch):
-    monkeypatch.setattr(policy, "_triton_module_present", lambda fmt: fmt != "mxfp8")
+    monkeypatch.setattr(backends, "_triton_module_present", lambda fmt: fmt != "mxfp8")
     c = choose("mxfp8", 16, 256, 256, CPU)
     assert c.impl == "reference"
-    assert c.reason.endswith("kernels_triton.mxfp8 is not in this installation")
+    assert "kernels_triton.mxfp8 is not in this installation" in c.reason
     with pytest.raises(ImplementationUnavailable, match="kernels_triton.mxfp8 is not in this installation"):
         choose("mxfp8", 16, 256, 256, CPU, impl="triton")
+
+
+def test_auto_with_nothing_that_serves_lists_every_reason():
+    # K = 100 is not a multiple of any format's block: every backend refuses, each says why.
+    with pytest.raises(registry.NoBackend) as e:
+        choose("nvfp4", 4, 64, 100, KNOWN_DEVICES["h200"])
+    msg = str(e.value)
+    assert "cute: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90" in msg
+    assert "triton: triton: nvfp4 needs K to be a positive multiple of 16, got K=100" in msg
+    assert "reference: reference: nvfp4 needs K to be a positive multiple of 16, got K=100" in msg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,9 +160,10 @@ def test_forced_cute_on_sm12x_without_b12x_says_how_to_install(monkeypatch):
 
 def test_forced_cute_outside_the_supported_set_raises_with_kernels_cute_reason(monkeypatch):
     _b12x(monkeypatch, installed=True)
-    monkeypatch.setattr(kernels_cute, "supported", _fake_cute_supported, raising=False)
-    with pytest.raises(ImplementationUnavailable, match="tile_k=256 bug"):
-        choose("mxfp4", 8, 4096, 4096, KNOWN_DEVICES["gb10"], impl="cute")
+    with pytest.raises(ImplementationUnavailable, match=r"mxfp4: b12x needs K % 256 == 0, got K=4160"):
+        choose("mxfp4", 8, 4096, 4160, KNOWN_DEVICES["gb10"], impl="cute")
+    with pytest.raises(ImplementationUnavailable, match="b12x 1.5.1 has no W4A16 kernel for MXFP4"):
+        choose("mxfp4_w4a16", 8, 4096, 4096, KNOWN_DEVICES["gb10"], impl="cute")
     assert choose("mxfp4", 4096, 4096, 4096, KNOWN_DEVICES["gb10"], impl="cute").impl == "cute"
 
 
@@ -162,9 +179,11 @@ def test_forced_reference_serves_every_device(key):
     assert (c.impl, c.requested, c.source) == ("reference", "reference", "impl=")
 
 
-def test_a16_is_only_defined_for_mxfp4():
-    with pytest.raises(ValueError, match="only defined for mxfp4"):
-        choose("nvfp4", 1, 64, 64, CPU, a16=True)
+def test_a16_is_only_defined_for_the_fp4_formats():
+    assert registry.variant_name("nvfp4", True) == "nvfp4_w4a16"
+    assert registry.variant_name("mxfp4", True) == "mxfp4_w4a16"
+    with pytest.raises(ValueError, match=r"a16=True \(weight-only W4A16\) is defined for \['mxfp4', 'nvfp4'\], not 'mxfp8'"):
+        registry.variant_name("mxfp8", True)
     with pytest.raises(ValueError, match="format must be one of"):
         choose("int8", 1, 64, 64, CPU)
 
@@ -213,31 +232,44 @@ def test_priority_is_call_then_context_then_environment(monkeypatch):
     assert choose("fp8_tensor", 1, 64, 64, HERE).impl == "reference"
 
 
-def test_auto_fallbacks_are_logged_once_per_format_and_reason(monkeypatch, caplog):
+def test_auto_choices_are_logged_once_per_format_and_reason(monkeypatch, caplog):
     _b12x(monkeypatch, installed=False)
     gb10 = KNOWN_DEVICES["gb10"]
-    with caplog.at_level(logging.INFO, logger="dispatch.policy"):
+    with caplog.at_level(logging.INFO, logger="dispatch.registry"):
         for m in (1, 16, 4096):
             choose("nvfp4", m, 4096, 4096, gb10)
             choose("mxfp8", m, 4096, 4096, gb10)
-        choose("nvfp4", 1, 4096, 4096, gb10, log_fallback=False)
-    records = [r for r in caplog.records if r.name == "dispatch.policy"]
+        choose("nvfp4", 2, 4096, 4096, gb10, log_choice=False)
+    records = [r for r in caplog.records if r.name == "dispatch.registry"]
     assert len(records) == 2
     assert {r.levelno for r in records} == {logging.WARNING}  # SM12x: the production path was missed
-    assert "nvfp4 on NVIDIA DGX Spark GB10" in records[0].getMessage()
+    assert "nvfp4 on NVIDIA DGX Spark GB10 (sm_121, 48 SMs): auto chose triton" in records[0].getMessage()
     assert "pip install 'b12x-dual[cute]'" in records[0].getMessage()
 
 
-def test_explain_reports_device_versions_and_both_shape_classes(monkeypatch):
+def test_a_decision_is_cached_per_m_bucket_and_request(monkeypatch):
+    dev = KNOWN_DEVICES["h200"]
+    a = choose("mxfp8", 17, 256, 256, dev)
+    assert choose("mxfp8", 32, 256, 256, dev) is a          # 17..32 share a bucket
+    assert choose("mxfp8", 33, 256, 256, dev) is not a
+    assert choose("mxfp8", 17, 256, 256, dev, impl="reference").impl == "reference"
+    monkeypatch.setenv(policy.ENV_VAR, "reference")
+    assert choose("mxfp8", 17, 256, 256, dev).impl == "reference"  # the request is part of the key
+
+
+def test_explain_reports_device_versions_and_every_reason_of_the_walk(monkeypatch):
     _b12x(monkeypatch, installed=False)
     text = api.explain("nvfp4", 8, 4096, 4096, device="h200")
     assert text.splitlines()[0] == ("device: NVIDIA H200 (sm_90, 132 SMs, 232448 B shared memory per block, "
                                     "4800 GB/s)")
     versions = api.library_versions()
     assert text.splitlines()[1] == "libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items())
-    assert list(versions) == ["torch", "triton", "b12x", "nvidia-cutlass-dsl"]
+    assert list(versions) == ["torch", "triton", "b12x", "nvidia-cutlass-dsl", "numpy", "python", "cuda"]
     for label in ("M=8 ", "decode M=1 ", "decode M=16 ", "prefill M=4096 "):
         assert f"nvfp4 {label}" in text
-    assert "auto -> triton: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90" in text
+    assert ("auto -> triton: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90; Triton kernels on sm_90; "
+            "kernels_triton.nvfp4") in text
+    assert "    cute: no: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90" in text
+    assert "    triton: yes: Triton kernels on sm_90; kernels_triton.nvfp4" in text
     monkeypatch.setenv(policy.ENV_VAR, "cute")
     assert "B12X_IMPL=cute -> error: implementation 'cute' cannot serve" in api.explain("nvfp4", 8, 64, 64, "h200")

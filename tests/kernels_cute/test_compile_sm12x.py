@@ -6,9 +6,10 @@ How: kernels_cute._compile turns one subprocess per arch into a b12x compile wor
 that uses b12x private API) and compiles the exact plans kernels_cute.<fmt>.linear uses. Both arch
 processes run in parallel, into a temporary B12X_COMPILE_CACHE_DIR.
 
-Grid (issue 5): M in {1, 8, 128, 2048} x K in {4096, 7168} x N in {2048, 4096}, five formats.
-Plans are deduplicated (MXFP4 plans M <= 129 at capacity 129 when K >= 4096). Set
-B12X_DUAL_COMPILE_GRID=corners to compile only M in {1, 2048}, K=4096/N=2048 and K=7168/N=4096.
+Grid (issue 5): M in {1, 8, 128, 2048} x K in {4096, 7168} x N in {2048, 4096}, five formats, plus
+the NVFP4 W4A16 route (nvfp4_w4a16) at the corners. Plans are deduplicated (MXFP4 plans M <= 129 at
+capacity 129 when K >= 4096). Set B12X_DUAL_COMPILE_GRID=corners to compile only M in {1, 2048},
+K=4096/N=2048 and K=7168/N=4096.
 """
 
 from __future__ import annotations
@@ -39,10 +40,15 @@ CORNERS = os.environ.get("B12X_DUAL_COMPILE_GRID", "full") == "corners"
 BUG_MESSAGE = "Expected source and destination tensors to have the same rank, but got 3 and 4"
 
 
+W4A4 = tuple(v for v in kernels_cute.SERVED if not v.endswith("_w4a16"))
+A16 = tuple(v for v in kernels_cute.SERVED if v.endswith("_w4a16"))  # ("nvfp4_w4a16",)
+
+
 def _cells():
+    corners = [(f, m, n, k) for f in A16 for m in (1, 2048) for n, k in ((2048, 4096), (4096, 7168))]
     if CORNERS:
-        return [(f, m, n, k) for f in kernels_cute.FORMATS for m in (1, 2048) for n, k in ((2048, 4096), (4096, 7168))]
-    return [(f, m, n, k) for f in kernels_cute.FORMATS for m in MS for n in NS for k in KS]
+        return [(f, m, n, k) for f in W4A4 for m in (1, 2048) for n, k in ((2048, 4096), (4096, 7168))] + corners
+    return [(f, m, n, k) for f in W4A4 for m in MS for n in NS for k in KS] + corners
 
 
 def _device(arch):
@@ -146,6 +152,10 @@ def test_b12x_default_mxfp4_plan_still_hits_the_tile_k_256_bug(grid_result, arch
 def test_unaligned_shapes_are_unsupported_with_a_reason(fmt, n, k, needle):
     ok, why = kernels_cute.supported(fmt, 8, n, k, _device("sm_120a"))
     assert not ok and needle in why, why
+
+
+def test_nvfp4_w4a16_is_compile_checked():
+    assert "nvfp4_w4a16" in A16 and any(c[0] == "nvfp4_w4a16" for c in _cells())
 
 
 def test_mxfp4_w4a16_and_non_sm12x_are_unsupported():

@@ -81,19 +81,18 @@ def test_fp4_codes_match_b12x_packer(rows, k):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_activation_scales_pass_b12x_storage_check(fmt):
-    """The swizzled activation scales our quantize_activation returns are the flat storage b12x's
-    run-time check (scale_storage) accepts for any M, and decode to the oracle's scales."""
+    """The swizzled activation scales gemm() hands b12x (kernels_cute._common.swizzled_scale of a
+    linear-layout activation, as formats.quantize or the Triton quantizer give it) are the flat
+    storage b12x's run-time check (scale_storage) accepts for any M, and decode to the oracle's
+    scales. (Our CuTe quantizers write the same bytes directly: test_cute_quant.py, on a GPU.)"""
+    from kernels_cute._common import swizzled_scale
+
     k = 512
     for m in (1, 8, 130):
         x = make_input((m, k), torch.bfloat16, device="cpu", generator=torch.Generator().manual_seed(m))
-        # on CPU only the Triton quantizer runs (interpreter); the CuTe DSL one needs CUDA and is
-        # checked against it bit for bit in test_cute_quant.py (mxfp8 has only the Triton one)
-        opts = {} if fmt == "mxfp8" else {"quantizer": "triton"}
-        xq = kernels_cute.module(fmt).quantize_activation(x, **opts)
         ref = formats.quantize(x, fmt, role="activation")
-        assert xq.scale_layout == "swizzled_128x4"
-        assert torch.equal(_b12x_scale_matrix(xq.scale, m, k, 16 if fmt == "nvfp4" else 32), ref.scale.view(torch.uint8))
-        assert torch.equal(xq.data.view(torch.uint8), ref.data.view(torch.uint8))
+        sfa = swizzled_scale(ref)
+        assert torch.equal(_b12x_scale_matrix(sfa, m, k, 16 if fmt == "nvfp4" else 32), ref.scale.view(torch.uint8))
 
 
 def test_fp8_block_weight_is_b12x_compact_layout():
@@ -122,7 +121,7 @@ def test_reload_copies_into_existing_storage():
 
 
 def test_b12x_nvfp4_scale_rule_differs_from_the_oracle():
-    """Why nvfp4 uses the Triton quantizer: b12x's quantizers form the block scale as
+    """Why nvfp4 uses our quantizer: b12x's quantizers form the block scale as
     e4m3(amax * (1/6) * g); the oracle as e4m3((amax / 6) * g). They differ, e.g. here:"""
     amax = torch.tensor(0.00152587890625)  # a bf16 value
     g = torch.tensor(26.88)
@@ -134,7 +133,7 @@ def test_b12x_nvfp4_scale_rule_differs_from_the_oracle():
 def test_b12x_mxfp8_scale_rule_matches_the_oracle_except_zero_blocks():
     """b12x's MXFP8 scale rule (its torch twin pow2_ceil_ue8m0_torch(amax * (1/448))) gives the
     oracle's byte for every positive finite bf16 and fp16 amax; an all-zero block gets byte 0 there
-    and the amax floor's byte here (docs/cute.md; why mxfp8 still uses the Triton quantizer)."""
+    and the amax floor's byte here (docs/cute.md; why mxfp8 uses our CuTe DSL quantizer)."""
     from formats.codecs import ceil_log2
 
     for dt, top in ((torch.bfloat16, 0x7F80), (torch.float16, 0x7C00)):
@@ -166,3 +165,57 @@ def test_packed_fp8_weights_decode_through_b12x_to_the_oracle():
     pt = kernels_cute.prepare_weight(qt)
     assert torch.equal(pt.packed.values.view(torch.uint8), qt.data.view(torch.uint8))
     assert float(pt.packed.output_scale) == float(qt.scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prepared weight: frozen, checked once at prepare, what NVFP4 caches
+# ---------------------------------------------------------------------------------------------
+def test_prepared_weight_is_frozen_and_nvfp4_caches_the_reciprocal_global_scale():
+    import dataclasses
+
+    q = formats.quantize(make_input((256, 512), torch.float32, device="cpu"), "nvfp4")
+    p = kernels_cute.prepare_weight(q)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.scale = p.data
+    # 1/g_w once at prepare, the same fp32 reciprocal the per-call alpha used to recompute
+    assert p.inv_global_scale.shape == (1,) and p.inv_global_scale.dtype == torch.float32
+    assert torch.equal(p.inv_global_scale, torch.reciprocal(q.global_scale.reshape(1)))
+    q2 = formats.quantize(make_input((256, 512), torch.float32, device="cpu", generator=torch.Generator().manual_seed(9)),
+                          "nvfp4")
+    kernels_cute.prepare_weight(q2, into=p)  # a reload refreshes the cached reciprocal in place
+    assert torch.equal(p.inv_global_scale, torch.reciprocal(q2.global_scale.reshape(1)))
+
+
+@pytest.mark.parametrize("value", [0.0, float("nan"), -1.0, float("inf")])
+def test_prepare_weight_refuses_a_bad_global_scale_value(value):
+    import dataclasses
+
+    q = formats.quantize(make_input((256, 512), torch.float32, device="cpu"), "nvfp4")
+    bad = dataclasses.replace(q, global_scale=torch.tensor(value))
+    with pytest.raises(ValueError, match="qweight.global_scale must be finite and > 0"):
+        kernels_cute.prepare_weight(bad)
+
+
+def test_prepare_weight_and_gemm_refuse_malformed_operands_before_b12x():
+    """formats.validate runs at prepare (weight) and at every gemm() entry (xq): metadata only."""
+    import dataclasses
+
+    q = formats.quantize(make_input((256, 512), torch.float32, device="cpu"), "mxfp4")
+    with pytest.raises(ValueError, match=r"qweight.scale must be uint8"):
+        kernels_cute.prepare_weight(dataclasses.replace(q, scale=q.scale.float()))
+    with pytest.raises(ValueError, match=r"qweight.data must have shape"):
+        kernels_cute.prepare_weight(dataclasses.replace(q, shape=(256, 1024)))
+    p = kernels_cute.prepare_weight(q)
+    xq = formats.quantize(make_input((4, 512), torch.bfloat16, device="cpu"), "mxfp4", role="activation")
+    with pytest.raises(ValueError, match=r"xq.scale must have shape \(4, 16\)"):
+        kernels_cute.gemm(dataclasses.replace(xq, scale=xq.scale[:, :8]), p)
+    with pytest.raises(ValueError, match=r"xq must be a mxfp4 activation, got nvfp4"):
+        kernels_cute.gemm(formats.quantize(make_input((4, 512), torch.bfloat16, device="cpu"), "nvfp4",
+                                           role="activation"), p)
+    with pytest.raises(ValueError, match=r"xq has K=256 but qweight has K=512"):
+        kernels_cute.gemm(formats.quantize(make_input((4, 256), torch.bfloat16, device="cpu"), "mxfp4",
+                                           role="activation"), p)
+    with pytest.raises(ValueError, match=r"out_dtype must be one of"):
+        kernels_cute.gemm(xq, p, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"bias must be a tensor of shape \(256,\)"):
+        kernels_cute.gemm(xq, p, torch.zeros(3))

@@ -13,13 +13,14 @@ Two halves:
    tests/kernels_triton/test_nvfp4.py for why CPU) AND the Triton quantizers', bit for bit, on the
    Triton issue's grid: M in {0, 1, 3, 16, 100, 257}, K at one block, several blocks and a
    non-power-of-two multiple, bf16/fp16, each format option, strided and 3-D inputs, inputs with
-   outliers and all-zero blocks, an all-zero tensor; swizzled scales equal formats.swizzle_128x4 of
-   the oracle's (padding included), and the kernels_cute adapters give the same with
-   quantizer="cute" as with "triton".
+   outliers and all-zero blocks, an all-zero tensor (MXFP8: E8M0 byte 19, the amax floor's);
+   swizzled scales equal formats.swizzle_128x4 of the oracle's (padding included), and the
+   kernels_cute adapters' quantize_activation equals the oracle in the layout their GEMM reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -100,8 +101,8 @@ def compiled_ptx(tmp_path_factory):
 @pytest.mark.parametrize("arch", COMPILE_ARCHES)
 def test_every_quantizer_compiles_for_the_named_target(compiled_ptx, arch):
     progs = compiled_ptx[arch]
-    # 2 amax + 4 formats x 2 dtypes + 6 option variants (kernels_cute.quant.compile_all)
-    assert len(progs) == 16, sorted(progs)
+    # 2 amax + 5 formats x 2 dtypes + 8 option variants (kernels_cute.quant.compile_all)
+    assert len(progs) == 20, sorted(progs)
     for name, ptx in progs.items():
         assert f".target {arch}" in ptx, f"{name}: PTX does not target {arch} (CUTE_DSL_ARCH=sm_100a must not win)"
 
@@ -112,7 +113,7 @@ def test_ptx_divides_exactly_and_uses_no_fp8_fp4_conversion(compiled_ptx, arch):
     for name, ptx in compiled_ptx[arch].items():
         for bad in FORBIDDEN_PTX:
             assert bad not in ptx, f"{name} ({arch}): PTX contains {bad!r}"
-        if not name.startswith(("amax", "mxfp4_floor")):  # these divide as formats.base.ieee_div
+        if not name.startswith(("amax", "mxfp4_floor", "mxfp8_floor")):  # these divide as formats.base.ieee_div
             assert "div.rn.f32" in ptx, f"{name} ({arch}): no div.rn.f32 in the PTX"
 
 
@@ -122,11 +123,13 @@ def test_ptx_divides_exactly_and_uses_no_fp8_fp4_conversion(compiled_ptx, arch):
 MS = (0, 1, 3, 16, 100, 257)
 # K: one block, several blocks, a non-power-of-two multiple (fp8_tensor: any K; 1000 ends in a
 # partial 128-column chunk)
-KS = {"fp8_tensor": (128, 512, 1000), "fp8_block": (128, 512, 640), "mxfp4": (32, 256, 224), "nvfp4": (16, 256, 208)}
-BLOCK = {"fp8_tensor": 128, "fp8_block": 128, "mxfp4": 32, "nvfp4": 16}  # zero-block width of the inputs
+KS = {"fp8_tensor": (128, 512, 1000), "fp8_block": (128, 512, 640), "mxfp8": (32, 256, 224),
+      "mxfp4": (32, 256, 224), "nvfp4": (16, 256, 208)}
+BLOCK = {"fp8_tensor": 128, "fp8_block": 128, "mxfp8": 32, "mxfp4": 32, "nvfp4": 16}  # zero-block width of the inputs
 OPTS = {
     "fp8_tensor": ({}, {"scale": 0.0371}),
     "fp8_block": ({}, {"ue8m0": True}),
+    "mxfp8": ({}, {"scale_rule": "floor"}),
     "mxfp4": ({}, {"scale_rule": "floor"}),
     "nvfp4": ({}, {"global_scale": 100.0}),
 }
@@ -204,11 +207,17 @@ def test_strided_and_3d_inputs(fmt):
 def test_all_zero_tensor_gets_the_amax_floor(fmt):
     x = torch.zeros((3, KS[fmt][1]), dtype=BF16, device=DEVICE)
     check_all_three(x, fmt, f"{fmt} zeros")
+    if fmt in ("mxfp8", "mxfp4"):
+        # e = ceil(log2(2^-100 / max_elem)): -108 for 448 (byte 19), -102 for 6 (byte 25); b12x's
+        # own MXFP8 quantizer writes byte 0 here (test_contract.py)
+        byte = {"mxfp8": 19, "mxfp4": 25}[fmt]
+        assert bool((cute_q(x, fmt).scale == byte).all())
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("fmt,opts", [("mxfp4", {}), ("mxfp4", {"scale_rule": "floor"}),
+@pytest.mark.parametrize("fmt,opts", [("mxfp8", {}), ("mxfp8", {"scale_rule": "floor"}),
+                                      ("mxfp4", {}), ("mxfp4", {"scale_rule": "floor"}),
                                       ("nvfp4", {}), ("nvfp4", {"global_scale": 100.0})])
 @pytest.mark.parametrize("m", (1, 100, 257))
 def test_swizzled_scales_equal_the_oracle_swizzled(fmt, opts, m):
@@ -225,14 +234,16 @@ def test_swizzled_scales_equal_the_oracle_swizzled(fmt, opts, m):
 @on_gpu
 @pytest.mark.parametrize("fmt", list(KS))
 @pytest.mark.parametrize("m", (1, 257))
-def test_kernels_cute_adapter_quantizer_option(fmt, m):
-    """kernels_cute.<fmt>.quantize_activation(quantizer="cute") == quantizer="triton" (swizzled
-    where b12x wants it); this path imports no b12x."""
+def test_kernels_cute_adapter_quantizes_as_the_oracle_in_the_gemm_layout(fmt, m):
+    """kernels_cute.<fmt>.quantize_activation == the oracle, scales swizzled where the b12x GEMM
+    reads them swizzled (mxfp8 / nvfp4 / mxfp4); this path imports no b12x."""
     mod = importlib.import_module(f"kernels_cute.{fmt}")
     k = 256 if fmt != "fp8_tensor" else 1000
     x = make_input((m, k), FP16, block=BLOCK[fmt], generator=torch.Generator().manual_seed(3))
-    assert_same_bits(mod.quantize_activation(x, quantizer="cute"), mod.quantize_activation(x, quantizer="triton"),
-                     f"kernels_cute.{fmt} adapter")
+    ref = oracle(x, fmt)
+    if fmt in ("mxfp8", "nvfp4", "mxfp4"):
+        ref = dataclasses.replace(ref, scale=formats.swizzle_128x4(ref.scale), scale_layout="swizzled_128x4")
+    assert_same_bits(mod.quantize_activation(x), ref, f"kernels_cute.{fmt} adapter")
 
 
 # =============================================================================================
@@ -240,11 +251,13 @@ def test_kernels_cute_adapter_quantizer_option(fmt, m):
 # =============================================================================================
 @needs_cute
 @pytest.mark.parametrize("call,match", [
-    (lambda q: q(torch.zeros(2, 128, dtype=BF16), "mxfp8"), "fmt must be one of"),
+    (lambda q: q(torch.zeros(2, 128, dtype=BF16), "fp4"), "fmt must be one of"),
     (lambda q: q(torch.zeros(2, 128, dtype=BF16), "nvfp4", scale=1.0), "unknown"),
     (lambda q: q(torch.zeros(2, 128, dtype=torch.float32), "nvfp4"), "bfloat16 or float16"),
     (lambda q: q(torch.zeros(2, 100, dtype=BF16), "fp8_block"), "multiple of 128"),
+    (lambda q: q(torch.zeros(2, 48, dtype=BF16), "mxfp8"), "multiple of 32"),
     (lambda q: q(torch.zeros(2, 128, dtype=BF16), "mxfp4", scale_rule="round"), "scale_rule"),
+    (lambda q: q(torch.zeros(2, 128, dtype=BF16), "mxfp8", scale_rule="round"), "scale_rule"),
     (lambda q: q(torch.zeros(2, 128, dtype=BF16), "nvfp4"), "CUDA"),
 ])
 def test_bad_arguments_raise_value_error(call, match):
@@ -252,10 +265,3 @@ def test_bad_arguments_raise_value_error(call, match):
 
     with pytest.raises(ValueError, match=match):
         call(quantize_activation_cute)
-
-
-def test_adapters_reject_unknown_quantizer():
-    from kernels_cute import fp8_tensor
-
-    with pytest.raises(ValueError, match="quantizer must be one of"):
-        fp8_tensor.quantize_activation(torch.zeros(2, 16, dtype=BF16), quantizer="b12x")

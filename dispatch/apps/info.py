@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import api, policy
-from .devices import KNOWN_DEVICES, resolve
+from dispatch import api, policy, registry
+from dispatch.devices import KNOWN_DEVICES, resolve
+
+from . import argtypes as A
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -17,10 +19,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "and for every format which implementation B12X_IMPL=auto picks for decode "
                     "(M=1, 16) and prefill (M=4096) shapes, and why.",
     )
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=A.known_device, default=None,
                    help=f"a torch device (default: the one found) or a known part: {', '.join(KNOWN_DEVICES)}")
-    p.add_argument("-N", type=int, default=4096, help="output features of the example shapes (default 4096)")
-    p.add_argument("-K", type=int, default=4096, help="input features of the example shapes (default 4096)")
+    p.add_argument("-N", type=A.positive_int, default=4096, help="output features of the example shapes (default 4096)")
+    p.add_argument("-K", type=A.positive_int, default=4096, help="input features of the example shapes (default 4096)")
     return p
 
 
@@ -43,10 +45,10 @@ def run(args) -> int:
     table.add_column("format")
     for label in shapes:
         table.add_column(label)
-    for variant in policy.VARIANTS:
+    for variant in registry.VARIANTS:
         cells = []
         for m, n, k in shapes.values():
-            c = policy.choose(variant, m, n, k, dev, impl="auto", log_fallback=False)
+            c = registry.choose(variant, m, n, k, dev, impl="auto", log_choice=False)
             cells.append(f"[bold]{c.impl}[/]: {c.reason}")
         table.add_row(variant, *cells)
     console.print(table)

@@ -6,8 +6,8 @@ Implementations (``Impl``), each reached the same way whatever library is behind
     reference  formats/ oracle: formats.quantize (activation) and formats.reference_linear (float64
                out, so it is the exact value of the quantized operands' product)
     triton     kernels_triton.<fmt>: quantize_activation, gemm, linear (a16=True for W4A16)
-    cute       kernels_cute.<fmt> when it exposes ``linear`` and this device can run it (SM120/121);
-               otherwise skipped with the reason (dispatch.policy.cute_support when importable)
+    cute       kernels_cute.<fmt>: quantize_activation, gemm, linear when this device can
+               run it (SM120/121); otherwise skipped with the reason (the registry's cute backend)
 
 A test (or a user) can add an implementation by passing ``extra_impls={"name": Impl(...)}``.
 
@@ -24,35 +24,22 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 import kernels_triton  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU, before any kernel)
 import formats
-from formats import FORMAT_NAMES, QuantizedTensor
-
-A16_VARIANT = "mxfp4_w4a16"
-VARIANTS: dict[str, tuple[str, bool]] = {**{f: (f, False) for f in FORMAT_NAMES}, A16_VARIANT: ("mxfp4", True)}
-"""Rows of the matrix: the five formats and MXFP4 weight-only (W4A16) -> (format, a16)."""
+from dispatch import registry
+from dispatch.devices import current_device, interpreting
+from dispatch.registry import VARIANTS
+from formats import QuantizedTensor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DTYPE_NAMES[torch.float32] = "fp32"
 DTYPE_NAMES[torch.float64] = "fp64"
-
-
-def parse_list(value: Optional[str], allowed=None, what: str = "value", conv=str) -> Optional[list]:
-    """"a,b,c" -> [a, b, c] (None stays None); ValueError naming ``allowed`` for an unknown item."""
-    if value is None:
-        return None
-    items = [conv(v.strip()) for v in str(value).split(",") if v.strip()]
-    if allowed is not None:
-        bad = [v for v in items if v not in allowed]
-        if bad:
-            raise ValueError(f"unknown {what} {bad}; choose from {list(allowed)}")
-    return items
 
 
 def variants_from_formats(names: Optional[list[str]]) -> list[str]:
@@ -62,14 +49,10 @@ def variants_from_formats(names: Optional[list[str]]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Devices and versions
+# Devices (versions: dispatch.api.library_versions)
 # ---------------------------------------------------------------------------------------------
 def on_gpu() -> bool:
     return torch.cuda.is_available()
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def default_device() -> str:
@@ -92,27 +75,19 @@ def device_report() -> dict[str, Any]:
     }
 
 
-def library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("triton", "b12x", "nvidia-cutlass-dsl", "numpy"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = "not installed"
-    out["cuda"] = str(torch.version.cuda)
-    return out
+def split(variant: str) -> tuple[str, bool]:
+    """A variant name of dispatch.registry.VARIANTS -> (format, a16); ValueError naming them otherwise."""
+    v = registry.variant(variant)
+    return v.fmt, v.a16
 
 
-def current_device_info():
-    """dispatch.devices.current_device() when that module imports, else None."""
+def registry_support(impl: str, variant: str, M: int, N: int, K: int) -> tuple[bool, str]:
+    """The registry's verdict on (impl, variant) for this process's device and shape (bf16)."""
     try:
-        from dispatch.devices import current_device
-
-        return current_device()
-    except Exception:
-        return None
+        entry = registry.get(impl, variant)
+    except registry.Unsupported as e:
+        return False, str(e)
+    return registry.check(entry, registry.Problem(variant, M, N, K), current_device())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +137,7 @@ def triton_impl() -> Impl:
         return kernels_triton.module(fmt)
 
     def support(variant, M, N, K):
-        fmt, _ = VARIANTS[variant]
+        fmt, _ = split(variant)
         try:
             mod(fmt)
         except Exception as e:  # a format module not written yet, or one that does not import
@@ -191,7 +166,7 @@ def cute_impl() -> Impl:
         return importlib.import_module(f"kernels_cute.{fmt}")
 
     def support(variant, M, N, K):
-        fmt, _ = VARIANTS[variant]
+        fmt, _ = split(variant)
         # the device first: that is the reason that matters on a machine without SM12x
         if not on_gpu():
             return False, "cute needs an SM120/SM121 GPU; no CUDA device here"
@@ -204,19 +179,9 @@ def cute_impl() -> Impl:
             return False, f"kernels_cute.{fmt} does not import ({type(e).__name__}: {e})"
         if not callable(getattr(m, "linear", None)):
             return False, f"kernels_cute.{fmt} has no linear()"
-        try:  # the dispatcher's own test, when it is there: b12x installed and supporting, the shape
-            from dispatch.policy import cute_support
-
-            dev = current_device_info()
-            if dev is not None:
-                ok, why = cute_support(variant, M, N, K, dev)
-                if not ok:
-                    return False, why
-        except ImportError:
-            pass
-        except Exception as e:
-            return False, f"dispatch.policy.cute_support failed ({type(e).__name__}: {e})"
-        return True, ""
+        # the dispatcher's own test: b12x installed and supporting this GPU, the shape
+        ok, why = registry_support("cute", variant, M, N, K)
+        return (True, "") if ok else (False, why)
 
     def prepare(qweight, a16):
         m = mod(qweight.fmt)

@@ -12,7 +12,7 @@ import importlib
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
-SUBCOMMANDS = ["dispatch.info", "dispatch.demo", "dispatch.sweep", "dispatch.bench"]
+SUBCOMMANDS = ["dispatch.apps.info", "dispatch.apps.demo", "dispatch.apps.sweep", "dispatch.apps.bench"]
 """Modules providing a subcommand, in the order ``--help`` lists them."""
 
 

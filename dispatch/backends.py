@@ -1,0 +1,274 @@
+"""The three implementations as registry backends: reference (the formats/ oracle), triton
+(kernels_triton) and cute (kernels_cute over b12x).
+
+Each class serves every variant of its implementation; :func:`make` builds the table cell for one
+(impl, variant), an :class:`~dispatch.registry.UnsupportedEntry` where an implementation has no
+kernel for a variant. Kernel packages are imported lazily, on the first verb that needs them, so
+building the table (and the vLLM plugin's ``register()``) imports no kernel, b12x or CuTe DSL.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from formats import QuantizedTensor, quantize, reference_linear, spec
+from formats.validate import check_weight
+
+from .devices import DeviceInfo, current_device, interpreting
+from .registry import Backend, Problem, UnsupportedEntry
+
+INSTALL_CUTE = "pip install 'b12x-dual[cute]'"
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+REFERENCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _dtype_ok(problem: Problem, allowed) -> tuple[bool, str]:
+    if problem.dtype in allowed:
+        return True, ""
+    names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+    return False, f"activation dtype must be one of {names}, got {str(problem.dtype).replace('torch.', '')}"
+
+
+def _k_ok(problem: Problem) -> tuple[bool, str]:
+    mult = spec(problem.fmt).k_multiple
+    if problem.K <= 0 or problem.K % mult:
+        return False, f"{problem.fmt} needs K to be a positive multiple of {mult}, got K={problem.K}"
+    if problem.M < 0 or problem.N <= 0:
+        return False, f"M must be >= 0 and N > 0, got M={problem.M} N={problem.N}"
+    return True, ""
+
+
+def copy_quantized_into(into: QuantizedTensor, new: QuantizedTensor) -> QuantizedTensor:
+    """Copy ``new``'s tensors into ``into``'s storage (same format, shape, dtypes) and return
+    ``into``: a reload that keeps every data_ptr(). ValueError when the layouts differ."""
+    a, b = into.tensors(), new.tensors()
+    if (into.fmt, into.shape, into.scale_layout) != (new.fmt, new.shape, new.scale_layout) or a.keys() != b.keys() or any(
+            a[k].shape != b[k].shape or a[k].dtype != b[k].dtype for k in a):
+        raise ValueError(f"into= must be a {new.fmt} weight of shape {new.shape} with the same tensor layout, "
+                         f"got {into.fmt} {into.shape}")
+    with torch.no_grad():
+        for k in a:
+            if a[k].data_ptr() != b[k].data_ptr():
+                a[k].copy_(b[k])
+    return into
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------------
+class ReferenceBackend(Backend):
+    """The formats/ oracle: dequantize both operands, float64 matmul, one rounding."""
+
+    impl = "reference"
+    extra_options = ("out_dtype",)
+
+    def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
+        return True, "the formats/ oracle runs on every device"
+
+    def can_implement(self, problem: Problem) -> tuple[bool, str]:
+        for ok, why in (_dtype_ok(problem, REFERENCE_DTYPES), _k_ok(problem)):
+            if not ok:
+                return False, f"reference: {why}"
+        return True, "float64 oracle (formats.reference_linear)"
+
+    def prepare(self, qweight, into=None):
+        check_weight(qweight, self.fmt)
+        return qweight if into is None else copy_quantized_into(into, qweight)
+
+    def apply(self, x, prepared, bias=None, **act_opts):
+        self.check_options(act_opts)
+        return reference_linear(x, prepared, bias, a16=self.a16, **act_opts)
+
+    def quantize_activation(self, x, **act_opts):
+        return quantize(x, self.fmt, role="activation", **act_opts)
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        return reference_linear(xq, prepared, bias, out_dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# triton
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _triton_module_present(fmt: str) -> bool:
+    try:
+        return importlib.util.find_spec(f"kernels_triton.{fmt}") is not None
+    except ImportError:
+        return False
+
+
+class TritonBackend(Backend):
+    """kernels_triton.<fmt>: any CUDA GPU, and CPU tensors through Triton's interpreter."""
+
+    impl = "triton"
+
+    def _module(self):
+        import kernels_triton
+
+        return kernels_triton.module(self.fmt)
+
+    def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
+        if not _triton_module_present(self.fmt):
+            return False, f"kernels_triton.{self.fmt} is not in this installation"
+        if device.kind == "cpu":
+            importlib.import_module("kernels_triton")  # sets TRITON_INTERPRET=1 when there is no GPU
+            if not interpreting():
+                value = os.environ.get("TRITON_INTERPRET", "")
+                return False, (f"CPU tensors need Triton's interpreter but TRITON_INTERPRET={value!r}; set "
+                               "TRITON_INTERPRET=1 before kernels_triton is imported, or move the inputs to the GPU")
+            return True, "Triton interpreter on CPU (TRITON_INTERPRET=1)"
+        return True, f"Triton kernels on {device.arch}"
+
+    def can_implement(self, problem: Problem) -> tuple[bool, str]:
+        for ok, why in (_dtype_ok(problem, KERNEL_DTYPES), _k_ok(problem)):
+            if not ok:
+                return False, f"triton: {why}"
+        return True, f"kernels_triton.{self.fmt}" + (" W4A16" if self.a16 else "")
+
+    def describe(self, problem: Problem, device: DeviceInfo) -> str:
+        path = getattr(importlib.import_module("kernels_triton"), "gemm_path", None)
+        if path is None or device.kind == "cpu":
+            return ""
+        name, why = path(self.fmt, device.capability, a16=self.a16)
+        return f"{name} path: {why}"
+
+    def prepare(self, qweight, into=None):
+        check_weight(qweight, self.fmt)
+        return qweight if into is None else copy_quantized_into(into, qweight)
+
+    def apply(self, x, prepared, bias=None, **act_opts):
+        self.check_options(act_opts)
+        mod = self._module()
+        if self.a16:
+            return mod.linear(x, prepared, bias, a16=True, **act_opts)
+        return mod.linear(x, prepared, bias, **act_opts)
+
+    def quantize_activation(self, x, **act_opts):
+        return self._module().quantize_activation(x, **act_opts)
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# cute
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class B12xProbe:
+    """Result of importing b12x once: the module (None if absent), its version, the import error."""
+
+    module: object
+    version: Optional[str]
+    error: Optional[str]
+
+
+@functools.lru_cache(maxsize=1)
+def b12x_probe() -> B12xProbe:
+    """Import b12x lazily, once (importing it pulls in CuTe DSL; nothing else here needs it)."""
+    try:
+        mod = importlib.import_module("b12x")
+    except Exception as e:  # noqa: BLE001  (any import failure means "not usable", with the reason)
+        return B12xProbe(None, None, f"{type(e).__name__}: {e}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("b12x")
+    except PackageNotFoundError:
+        ver = getattr(mod, "__version__", "?")
+    return B12xProbe(mod, ver, None)
+
+
+def _is_running_device(device: DeviceInfo) -> bool:
+    return device.kind == "cuda" and torch.cuda.is_available() and current_device() == device
+
+
+class CuteBackend(Backend):
+    """kernels_cute.<fmt>: b12x's CuTe DSL GEMMs on SM120/SM121 with our CuTe DSL quantizers.
+
+    ``apply(..., quantizer="triton")`` composes the Triton activation quantizer with the CuTe GEMM
+    (for debugging a mismatch between the two paths: same GEMM, other quantizer).
+    """
+
+    impl = "cute"
+    extra_options = ("quantizer",)
+
+    def _module(self):
+        import kernels_cute
+
+        return kernels_cute.module(self.fmt)
+
+    def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
+        if device.kind == "cpu":
+            return False, "cute needs an SM120/SM121 GPU; this call runs on the CPU"
+        if not device.is_sm12x:
+            return False, f"cute needs an SM120/SM121 GPU; {device.name} is {device.arch}"
+        probe = b12x_probe()
+        if probe.module is None:
+            return False, f"b12x is not installed ({probe.error}); install it with: {INSTALL_CUTE}"
+        if _is_running_device(device):
+            ok, why = importlib.import_module("kernels_cute").device_gate(self.variant)
+            if not ok:
+                return False, why
+            return True, f"b12x {probe.version} supports {device.arch}"
+        return True, f"b12x {probe.version} targets {device.arch} (described device, not probed)"
+
+    def can_implement(self, problem: Problem) -> tuple[bool, str]:
+        ok, why = _dtype_ok(problem, KERNEL_DTYPES)
+        if not ok:
+            return False, f"cute: {why}"
+        mod = self._module()
+        if self.a16:
+            return mod.supported(problem.M, problem.N, problem.K, a16=True, dtype=problem.dtype)
+        return mod.supported(problem.M, problem.N, problem.K)
+
+    def prepare(self, qweight, into=None):
+        check_weight(qweight, self.fmt)
+        return self._module().prepare_weight(qweight, into=into, a16=self.a16)
+
+    def apply(self, x, prepared, bias=None, *, quantizer: str = "cute", **act_opts):
+        self.check_options(act_opts)
+        mod = self._module()
+        if quantizer == "triton" and not self.a16:
+            import kernels_triton
+
+            x2 = x.reshape(-1, x.shape[-1])
+            xq = kernels_triton.module(self.fmt).quantize_activation(x2, **act_opts)
+            y = mod.gemm(xq, prepared, bias, out_dtype=x.dtype)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        if quantizer not in ("cute", "triton"):
+            raise ValueError(f"quantizer must be 'cute' or 'triton', got {quantizer!r}")
+        if self.a16:
+            return mod.linear(x, prepared, bias, a16=True, **act_opts)
+        return mod.linear(x, prepared, bias, **act_opts)
+
+    def quantize_activation(self, x, **act_opts):
+        return self._module().quantize_activation(x, **act_opts)
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
+
+
+CUTE_UNSUPPORTED = {
+    "mxfp4_w4a16": ("b12x 1.5.1 has no W4A16 kernel for MXFP4 weights (its w4a16 is NVFP4-only); "
+                    "mxfp4_w4a16 runs on Triton"),
+}
+
+_CLASSES = {"reference": ReferenceBackend, "triton": TritonBackend, "cute": CuteBackend}
+
+
+def make(impl: str, variant: str):
+    """The table cell of (impl, variant): a Backend, or an UnsupportedEntry with its reason."""
+    if impl == "cute" and variant in CUTE_UNSUPPORTED:
+        return UnsupportedEntry(impl, variant, CUTE_UNSUPPORTED[variant])
+    return _CLASSES[impl](variant)
+
+
+__all__ = ["B12xProbe", "CuteBackend", "ReferenceBackend", "TritonBackend", "b12x_probe", "copy_quantized_into",
+           "make"]

@@ -1,0 +1,261 @@
+"""One validation of quantized operands, shared by every implementation (kernels_triton, kernels_cute,
+dispatch): a QuantizedTensor weight or activation, a bf16/fp16 activation, a bias.
+
+Two kinds of check:
+
+* **Metadata** (``check_weight``, ``check_quantized_activation``, ``check_activation``,
+  ``check_bias``): dtypes, shapes, layout, devices, roles; no tensor element is read, so they cost
+  no device synchronization and run at every kernel entry.
+* **Values** (``check_scale_values``): global scales and fp32 scales finite and > 0, no NaN scale
+  codes. Reading values synchronizes with the device, so this runs where a weight is created or
+  loaded (``kernels_cute.<fmt>.prepare_weight``, a checkpoint loader), not per call.
+
+What a well-formed QuantizedTensor of shape (rows, K) holds, per format (formats.base.QuantizedTensor):
+
+    format      data                     scale (linear layout)                     global_scale
+    fp8_tensor  float8_e4m3fn [rows, K]  float32, one element (0-d or [1])         None
+    fp8_block   float8_e4m3fn [rows, K]  float32 [ceil(rows/br), K/128]            None
+    mxfp8       float8_e4m3fn [rows, K]  uint8 E8M0 [rows, K/32]                   None
+    nvfp4       uint8 [rows, K/2]        float8_e4m3fn [rows, K/16]                float32, one element
+    mxfp4       uint8 [rows, K/2]        uint8 E8M0 [rows, K/32]                   None
+
+(br = 128 for fp8_block weights, 1 for activations.) With ``scale_layout="swizzled_128x4"`` (the
+1-byte scales only) the scale is flat with ``formats.layout.swizzled_size(rows, K/block)`` elements.
+
+Every error is a ValueError that names the argument, the value found and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from .base import QuantizedTensor
+from .layout import swizzled_size
+from .oracle import FORMATS, spec
+
+__all__ = [
+    "ACT_DTYPES",
+    "BIAS_DTYPES",
+    "LAYOUTS",
+    "check_activation",
+    "check_bias",
+    "check_quantized_activation",
+    "check_scale_values",
+    "check_weight",
+]
+
+ACT_DTYPES = (torch.bfloat16, torch.float16)  # unquantized activations the kernels take
+BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LAYOUTS = ("linear", "swizzled_128x4")
+
+# What the data and scale tensors of each format hold (dtype, and elements of K per data column /
+# per scale column).
+_DATA = {"e4m3": (torch.float8_e4m3fn, 1), "e2m1": (torch.uint8, 2)}
+_SCALE_DTYPE = {
+    "fp8_tensor": torch.float32,
+    "fp8_block": torch.float32,
+    "mxfp8": torch.uint8,
+    "nvfp4": torch.float8_e4m3fn,
+    "mxfp4": torch.uint8,
+}
+_SCALE_WHAT = {
+    "fp8_tensor": "float32 (the per-tensor scale)",
+    "fp8_block": "float32 (the block scales)",
+    "mxfp8": "uint8 (E8M0 bytes; view a float8_e8m0fnu tensor as uint8)",
+    "nvfp4": "float8_e4m3fn (the e4m3 block scales)",
+    "mxfp4": "uint8 (E8M0 bytes; view a float8_e8m0fnu tensor as uint8)",
+}
+_SWIZZLABLE = ("mxfp8", "nvfp4", "mxfp4")  # 1-byte block scales
+
+
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)} on {t.device}"
+    return "None" if t is None else type(t).__name__
+
+
+def _check_qt(q, name: str, fmt: Optional[str], role: str, layouts: Sequence[str]) -> None:
+    """The metadata checks common to weights and quantized activations."""
+    if not isinstance(q, QuantizedTensor) or q.role != role:
+        got = f"a {q.fmt} {q.role}" if isinstance(q, QuantizedTensor) else type(q).__name__
+        raise ValueError(f"{name} must be a formats.QuantizedTensor with role '{role}', got {got}")
+    if q.fmt not in FORMATS:
+        raise ValueError(f"{name}.fmt must be one of {tuple(FORMATS)}, got {q.fmt!r}")
+    if fmt is not None and q.fmt != fmt:
+        raise ValueError(f"{name} must be a {fmt} {role}, got {q.fmt}")
+    if q.scale_layout not in layouts:
+        raise ValueError(f"{name}.scale_layout must be one of {tuple(layouts)} here, got {q.scale_layout!r}")
+    s = spec(q.fmt)
+    shape = q.shape
+    if (not isinstance(shape, tuple) or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+        raise ValueError(f"{name}.shape must be a tuple (rows, K) of two ints, got {shape!r}")
+    rows, k = shape
+    if rows < 0 or (role == "weight" and rows == 0):
+        raise ValueError(f"{name}.shape rows must be {'positive' if role == 'weight' else '>= 0'}, got {shape}")
+    if k <= 0 or k % s.k_multiple:
+        raise ValueError(f"{name}.shape: {q.fmt} needs K to be a positive multiple of {s.k_multiple}, got {shape}")
+    block = s.block(role)
+    if q.block_shape != block:
+        raise ValueError(f"{name}.block_shape must be {block} for a {q.fmt} {role}, got {q.block_shape!r}")
+
+    # ----- data: element codes
+    dtype, per_byte = _DATA[s.element]
+    if not isinstance(q.data, torch.Tensor) or q.data.dtype != dtype:
+        raise ValueError(f"{name}.data must be {str(dtype).removeprefix('torch.')} ({s.element} codes"
+                         f"{', two per byte' if per_byte == 2 else ''}), got {_desc(q.data)}")
+    want = (rows, k // per_byte)
+    if tuple(q.data.shape) != want:
+        raise ValueError(f"{name}.data must have shape {want} for a declared shape {shape}, "
+                         f"got {tuple(q.data.shape)}")
+
+    # ----- scale
+    sdt = _SCALE_DTYPE[q.fmt]
+    if not isinstance(q.scale, torch.Tensor) or q.scale.dtype != sdt:
+        raise ValueError(f"{name}.scale must be {_SCALE_WHAT[q.fmt]}, got {_desc(q.scale)}")
+    if block is None:
+        if q.scale.numel() != 1 or q.scale.dim() > 1:
+            raise ValueError(f"{name}.scale must hold one per-tensor scale (shape () or (1,)) for "
+                             f"{q.fmt}, got shape {tuple(q.scale.shape)} (per-channel scales are "
+                             "not this format)")
+    else:
+        br, bk = block
+        linear = (-(-rows // br), k // bk)
+        if q.scale_layout == "swizzled_128x4":
+            if q.fmt not in _SWIZZLABLE:
+                raise ValueError(f"{name}.scale_layout 'swizzled_128x4' is for 1-byte scales "
+                                 f"({_SWIZZLABLE}), not {q.fmt}")
+            want = (swizzled_size(*linear),)
+            if tuple(q.scale.shape) != want:
+                raise ValueError(f"{name}.scale must be flat with {want[0]} elements (the 128x4 swizzled "
+                                 f"layout of a {linear} scale matrix), got shape {tuple(q.scale.shape)}")
+        elif tuple(q.scale.shape) != linear:
+            raise ValueError(f"{name}.scale must have shape {linear} ({q.fmt} {role} of shape {shape}, "
+                             f"one scale per {br}x{bk} block), got {tuple(q.scale.shape)}")
+
+    # ----- global scale
+    if q.fmt == "nvfp4":
+        g = q.global_scale
+        if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.numel() != 1 or g.dim() > 1:
+            raise ValueError(f"{name}.global_scale must be a float32 tensor with one element (shape () "
+                             f"or (1,)) for nvfp4, got {_desc(g)}")
+    elif q.global_scale is not None:
+        raise ValueError(f"{name}.global_scale must be None for {q.fmt} (only nvfp4 has one), "
+                         f"got {_desc(q.global_scale)}")
+
+    # ----- one device for every tensor
+    for field in ("scale", "global_scale"):
+        t = getattr(q, field)
+        if t is not None and t.device != q.data.device:
+            raise ValueError(f"{name}.{field} must be on {name}.data's device {q.data.device}, got {t.device}")
+
+
+def check_weight(qweight, fmt: Optional[str] = None, *, name: str = "qweight",
+                 layouts: Sequence[str] = LAYOUTS) -> None:
+    """Metadata checks of a weight QuantizedTensor [N, K] (no device synchronization).
+
+    Args:
+        qweight: the weight.
+        fmt: the format it must have (None: any of formats.FORMAT_NAMES).
+        name: the argument name used in messages.
+        layouts: the scale layouts the caller accepts (the Triton kernels take "linear" only).
+    Raises:
+        ValueError naming ``name``: not a QuantizedTensor with role "weight"; another format; a scale
+        layout outside ``layouts``; a shape that is not (N > 0, K a multiple of the format's block);
+        a block shape other than the format's; data of the wrong dtype (e.g. bf16 in place of
+        codes) or a shape other than the declared one; a scale of the wrong dtype (e.g. e4m3 or E8M0
+        scales stored as float32) or shape (e.g. a per-channel [N] scale in a per-tensor weight, too
+        few rows or columns); a missing, extra or misshapen global scale; tensors on several devices.
+    """
+    _check_qt(qweight, name, fmt, "weight", layouts)
+
+
+def check_quantized_activation(xq, fmt: str, K: Optional[int] = None, *, name: str = "xq",
+                               device=None, layouts: Sequence[str] = LAYOUTS) -> None:
+    """Metadata checks of a quantized activation QuantizedTensor [M, K] (no device synchronization).
+
+    Args:
+        xq: the activation (``formats.quantize(x, fmt, role="activation")`` or a kernel quantizer's).
+        fmt: its format. K: the weight's K it must match (None: not checked).
+        device: the device it must be on (None: not checked).
+        layouts: the scale layouts the caller accepts.
+    Raises:
+        ValueError naming ``name``: as check_weight for role "activation", plus a K other than
+        ``K`` and a device other than ``device``.
+    """
+    _check_qt(xq, name, fmt, "activation", layouts)
+    if K is not None and xq.k != K:
+        raise ValueError(f"{name} has K={xq.k} but qweight has K={K}; they must match")
+    if device is not None and xq.device != torch.device(device):
+        raise ValueError(f"{name} must be on the weight's device {device}, got {xq.device}")
+
+
+def check_activation(x, K: Optional[int], fmt: str, *, name: str = "x", device=None,
+                     k_multiple: Optional[int] = None) -> None:
+    """Metadata checks of an unquantized activation x [..., K] (no device synchronization).
+
+    Args:
+        x: the activation. K: the weight's K it must match (None: any K the format allows).
+        fmt: the format it will be quantized to (its block gives the K multiple).
+        device: the device it must be on (None: not checked).
+        k_multiple: a K multiple other than the format's (None: ``formats.spec(fmt).k_multiple``).
+    Raises:
+        ValueError naming ``name``: not a tensor; not bfloat16/float16; 0-d; K not a positive
+        multiple of the format's block; K other than ``K``; on another device.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ACT_DTYPES:
+        raise ValueError(f"{name} must be bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have shape [..., K], got a 0-d tensor")
+    multiple = spec(fmt).k_multiple if k_multiple is None else k_multiple
+    kx = x.shape[-1]
+    if kx <= 0 or kx % multiple:
+        raise ValueError(f"{fmt} needs K ({name}.shape[-1]) to be a positive multiple of {multiple}, got {kx}")
+    if K is not None and kx != K:
+        raise ValueError(f"{name}.shape[-1] must equal the weight's K={K}, got {kx}")
+    if device is not None and x.device != torch.device(device):
+        raise ValueError(f"{name} must be on the weight's device {device}, got {x.device}")
+
+
+def check_bias(bias, N: int, device, *, name: str = "bias") -> None:
+    """None, or a float32/bf16/fp16 tensor of shape (N,) on ``device``; else ValueError naming ``name``."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,):
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"{name} must be a tensor of shape ({N},), got {got}")
+    if bias.dtype not in BIAS_DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {bias.dtype}")
+    if device is not None and bias.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {bias.device}")
+
+
+def check_scale_values(qt, *, name: str = "qweight") -> None:
+    """The value checks a metadata check cannot do: global scale and fp32 scales finite and > 0,
+    e4m3 block scales not NaN (codes 0x7F/0xFF) and not negative, E8M0 bytes not 0xFF (NaN).
+
+    Reads every scale, so it synchronizes with the device: call it where a weight is created or
+    loaded, once, after ``check_weight``. Raises ValueError naming the field and the first bad value.
+    """
+    checks = []
+    if qt.global_scale is not None:
+        checks.append(("global_scale", qt.global_scale.float(), "finite and > 0"))
+    if qt.scale.dtype == torch.float32:
+        checks.append(("scale", qt.scale, "finite and > 0"))
+    for field, t, allowed in checks:
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if t.numel() and bool(bad.any()):
+            v = t.reshape(-1)[bad.reshape(-1)][0].item()
+            raise ValueError(f"{name}.{field} must be {allowed}, got {v if math.isfinite(v) else repr(v)}")
+    if qt.scale.dtype == torch.float8_e4m3fn:
+        b = qt.scale.view(torch.uint8)
+        if b.numel() and bool(((b & 0x7F) == 0x7F).any() | (b >= 0x80).any()):
+            raise ValueError(f"{name}.scale (e4m3 block scales) must be non-negative and not NaN; "
+                             "found a NaN code (0x7F/0xFF) or a negative scale")
+    elif qt.fmt in ("mxfp8", "mxfp4") and qt.scale.numel() and bool((qt.scale == 0xFF).any()):
+        raise ValueError(f"{name}.scale (E8M0 bytes) must not contain 0xFF (NaN)")

@@ -1,0 +1,153 @@
+"""The backend registry: a complete table, the four verbs, storage kept on reload, the M buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import formats
+from dispatch import api, registry
+from dispatch.backends import copy_quantized_into
+from dispatch.devices import KNOWN_DEVICES
+from dispatch.registry import Backend, Problem, UnsupportedEntry
+
+from conftest import device_name
+
+VARIANTS = tuple(registry.VARIANTS)
+# b12x's pack_weight (tensor FP8, MXFP8, NVFP4 W4A16) checks that the weight is on a CUDA device.
+PREPARE_NEEDS_CUDA = {("cute", "fp8_tensor"), ("cute", "mxfp8"), ("cute", "nvfp4_w4a16")}
+
+
+def test_every_format_of_formats_has_one_registry_entry():
+    assert set(registry.FORMATS) == set(formats.FORMAT_NAMES)
+    assert {v.fmt for v in registry.VARIANTS.values()} == set(formats.FORMAT_NAMES)
+    assert [v for v, s in registry.VARIANTS.items() if s.a16] == ["nvfp4_w4a16", "mxfp4_w4a16"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("impl", registry.IMPLS)
+def test_every_cell_is_a_backend_or_says_why_not(impl, variant):
+    entry = registry.entries()[(impl, variant)]
+    if isinstance(entry, UnsupportedEntry):
+        assert len(entry.reason) > 20, "an unsupported cell must say why"
+        with pytest.raises(registry.Unsupported, match=entry.reason[:30]):
+            registry.get(impl, variant)
+        return
+    assert isinstance(entry, Backend)
+    assert (entry.impl, entry.variant, entry.name) == (impl, variant, f"{impl}:{variant}")
+    for verb in ("is_supported", "can_implement", "prepare", "apply"):
+        assert getattr(type(entry), verb) is not getattr(Backend, verb), f"{entry} does not implement {verb}"
+    assert registry.get(impl, variant) is entry
+    # every verdict comes with a reason, on every known device
+    for dev in KNOWN_DEVICES.values():
+        ok, why = entry.is_supported(dev)
+        assert isinstance(ok, bool) and why
+    ok, why = entry.can_implement(Problem(variant, 16, 256, 512))
+    assert isinstance(ok, bool) and why
+
+
+def test_the_only_unsupported_cell_is_cute_mxfp4_w4a16():
+    cells = [k for k, e in registry.entries().items() if isinstance(e, UnsupportedEntry)]
+    assert cells == [("cute", "mxfp4_w4a16")]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_can_implement_is_the_same_for_every_m_of_a_bucket(variant):
+    # choose caches per M bucket, which is only right if no backend's verdict changes inside one.
+    ms = list(range(0, 40)) + [63, 64, 65, 127, 128, 129, 130, 255, 256, 257, 4095, 4096, 4097]
+    for impl in registry.IMPLS:
+        entry = registry.entries()[(impl, variant)]
+        if isinstance(entry, UnsupportedEntry):
+            continue
+        for n, k in ((256, 512), (4096, 4096), (264, 4352), (200, 4096)):
+            seen: dict[int, bool] = {}
+            for m in ms:
+                ok = entry.can_implement(Problem(variant, m, n, k))[0]
+                assert seen.setdefault(registry.m_bucket(m), ok) == ok, (impl, variant, m, n, k)
+
+
+def test_m_buckets():
+    assert [registry.m_bucket(m) for m in (0, 1, 7, 16, 17, 32, 33, 4096, 4097)] == [0, 1, 7, 16, 32, 32, 64, 4096, 8192]
+
+
+def test_problem_checks_its_variant():
+    assert Problem("nvfp4_w4a16", 1, 8, 16).fmt == "nvfp4"
+    assert Problem("nvfp4_w4a16", 1, 8, 16).a16
+    with pytest.raises(ValueError, match="format must be one of"):
+        Problem("int4", 1, 8, 16).fmt
+
+
+def _weight(variant: str, seed: int, n: int = 128, k: int = 256) -> formats.QuantizedTensor:
+    g = torch.Generator().manual_seed(seed)
+    return api.quantize_weight(torch.randn(n, k, generator=g), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("impl", registry.IMPLS)
+def test_prepare_into_keeps_every_address_and_takes_the_new_values(impl, variant):
+    entry = registry.entries()[(impl, variant)]
+    if isinstance(entry, UnsupportedEntry):
+        pytest.skip(f"{impl}:{variant} is declared unsupported: {entry.reason}")
+    if (impl, variant) in PREPARE_NEEDS_CUDA and not torch.cuda.is_available():
+        pytest.skip(f"{impl}:{variant} prepares through b12x's pack_weight, which needs a CUDA device; "
+                    f"found {device_name()}")
+    old = entry.prepare(_weight(variant, 0))
+    ptrs = [t.data_ptr() for t in _leaves(old)]
+    new_qw = _weight(variant, 1)
+    fresh = entry.prepare(new_qw)
+    again = entry.prepare(new_qw, into=old)
+    assert again is old
+    assert [t.data_ptr() for t in _leaves(again)] == ptrs
+    for a, b in zip(_leaves(again), _leaves(fresh), strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)
+
+
+def _leaves(obj) -> list[torch.Tensor]:
+    if isinstance(obj, formats.QuantizedTensor):
+        return list(obj.tensors().values())
+    return [t for t in obj.tensors().values()]
+
+
+def test_prepare_refuses_another_format_or_shape():
+    b = registry.get("triton", "nvfp4")
+    with pytest.raises(ValueError, match="qweight must be a nvfp4 weight, got mxfp4"):
+        b.prepare(_weight("mxfp4", 0))
+    with pytest.raises(ValueError, match=r"into= must be a nvfp4 weight of shape \(64, 256\)"):
+        copy_quantized_into(_weight("nvfp4", 0), _weight("nvfp4", 1, n=64))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reference_and_triton_backends_agree_through_apply(variant):
+    # The Triton products of exact decoded operands are exact in fp32; bf16 output rounding allows
+    # 1 bf16 ulp (2^-8 relative) per element, so ||diff|| / ||ref|| <= 2^-8 (rounding both ways).
+    qw = _weight(variant, 3, n=64, k=256)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    ref = registry.get("reference", variant)
+    tri = registry.get("triton", variant)
+    y_ref = ref.apply(x, ref.prepare(qw)).double()
+    y_tri = tri.apply(x, tri.prepare(qw)).double()
+    assert torch.isfinite(y_tri).all()
+    assert ((y_tri - y_ref).norm() / y_ref.norm()).item() <= 2 ** -8
+
+
+@pytest.mark.parametrize("impl,variant,opt", [
+    ("triton", "nvfp4", "scale_rule"),      # an MX option given to NVFP4
+    ("triton", "mxfp4", "ue8m0"),           # a block-FP8 option given to MXFP4
+    ("triton", "fp8_block", "out_dtype"),   # the reference's option given to a kernel
+    ("reference", "mxfp4_w4a16", "scale_rule"),  # W4A16 quantizes no activation
+])
+def test_an_option_meant_for_another_format_or_implementation_is_named(impl, variant, opt):
+    b = registry.get(impl, variant)
+    qw = _weight(variant, 0, n=64, k=256)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"{impl}:{variant}: unknown option\(s\) \['{opt}'\].*allowed: "):
+        b.apply(x, b.prepare(qw), **{opt: None})
+
+
+def test_each_backend_takes_its_formats_activation_options():
+    assert registry.get("triton", "nvfp4").act_options == {"global_scale"}
+    assert registry.get("reference", "fp8_tensor").act_options == {"scale", "out_dtype"}
+    assert registry.get("cute", "mxfp8").act_options == {"scale_rule", "quantizer"}
+    assert registry.get("triton", "mxfp4_w4a16").act_options == frozenset()
