@@ -27,7 +27,7 @@ class LayerState:
     """What one vLLM layer runs: set by ``process_weights_after_loading``, read by the op.
 
     variant: the registry variant ("nvfp4", "mxfp4_w4a16", ...); n, k: the shard's GEMM shape;
-    chosen: the backend choice (dispatch.vllm_plugin._backend.Chosen); prepared: what
+    chosen: the registry.Choice made at load (backend, impl, reason, source); prepared: what
     ``backend.prepare`` returned; act_opts: activation options (static input scale or global
     scale as 0-d float32 tensors); layer: the layer's name (for messages); warmed: token counts
     already run once (warmup, and the CUDA-graph capture check).
