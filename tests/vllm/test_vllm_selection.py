@@ -189,3 +189,20 @@ def test_serve_compare_script_skips_naming_the_device():
     assert out.returncode == 0, out.stderr[-2000:]
     if not torch.cuda.is_available():
         assert "skipped: needs an SM120/SM121 GPU" in out.stdout and "found no CUDA device" in out.stdout
+
+
+def test_choice_logged_once_with_reason(dist, ckpt, impl, caplog):
+    import logging
+
+    from dispatch.vllm_plugin import placement
+
+    impl("reference")
+    placement._logged.clear()
+    with caplog.at_level(logging.INFO, logger="dispatch.vllm_plugin"):
+        loaded(ckpt("ct_mxfp8"), ("o",))
+        loaded(ckpt("ct_mxfp8"), ("o",))
+    picks = [r.getMessage() for r in caplog.records if "-> reference" in r.getMessage()]
+    assert len(picks) == 1, picks
+    assert "B12xDualMxfp8Kernel mxfp8 N=384 K=384 -> reference (B12X_IMPL=reference)" in picks[0]
+    eligible = [r.getMessage() for r in caplog.records if "eligible" in r.getMessage()]
+    assert eligible and all(msg.count("--linear-backend b12x") == 1 for msg in eligible)
