@@ -156,10 +156,10 @@ def _emulation(kind):
 #   use float64: about 3 bf16 roundings, norm-wise <= ~6e-3; 1e-2 leaves margin (vLLM's own NVFP4
 #   GEMM tests allow atol = rtol = 0.1).
 # - MXFP8: vLLM's emulation is weight-only (x stays bf16) while the MXFP8 kernel quantizes x to
-#   e4m3 (3 mantissa bits: up to 2^-4 relative per element, ~2^-4/sqrt(3) RMS), so the two differ by
-#   the activation quantization error, a few percent; 0.1 is an SQNR of 20 dB (vLLM's MXFP8 test
-#   asks for 15 dB).
-EMULATION_TOL = {"ct_nvfp4": 1e-2, "modelopt_nvfp4": 1e-2, "ct_mxfp8": 0.1}
+#   e4m3 (3 mantissa bits: up to 2^-4 relative per element, 2^-4/sqrt(3) ~ 0.036 RMS for uniformly
+#   spread rounding), so the two differ by the activation quantization error; 0.05 bounds that RMS
+#   (an SQNR of 26 dB; vLLM's own MXFP8 test asks for 15 dB). Measured: 1.9e-2 (NVFP4: 3.8e-3).
+EMULATION_TOL = {"ct_nvfp4": 1e-2, "modelopt_nvfp4": 1e-2, "ct_mxfp8": 0.05}
 
 
 @pytest.mark.parametrize("kind", sorted(EMULATION_TOL))
