@@ -15,7 +15,6 @@ classes (kernels.py) into vLLM's selection. docs/vllm.md has the user's side:
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 
 _TARGET = "vllm.model_executor.kernels.linear"
@@ -29,7 +28,7 @@ def _apply() -> None:
     from . import patches
 
     try:
-        patches.apply()
+        patches.apply()  # each patch logs and records its own failure (patches.failed)
     except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
         import logging
 
@@ -43,8 +42,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != _TARGET:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
+        spec = None
+        for finder in sys.meta_path:  # whoever would have found it (path, editable install, ...)
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
         loader = spec.loader
         exec_module = loader.exec_module

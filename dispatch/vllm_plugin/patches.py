@@ -49,6 +49,7 @@ NVFP4_IMPORTERS = (
 )
 
 applied: list[str] = []
+failed: dict[str, str] = {}  # patch name -> the error, for a patch that raised (logged too)
 removed_in_tree: set = set()
 
 
@@ -126,8 +127,12 @@ def nvfp4_w4a16() -> None:
         if mod is not None and getattr(mod, "init_nvfp4_linear_kernel", None) is original:
             mod.init_nvfp4_linear_kernel = wrapper
     for mod in list(sys.modules.values()):  # any other module that imported it by name
-        # __dict__, not getattr: lazy modules (transformers) import on attribute access.
-        if getattr(mod, "__dict__", {}).get("init_nvfp4_linear_kernel") is original:
+        # vars(), not getattr: lazy modules (transformers) import on attribute access.
+        try:
+            held = vars(mod).get("init_nvfp4_linear_kernel")
+        except Exception:  # noqa: BLE001  (an odd object in sys.modules: it cannot hold the name)
+            continue
+        if held is original:
             mod.init_nvfp4_linear_kernel = wrapper
 
 
@@ -167,11 +172,18 @@ PATCHES = (("kernel_lists", kernel_lists), ("backend_map", backend_map), ("nvfp4
 
 
 def apply() -> list[str]:
-    """Apply every patch (idempotent); vLLM's linear-kernel package must be imported."""
+    """Apply every patch (idempotent; each independently: one that raises is logged and recorded
+    in :data:`failed`, the others still apply). vLLM's linear-kernel package must be imported."""
     if LINEAR not in sys.modules:
         raise RuntimeError(f"patches.apply() needs {LINEAR} imported first")
     for name, fn in PATCHES:
-        fn()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001  (vLLM keeps working; the error is logged and kept)
+            failed[name] = f"{type(e).__name__}: {e}"
+            log.exception("b12x-dual: patch %s failed; vLLM's own behaviour stays there", name)
+            continue
+        failed.pop(name, None)
         if name not in applied:
             applied.append(name)
     return applied

@@ -98,6 +98,7 @@ def test_cpu_fp8_quant_op_still_missing_and_stand_in_matches_formats(dist):
     from formats.codecs import encode_e4m3
 
     assert not patches._has_c_op("static_scaled_fp8_quant")
+    assert patches.failed == {}, patches.failed
     assert getattr(vops.scaled_fp8_quant, "__b12x_dual_original__", None) is not None
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * 30
     s = torch.tensor(0.07)
