@@ -255,18 +255,16 @@ class CuteBackend(Backend):
         return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
 
 
-CUTE_UNSUPPORTED = {
-    "mxfp4_w4a16": ("b12x 1.5.1 has no W4A16 kernel for MXFP4 weights (its w4a16 is NVFP4-only); "
-                    "mxfp4_w4a16 runs on Triton"),
-}
-
 _CLASSES = {"reference": ReferenceBackend, "triton": TritonBackend, "cute": CuteBackend}
 
 
 def make(impl: str, variant: str):
-    """The table cell of (impl, variant): a Backend, or an UnsupportedEntry with its reason."""
-    if impl == "cute" and variant in CUTE_UNSUPPORTED:
-        return UnsupportedEntry(impl, variant, CUTE_UNSUPPORTED[variant])
+    """The table cell of (impl, variant): a Backend, or an UnsupportedEntry with its reason (cute:
+    what kernels_cute says it has no kernel for, e.g. b12x has no MXFP4 W4A16 GEMM)."""
+    if impl == "cute":
+        why = importlib.import_module("kernels_cute").not_served(variant)
+        if why is not None:
+            return UnsupportedEntry(impl, variant, why)
     return _CLASSES[impl](variant)
 
 

@@ -51,6 +51,7 @@ class FormatEntry:
     priority: tuple[str, ...] = IMPLS
 
 
+# [format-entries]
 FORMATS: dict[str, FormatEntry] = {
     "fp8_tensor": FormatEntry(),
     "fp8_block": FormatEntry(),
@@ -59,6 +60,7 @@ FORMATS: dict[str, FormatEntry] = {
     "mxfp4": FormatEntry(w4a16=True),
 }
 """One entry per format of formats.FORMAT_NAMES (a test checks the two agree)."""
+# [/format-entries]
 
 A16_SUFFIX = "_w4a16"
 
@@ -356,6 +358,7 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
             raise ImplementationUnavailable(requested, device, why)
         c = Choice(table[(requested, variant_)], why, requested, source, ((requested, True, why),))
     else:
+        # [auto-walk]
         considered, skipped = [], []
         for name in PRIORITY[variant_]:
             ok, why = check(table[(name, variant_)], problem, device)
@@ -368,6 +371,7 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
         if c is None:
             lines = "; ".join(f"{n}: {w}" for n, _, w in considered)
             raise NoBackend(f"no backend serves {variant_} M={M} N={N} K={K} {dtype} on {device.describe()}: {lines}")
+        # [/auto-walk]
         if log_choice:
             _log_once(c, device, variant_)
     _cache[key] = c

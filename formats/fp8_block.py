@@ -19,6 +19,9 @@ from .codecs import decode_e4m3, encode_e4m3, pow2_ceil
 from .constants import E4M3_MAX, FP8_BLOCK
 
 ORDER = 2  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
+SCALE_DTYPE = torch.float32  # what QuantizedTensor.scale holds (formats/validate.py checks it)
+SCALE_WHAT = "float32 (the block scales)"
+HAS_GLOBAL_SCALE = False
 SPEC = FormatSpec(
     name="fp8_block",
     k_multiple=FP8_BLOCK,

@@ -21,6 +21,9 @@ from .codecs import decode_e4m3, encode_e4m3
 from .constants import AMAX_FLOOR, E4M3_MAX
 
 ORDER = 1  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
+SCALE_DTYPE = torch.float32  # what QuantizedTensor.scale holds (formats/validate.py checks it)
+SCALE_WHAT = "float32 (the per-tensor scale)"
+HAS_GLOBAL_SCALE = False
 SPEC = FormatSpec(
     name="fp8_tensor",
     k_multiple=1,

@@ -19,6 +19,9 @@ from .codecs import decode_e2m1, encode_e2m1, pack_e2m1, unpack_e2m1
 from .constants import E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
 ORDER = 5  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
+SCALE_DTYPE = torch.uint8  # what QuantizedTensor.scale holds (formats/validate.py checks it)
+SCALE_WHAT = "uint8 (E8M0 bytes; view a float8_e8m0fnu tensor as uint8)"
+HAS_GLOBAL_SCALE = False
 SPEC = FormatSpec(
     name="mxfp4",
     k_multiple=MX_BLOCK,

@@ -18,6 +18,9 @@ from .codecs import decode_e4m3, encode_e4m3
 from .constants import E4M3_EMAX, E4M3_MAX, MX_BLOCK
 
 ORDER = 3  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
+SCALE_DTYPE = torch.uint8  # what QuantizedTensor.scale holds (formats/validate.py checks it)
+SCALE_WHAT = "uint8 (E8M0 bytes; view a float8_e8m0fnu tensor as uint8)"
+HAS_GLOBAL_SCALE = False
 SPEC = FormatSpec(
     name="mxfp8",
     k_multiple=MX_BLOCK,

@@ -23,6 +23,9 @@ from .codecs import decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, pack_e2m
 from .constants import AMAX_FLOOR, E2M1_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 
 ORDER = 4  # position in formats.FORMAT_NAMES (discovered by formats.oracle)
+SCALE_DTYPE = torch.float8_e4m3fn  # what QuantizedTensor.scale holds (formats/validate.py checks it)
+SCALE_WHAT = "float8_e4m3fn (the e4m3 block scales)"
+HAS_GLOBAL_SCALE = True
 SPEC = FormatSpec(
     name="nvfp4",
     k_multiple=NVFP4_BLOCK,

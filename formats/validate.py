@@ -54,21 +54,7 @@ LAYOUTS = ("linear", "swizzled_128x4")
 # What the data and scale tensors of each format hold (dtype, and elements of K per data column /
 # per scale column).
 _DATA = {"e4m3": (torch.float8_e4m3fn, 1), "e2m1": (torch.uint8, 2)}
-_SCALE_DTYPE = {
-    "fp8_tensor": torch.float32,
-    "fp8_block": torch.float32,
-    "mxfp8": torch.uint8,
-    "nvfp4": torch.float8_e4m3fn,
-    "mxfp4": torch.uint8,
-}
-_SCALE_WHAT = {
-    "fp8_tensor": "float32 (the per-tensor scale)",
-    "fp8_block": "float32 (the block scales)",
-    "mxfp8": "uint8 (E8M0 bytes; view a float8_e8m0fnu tensor as uint8)",
-    "nvfp4": "float8_e4m3fn (the e4m3 block scales)",
-    "mxfp4": "uint8 (E8M0 bytes; view a float8_e8m0fnu tensor as uint8)",
-}
-_SWIZZLABLE = ("mxfp8", "nvfp4", "mxfp4")  # 1-byte block scales
+_SWIZZLABLE = tuple(f for f, m in FORMATS.items() if m.SCALE_DTYPE.itemsize == 1)  # 1-byte block scales
 
 
 def _desc(t) -> str:
@@ -113,9 +99,9 @@ def _check_qt(q, name: str, fmt: Optional[str], role: str, layouts: Sequence[str
                          f"got {tuple(q.data.shape)}")
 
     # ----- scale
-    sdt = _SCALE_DTYPE[q.fmt]
-    if not isinstance(q.scale, torch.Tensor) or q.scale.dtype != sdt:
-        raise ValueError(f"{name}.scale must be {_SCALE_WHAT[q.fmt]}, got {_desc(q.scale)}")
+    mod = FORMATS[q.fmt]
+    if not isinstance(q.scale, torch.Tensor) or q.scale.dtype != mod.SCALE_DTYPE:
+        raise ValueError(f"{name}.scale must be {mod.SCALE_WHAT}, got {_desc(q.scale)}")
     if block is None:
         if q.scale.numel() != 1 or q.scale.dim() > 1:
             raise ValueError(f"{name}.scale must hold one per-tensor scale (shape () or (1,)) for "
@@ -137,13 +123,14 @@ def _check_qt(q, name: str, fmt: Optional[str], role: str, layouts: Sequence[str
                              f"one scale per {br}x{bk} block), got {tuple(q.scale.shape)}")
 
     # ----- global scale
-    if q.fmt == "nvfp4":
+    if mod.HAS_GLOBAL_SCALE:
         g = q.global_scale
         if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.numel() != 1 or g.dim() > 1:
             raise ValueError(f"{name}.global_scale must be a float32 tensor with one element (shape () "
-                             f"or (1,)) for nvfp4, got {_desc(g)}")
+                             f"or (1,)) for {q.fmt}, got {_desc(g)}")
     elif q.global_scale is not None:
-        raise ValueError(f"{name}.global_scale must be None for {q.fmt} (only nvfp4 has one), "
+        with_global = [f for f, m in FORMATS.items() if m.HAS_GLOBAL_SCALE]
+        raise ValueError(f"{name}.global_scale must be None for {q.fmt} (only {', '.join(with_global)} has one), "
                          f"got {_desc(q.global_scale)}")
 
     # ----- one device for every tensor

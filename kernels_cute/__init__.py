@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -40,24 +41,41 @@ from ._common import B12X_VERSION, CuteWeight, PlanKey, SM12X_CAPABILITIES
 # Every format and W4A16 variant formats/ defines (W4A16: the e2m1 formats), whether served or not.
 FORMATS = formats.FORMAT_NAMES
 VARIANTS = FORMATS + tuple(f"{f}_w4a16" for f in FORMATS if formats.spec(f).element == "e2m1")
-# What kernels_cute serves: variant -> b12x's own device gate for its entry point (tensor-FP8 and
-# MXFP8 also need the SM120 MXF8 warp MMA in nvidia-cutlass-dsl, so they have their own). A variant
-# of VARIANTS missing here (a format newly added to formats/) is answered "not served".
-# mxfp4_w4a16 is listed so that supported() gives b12x's reason (no A16 kernel for MXFP4).
-_GATES = {
-    "fp8_tensor": "b12x.gemm.tensor_fp8_linear",
-    "mxfp8": "b12x.gemm.mxfp8_linear",
-    "fp8_block": "b12x.gemm.blockscaled",
-    "nvfp4": "b12x.gemm.blockscaled",
-    "nvfp4_w4a16": "b12x.gemm.blockscaled",
-    "mxfp4": "b12x.gemm.blockscaled",
-    "mxfp4_w4a16": "b12x.gemm.blockscaled",
-}
-DECLARED_UNSUPPORTED = ("mxfp4_w4a16",)
+
+
+def _gates() -> tuple[dict[str, str], tuple[str, ...]]:
+    """What kernels_cute serves: {variant: the b12x module whose is_supported() gates it} (each
+    format module's ``B12X_GATE``, and ``A16_GATE`` for its W4A16 variant), and the W4A16 variants
+    a module declares unsupported (``A16_UNSUPPORTED``: listed, so that supported() gives b12x's
+    reason). A format of formats/ without a module here is answered "not served"."""
+    gates, unsupported = {}, []
+    for fmt in FORMATS:
+        if importlib.util.find_spec(f"{__name__}.{fmt}") is None:
+            continue
+        mod = importlib.import_module(f"{__name__}.{fmt}")
+        gates[fmt] = mod.B12X_GATE
+        if hasattr(mod, "A16_GATE"):
+            gates[f"{fmt}_w4a16"] = mod.A16_GATE
+        elif hasattr(mod, "A16_UNSUPPORTED"):
+            gates[f"{fmt}_w4a16"] = mod.B12X_GATE
+            unsupported.append(f"{fmt}_w4a16")
+    return gates, tuple(unsupported)
+
+
+_GATES, DECLARED_UNSUPPORTED = _gates()
 SERVED = tuple(v for v in VARIANTS if v in _GATES and v not in DECLARED_UNSUPPORTED)
 
-__all__ = ["FORMATS", "VARIANTS", "SERVED", "CuteWeight", "Preparation", "device_gate", "module", "supported",
-           "prepare_weight", "gemm", "linear", "prepare", "B12X_VERSION"]
+__all__ = ["FORMATS", "VARIANTS", "SERVED", "CuteWeight", "Preparation", "device_gate", "module", "not_served",
+           "supported", "prepare_weight", "gemm", "linear", "prepare", "B12X_VERSION"]
+
+
+def not_served(variant: str) -> Optional[str]:
+    """Why kernels_cute has no kernel for ``variant`` (a name of VARIANTS), or None when it has one."""
+    if variant not in _GATES:
+        return f"kernels_cute has no module for {variant!r} (it serves {SERVED})"
+    if variant in DECLARED_UNSUPPORTED:
+        return importlib.import_module(f"{__name__}.{_split(variant)[0]}").A16_UNSUPPORTED
+    return None
 
 
 def _split(variant: str) -> tuple[str, bool]:

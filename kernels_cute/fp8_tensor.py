@@ -41,6 +41,7 @@ from formats import QuantizedTensor
 from . import _common as C
 
 FMT = "fp8_tensor"
+B12X_GATE = "b12x.gemm.tensor_fp8_linear"  # the b12x module whose is_supported() gates this entry point on the running GPU
 K_MULTIPLE = 128
 N_MULTIPLE = 8
 

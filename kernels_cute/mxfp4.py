@@ -43,6 +43,7 @@ from formats import QuantizedTensor
 from . import _common as C
 
 FMT = "mxfp4"
+B12X_GATE = "b12x.gemm.blockscaled"  # the b12x module whose is_supported() gates this entry point on the running GPU
 K_MULTIPLE = 256
 N_MULTIPLE = 8
 VEC_SIZE = 32

@@ -58,6 +58,8 @@ from formats import QuantizedTensor
 from . import _common as C
 
 FMT = "nvfp4"
+B12X_GATE = "b12x.gemm.blockscaled"  # the b12x module whose is_supported() gates this entry point on the running GPU
+A16_GATE = "b12x.gemm.blockscaled"  # nvfp4_w4a16: b12x's A16 route
 K_MULTIPLE = 128
 N_MULTIPLE = 8
 VEC_SIZE = 16

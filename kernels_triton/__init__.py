@@ -7,6 +7,11 @@ kernel, a GEMM kernel and host wrappers with the same names:
     gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16) -> Tensor [M, N]
     linear(x, qweight, bias=None, **opts) -> Tensor [..., N]    (quantize + gemm)
 
+Two GEMM paths per format (``path=None | "native" | "portable"`` on gemm and linear): native is
+tl.dot_scaled, the block-scaled tensor-core MMA on SM120/SM121; portable decodes operand tiles in
+registers and runs a plain tl.dot (Hopper, Ada, the interpreter). ``gemm_path(fmt, capability,
+a16=...) -> (path, reason)`` is the policy, a pure function the dispatcher can report.
+
 With no CUDA device and TRITON_INTERPRET unset, importing this package sets TRITON_INTERPRET=1, so
 the kernels run on CPU tensors in Triton's interpreter. Triton reads the variable when it is first
 imported, so this package must be imported before anything else imports triton (transformers
@@ -35,12 +40,16 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         )
     os.environ["TRITON_INTERPRET"] = "1"
 
-from formats import FORMAT_NAMES  # noqa: E402
 
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set and not "0")."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+from formats import FORMAT_NAMES  # noqa: E402
+
+from ._paths import PATHS, gemm_path  # noqa: E402,F401  (after interpreting: _common imports it)
 
 
 def module(fmt: str):
@@ -55,9 +64,10 @@ def quantize_activation(x: torch.Tensor, fmt: str, **opts):
     return module(fmt).quantize_activation(x, **opts)
 
 
-def gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16):
-    """GEMM alone on quantized operands (xq activation [M, K], qweight [N, K]); see the module."""
-    return module(qweight.fmt).gemm(xq, qweight, bias, out_dtype=out_dtype)
+def gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16, **opts):
+    """GEMM alone on quantized operands (xq activation [M, K], qweight [N, K]; ``path=``, and
+    fp8_block's ``ue8m0=``); see the module."""
+    return module(qweight.fmt).gemm(xq, qweight, bias, out_dtype=out_dtype, **opts)
 
 
 def linear(x: torch.Tensor, qweight, bias=None, **opts):

@@ -138,6 +138,25 @@ def round_to_bf16_rne(x):
 
 
 # ---------------------------------------------------------------------------------------------
+# Block-scale addressing: linear [rows, K/VEC_SIZE] or swizzled 128x4 (formats.layout)
+# ---------------------------------------------------------------------------------------------
+# [scale-offsets]
+@triton.jit
+def scale_offsets(rows, cols, n_cols, stride_row, SWIZZLED: tl.constexpr):
+    """Element offsets [len(rows), len(cols)] of the block scales (rows, cols) of a scale matrix
+    with ``n_cols`` columns. Linear: rows * stride_row + cols. Swizzled 128x4 (the layout cuBLAS
+    and b12x read; formats.layout.swizzled_offset): 512-byte tiles of 128 rows x 4 columns, row r at
+    (r % 32) * 16 + ((r // 32) % 4) * 4 inside its tile, so each row's 4 scales are one 4-byte word."""
+    r = rows.to(tl.int64)[:, None]
+    c = cols[None, :]
+    if SWIZZLED:
+        tiles_per_row = (n_cols + 3) // 4
+        return ((r // 128) * tiles_per_row + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
+    return r * stride_row + c
+# [/scale-offsets]
+
+
+# ---------------------------------------------------------------------------------------------
 # Tile configurations
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)

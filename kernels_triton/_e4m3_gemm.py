@@ -20,6 +20,9 @@ import triton.language as tl
 from formats import QuantizedTensor
 
 from ._common import TileConfig, check_bias, check_weight
+from ._common import interpreting as _interpreting
+from ._paths import sm_count
+from ._tiles import sm12x_config
 from ._twopass import split_k_for
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,13 +39,12 @@ def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | No
     Under the interpreter each (program x K-iteration) costs ~2-3 ms of Python whatever the tile
     size, so the tiles are as large as the problem (up to 256 x 256, K up to 512 per step). On GPU,
     by M:
-      M <= 16   16 x 64 x 128, 4 stages, one program per tile (the e4m3 dot formats; split-K measured
-                slower here: 30.5 vs 26.9 us at N = K = 8192), split-K for mxfp8, whose decode
-                arithmetic needs more programs in flight (206 -> 55 us).
+      M <= 16   16 x 64 x 128, 4 stages, one program per tile (the e4m3 dot formats, where split-K
+                was slower), split-K for mxfp8, whose decode arithmetic needs more programs in flight.
       M <= 64   64 x 64 with split-K: N / 64 programs alone leave most of the 132 SMs idle.
       M <= 256  64 x 128, one program per tile.
-      larger    128 x 128 x 128, 8 warps, 3 stages (128 x 256 x 128 measured 382 vs 838 TF/s at
-                8192^3 for fp8_tensor: its 128-KB accumulator spills with max_num_imprecise_acc).
+      larger    128 x 128 x 128, 8 warps, 3 stages (128 x 256 x 128 is slower for fp8_tensor: its
+                128-KB accumulator spills with max_num_imprecise_acc).
                 ``prepass`` (mxfp8): decode once into bf16, then a bf16 GEMM (_twopass).
     ``block_k`` forces BLOCK_K (block FP8 needs exactly 128: one scale per K step).
     """
@@ -66,16 +68,12 @@ def gemm_config(M: int, N: int, K: int, interpreting: bool, *, block_k: int | No
 
 PREPASS_MIN_M = 128  # mxfp8: above this M the decode pre-pass + bf16 GEMM beats the fused kernel
 
-# SM12x (RTX 50x0 / RTX PRO 6000 / DGX Spark): 101,376 B of shared memory per block, no wgmma.
-# UNTESTED ON HARDWARE and NOT SELECTED YET (SM12x runs gemm_config's SM90 choices). Triton 3.9
-# keeps num_stages - 1 buffers on sm_120 (all num_stages on sm_90): 128 x 256 x 128 e4m3 with
-# 3 stages takes 98,304 B there (fits) but 147,456 B on sm_90; these numbers depend on the Triton
-# version, so check the compiler's shared-memory report before trusting a larger tile.
-SM120_TABLE = {
-    "decode": TileConfig(16, 64, 128, GROUP_M=8, num_warps=4, num_stages=4),
-    "small": TileConfig(64, 128, 128, GROUP_M=8, num_warps=4, num_stages=3),
-    "large": TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=3),
-}
+def native_config(M: int, N: int, K: int, device, *, kind: str = "e4m3", block_k: int | None = None) -> TileConfig:
+    """Tile of a native (tl.dot_scaled) e4m3 GEMM: the SM12x table (_tiles) on a GPU, the
+    interpreter's whole-problem tiles otherwise (``block_k`` forces BLOCK_K there)."""
+    if _interpreting():
+        return gemm_config(M, N, K, True, block_k=block_k)
+    return sm12x_config(kind, M, N, K, sm_count(device))
 
 
 def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, int]:

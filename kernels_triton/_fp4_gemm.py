@@ -1,4 +1,6 @@
-"""The block-scaled FP4 GEMM shared by nvfp4 and mxfp4 (and mxfp4's W4A16 variant).
+"""The portable block-scaled FP4 GEMM shared by nvfp4 and mxfp4 (and their W4A16 variant): decode
+in registers, then a plain tl.dot. GPUs without block-scaled MMA (Hopper, Ada) and the interpreter
+run it for W4A4, every device for W4A16; the native SM12x kernel is nvfp4.fp4_dot_scaled_kernel.
 
 Both formats store e2m1 codes packed two per byte along K (uint8 [rows, K/2], element 2i in the low
 nibble) with one scale per GROUP elements along K (nvfp4: GROUP = 16, e4m3 scale bytes; mxfp4:
@@ -18,7 +20,7 @@ K loop of one [BLOCK_M, BLOCK_N] output tile (``fp4_gemm_kernel``):
 
 The scales are applied to the decoded elements *before* the dot, so one tl.dot per K tile covers
 all the K/GROUP blocks inside it. This is exact in bf16 (the GPU's DOT dtype): an e2m1 value has
-2 significant bits and an e4m3 scale 4, so their product has at most 5 (bf16 keeps 8), and an E8M0
+2 significant bits and an e4m3 scale 4, so their product has at most 6 (bf16 keeps 8), and an E8M0
 scale is a power of two that only moves the exponent (bf16 has fp32's exponent range). The products
 of two such bf16 values are exact in the fp32 accumulator, so the only rounding is the fp32
 accumulation itself. Under TRITON_INTERPRET=1 tl.dot on bf16 is garbage, so DOT is fp32 there
@@ -43,7 +45,11 @@ import triton
 import triton.language as tl
 
 from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, interpreting, round_to_bf16_rne
+from ._paths import device_capability, sm_count
+from ._tiles import sm12x_config
 from ._twopass import (
+    ALPHA_GLOBAL_RECIP,
+    ALPHA_NONE,
     store_splitk_partial,
     launch_bf16_gemm,
     launch_splitk_reduce,
@@ -62,12 +68,12 @@ def _pow2_clamp(v: int, lo: int, hi: int) -> int:
 
 
 def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
-    """Tile sizes for the FP4 GEMM (the SM90 table; it also serves SM12x for now: ``SM120_TABLE``
-    below is written but not selected until it has been measured on SM12x hardware).
+    """Tile sizes for the portable FP4 GEMM off SM12x (the SM90 table; SM12x takes
+    ``_tiles.sm12x_config("e2m1_portable", ...)``, see ``portable_config``).
 
     Interpreter: a (program x K-iteration) costs milliseconds of Python and numpy, so take tiles as
-    large as the problem, up to 256 x 256 x 512 (measured: M, N, K = 257, 200, 384 takes 0.24 s as
-    one 256 x 256 x 512 program and 3.4 s as 64 x 64 x 128 tiles).
+    large as the problem, up to 256 x 256 x 512 (one big program is an order of magnitude faster
+    there than many small ones; docs/results.md).
     GPU, by M (docs/perf_notes.md has the measurements behind each row):
       M <= 16   16 x 128 x 128 with split-K (4 at N = 8192: 256 programs), so that more programs
                 share the weight stream and the decode arithmetic.
@@ -89,8 +95,7 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
     if M > PREPASS_MIN_M:
         return TileConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PREPASS=True)
     if M <= 16:
-        # measured at N = K = 8192 (nvfp4, GEMM alone): 16x64 split 8 68.6 us, 16x128 split 4 56.2,
-        # 16x128 split 8 59.0, 16x32 split 4 91 (docs/perf_notes.md)
+        # 16 x 128 with split 4 beat 16 x 64 / split 8 and 16 x 32 (docs/perf_notes.md)
         return TileConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3,
                           SPLIT_K=split_k_for(M, N, K, 16, 128, 128, target=256))
     if M <= 64:
@@ -102,16 +107,15 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
 
 
 PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
-# SM12x (RTX 50x0 / RTX PRO 6000 / DGX Spark): 101,376 B of shared memory per block, ~99 KB per SM,
-# no wgmma (mma.sync only), 1536 threads per SM. UNTESTED ON HARDWARE and NOT SELECTED YET (SM12x
-# runs fp4_gemm_config's SM90 choices). Shared memory, from Triton 3.9's allocation for sm_120 (it
-# keeps num_stages - 1 buffers there): the pre-pass GEMM 128 x 128 x 64 bf16, 3 stages, 65,536 B;
-# the SM90 pre-pass tile 128 x 256 x 64, 98,304 B: both under the 101,376 B limit.
-SM120_TABLE = {
-    "decode": TileConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
-    "small": TileConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
-    "prepass_gemm": TileConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-}
+
+
+def portable_config(M: int, N: int, K: int, device) -> TileConfig:
+    """The portable kernel's tile on ``device``: the SM12x table on SM120/SM121 (101,376 B of shared
+    memory per block), fp4_gemm_config elsewhere and under the interpreter."""
+    cap = device_capability(device)
+    if cap is not None and cap[0] == 12:
+        return sm12x_config("e2m1_portable", M, N, K, sm_count(device))
+    return fp4_gemm_config(M, N, K, interpreting())
 
 
 def dot_dtype(interp: bool):
@@ -306,14 +310,14 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
     split = bool(a16 and a.dtype == torch.float16 and not interp)
     # fp16 W4A16 keeps the fused hi/lo kernel at every M, so it never takes the pre-pass GEMM's tile
     # (128 x 256 spills in the fused kernel): it uses the fused config of M <= 128 instead.
-    cfg = config or fp4_gemm_config(min(M, PREPASS_MIN_M) if split else M, N, K, interp)
+    cfg = config or portable_config(min(M, PREPASS_MIN_M) if split else M, N, K, w.device)
     has_global = gx is not None
     if cfg.PREPASS and not split:
         # Large M: decode each operand once (bf16 scratch), then one plain GEMM; alpha and bias in
         # its epilogue. W4A16 with bf16 x uses x itself (fp16 x keeps the fused hi/lo path).
         wd = dequant_fp4(w, w_scale, K, group, scale_e4m3)
         ad = a.to(wd.dtype) if a16 else dequant_fp4(a, a_scale, K, group, scale_e4m3)
-        return launch_bf16_gemm(ad, wd, out, bias=bias, alpha_mode=2 if has_global else 0, s1=gx, s2=gw,
+        return launch_bf16_gemm(ad, wd, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE, s1=gx, s2=gw,
                                 config=cfg)
     if a16:
         stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
@@ -339,5 +343,5 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if n_split > 1:
-        launch_splitk_reduce(ws, out, bias=bias, alpha_mode=2 if has_global else 0, s1=gx, s2=gw)
+        launch_splitk_reduce(ws, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE, s1=gx, s2=gw)
     return out

@@ -23,12 +23,13 @@ value is exact in bf16: see _fp4_gemm and mxfp8), and ``bf16_gemm_kernel`` multi
 matrices with the scales already applied. Same function, same fp32 accumulation; the price is
 2 bytes per element of scratch traffic, small next to 2 * M * N * K FLOPs once M is a few hundred.
 
-alpha (ALPHA_MODE, constexpr):
-    0  none
-    1  s1 * s2                    (fp8_tensor: the two per-tensor scales)
-    2  (1 / s1) * (1 / s2)        (nvfp4: the global scales, read from device tensors, no host sync;
-                                   two IEEE reciprocals, so g_x * g_w cannot overflow; their product
-                                   underflows only when amax_x * amax_w < ~1e-31)
+alpha (ALPHA_MODE, constexpr), named:
+    ALPHA_NONE          1                        (every scale was applied in the K loop)
+    ALPHA_SCALES        s1 * s2                  (fp8_tensor: the two per-tensor scales)
+    ALPHA_GLOBAL_RECIP  (1 / s1) * (1 / s2)      (nvfp4: the global scales, read from device tensors,
+                                                  no host sync; two IEEE reciprocals, so g_x * g_w
+                                                  cannot overflow; their product underflows only when
+                                                  amax_x * amax_w < ~1e-31)
 """
 
 from __future__ import annotations
@@ -39,14 +40,22 @@ import triton.language as tl
 
 from ._common import TileConfig, interpreting, round_to_bf16_rne
 
+# epilogue modes (ALPHA_MODE): what multiplies the fp32 accumulator before the bias
+ALPHA_NONE = 0
+ALPHA_SCALES = 1
+ALPHA_GLOBAL_RECIP = 2
+NO_ALPHA = tl.constexpr(ALPHA_NONE)  # for kernels that call epilogue() with every scale already applied
+_ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
+_ALPHA_GLOBAL_RECIP = tl.constexpr(ALPHA_GLOBAL_RECIP)
+
 
 @triton.jit
 def epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
               ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
     """acc * alpha + bias (see the module docstring), rounded for a bf16 store under the interpreter."""
-    if ALPHA_MODE == 1:
+    if ALPHA_MODE == _ALPHA_SCALES:
         acc = acc * tl.load(s1_ptr) * tl.load(s2_ptr)
-    if ALPHA_MODE == 2:
+    if ALPHA_MODE == _ALPHA_GLOBAL_RECIP:
         acc = acc * (tl.math.div_rn(1.0, tl.load(s1_ptr)) * tl.math.div_rn(1.0, tl.load(s2_ptr)))
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -87,7 +96,7 @@ def splitk_reduce_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-TARGET_PROGRAMS = 1024  # H200: 132 SMs, ~8 small programs each in flight
+TARGET_PROGRAMS = 1024  # Hopper: 132 SMs, ~8 small programs each in flight
 
 
 def split_k_for(M: int, N: int, K: int, bm: int, bn: int, bk: int, target: int = TARGET_PROGRAMS) -> int:
@@ -112,7 +121,7 @@ def splitk_workspace(split: int, M: int, N: int, device) -> torch.Tensor:
     return torch.empty((split, M, N), dtype=torch.float32, device=device)
 
 
-def launch_splitk_reduce(ws, y, *, bias=None, alpha_mode=0, s1=None, s2=None) -> torch.Tensor:
+def launch_splitk_reduce(ws, y, *, bias=None, alpha_mode=ALPHA_NONE, s1=None, s2=None) -> torch.Tensor:
     """y [M, N] (row stride free, column stride 1) = epilogue(ws.sum(0)), summed in order."""
     split, M, N = ws.shape
     bm, bn = (min(64, triton.next_power_of_2(M)), min(256, triton.next_power_of_2(N))) if interpreting() \
@@ -187,7 +196,7 @@ def scratch_dtype() -> torch.dtype:
     return torch.float32 if interpreting() else torch.bfloat16
 
 
-def launch_bf16_gemm(a, b, y, *, bias=None, alpha_mode=0, s1=None, s2=None,
+def launch_bf16_gemm(a, b, y, *, bias=None, alpha_mode=ALPHA_NONE, s1=None, s2=None,
                      config: TileConfig | None = None) -> torch.Tensor:
     """y [M, N] = epilogue(a [M, K] . b [N, K]^T); a and b share one dtype (bf16, or fp32 in the interpreter)."""
     M, K = a.shape

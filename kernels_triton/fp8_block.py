@@ -32,6 +32,12 @@ is added to the fp32 accumulator in registers, so the accumulation is promoted t
 step whatever Triton's Hopper default is; we still pass max_num_imprecise_acc=BLOCK_K to say so.
 Under the interpreter the codes are decoded to fp32 with _common.decode_e4m3 before the dot.
 
+Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
+each 128-deep partial is a tl.dot_scaled with unit E8M0 scales (the full-rate block-scaled MMA)
+promoted as above; with ``ue8m0=True`` (power-of-two scales, DeepGEMM's UE8M0) each scale 2^e is
+handed to the MMA as its E8M0 byte e + 127, repeated over its four 32-blocks, and no promotion
+step is needed (a scale that is not a power of two makes its rows/columns of y NaN).
+
 Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
 fp8_block QuantizedTensor [N, K]. NaN/Inf in x are not checked (no host synchronization).
 """
@@ -64,9 +70,11 @@ from ._e4m3_gemm import (
     flatten_rows,
     gemm_config,
     grouped_tile,
+    native_config,
     quant_config,
 )
-from ._twopass import epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+from ._paths import default_device, resolve_path
+from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
@@ -167,17 +175,99 @@ def _gemm_kernel(
 
     # ----- epilogue: bias, cast, store -----
     # (RNE_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
-    # (alpha mode 0: every scale was applied in the K loop, so the two scale pointers are unused)
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, 0, HAS_BIAS, RNE_BF16)
+    # (NO_ALPHA: every scale was applied in the K loop, so the two scale pointers are unused)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
+# GEMM, native path (SM12x): the block-scaled MMA, with unit scales + fp32 promotion, or UE8M0
+# ---------------------------------------------------------------------------------------------
+# [native-kernel]
+@triton.jit
+def _native_gemm_kernel(
+    # pointers
+    x_ptr, w_ptr,  # e4m3 codes as uint8: x [M, K], w [N, K] (K contiguous)
+    sx_ptr, sw_ptr,  # float32 scales: sx [M, K/128], sw [ceil(N/128), K/128]
+    bias_ptr, y_ptr,
+    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and adds the bias
+    # dimensions
+    M, N, K, K_PER,
+    # strides
+    stride_xm, stride_wn, stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym,
+    # meta-parameters
+    UE8M0: tl.constexpr,  # every scale is a power of two: hand its exponent to the MMA as E8M0
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """fp32 scales (UE8M0=False): one 128-deep dot_scaled with unit E8M0 scales per K step (the
+    full-rate MMA, see fp8_tensor), promoted into the fp32 accumulator times sx * sw, as the
+    portable kernel does. UE8M0 scales: 2^e is E8M0 byte e + 127, which is bits 30..23 of the fp32
+    scale, so each 128-wide scale goes to the MMA as that byte repeated over its four 32-blocks; the
+    instruction applies it and no promotion step is needed. A scale that is not a power of two
+    (mantissa bits set: not a UE8M0 checkpoint) makes its rows / columns of y NaN instead of a
+    silently wrong number."""
+    tl.static_assert(BLOCK_K % 128 == 0, "BLOCK_K must be a multiple of the 128-wide scale group")
+    tl.static_assert(UE8M0 or BLOCK_K == 128, "fp32 scales need BLOCK_K == 128: one scale per K step")
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows_sx = offs_m.to(tl.int64) * stride_sxm  # [BLOCK_M]
+    rows_sw = (offs_n // _GROUP).to(tl.int64) * stride_swn  # [BLOCK_N]: weight block row n // 128
+    unit_a = tl.full((BLOCK_M, BLOCK_K // 32), 127, tl.uint8)
+    unit_b = tl.full((BLOCK_N, BLOCK_K // 32), 127, tl.uint8)
+    bad_m = tl.zeros([BLOCK_M], dtype=tl.int32)
+    bad_n = tl.zeros([BLOCK_N], dtype=tl.int32)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = tl.program_id(1) * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0)
+        b = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0)
+        if UE8M0:
+            # scale group of each 32-block: [BLOCK_K / 32] -> fp32 scales [rows, BLOCK_K / 32]
+            kb = (k0 + 32 * tl.arange(0, BLOCK_K // 32)) // _GROUP
+            sx = tl.load(sx_ptr + rows_sx[:, None] + kb[None, :] * stride_sxk, mask=m_ok[:, None], other=1.0)
+            sw = tl.load(sw_ptr + rows_sw[:, None] + kb[None, :] * stride_swk, mask=n_ok[:, None], other=1.0)
+            bx = sx.to(tl.int32, bitcast=True)
+            bw = sw.to(tl.int32, bitcast=True)
+            # a positive power of two has no mantissa bits and bx > 0 (sign clear, not zero)
+            bad_m |= tl.max((((bx & 0x7FFFFF) != 0) | (bx <= 0)).to(tl.int32), axis=1)
+            bad_n |= tl.max((((bw & 0x7FFFFF) != 0) | (bw <= 0)).to(tl.int32), axis=1)
+            acc = tl.dot_scaled(a, ((bx >> 23) & 0xFF).to(tl.uint8), "e4m3",
+                                b.T, ((bw >> 23) & 0xFF).to(tl.uint8), "e4m3", acc)
+        else:
+            kb = k0 // _GROUP
+            sx = tl.load(sx_ptr + rows_sx + kb * stride_sxk, mask=m_ok, other=0.0)  # [BLOCK_M]
+            sw = tl.load(sw_ptr + rows_sw + kb * stride_swk, mask=n_ok, other=0.0)  # [BLOCK_N]
+            partial = tl.dot_scaled(a, unit_a, "e4m3", b.T, unit_b, "e4m3")  # a fresh 128-deep sum
+            acc += partial * sx[:, None] * sw[None, :]
+    if UE8M0:
+        acc = tl.where((bad_m[:, None] | bad_n[None, :]) != 0, float("nan"), acc)
+
+    if SPLIT:  # a partial sum of this K range; the bias comes in the reduction
+        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
+        return
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+# [/native-kernel]
+
+
+# ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
+def tile_config(M: int, N: int, K: int, path=None):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
+    and ``path`` (None: gemm_path's choice; native with fp32 scales), as gemm uses it (the bench)."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_config(M, N, K, dev, kind="fp8_block", block_k=FP8_BLOCK)
     return gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK)
 
 
@@ -212,27 +302,38 @@ def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTen
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, *, ue8m0: bool = False, path: Optional[str] = None) -> torch.Tensor:
     """y = sum over 128-wide K blocks of (qx . qw^T) * sx * sw (+ bias) on quantized operands.
+
+    Native path (SM12x): fp32 scales take one unit-scale block-scaled MMA per 128-K step plus the
+    fp32 promotion; ``ue8m0=True`` declares both operands' scales powers of two (DeepGEMM UE8M0)
+    and hands them to the MMA as E8M0 bytes. Portable path: fp8 tl.dot partials (ue8m0 is then
+    only a statement: the same kernel serves both).
 
     Args:
         xq: fp8_block activation QuantizedTensor [M, K] (scale float32 [M, K/128]).
         qweight: fp8_block weight QuantizedTensor [N, K] (scale float32 [ceil(N/128), K/128]), linear layout.
         bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
         out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        ue8m0: both operands' scales are powers of two (native path: E8M0 scales in the MMA; a
+            scale that is not makes its rows/columns of y NaN).
+        path: None (gemm_path's choice for the weight's device), "native" or "portable".
     Returns:
         [M, N] tensor of out_dtype (empty when M == 0).
     Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
+        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
+            unknown path.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
+    if resolve_path(path, FMT, qweight.device) == "native":
+        return _gemm_native(xq, qweight, bias, y, bool(ue8m0))
     interp = interpreting()
     dot_fp8 = not interp
-    cfg = tile_config(M, N, K)
+    cfg = tile_config(M, N, K, path="portable")
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
     sx, sw = xq.scale, qweight.scale
@@ -254,15 +355,42 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     return y
 
 
+def _gemm_native(xq, qweight, bias, y, ue8m0: bool) -> torch.Tensor:
+    """Launch _native_gemm_kernel into y [M, N] (the SM12x tile table; split-K for small M)."""
+    M, N = y.shape
+    K = qweight.k
+    cfg = native_config(M, N, K, y.device, kind="e4m3" if ue8m0 else "fp8_block", block_k=FP8_BLOCK)
+    x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
+    sx, sw = xq.scale, qweight.scale
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
+    _native_gemm_kernel[grid](
+        x, w, sx, sw, bias if bias is not None else y, y, ws,
+        M, N, K, k_per,
+        x.stride(0), w.stride(0), sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0),
+        UE8M0=ue8m0, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT=n_split > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if n_split > 1:
+        launch_splitk_reduce(ws, y, bias=bias)
+    return y
+
+
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           ue8m0: bool = False) -> torch.Tensor:
+           ue8m0: bool = False, path: Optional[str] = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with x quantized to block FP8 (1x128 groups) on the fly.
 
     Args:
         x: bfloat16/float16 [..., K], K a multiple of 128, any strides.
         qweight: fp8_block weight QuantizedTensor [N, K] (linear layout) on x's device.
         bias: optional float [N].
-        ue8m0: power-of-two activation scales (see quantize_activation).
+        ue8m0: power-of-two activation scales (see quantize_activation), and a statement that the
+            weight's scales are powers of two too (a UE8M0 checkpoint): the native path then runs
+            the E8M0 MMA (a weight scale that is not a power of two gives NaN there).
+        path: None (auto for x's device), "native" or "portable" (see gemm).
     Returns:
         [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
     Raises:
@@ -274,4 +402,4 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
     xq = quantize_activation(x, ue8m0=ue8m0)
-    return gemm(xq, qweight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], N)
+    return gemm(xq, qweight, bias, out_dtype=x.dtype, ue8m0=ue8m0, path=path).reshape(*x.shape[:-1], N)

@@ -34,11 +34,17 @@ GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
 
 On GPU the e4m3 tiles go straight into tl.dot (fp8 tensor cores). On Hopper, Triton's default for
 fp8 dots is *imprecise* accumulation (max_num_imprecise_acc = 2^30: the wgmma accumulator is never
-promoted to full fp32), measured at 4e-3..7e-3 relative error at 8192^3 on the H200. We pass
+promoted to full fp32), which loses about 3 bits at K = 8192 (docs/results.md). We pass
 max_num_imprecise_acc=BLOCK_K (128), which promotes into the fp32 accumulator after every K step
-(measured 1.5e-4; ~25% slower). Other architectures ignore the argument. Under the interpreter
+(a few times more accurate, somewhat slower). Other architectures ignore the argument. Under the interpreter
 the codes are decoded to fp32 with _common.decode_e4m3 first (exact; the interpreter's fp8 paths
 are not trusted for anything but loads).
+
+Two paths (kernels_triton._paths.gemm_path picks by device; ``path=`` forces one): the portable
+kernel above (``_gemm_kernel``, a plain fp8 tl.dot), and on SM12x ``_native_gemm_kernel``: the
+same codes through tl.dot_scaled with every E8M0 scale 127 (2^0), because there the plain fp8 MMA
+runs at half the 8-bit rate and the block-scaled one at full rate (triton#11320); the two scales
+stay in the epilogue either way.
 
 Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
 fp8_tensor QuantizedTensor [N, K]. NaN/Inf in x are not checked (the oracle refuses them; checking
@@ -73,9 +79,20 @@ from ._e4m3_gemm import (
     flatten_rows,
     gemm_config,
     grouped_tile,
+    native_config,
     quant_config,
 )
-from ._twopass import launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+from ._paths import default_device, resolve_path
+from ._twopass import (
+    ALPHA_SCALES,
+    epilogue,
+    launch_splitk_reduce,
+    splitk_plan,
+    splitk_workspace,
+    store_splitk_partial,
+)
+
+_ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
 
 FMT = "fp8_tensor"
 K_MULTIPLE = 1  # per-tensor scaling puts no constraint on K
@@ -83,7 +100,7 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 PARTIALS_BLOCK = 1024  # partial maxima reduced per step in stage 2
 # max_num_imprecise_acc of the Hopper fp8 dot: promote the wgmma accumulator to fp32 every 128
-# products (K = 8192: max-rel error 1.5e-4; never promoting: 4e-3..7e-3, over the 1e-3 budget).
+# products (never promoting loses ~3 bits at K = 8192, over the 1e-3 relative-error budget).
 IMPRECISE_ACC = 128
 
 
@@ -103,7 +120,7 @@ def _amax_partials_kernel(
 ):
     """partials[pid_m * Pk + pid_k] = max |x| over rows [pid_m*BLOCK_M, (pid_m+1)*BLOCK_M) and the
     K tiles pid_k, pid_k + Pk, ... The grid spans K as well as M: a program walking all of K issues
-    its loads one after another (at decode, M = 16 and K = 8192, that was ~45 us for one program)."""
+    its loads one after another (at decode, one program would walk all of K = 8192 alone)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pk = tl.num_programs(1)
@@ -222,10 +239,69 @@ def _gemm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# GEMM, native path (SM12x): the codes through the block-scaled MMA with unit scales
+# ---------------------------------------------------------------------------------------------
+# [native-kernel]
+@triton.jit
+def _native_gemm_kernel(
+    # pointers
+    x_ptr, w_ptr,  # e4m3 codes as uint8: x [M, K], w [N, K] (K contiguous)
+    sx_ptr, sw_ptr,  # the per-tensor scales, float32 [1] each
+    bias_ptr, y_ptr,
+    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and runs the epilogue
+    # dimensions
+    M, N, K, K_PER,
+    # strides
+    stride_xm, stride_wn, stride_ym,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """y = (qx . qw^T) * sx * sw + bias with every 32 codes scaled by 2^0 inside the MMA. Why:
+    on SM120 a plain fp8 tl.dot lowers to mma.sync m16n8k32.f32.e4m3.e4m3.f32, which runs at half
+    the 8-bit rate; tl.dot_scaled with E8M0 byte 127 (= 1.0) lowers to the full-rate
+    kind::mxf8f6f4.block_scale instruction (triton#11320) and computes the same sums."""
+    tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MMA's 32-element scale block")
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # unit scales, [BLOCK_M, BLOCK_K / 32] and [BLOCK_N, BLOCK_K / 32]: E8M0 byte 127 is 2^0
+    unit_a = tl.full((BLOCK_M, BLOCK_K // 32), 127, tl.uint8)
+    unit_b = tl.full((BLOCK_N, BLOCK_K // 32), 127, tl.uint8)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = tl.program_id(1) * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K  # any K: the tail reads code 0
+        a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0)
+        b = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0)
+        acc = tl.dot_scaled(a, unit_a, "e4m3", b.T, unit_b, "e4m3", acc)
+
+    if SPLIT:  # a partial sum of this K range; the scales and bias come in the reduction
+        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
+        return
+    # ----- epilogue: the two per-tensor scales (ALPHA_SCALES), then the bias -----
+    y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+# [/native-kernel]
+
+
+# ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
+def tile_config(M: int, N: int, K: int, path=None):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
+    and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_config(M, N, K, dev)
     return gemm_config(M, N, K, interpreting())
 
 
@@ -281,27 +357,32 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y = (qx . qw^T) * sx * sw (+ bias) on quantized operands.
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
+    """y = (qx . qw^T) * sx * sw (+ bias) on quantized operands (native: the block-scaled MMA
+    with unit scales; portable: a plain fp8 tl.dot; gemm_path picks by device).
 
     Args:
         xq: fp8_tensor activation QuantizedTensor [M, K] (data float8_e4m3fn, scale float32 0-d).
         qweight: fp8_tensor weight QuantizedTensor [N, K], linear scale layout.
         bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
         out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        path: None (gemm_path's choice for the weight's device), "native" or "portable".
     Returns:
         [M, N] tensor of out_dtype (empty when M == 0).
     Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
+        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
+            unknown path.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
+    if resolve_path(path, FMT, qweight.device) == "native":
+        return _gemm_native(xq, qweight, bias, y)
     interp = interpreting()
     dot_fp8 = not interp
-    cfg = tile_config(M, N, K)
+    cfg = tile_config(M, N, K, path="portable")
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
     n_split, k_per = splitk_plan(K, cfg)
@@ -317,12 +398,36 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=1, s1=xq.scale, s2=qweight.scale)
+        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=xq.scale, s2=qweight.scale)
+    return y
+
+
+def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
+    """Launch _native_gemm_kernel into y [M, N] (the SM12x tile table; split-K for small M)."""
+    M, N = y.shape
+    K = qweight.k
+    cfg = native_config(M, N, K, y.device)
+    x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
+    sx, sw = xq.scale.reshape(1), qweight.scale.reshape(1)
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
+    _native_gemm_kernel[grid](
+        x, w, sx, sw, bias if bias is not None else y, y, ws,
+        M, N, K, k_per,
+        x.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT=n_split > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if n_split > 1:
+        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=sx, s2=sw)
     return y
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           scale=None) -> torch.Tensor:
+           scale=None, path: Optional[str] = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with x quantized to per-tensor FP8 on the fly.
 
     Args:
@@ -330,6 +435,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         qweight: fp8_tensor weight QuantizedTensor [N, K] (linear layout) on x's device.
         bias: optional float [N].
         scale: static activation scale (see quantize_activation); None for dynamic.
+        path: None (auto for x's device), "native" or "portable" (see gemm).
     Returns:
         [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
     Raises:
@@ -340,4 +446,4 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
     xq = quantize_activation(x, scale=scale)
-    return gemm(xq, qweight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], N)
+    return gemm(xq, qweight, bias, out_dtype=x.dtype, path=path).reshape(*x.shape[:-1], N)

@@ -21,7 +21,15 @@ Quantization (``_quantize_kernel``), one program per [BLOCK_M, BLOCK_K] tile of 
 ceil_log2/floor_log2 read the fp32 exponent bits and exp2_int writes them, so the exponent is exact
 on every backend (tl.exp2/tl.log2 may be approximate on GPU).
 
-GEMM, W4A4 (``gemm``; _fp4_gemm.fp4_gemm_kernel with GROUP=32, E8M0 scales):
+GEMM, W4A4 (``gemm``), two paths (kernels_triton._paths.gemm_path picks by device; ``path=``
+forces one):
+
+    native    nvfp4.fp4_dot_scaled_kernel with VEC_SIZE=32 and E8M0 (uint8) scales: the SM12x
+              block-scaled MMA (mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::2X ue8m0)
+              applies one scale per 32 elements inside the instruction. nvfp4.py walks the kernel;
+              it is the same body, so the H200 and interpreter runs of this instance check the
+              code that the NVFP4 instance compiles to on sm_120a.
+    portable  decode in registers (_fp4_gemm.fp4_gemm_kernel with GROUP=32, E8M0 scales):
 
     for k0 in range(0, K, BLOCK_K):
         a = e2m1(A bytes) * 2^(A scale - 127)[:, k // 32]    # [BLOCK_M, BLOCK_K], exact in bf16
@@ -39,7 +47,7 @@ rounded except the fp32 accumulation.
 
 Constraints: K % 32 == 0; x bf16/fp16 [..., K], any leading dims and strides; weights with
 linear-layout scales (formats.quantize(w, "mxfp4")). E8M0 byte 0xFF (NaN) is never produced and not
-special-cased. Not done: the SM120 tl.dot_scaled fast path.
+special-cased. W4A16 takes the portable kernel on every device (gemm_path says why).
 """
 
 from __future__ import annotations
@@ -64,7 +72,9 @@ from ._common import (
     interpreting,
     kernel_bias,
 )
-from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm
+from ._fp4_gemm import launch_fp4_gemm, portable_config
+from ._paths import check_native_weight, default_device, resolve_path, weight_scale_bytes
+from .nvfp4 import launch_fp4_dot_scaled, native_tile_config
 
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
@@ -170,9 +180,13 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, VEC_SIZE), (M, K))
 
 
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
-    return fp4_gemm_config(M, N, K, interpreting())
+def tile_config(M: int, N: int, K: int, path=None):
+    """The W4A4 GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's
+    device and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_tile_config(M, N, K, dev)
+    return portable_config(M, N, K, dev)
 
 
 def _check_out_dtype(out_dtype) -> None:
@@ -181,21 +195,22 @@ def _check_out_dtype(out_dtype) -> None:
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
     """y = dequant(xq) . dequant(qweight)^T (+ bias) from MXFP4 operands (W4A4).
 
     Args:
         xq: MXFP4 activation [M, K] (data uint8 [M, K/2], scale uint8 E8M0 [M, K/32]).
-        qweight: MXFP4 weight [N, K] with linear-layout scales.
+        qweight: MXFP4 weight [N, K]; scales linear, or swizzled 128x4 on the native path.
         bias: optional float tensor [N] on the weight's device, added in fp32 in the epilogue.
         out_dtype: torch.bfloat16, torch.float16 or torch.float32.
+        path: None (gemm_path's choice for the weight's device), "native" or "portable".
     Returns:
         [M, N] tensor of out_dtype (fp32 accumulation).
     Raises:
         ValueError: wrong format/role/layout of either operand, K or device mismatch, bad bias
-            shape or device, unsupported out_dtype.
+            shape or device, unsupported out_dtype, unknown path.
     """
-    check_weight(qweight, FMT)
+    check_native_weight(qweight, FMT, path)
     if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != FMT:
         got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
         raise ValueError(f"xq must be an {FMT} activation QuantizedTensor, got {got}")
@@ -209,8 +224,16 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     bias = kernel_bias(bias)
+    a, sa = xq.data.contiguous(), xq.scale.contiguous()
+    # [native-call]
+    if resolve_path(path, FMT, qweight.device) == "native":
+        # nvfp4's kernel with one E8M0 (uint8) scale per 32 and no global scale
+        sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)
+        return launch_fp4_dot_scaled(a, sa, qweight.data.contiguous(), sw, M=xq.rows, N=N, K=K, vec_size=VEC_SIZE,
+                                     scale_e4m3=False, w_swizzled=swizzled, bias=bias, out_dtype=out_dtype)
+    # [/native-call]
     return launch_fp4_gemm(
-        xq.data.contiguous(), xq.scale.contiguous(), qweight.data.contiguous(), qweight.scale.contiguous(),
+        a, sa, qweight.data.contiguous(), qweight.scale.contiguous(),
         M=xq.rows, N=N, K=K, group=VEC_SIZE, scale_e4m3=False, bias=bias, out_dtype=out_dtype,
     )
 
@@ -247,7 +270,7 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           a16: bool = False, scale_rule: str = "ceil") -> torch.Tensor:
+           a16: bool = False, scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with MXFP4 weights: W4A4 (activations quantized to MXFP4 by
     quantize_activation) or, with ``a16=True``, W4A16 (activations used as they are).
 
@@ -257,18 +280,21 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         bias: optional [N] float tensor.
         a16: keep the activations in bf16/fp16 (weight-only quantization).
         scale_rule: activation scale rule for W4A4, "ceil" or "floor" (ignored with a16).
+        path: None (auto for x's device), "native" or "portable" (see gemm; W4A16 is portable).
     Returns:
         [..., N] tensor of x's dtype; an empty [..., N] when x has no rows.
     Raises:
         ValueError: x not bf16/fp16, K not a multiple of 32 or not the weight's K, x and weight on
-            different devices, wrong weight format or layout, bad bias shape, unknown scale_rule.
+            different devices, wrong weight format or layout, bad bias shape, unknown scale_rule,
+            unknown path, path="native" with a16.
     """
-    check_weight(qweight, FMT)
+    check_native_weight(qweight, FMT, path)
     check_activation(x, qweight.k, VEC_SIZE, FMT, device=qweight.device)
     N = qweight.shape[0]
     check_bias(bias, N, qweight.device)
     if a16:
+        resolve_path(path, FMT, qweight.device, a16=True)  # rejects path="native"
         y = gemm_w4a16(x.reshape(-1, x.shape[-1]), qweight, bias, out_dtype=x.dtype)
     else:
-        y = gemm(quantize_activation(x, scale_rule=scale_rule), qweight, bias, out_dtype=x.dtype)
+        y = gemm(quantize_activation(x, scale_rule=scale_rule), qweight, bias, out_dtype=x.dtype, path=path)
     return y.reshape(*x.shape[:-1], N)

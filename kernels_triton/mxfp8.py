@@ -30,18 +30,24 @@ their product has 4 significant bits and an 8-bit exponent -- it is representabl
 in fp32) and accumulates in fp32. So the only rounding is fp32 accumulation, as in any fp32 GEMM;
 no scale is rounded. We chose this over per-32 sub-dots (dot the e4m3 codes 32 deep, multiply the
 partial by 2^(ex+ew)): that is also exact but needs one tl.dot per 32 elements of K, a [BLOCK_M,
-BLOCK_N] scale multiply per sub-dot and 32-deep fp8 dots, and is slower on Hopper (138 vs ~180
-TF/s in the team's first H200 measurements).
+BLOCK_N] scale multiply per sub-dot and 32-deep fp8 dots, and is slower on Hopper
+(docs/results.md). On SM12x the native path below hands the codes and scales to the block-scaled
+MMA instead, which applies the scales inside the instruction.
 
 DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
 there). The scales are loaded once per 32-element block, [BLOCK_M, BLOCK_K / 32], and broadcast by a
-reshape to [BLOCK_M, BLOCK_K / 32, 32] (an earlier per-element gather sx[offs_m, offs_k // 32] hit
-the cache but cost one load instruction per element: 200 us at decode on the H200).
+reshape to [BLOCK_M, BLOCK_K / 32, 32] (a per-element gather sx[offs_m, offs_k // 32] would hit
+the cache but cost one load instruction per element).
 
 Launch regimes (tile_config; _twopass explains both): decode-sized M splits K over several programs
 per output tile (split-K, fp32 workspace, ordered reduction); large M decodes each operand once
 into bf16 scratch (``_dequant_kernel``) and runs a plain bf16 GEMM, instead of re-decoding every
 weight tile M / BLOCK_M times.
+
+Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
+no decoding at all. tl.dot_scaled takes the e4m3 codes and the E8M0 bytes and lowers to
+mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, which applies one scale per
+32 elements of each row inside the instruction: the same exact products, fp32 accumulation.
 
 Constraints: K a multiple of 32; x bf16/fp16 [..., K]; weight a linear-layout mxfp8
 QuantizedTensor [N, K] (scale uint8 [N, K/32]). E8M0 byte 0xFF (NaN) is not special-cased, and
@@ -51,6 +57,7 @@ x are not checked (no host synchronization).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -65,7 +72,6 @@ from ._common import (
     ceil_log2,
     check_activation,
     check_bias,
-    check_weight,
     decode_e4m3,
     decode_e8m0,
     encode_e4m3,
@@ -73,9 +79,12 @@ from ._common import (
     floor_log2,
     interpreting,
     kernel_bias,
+    scale_offsets,
 )
-from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, quant_config
+from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
+from ._paths import check_native_weight, default_device, resolve_path, weight_scale_bytes
 from ._twopass import (
+    NO_ALPHA,
     epilogue,
     launch_bf16_gemm,
     launch_splitk_reduce,
@@ -196,10 +205,68 @@ def _gemm_kernel(
 
     # ----- epilogue: bias, cast, store (all scales were applied in the K loop) -----
     # (RNE_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
-    # (alpha mode 0: every scale was applied in the K loop, so the two scale pointers are unused)
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, 0, HAS_BIAS, RNE_BF16)
+    # (NO_ALPHA: every scale was applied in the K loop, so the two scale pointers are unused)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM, native path: the scales go into the block-scaled MMA (SM12x), nothing is decoded
+# ---------------------------------------------------------------------------------------------
+# [native-kernel]
+@triton.jit
+def _native_gemm_kernel(
+    # pointers
+    x_ptr, w_ptr,  # e4m3 codes as uint8: x [M, K], w [N, K] (K contiguous)
+    sx_ptr, sw_ptr,  # E8M0 scale bytes: sx [M, K/32] linear, sw [N, K/32] linear or swizzled 128x4
+    bias_ptr, y_ptr,
+    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and adds the bias
+    # dimensions
+    M, N, K, K_PER,
+    # strides
+    stride_xm, stride_wn, stride_sxm, stride_swn, stride_ym,
+    # meta-parameters
+    W_SWIZZLED: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of y = sum_k (qx * 2^ex) (qw * 2^ew): on SM12x each
+    tl.dot_scaled is mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, one
+    E8M0 scale per 32 elements of a row of x and of a row of w, applied inside the instruction."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    n_scales = K // VEC_SIZE
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = tl.program_id(1) * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        # codes [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; the K tail reads code 0
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0)
+        b = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0)
+        # E8M0 bytes, one per 32 codes: [BLOCK_M, BLOCK_K / 32] and [BLOCK_N, BLOCK_K / 32]
+        offs_g = k0 // VEC_SIZE + tl.arange(0, BLOCK_K // VEC_SIZE)
+        g_ok = offs_g < n_scales
+        sa = tl.load(sx_ptr + scale_offsets(offs_m, offs_g, n_scales, stride_sxm, False),
+                     mask=m_ok[:, None] & g_ok[None, :], other=127)
+        sb = tl.load(sw_ptr + scale_offsets(offs_n, offs_g, n_scales, stride_swn, W_SWIZZLED),
+                     mask=n_ok[:, None] & g_ok[None, :], other=127)
+        acc = tl.dot_scaled(a, sa, "e4m3", b.T, sb, "e4m3", acc)
+
+    if SPLIT:  # a partial sum of this K range; the bias comes in the reduction
+        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
+        return
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+# [/native-kernel]
 
 
 @triton.jit
@@ -232,10 +299,14 @@ def _dequant(q, s) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the
-    bench): fused with 64-deep K steps on GPU (the decoded tiles live in registers before the dot),
-    split-K for decode, the bf16 pre-pass for large M."""
+def tile_config(M: int, N: int, K: int, path=None):
+    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
+    and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it). Native: the
+    SM12x table. Portable: fused with 64-deep K steps on GPU (the decoded tiles live in registers
+    before the dot), split-K for decode, the bf16 pre-pass for large M."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_config(M, N, K, dev)
     interp = interpreting()
     return gemm_config(M, N, K, interp, block_k=None if interp else 64, prepass=True)
 
@@ -275,26 +346,35 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias), dequantizing in registers.
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
+    """y = dequant(xq) . dequant(qweight)^T (+ bias): natively (tl.dot_scaled, the SM12x
+    block-scaled MMA) or portably (dequantizing in registers); gemm_path picks by device.
 
     Args:
         xq: mxfp8 activation QuantizedTensor [M, K] (scale uint8 E8M0 [M, K/32]).
-        qweight: mxfp8 weight QuantizedTensor [N, K] (scale uint8 [N, K/32]), linear layout.
+        qweight: mxfp8 weight QuantizedTensor [N, K] (scale uint8 [N, K/32]), linear layout
+            (swizzled 128x4 too with path="native").
         bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
         out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        path: None (gemm_path's choice for the weight's device), "native" or "portable".
     Returns:
         [M, N] tensor of out_dtype (empty when M == 0).
     Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype.
+        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
+            unknown path.
     """
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    swizzled = path == "native" and isinstance(qweight, QuantizedTensor) and qweight.scale_layout == "swizzled_128x4"
+    # a forced native path also reads swizzled 128x4 weight scales (the operand checks want linear)
+    M, N, K = check_gemm_operands(xq, replace(qweight, scale_layout="linear") if swizzled else qweight,
+                                  bias, out_dtype, FMT)
     bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
+    if resolve_path(path, FMT, qweight.device) == "native":
+        return _gemm_native(xq, qweight, bias, y)
     interp = interpreting()
-    cfg = tile_config(M, N, K)
+    cfg = tile_config(M, N, K, path="portable")
     x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
     sx, sw = xq.scale, qweight.scale
     if cfg.PREPASS:  # large M: decode each operand once, then a plain bf16 GEMM (_twopass)
@@ -317,24 +397,51 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     return y
 
 
+def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
+    """Launch _native_gemm_kernel into y [M, N] (the SM12x tile table; split-K for small M)."""
+    M, N = y.shape
+    K = qweight.k
+    cfg = native_config(M, N, K, y.device)
+    x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
+    sx = xq.scale.contiguous()
+    sw, swizzled = weight_scale_bytes(qweight, FMT, MX_BLOCK)
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
+    _native_gemm_kernel[grid](
+        x, w, sx, sw, bias if bias is not None else y, y, ws,
+        M, N, K, k_per,
+        x.stride(0), w.stride(0), sx.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
+        W_SWIZZLED=swizzled, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT=n_split > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if n_split > 1:
+        launch_splitk_reduce(ws, y, bias=bias)
+    return y
+
+
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           scale_rule: str = "ceil") -> torch.Tensor:
+           scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly.
 
     Args:
         x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
-        qweight: mxfp8 weight QuantizedTensor [N, K] (linear layout) on x's device.
+        qweight: mxfp8 weight QuantizedTensor [N, K] on x's device (linear layout; swizzled 128x4 too
+            with path="native").
         bias: optional float [N].
         scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation).
+        path: None (auto for x's device), "native" or "portable" (see gemm).
     Returns:
         [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
     Raises:
         ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 32 or
             not the weight's K, devices, bias shape, scale_rule.
     """
-    check_weight(qweight, FMT)
+    check_native_weight(qweight, FMT, path)
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
     xq = quantize_activation(x, scale_rule=scale_rule)
-    return gemm(xq, qweight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], N)
+    return gemm(xq, qweight, bias, out_dtype=x.dtype, path=path).reshape(*x.shape[:-1], N)

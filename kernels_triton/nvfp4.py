@@ -1,47 +1,64 @@
-"""NVFP4 in Triton: activation quantization and the W4A4 GEMM.
+"""NVFP4 in Triton: the block-scaled FP4 GEMM as the SM12x tensor cores run it.
 
 What NVFP4 stores (formats/nvfp4.py is the spec and the oracle): e2m1 codes packed two per byte
-along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements
-(float8_e4m3fn [rows, K/16], linear layout), and one float32 global scale g per tensor:
+along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements and one
+fp32 global scale g per tensor:
 
-    g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
-    s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
-    code = e2m1(div_rn(x * g, decode(s)))         code 0 where s == 0
-    x   ~= e2m1_value(code) * decode(s) / g
+    x[m, k] ~= e2m1(qx[m, k]) * e4m3(sx[m, k // 16]) / g_x
 
-Quantization (``quantize_activation``) runs two kernels:
+1. What the instruction computes. SM120/SM121 have a warp-level block-scaled MMA,
 
-    _amax_partial_kernel   (dynamic g only) a (Pm, Pk) grid of programs, each the max |x| over a
-                           strided set of row and K tiles -> partial[Pm * Pk] (no atomics, so the
-                           result does not depend on timing)
-    _quantize_kernel       every program reduces partial[0:P] itself (P <= 256, a few hundred
-                           bytes), forms g, then quantizes its [BLOCK_M, BLOCK_K] tile:
-        xb    = x tile as [BLOCK_M, BLOCK_K/16, 16] float32
-        s     = encode_e4m3(div_rn(max(max|xb|, FLOOR), 6) * g)          # [BLOCK_M, BLOCK_K/16]
-        codes = encode_e2m1(div_rn(xb * g, decode_e4m3(s)))              # 0 where s == 0
-        bytes = codes[..., 0::2] | codes[..., 1::2] << 4                 # low nibble = even element
-Everything stays on the device (no .item()), so the call can be captured in a CUDA graph. Rounding
-to e4m3/e2m1 uses the bit-arithmetic encoders of _common (never Triton's fp8 cast, which is wrong in
-the interpreter) and IEEE division (tl.math.div_rn), so the codes equal the oracle's bit for bit.
+       mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3
 
-GEMM (``gemm``; the kernel is _fp4_gemm.fp4_gemm_kernel with GROUP=16, SCALE_E4M3=True):
+   D[16x8] = sum over a 64-deep K slice of (A[m, k] * SA[m, k // 16]) * (B[k, n] * SB[n, k // 16]) + C:
+   e2m1 operands, four e4m3 scales per row of A and per column of B ("scale_vec::4X"), exact
+   products, fp32 accumulation. The scales are applied inside the instruction, so the K loop never
+   decodes an element. Triton exposes it as
 
-    for k0 in range(0, K, BLOCK_K):
-        a = e2m1(A bytes) * e4m3(A scales)[:, k // 16]       # [BLOCK_M, BLOCK_K], exact in bf16
-        w = e2m1(W bytes) * e4m3(W scales)[:, k // 16]       # [BLOCK_N, BLOCK_K]
-        acc += tl.dot(a, w^T)                                # fp32 accumulation
-    y = acc * (1 / g_x) * (1 / g_w) + bias                   # the global scales, once, in the epilogue
+       acc = tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)
 
-The global scales are read from their device tensors inside the kernel (no host sync).
+   a: uint8 [BLOCK_M, BLOCK_K/2] (packed along K), b: uint8 [BLOCK_K/2, BLOCK_N], sa: [BLOCK_M,
+   BLOCK_K/16], sb: [BLOCK_N, BLOCK_K/16] (one row per output column, not transposed), scales as
+   float8e4nv. MXFP4 is the same instruction with one E8M0 (uint8) scale per 32, "scale_vec::2X";
+   kernels_triton/mxfp4.py launches this very kernel with VEC_SIZE=32. The global scales are not
+   part of the instruction: alpha = (1 / g_x) * (1 / g_w) multiplies the accumulator once, in the
+   epilogue (two IEEE reciprocals, so g_x * g_w cannot overflow).
 
-Constraints: K % 16 == 0; x bf16/fp16 [..., K] with any leading dims and strides; weights with
-linear-layout scales (formats.quantize(w, "nvfp4")). Not done: the SM120 tl.dot_scaled fast path
-(it decodes NVFP4 scales as E8M0 in the interpreter and does not compile on sm_90 with Triton 3.6).
+2. The scale layout it consumes. Each K step loads its scales as a register tile [rows, BLOCK_K/16],
+   from either the linear layout [rows, K/16] or the swizzled 128x4 layout of formats.layout
+   (cuBLAS / b12x: 512-byte tiles of 128 rows x 4 scales; ``scale_offsets``). The weight may come in
+   either; activations come linear from quantize_activation. Why not swizzled only: the 128x4 tiles
+   exist so that one bulk copy feeds a 128-row MMA tile's scales (tcgen05, CUTLASS SM120). Triton's
+   mma.sync lowering distributes the scales over the threads from registers anyway, so the layout
+   only changes the global load pattern (linear: BLOCK_K/16 contiguous bytes per row; swizzled: one
+   4-byte word per row and 4 scales) and a decode tile of 16 rows would read a 128-row tile's
+   padding. The kernel reads both, so a checkpoint in the b12x layout needs no conversion.
+
+3. The kernel (``fp4_dot_scaled_kernel``), one program per [BLOCK_M, BLOCK_N] output tile:
+
+       acc = 0                                                   fp32 [BLOCK_M, BLOCK_N]
+       for k0 in range(0, K, BLOCK_K):
+           a, sa = A bytes [BLOCK_M, BLOCK_K/2], A scales [BLOCK_M, BLOCK_K/16]
+           w, sw = W bytes [BLOCK_N, BLOCK_K/2], W scales [BLOCK_N, BLOCK_K/16]
+           acc   = dot_scaled(a, sa, w^T, sw, acc)
+       y = acc * (1 / g_x) * (1 / g_w) + bias
+
+4. The wrapper (``gemm``): check the operands, allocate y, pick the tile, launch.
+
+Where it runs (kernels_triton._paths.gemm_path): native on SM120/SM121; on other GPUs the portable
+path decodes each tile in registers to exact bf16 and runs a plain tl.dot (_fp4_gemm; Hopper has
+no block-scaled MMA, and Triton 3.6 cannot compile dot_scaled with e4m3 scales on sm_90); under the
+CPU interpreter the portable path too (its dot_scaled decodes e4m3 scales as E8M0). ``path=``
+forces one. W4A16 (``a16=True``) always takes the portable kernel: bf16 x decoded weight (see
+gemm_path's reason). Split-K, the decode pre-pass and the tile tables are performance machinery:
+_twopass, _fp4_gemm and _tiles.
+
+Constraints: K % 16 == 0 (the K tail of a tile is masked; BLOCK_K >= 64, triton#11776); x bf16/fp16
+[..., K], any leading dims and strides.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -49,200 +66,151 @@ import triton
 import triton.language as tl
 
 from formats import QuantizedTensor
-from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+from formats.constants import NVFP4_BLOCK
 
-from ._common import (
-    check_activation,
-    check_bias,
-    check_weight,
-    decode_e4m3,
-    encode_e2m1,
-    encode_e4m3,
-    interpreting,
-    kernel_bias,
+from ._common import TileConfig, check_activation, check_bias, check_weight, interpreting, kernel_bias, scale_offsets
+from ._e4m3_gemm import grouped_tile
+from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm, portable_config
+from ._nvfp4_quant import quantize_activation
+from ._paths import check_native_weight, default_device, resolve_path, sm_count, weight_scale_bytes
+from ._tiles import sm12x_config
+from ._twopass import (
+    ALPHA_GLOBAL_RECIP,
+    ALPHA_NONE,
+    epilogue,
+    launch_splitk_reduce,
+    splitk_plan,
+    splitk_workspace,
+    store_splitk_partial,
 )
-from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm
+
+__all__ = ["fp4_dot_scaled_kernel", "gemm", "gemm_w4a16", "linear", "quantize_activation", "tile_config"]
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_PARTIALS = 256  # programs of the amax reduction (the quantize kernel reads all their results)
-
-_FLOOR = tl.constexpr(AMAX_FLOOR)
-_G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels
+# The kernel
 # ---------------------------------------------------------------------------------------------
+# [native-kernel]
 @triton.jit
-def _global_scale_from_amax(amax):
-    """g = 2688 / max(amax, AMAX_FLOOR), one IEEE division, as the oracle (formats.base.ieee_div)."""
-    return tl.math.div_rn(tl.zeros_like(amax) + _G_NUM, tl.maximum(amax, _FLOOR))
-
-
-@triton.jit
-def _amax_partial_kernel(
-    x_ptr, partial_ptr,
-    M, K,
-    stride_xm, stride_xk,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """partial[pid_m * Pk + pid_k] = max |x| over the row tiles pid_m, pid_m + Pm, ... and the K tiles
-    pid_k, pid_k + Pk, ... of a (Pm, Pk) grid. The grid spans K too: one program walking all of K
-    would issue its loads one after another (decode M = 16, K = 8192: 64 dependent steps, ~45 us)."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pm = tl.num_programs(0)
-    num_pk = tl.num_programs(1)
-    amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for m0 in range(pid_m * BLOCK_M, M, num_pm * BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-            ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-    tl.store(partial_ptr + pid_m * num_pk + pid_k, tl.max(tl.max(amax, axis=1), axis=0))
-
-
-@triton.jit
-def _quantize_kernel(
+def fp4_dot_scaled_kernel(
     # pointers
-    x_ptr,  # bf16/fp16 [M, K], any strides
-    partial_ptr,  # float32 [num_partials] (dynamic) or the static g (float32 [1])
-    q_ptr, s_ptr,  # out: packed uint8 [M, K/2], e4m3 scale bytes uint8 [M, K/16]
-    g_out_ptr,  # out: float32 [1], the global scale used
+    a_ptr, a_scale_ptr,  # activation: packed e2m1 uint8 [M, K/2], scale bytes [M, K/VEC_SIZE] (linear)
+    w_ptr, w_scale_ptr,  # weight: packed e2m1 uint8 [N, K/2], scale bytes (linear or swizzled 128x4)
+    gx_ptr, gw_ptr,  # nvfp4 global scales, float32 [1] each (ALPHA_MODE == ALPHA_GLOBAL_RECIP)
+    bias_ptr, c_ptr,  # bias [N], output [M, N]
+    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and runs the epilogue
     # dimensions
-    M, K, num_partials,
-    # strides
-    stride_xm, stride_xk, stride_qm, stride_sm,
+    M, N, K, K_PER,  # K_PER: K elements per program (K unless split-K), a multiple of BLOCK_K
+    # strides (the K strides are 1)
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
     # meta-parameters
-    DYNAMIC: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    VEC_SIZE: tl.constexpr,  # elements per scale: 16 (nvfp4) or 32 (mxfp4)
+    SCALE_E4M3: tl.constexpr,  # scale bytes are e4m3 (nvfp4: ue4m3 in the MMA) or E8M0 (mxfp4)
+    W_SWIZZLED: tl.constexpr,  # weight scales in the swizzled 128x4 layout
+    ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-
-    # ----- global scale: reduce the partial amaxes (dynamic) or read the static g
-    if DYNAMIC:
-        offs_p = tl.arange(0, BLOCK_P)
-        partial = tl.load(partial_ptr + offs_p, mask=offs_p < num_partials, other=0.0)
-        g = _global_scale_from_amax(tl.max(partial, axis=0))
-    else:
-        g = tl.load(partial_ptr)
-    tl.store(g_out_ptr, g, mask=(pid_m == 0) & (pid_k == 0))
-
-    # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    rows = offs_m.to(tl.int64)
-    m_mask = offs_m < M
-    mask = m_mask[:, None] & (offs_k[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
-                mask=mask, other=0.0).to(tl.float32)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows_m = offs_m.to(tl.int64)
+    rows_n = offs_n.to(tl.int64)
+    n_scales = K // VEC_SIZE
 
-    # ----- per-16 block scale s = e4m3(amax_b / 6 * g): [BLOCK_M, BLOCK_K / 16]
-    xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
-    amax_b = tl.maximum(tl.max(tl.abs(xb), axis=2), _FLOOR)
-    s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
-    s_val = decode_e4m3(s_code)[:, :, None]
+    # ----- K loop: acc [BLOCK_M, BLOCK_N] fp32 += (A . SA) [BLOCK_M, BLOCK_K] . (W . SW)^T
+    k_lo = tl.program_id(1) * K_PER
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        # packed bytes, two e2m1 codes each, low nibble first: [rows, BLOCK_K // 2]
+        offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        kb_ok = offs_kb < K // 2
+        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_kb[None, :],
+                    mask=m_ok[:, None] & kb_ok[None, :], other=0)
+        w = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_kb[None, :],
+                    mask=n_ok[:, None] & kb_ok[None, :], other=0)
+        # block scales, one per VEC_SIZE elements: [rows, BLOCK_K // VEC_SIZE] (masked: 0 x 0 = 0)
+        offs_ks = k0 // VEC_SIZE + tl.arange(0, BLOCK_K // VEC_SIZE)
+        ks_ok = offs_ks < n_scales
+        sa = tl.load(a_scale_ptr + scale_offsets(offs_m, offs_ks, n_scales, stride_asm, False),
+                     mask=m_ok[:, None] & ks_ok[None, :], other=0)
+        sw = tl.load(w_scale_ptr + scale_offsets(offs_n, offs_ks, n_scales, stride_wsn, W_SWIZZLED),
+                     mask=n_ok[:, None] & ks_ok[None, :], other=0)
+        if SCALE_E4M3:
+            sa = sa.to(tl.float8e4nv, bitcast=True)
+            sw = sw.to(tl.float8e4nv, bitcast=True)
+        # one block-scaled MMA per 64-deep slice; the scales never leave the instruction
+        acc = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1", acc)
 
-    # ----- element codes: e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf)
-    safe_s = tl.where(s_val > 0, s_val, 1.0)
-    codes = encode_e2m1(tl.math.div_rn(xb * g, safe_s))
-    codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
+    if SPLIT:  # a partial sum of this K range; splitk_reduce_kernel adds them, then the epilogue
+        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
+        return
 
-    # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
-    even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
-    packed = even | (odd << 4)
-    offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
-             mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
-    offs_ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-    tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], s_code,
-             mask=m_mask[:, None] & (offs_ks[None, :] < K // 16))
+    # ----- epilogue: global scales (nvfp4), bias, cast, masked store
+    y = epilogue(acc, offs_n, n_ok, gx_ptr, gw_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
+    c_ptrs = c_ptr + rows_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+# [/native-kernel]
 
 
 # ---------------------------------------------------------------------------------------------
-# Host wrappers
+# Launch (shared with mxfp4): allocate, pick the tile, launch
 # ---------------------------------------------------------------------------------------------
-def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K) of the quantize kernels: whole small problems in the interpreter (each
-    program costs milliseconds there), 32 x 128 (256 blocks of 16 per program) on GPU."""
-    if interp:
-        return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
-    return 32, 128
+def native_tile_config(M: int, N: int, K: int, device) -> TileConfig:
+    """The native kernel's tile: the SM12x table (kernels_triton._tiles) on a GPU, whole small
+    problems under the interpreter (each program costs milliseconds there)."""
+    if interpreting():
+        return fp4_gemm_config(M, N, K, True)
+    return sm12x_config("e2m1", M, N, K, sm_count(device))
 
 
-def _static_global_scale(global_scale, device) -> torch.Tensor:
-    """The static g as a float32 one-element tensor on ``device``. A Python number is checked
-    (finite, > 0); a tensor is trusted as is (checking its value would synchronize the host)."""
-    if isinstance(global_scale, torch.Tensor):
-        if global_scale.numel() != 1 or not global_scale.is_floating_point():
-            raise ValueError(f"global_scale must be one positive float, got a {global_scale.dtype} tensor "
-                             f"of shape {tuple(global_scale.shape)}")
-        return global_scale.to(device=device, dtype=torch.float32).reshape(1)
-    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float)) \
-            or not math.isfinite(global_scale) or global_scale <= 0:
-        raise ValueError(f"global_scale must be one finite positive number, got {global_scale!r}")
-    return torch.tensor([global_scale], dtype=torch.float32, device=device)
+# [native-launch]
+def launch_fp4_dot_scaled(a, a_scale, w, w_scale, *, M, N, K, vec_size, scale_e4m3, w_swizzled, bias,
+                          out_dtype, gx=None, gw=None, config: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] = dot_scaled GEMM of packed e2m1 operands (uint8 views of data and scale bytes;
+    the format modules have checked them). gx, gw: float32 [1] device tensors (nvfp4) or None."""
+    y = torch.empty((M, N), dtype=out_dtype, device=w.device)
+    if M == 0 or N == 0:
+        return y
+    cfg = config or native_tile_config(M, N, K, w.device)
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else y
+    alpha = ALPHA_GLOBAL_RECIP if gx is not None else ALPHA_NONE
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
+    fp4_dot_scaled_kernel[grid](
+        a, a_scale, w, w_scale,
+        gx if gx is not None else w_scale, gw if gw is not None else w_scale,
+        bias if bias is not None else y, y, ws,
+        M, N, K, k_per,
+        a.stride(0), a_scale.stride(0), w.stride(0), 0 if w_swizzled else w_scale.stride(0), y.stride(0),
+        VEC_SIZE=vec_size, SCALE_E4M3=scale_e4m3, W_SWIZZLED=w_swizzled,
+        ALPHA_MODE=alpha, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and out_dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        SPLIT=n_split > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if n_split > 1:
+        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=alpha, s1=gx, s2=gw)
+    return y
+# [/native-launch]
 
 
-def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None) -> QuantizedTensor:
-    """Quantize activations to NVFP4 with the Triton kernels, bit for bit as
-    ``formats.quantize(x, "nvfp4", role="activation", global_scale=global_scale)``.
-
-    Args:
-        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; finite values.
-        global_scale: static g (e.g. a calibrated input_global_scale = 2688 / amax), a Python number
-            or a one-element float tensor; None = dynamic, 2688 / max(amax(x), 2^-100).
-    Returns:
-        QuantizedTensor(fmt="nvfp4", role="activation", data=uint8 [M, K/2],
-        scale=float8_e4m3fn [M, K/16], global_scale=float32 0-d, shape=(M, K)), M = prod(x.shape[:-1]).
-    Raises:
-        ValueError: x not a bf16/fp16 tensor, K not a positive multiple of 16, or a bad global_scale.
-    """
-    check_activation(x, None, VEC_SIZE, FMT)
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)  # a view when the strides allow; the kernels take both strides
-    M = x2.shape[0]
-    device = x.device
-    data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
-    scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=device)
-    dynamic = global_scale is None
-    g_in = None if dynamic else _static_global_scale(global_scale, device)
-    if M == 0:  # no launch; the oracle's g for an empty tensor is 2688 / AMAX_FLOOR
-        g = (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
-             / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else g_in.clone()
-    else:
-        interp = interpreting()
-        block_m, block_k = _quantize_tiles(M, K, interp)
-        g = torch.empty((1,), dtype=torch.float32, device=device)
-        num_partials = 1
-        if dynamic:
-            pm = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
-            pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
-            num_partials = pm * pk
-            g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
-            _amax_partial_kernel[(pm, pk)](
-                x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
-        grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-        _quantize_kernel[grid](
-            x2, g_in, data, scale, g,
-            M, K, num_partials,
-            x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
-            DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)),
-            BLOCK_M=block_m, BLOCK_K=block_k,
-        )
-    return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
-                           (1, VEC_SIZE), (M, K))
-
-
-def tile_config(M: int, N: int, K: int):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this device (for the bench)."""
-    return fp4_gemm_config(M, N, K, interpreting())
+# ---------------------------------------------------------------------------------------------
+# The wrappers: check, allocate, launch
+# ---------------------------------------------------------------------------------------------
+def tile_config(M: int, N: int, K: int, path=None):
+    """The W4A4 GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's
+    device and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
+    dev = default_device()
+    if resolve_path(path, FMT, dev) == "native":
+        return native_tile_config(M, N, K, dev)
+    return portable_config(M, N, K, dev)
 
 
 def _check_activation_q(xq, qweight) -> None:
@@ -257,54 +225,110 @@ def _check_activation_q(xq, qweight) -> None:
         raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
 
 
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+
+
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias) from NVFP4 operands.
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
+    """y = dequant(xq) . dequant(qweight)^T (+ bias) from NVFP4 operands (W4A4).
 
     Args:
         xq: NVFP4 activation [M, K] (data uint8 [M, K/2], scale e4m3 [M, K/16], global_scale).
-        qweight: NVFP4 weight [N, K] with linear-layout scales.
+        qweight: NVFP4 weight [N, K]; scales linear, or swizzled 128x4 on the native path.
         bias: optional float tensor [N] on the weight's device, added in fp32 in the epilogue.
         out_dtype: torch.bfloat16, torch.float16 or torch.float32.
+        path: None (gemm_path's choice for the weight's device), "native" or "portable".
     Returns:
-        [M, N] tensor of out_dtype (fp32 accumulation, alpha = 1 / (g_x * g_w) applied once).
+        [M, N] tensor of out_dtype (fp32 accumulation, alpha = (1/g_x)(1/g_w) applied once).
     Raises:
         ValueError: wrong format/role/layout of either operand, K or device mismatch, bad bias
-            shape or device, unsupported out_dtype.
+            shape or device, unsupported out_dtype, unknown path, or path="native" where it would
+            be wrong (the interpreter) or does not compile (sm_90 with Triton < 3.7).
     """
-    check_weight(qweight, FMT)
+    check_native_weight(qweight, FMT, path)
     _check_activation_q(xq, qweight)
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    _check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     bias = kernel_bias(bias)
+    gx = xq.global_scale.reshape(1).to(torch.float32)
+    gw = qweight.global_scale.reshape(1).to(torch.float32)
+    a, sa = xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8)
+    if resolve_path(path, FMT, qweight.device) == "native":
+        sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)
+        return launch_fp4_dot_scaled(a, sa, qweight.data.contiguous(), sw, M=xq.rows, N=N, K=K, vec_size=VEC_SIZE,
+                                     scale_e4m3=True, w_swizzled=swizzled, bias=bias, out_dtype=out_dtype,
+                                     gx=gx, gw=gw)
+    return launch_fp4_gemm(a, sa, qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
+                           M=xq.rows, N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=bias,
+                           out_dtype=out_dtype, gx=gx, gw=gw)
+
+
+def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16), the portable
+    kernel on every device (bf16 x decoded weight; gemm_path(fmt, cap, a16=True) says why).
+
+    Args:
+        x2d: bfloat16/float16 [M, K] (any strides), on the weight's device.
+        qweight: NVFP4 weight [N, K] with linear-layout scales.
+        bias: optional float tensor [N].
+        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default x2d's dtype.
+    Returns:
+        [M, N] tensor of out_dtype: fp32 sums of exact products, times 1/g_w once in the epilogue
+        (fp16 x: split into two bf16 halves, see _fp4_gemm).
+    Raises:
+        ValueError: x2d not a 2-D bf16/fp16 tensor, K not a multiple of 16 or not the weight's K,
+            device mismatch, wrong weight format or layout, bad bias, unsupported out_dtype.
+    """
+    check_weight(qweight, FMT)
+    check_activation(x2d, qweight.k, VEC_SIZE, FMT, device=qweight.device)
+    if x2d.dim() != 2:
+        raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
+    out_dtype = out_dtype or x2d.dtype
+    _check_out_dtype(out_dtype)
+    N, K = qweight.shape
+    check_bias(bias, N, qweight.device)
+    bias = kernel_bias(bias)
+    one = torch.ones(1, dtype=torch.float32, device=qweight.device)  # alpha = (1/1) * (1/g_w)
     return launch_fp4_gemm(
-        xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8),
-        qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
-        M=xq.rows, N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=bias, out_dtype=out_dtype,
-        gx=xq.global_scale.reshape(1).to(torch.float32), gw=qweight.global_scale.reshape(1).to(torch.float32),
+        x2d, None, qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
+        M=x2d.shape[0], N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=bias, out_dtype=out_dtype,
+        gx=one, gw=qweight.global_scale.reshape(1).to(torch.float32), a16=True,
     )
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           global_scale: Union[None, float, torch.Tensor] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with NVFP4 weights and NVFP4-quantized activations (W4A4).
+           a16: bool = False, global_scale: Union[None, float, torch.Tensor] = None,
+           path: Optional[str] = None) -> torch.Tensor:
+    """y = x . W^T (+ bias) with NVFP4 weights: W4A4 (x quantized to NVFP4) or, with a16=True,
+    W4A16 (x used as it is).
 
     Args:
         x: bfloat16/float16 [..., K] (any leading dims, any strides).
-        qweight: NVFP4 weight QuantizedTensor [N, K], linear-layout scales, on x's device.
+        qweight: NVFP4 weight QuantizedTensor [N, K] on x's device (linear scales; swizzled 128x4
+            too with path="native").
         bias: optional [N] float tensor.
+        a16: keep the activations in bf16/fp16 (weight-only quantization; the portable kernel).
         global_scale: static activation global scale (see quantize_activation); None = dynamic.
+            Ignored with a16.
+        path: None (auto for x's device), "native" or "portable" (see gemm).
     Returns:
         [..., N] tensor of x's dtype; an empty [..., N] when x has no rows.
     Raises:
         ValueError: x not bf16/fp16, K not a multiple of 16 or not the weight's K, x and weight on
-            different devices, wrong weight format or layout, bad bias shape, bad global_scale.
+            different devices, wrong weight format or layout, bad bias shape, bad global_scale,
+            unknown path, path="native" with a16 or where it would be wrong.
     """
-    check_weight(qweight, FMT)
+    check_native_weight(qweight, FMT, path)
     check_activation(x, qweight.k, VEC_SIZE, FMT, device=qweight.device)
     N = qweight.shape[0]
     check_bias(bias, N, qweight.device)
-    xq = quantize_activation(x, global_scale=global_scale)
-    return gemm(xq, qweight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], N)
+    if a16:
+        resolve_path(path, FMT, qweight.device, a16=True)  # rejects path="native"
+        y = gemm_w4a16(x.reshape(-1, x.shape[-1]), qweight, bias, out_dtype=x.dtype)
+    else:
+        y = gemm(quantize_activation(x, global_scale=global_scale), qweight, bias, out_dtype=x.dtype, path=path)
+    return y.reshape(*x.shape[:-1], N)

@@ -5,9 +5,9 @@
     demo     all-MiniLM-L6-v2 sentence embeddings quantized per format (model.py, data/)
     sweep    every implementation against the formats/ oracle over a grid of shapes
     bench    timings against bf16 and the device's roofline (bench_plan / bench_run / bench_record)
-    _harness what sweep and bench share: implementations as adapters, inputs, metrics, output
+    _harness what sweep and bench share: implementations as registry backends, inputs, metrics, output
 
-They use only the library's public API (``dispatch``, ``dispatch.api``, ``dispatch.policy``,
-``dispatch.devices``, ``dispatch.quant_linear``) and the kernel packages' public functions; the
-library never imports them.
+They use only the library's public API (``dispatch``, ``dispatch.api``, ``dispatch.registry``,
+``dispatch.policy``, ``dispatch.devices``, ``dispatch.quant_linear``) and the kernel packages' public
+functions; the library never imports them.
 """

@@ -1,15 +1,20 @@
-"""What ``b12x-dual sweep`` and ``b12x-dual bench`` share: the implementations as adapters, fresh
-random inputs, error metrics, the device and library report, and output that degrades gracefully.
+"""What ``b12x-dual sweep`` and ``b12x-dual bench`` share: the implementations as registry backends,
+fresh random inputs, error metrics, the device and library report, and output that degrades gracefully.
 
-Implementations (``Impl``), each reached the same way whatever library is behind it:
+Implementations are reached only through :mod:`dispatch.registry`: a name maps to a factory
+``variant -> table cell`` (for the built-in ones ``registry.entries()[(impl, variant)]``: a Backend
+or an UnsupportedEntry). Per cell the apps ask ``registry.check(cell, Problem, device)`` with the
+device the tensors are on (``running_device``); a cell that cannot run is a skip row carrying the
+registry's reason. Then ``prepare``, ``apply`` (the whole linear), and where the sweep and bench
+look inside a call ``quantize_activation`` / ``gemm`` (``backend.splits``):
 
-    reference  formats/ oracle: formats.quantize (activation) and formats.reference_linear (float64
-               out, so it is the exact value of the quantized operands' product)
-    triton     kernels_triton.<fmt>: quantize_activation, gemm, linear (a16=True for W4A16)
-    cute       kernels_cute.<fmt>: quantize_activation, gemm, linear when this device can
-               run it (SM120/121); otherwise skipped with the reason (the registry's cute backend)
+    reference  formats/ oracle: formats.quantize (activation) and formats.reference_linear (the sweep
+               asks apply(..., out_dtype=torch.float64): the exact product of the quantized operands)
+    triton     kernels_triton.<fmt>
+    cute       kernels_cute.<fmt> on SM120/SM121 with b12x; elsewhere skipped with the reason
 
-A test (or a user) can add an implementation by passing ``extra_impls={"name": Impl(...)}``.
+A test (or a user) adds an implementation with ``extra_backends={"name": factory}``, ``factory(variant)``
+returning a registry.Backend.
 
 rich, tqdm and matplotlib are optional here: without rich the tables are plain text, without rich
 and tqdm the progress is a line every few percent, without matplotlib ``--plot`` says so and skips.
@@ -24,7 +29,6 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,7 +36,7 @@ import torch
 import kernels_triton  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU, before any kernel)
 import formats
 from dispatch import registry
-from dispatch.devices import current_device, interpreting
+from dispatch.devices import CPU, DeviceInfo, current_device, interpreting
 from dispatch.registry import VARIANTS
 from formats import QuantizedTensor
 
@@ -43,8 +47,8 @@ DTYPE_NAMES[torch.float64] = "fp64"
 
 
 def variants_from_formats(names: Optional[list[str]]) -> list[str]:
-    """--formats: format names and/or "mxfp4_w4a16"; "mxfp4" alone keeps only W4A4, so the default
-    (None) is all five formats plus the W4A16 row."""
+    """--formats: variant names of dispatch.registry.VARIANTS ("mxfp4" alone is W4A4 only,
+    "mxfp4_w4a16" its weight-only form); the default (None) is every variant."""
     return list(VARIANTS) if names is None else names
 
 
@@ -81,133 +85,64 @@ def split(variant: str) -> tuple[str, bool]:
     return v.fmt, v.a16
 
 
-def registry_support(impl: str, variant: str, M: int, N: int, K: int) -> tuple[bool, str]:
-    """The registry's verdict on (impl, variant) for this process's device and shape (bf16)."""
-    try:
-        entry = registry.get(impl, variant)
-    except registry.Unsupported as e:
-        return False, str(e)
-    return registry.check(entry, registry.Problem(variant, M, N, K), current_device())
-
-
 # ---------------------------------------------------------------------------------------------
-# Implementations
+# Implementations: registry backends
 # ---------------------------------------------------------------------------------------------
-def _always(variant: str, M: int, N: int, K: int) -> tuple[bool, str]:
-    return True, ""
+BackendFactory = Callable[[str], Any]
+"""variant name -> the table cell that serves it: a registry.Backend, or a registry.UnsupportedEntry."""
 
 
-def _identity_prepare(qweight: QuantizedTensor, a16: bool):
-    return qweight
+def registry_backend(impl: str) -> BackendFactory:
+    """The factory of a built-in implementation: its cell of ``registry.entries()`` per variant."""
+
+    def factory(variant: str):
+        return registry.entries()[(impl, variant)]
+
+    factory.__name__ = f"registry_backend_{impl}"
+    return factory
 
 
-@dataclass
-class Impl:
-    """One implementation as the harness drives it.
-
-    linear(x, prepared, qweight, bias, a16) -> y [M, N]   (required)
-    prepare(qweight, a16) -> what linear/gemm consume      (default: the QuantizedTensor itself)
-    quantize(x, fmt) -> QuantizedTensor                    (optional; compared bit for bit with the oracle)
-    gemm(xq, prepared, qweight, bias, out_dtype) -> y      (optional; the GEMM alone, for bench)
-    support(variant, M, N, K) -> (ok, reason)              (default: always)
-    """
-
-    name: str
-    linear: Callable
-    prepare: Callable = _identity_prepare
-    quantize: Optional[Callable] = None
-    gemm: Optional[Callable] = None
-    support: Callable = _always
-    note: str = ""
+def implementations(names: Optional[list[str]], default: tuple[str, ...],
+                    extra_backends: Optional[dict[str, BackendFactory]] = None) -> dict[str, BackendFactory]:
+    """{name: factory} of the implementations to run: the built-in ``names`` (``default`` when None)
+    in ``default``'s order, then ``extra_backends`` (name -> factory(variant) -> Backend) as given.
+    ValueError naming an unknown built-in name."""
+    names = list(default) if names is None else list(names)
+    unknown = [n for n in names if n not in registry.IMPLS]
+    if unknown:
+        raise ValueError(f"implementations must be among {registry.IMPLS}, got {unknown}")
+    out = {n: registry_backend(n) for n in default if n in names}
+    for n, factory in (extra_backends or {}).items():
+        if not callable(factory):
+            raise ValueError(f"extra_backends[{n!r}] must be a callable variant -> Backend, got {factory!r}")
+        out[n] = factory
+    return out
 
 
-def reference_impl() -> Impl:
-    def linear(x, prepared, qweight, bias, a16):
-        # float64 out: the exact product of the quantized operands (rounded once, to float64)
-        return formats.reference_linear(x, qweight, bias, a16=a16, out_dtype=torch.float64)
-
-    def quantize(x, fmt):
-        return formats.quantize(x, fmt, role="activation")
-
-    return Impl("reference", linear, quantize=quantize, note="formats/ oracle, float64 output")
+def running_device(device: str) -> DeviceInfo:
+    """The DeviceInfo the registry checks against for tensors on torch device ``device``: the
+    current CUDA device for "cuda", :data:`dispatch.devices.CPU` (Triton's interpreter) otherwise."""
+    return current_device() if torch.device(device).type == "cuda" else CPU
 
 
-def triton_impl() -> Impl:
-    def mod(fmt):
-        return kernels_triton.module(fmt)
-
-    def support(variant, M, N, K):
-        fmt, _ = split(variant)
-        try:
-            mod(fmt)
-        except Exception as e:  # a format module not written yet, or one that does not import
-            return False, f"kernels_triton.{fmt} does not import ({type(e).__name__}: {e})"
-        return True, ""
-
-    def linear(x, prepared, qweight, bias, a16):
-        m = mod(qweight.fmt)
-        return m.linear(x, qweight, bias, a16=True) if a16 else m.linear(x, qweight, bias)
-
-    def quantize(x, fmt):
-        return mod(fmt).quantize_activation(x)
-
-    def gemm(xq, prepared, qweight, bias, out_dtype):
-        return mod(qweight.fmt).gemm(xq, qweight, bias, out_dtype=out_dtype)
-
-    note = "Triton interpreter (CPU)" if interpreting() else "Triton on GPU"
-    return Impl("triton", linear, quantize=quantize, gemm=gemm, support=support, note=note)
+def check(entry, variant: str, M: int, N: int, K: int, dtype: torch.dtype, device: DeviceInfo) -> tuple[bool, str]:
+    """registry.check of one cell on (variant, M, N, K, activation dtype) and ``device``: (ok, reason)."""
+    return registry.check(entry, registry.Problem(variant, M, N, K, dtype), device)
 
 
-def cute_impl() -> Impl:
-    """kernels_cute, probed: skipped with a reason unless the format module exposes ``linear`` and
-    the device can run it."""
-
-    def mod(fmt):
-        return importlib.import_module(f"kernels_cute.{fmt}")
-
-    def support(variant, M, N, K):
-        fmt, _ = split(variant)
-        # the device first: that is the reason that matters on a machine without SM12x
-        if not on_gpu():
-            return False, "cute needs an SM120/SM121 GPU; no CUDA device here"
-        cap = torch.cuda.get_device_capability()
-        if cap not in ((12, 0), (12, 1)):
-            return False, f"cute needs an SM120/SM121 GPU; this one is sm_{cap[0]}{cap[1]}"
-        try:
-            m = mod(fmt)
-        except Exception as e:
-            return False, f"kernels_cute.{fmt} does not import ({type(e).__name__}: {e})"
-        if not callable(getattr(m, "linear", None)):
-            return False, f"kernels_cute.{fmt} has no linear()"
-        # the dispatcher's own test: b12x installed and supporting this GPU, the shape
-        ok, why = registry_support("cute", variant, M, N, K)
-        return (True, "") if ok else (False, why)
-
-    def prepare(qweight, a16):
-        m = mod(qweight.fmt)
-        if not hasattr(m, "prepare_weight"):
-            return qweight
-        return m.prepare_weight(qweight, a16=True) if a16 else m.prepare_weight(qweight)
-
-    def linear(x, prepared, qweight, bias, a16):
-        m = mod(qweight.fmt)
-        return m.linear(x, prepared, bias, a16=True) if a16 else m.linear(x, prepared, bias)
-
-    def quantize(x, fmt):
-        m = mod(fmt)
-        if not hasattr(m, "quantize_activation"):
-            return None
-        return m.quantize_activation(x)
-
-    def gemm(xq, prepared, qweight, bias, out_dtype):
-        return mod(qweight.fmt).gemm(xq, prepared, bias, out_dtype=out_dtype)
-
-    return Impl("cute", linear, prepare=prepare, quantize=quantize, gemm=gemm, support=support,
-                note="b12x CuTe DSL (SM120/SM121)")
+def has_quantizer(backend) -> bool:
+    """True when ``backend`` has its own quantize_activation (not W4A16, not the base class's)."""
+    return (not backend.a16
+            and type(backend).quantize_activation is not registry.Backend.quantize_activation)
 
 
-def builtin_impls() -> dict[str, Callable[[], Impl]]:
-    return {"reference": reference_impl, "triton": triton_impl, "cute": cute_impl}
+def impl_note(name: str) -> str:
+    """What a built-in implementation is, for the JSON's "impls"; empty for an extra one."""
+    return {
+        "reference": "formats/ oracle, float64 output",
+        "triton": "Triton interpreter (CPU)" if interpreting() else "Triton on GPU",
+        "cute": "b12x CuTe DSL (SM120/SM121)",
+    }.get(name, "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +193,7 @@ def clone_qt(q: QuantizedTensor) -> QuantizedTensor:
 def compare_outputs(y: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """Errors of y against ref (both computed in float64):
 
-    norm_rel  ||y - ref|| / ||ref||          (the tolerance metric of the Triton and CuTe issues)
+    norm_rel  ||y - ref|| / ||ref||          (the metric the sweep's tolerances bound)
     max_rel   max |y - ref| / max |ref|
     mean_rel  mean |y - ref| / mean |ref|
     cosine    <y, ref> / (||y|| ||ref||)

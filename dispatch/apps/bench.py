@@ -4,7 +4,7 @@ same run, and (``--check``) re-check each timed configuration against the oracle
 Shapes (N x K, y[M, N] = x[M, K] . W[N, K]^T), from the models' config.json files:
 
     id                       model          layer                                   N       K
-    square                   -              square 8192 x 8192 (the issue's targets) 8192    8192
+    square                   -              square 8192 x 8192 (the targets' shape)  8192    8192
     llama3.1-8b:qkv          Llama-3.1-8B   qkv_proj (32 q + 2 x 8 kv heads x 128)   6144    4096
     llama3.1-8b:gate_up      Llama-3.1-8B   gate_up_proj (2 x 14336)                 28672   4096
     llama3.1-8b:down         Llama-3.1-8B   down_proj                                4096    14336
@@ -21,11 +21,12 @@ Shapes (N x K, y[M, N] = x[M, K] . W[N, K]^T), from the models' config.json file
 (DeepSeek-V3's q_b_proj reads the 1536-wide q_lora latent, not the 7168 hidden state.) ``--shapes``
 takes ids, model prefixes (llama3.1-8b, qwen3-32b, deepseek-v3, square), "default" (the first ten),
 "all", or literal NxK. M: decode {1, 16, 64} and prefill {512, 4096}; the square shape adds M = 8192
-(the issue's 8192^3 targets) unless ``--m`` is given.
+(the 8192^3 GEMM targets) unless ``--m`` is given.
 
 What is timed, per configuration (docs/bench.md has the full method):
   * linear  the whole layer: activation quantization + GEMM (x bf16 -> y bf16), as a user calls it;
-  * gemm    the GEMM alone on operands quantized beforehand (kernels_triton.gemm); not for W4A16;
+  * gemm    the GEMM alone (backend.gemm) on operands quantized beforehand (backend.quantize_activation);
+            not for W4A16, which has no separate quantizer;
   * baselines, same shapes, same run: torch bf16 F.linear (cuBLAS), torch._scaled_mm per-tensor FP8
     (use_fast_accum=False) and torch._scaled_mm blockwise FP8 (1x128 activation / 128x128 weight
     scales) where this torch supports it (else recorded as unsupported, with the error).
@@ -55,7 +56,6 @@ from dispatch.registry import VARIANTS
 
 from . import _harness as H
 from . import argtypes as A
-from ._harness import Impl
 from .bench_plan import BASELINES, GRAPH_MAX_M, QUICK_M, QUICK_SHAPES, select_shapes
 from .bench_record import plot, print_results, summarize
 from .bench_run import run_bench
@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-json", type=A.input_file, default=None, metavar="SWEEP_JSON")
 
 
-def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
+def run(args, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -> int:
     """The bench with the parsed options (every value already checked by its ``type=``); 0 when
     every timed configuration ran and passed --check, 1 otherwise, 2 for a summary that cannot be read."""
     if args.summarize or args.sweep_json:
@@ -124,7 +124,7 @@ def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
     result = run_bench(variants=args.formats, impls=args.impls, shapes=shapes, ms=args.m, quick=args.quick,
                        baselines=args.baselines, check=args.check, budget_s=args.budget_s,
                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graph_max_m=args.graph_max_m,
-                       seed=args.seed, progress=not args.no_progress, extra_impls=extra_impls)
+                       seed=args.seed, progress=not args.no_progress, extra_backends=extra_backends)
     print_results(result, plain=args.plain)
     if args.plot:
         why = plot(result, args.plot)
@@ -141,11 +141,11 @@ def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
     return 0
 
 
-def main(argv=None, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
+def main(argv=None, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -> int:
     p = argparse.ArgumentParser(prog="b12x-dual bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    return run(p.parse_args(argv), extra_impls=extra_impls)
+    return run(p.parse_args(argv), extra_backends=extra_backends)
 
 
 if __name__ == "__main__":

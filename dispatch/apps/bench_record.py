@@ -1,4 +1,4 @@
-"""What ``b12x-dual bench`` makes of its rows: speed-ups over the baselines, the issue's targets,
+"""What ``b12x-dual bench`` makes of its rows: speed-ups over the baselines, the performance targets,
 the printed tables (also for ``--summarize``), and the plot. The JSON is written by
 ``_harness.write_json``; every function here takes the result dict of ``bench_run.run_bench``
 (or one read back from its JSON).
@@ -10,6 +10,8 @@ import json
 import math
 from pathlib import Path
 from typing import Optional
+
+from dispatch import registry
 
 from . import _harness as H
 from .bench_plan import BASELINES, CPU_NOTE
@@ -27,7 +29,7 @@ def ratios(results: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The issue's targets
+# Performance targets: speed-up of triton over a baseline timed in the same run, square shape
 # ---------------------------------------------------------------------------------------------
 TARGETS = [
     # (label, variant, M, mode, baseline, threshold)
@@ -45,7 +47,8 @@ TARGETS = [
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's H200 targets on the square 8192 x 8192 shape, from this run's rows (triton)."""
+    """The performance targets (:data:`TARGETS`: triton's speed-up over a baseline on the square
+    8192 x 8192 shape, at least ``threshold``), judged from this run's rows."""
     out = []
     rows = {(r["shape"], r["M"], r["name"], r.get("variant"), r["mode"]): r for r in result["results"]}
     for label, v, M, mode, b, thr in TARGETS:
@@ -60,8 +63,8 @@ def targets(result: dict) -> list[dict]:
             t.update({"ratio": r["speedup_vs"][b], "us": r["us"], "roofline_share": r.get("roofline_share"),
                       "tile_config": r.get("tile_config"), "met": r["speedup_vs"][b] >= thr})
             if v == "fp8_tensor" and mode == "gemm" and r.get("check"):
-                # the issue's "relative error <= 1e-3": max |y - ref| / max |ref| (notes' metric; the
-                # norm metric includes bf16 output rounding, ~2e-3)
+                # the accuracy target, relative error <= 1e-3, is max |y - ref| / max |ref| (the norm
+                # metric includes bf16 output rounding, ~2e-3)
                 t["max_rel"] = r["check"]["max_rel"]
                 t["met"] = t["met"] and r["check"]["max_rel"] <= 1e-3
         out.append(t)
@@ -153,7 +156,7 @@ def print_targets(result: dict, *, plain: bool = False) -> None:
         rows.append([t["target"], _x(t.get("ratio")), f">= {t['threshold']}x", H.fmt_num(t.get("us"), ".1f"),
                      _pct(t.get("roofline_share")), (t.get("tile_config") or "-")[:60], met + extra
                      + (f" ({t['why']})" if t.get("why") else "")])
-    H.print_table("issue 6 targets (square 8192 x 8192, triton)" +
+    H.print_table("performance targets (square 8192 x 8192, triton)" +
                   (" -- CPU: meaningless" if result["cpu_interpreter"] else ""),
                   ["target", "ratio", "need", "us", "roof", "tile", "status"], rows, plain=plain)
 
@@ -179,8 +182,8 @@ def print_sweep_summary(sweep: dict, *, plain: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------
 # Plot
 # ---------------------------------------------------------------------------------------------
-COLORS = {"fp8_tensor": "tab:blue", "fp8_block": "tab:orange", "mxfp8": "tab:green", "nvfp4": "tab:red",
-          "mxfp4": "tab:purple", "mxfp4_w4a16": "tab:brown"}
+COLORS = {v: f"C{i}" for i, v in enumerate(registry.VARIANTS)}
+"""One colour per variant, in the registry's order (matplotlib's colour cycle)."""
 
 
 def plot(result: dict, path: str) -> Optional[str]:

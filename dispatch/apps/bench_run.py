@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 import formats
 from dispatch.api import library_versions
+from dispatch.devices import CPU, DeviceInfo
 
 from . import _harness as H
-from ._harness import Impl
 from .bench_plan import (BASELINE_NOTES, BASELINES, CPU_NOTE, GRAPH_MAX_M, Shape, ShapeCache, check_output,
                          check_rows, n_sets_for, plan, rand_x, select_shapes, tile_config)
 from .bench_record import ratios, targets
@@ -239,6 +239,7 @@ class Session:
     check: bool
     ceilings: dict = field(default_factory=dict)
     results: list = field(default_factory=list)
+    device_info: DeviceInfo = CPU
     baseline_notes: dict = field(default_factory=lambda: dict(BASELINE_NOTES))
 
     def record(self, row: dict) -> None:
@@ -269,21 +270,17 @@ def open_session(*, warmup_ms: float, rep_ms: float, graph_max_m: int, check: bo
     gpu = H.on_gpu()
     timer = Timer(gpu=gpu, warmup_ms=warmup_ms, rep_ms=rep_ms, graph_max_m=graph_max_m)
     dev_rep = H.device_report()
-    session = Session(gpu=gpu, device="cuda" if gpu else "cpu", timer=timer,
-                      l2=dev_rep.get("l2_bytes", 0) or (50 << 20), check=check)
+    device = "cuda" if gpu else "cpu"
+    session = Session(gpu=gpu, device=device, timer=timer, l2=dev_rep.get("l2_bytes", 0) or (50 << 20),
+                      check=check, device_info=H.running_device(device))
     if not gpu:
         print(CPU_NOTE, file=sys.stderr)
     session.ceilings = measure_ceilings(timer)
     return session, dev_rep
 
 
-def build_impls(impls: Optional[list[str]], extra_impls: Optional[dict[str, Impl]]) -> dict[str, Impl]:
-    """The implementations to time (default triton and cute; the oracle is never timed), then the extra ones."""
-    builtin = H.builtin_impls()
-    names = ["triton", "cute"] if impls is None else impls
-    out = {n: builtin[n]() for n in names if n in builtin and n != "reference"}
-    out.update(extra_impls or {})
-    return out
+BENCH_IMPLS = ("triton", "cute")
+"""The implementations bench times by default (the oracle is never timed)."""
 
 
 def new_shape_cache(session: Session, shape: Shape, seed: int) -> ShapeCache:
@@ -338,38 +335,39 @@ def modes_of(variant: str) -> list[str]:
     return ["linear"] if H.split(variant)[1] else ["linear", "gemm"]
 
 
-def _impl_calls(cfg: Config, impl: Impl, fmt: str, a16: bool, mode: str, l2: int, gpu: bool):
-    """(fns, weight bytes, activation bytes) for one implementation x mode: one call per input set,
-    each on its own copy of the weight."""
+def _impl_calls(cfg: Config, backend, fmt: str, mode: str, l2: int, gpu: bool):
+    """(fns, weight bytes, activation bytes) for one registry backend x mode: one call per input set,
+    each on its own copy of the weight (``backend.prepare``d), through ``apply`` (linear) or
+    ``quantize_activation`` beforehand and ``gemm`` timed (gemm)."""
     qw = cfg.cache.qweight(fmt)
     w_bytes = H.qt_nbytes(qw)
     ns = min(n_sets_for(w_bytes + cfg.x_bytes, l2, gpu=gpu), len(cfg.xs))
     qws = [qw] + [H.clone_qt(qw) for _ in range(ns - 1)]
-    preps = [impl.prepare(q, a16) for q in qws]
+    preps = [backend.prepare(q) for q in qws]
     if mode == "linear":
-        fns = [(lambda x=x, p=p, q=q: impl.linear(x, p, q, None, a16)) for x, p, q in zip(cfg.xs, preps, qws)]
+        fns = [(lambda x=x, p=p: backend.apply(x, p, None)) for x, p in zip(cfg.xs, preps)]
         return fns, w_bytes, cfg.x_bytes
-    xqs = [impl.quantize(x, fmt) for x in cfg.xs[:ns]]
-    fns = [(lambda xq=xq, p=p, q=q: impl.gemm(xq, p, q, None, torch.bfloat16)) for xq, p, q in zip(xqs, preps, qws)]
+    xqs = [backend.quantize_activation(x) for x in cfg.xs[:ns]]
+    fns = [(lambda xq=xq, p=p: backend.gemm(xq, p, None, torch.bfloat16)) for xq, p in zip(xqs, preps)]
     return fns, w_bytes, H.qt_nbytes(xqs[0])
 
 
-def time_impl(session: Session, cfg: Config, variant: str, iname: str, impl: Impl, mode: str,
+def time_impl(session: Session, cfg: Config, variant: str, iname: str, backend, mode: str,
               unsupported: Optional[str]) -> str:
-    """One implementation row: skipped (with the reason), timed and (--check) re-checked, or the
-    error it raised. Returns the progress label."""
+    """One implementation row: skipped (``unsupported``: the registry's reason), timed and (--check)
+    re-checked, or the error it raised. Returns the progress label."""
     fmt, a16 = H.split(variant)
     M, N, K = cfg.M, cfg.shape.N, cfg.shape.K
     label = f"{cfg.shape.id} M={M} {variant} {iname}"
     row = {"kind": "impl", "name": iname, "variant": variant, "fmt": fmt, "a16": a16, "mode": mode, **cfg.common}
-    if mode == "gemm" and unsupported is None and (impl.gemm is None or impl.quantize is None):
+    if mode == "gemm" and unsupported is None and not backend.splits:
         unsupported = f"{iname} has no separate activation quantization and GEMM to time alone"
     if unsupported is not None:
         row.update({"skipped": unsupported, "us": None})
         session.results.append(row)
         return label + " skipped"
     try:
-        fns, w_bytes, act_bytes = _impl_calls(cfg, impl, fmt, a16, mode, session.l2, session.gpu)
+        fns, w_bytes, act_bytes = _impl_calls(cfg, backend, fmt, mode, session.l2, session.gpu)
         row["bytes"] = w_bytes + act_bytes + M * N * 2
         row["n_sets"] = len(fns)
         row["tile_config"] = tile_config(fmt, M, N, K) if iname == "triton" else None
@@ -393,15 +391,18 @@ def run_bench(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
               shapes: Optional[list[Shape]] = None, ms: Optional[list[int]] = None, quick: bool = False,
               baselines: Optional[list[str]] = None, check: bool = False, budget_s: Optional[float] = None,
               warmup_ms: float = 10, rep_ms: float = 50, graph_max_m: int = GRAPH_MAX_M, seed: int = 0,
-              progress: bool = True, extra_impls: Optional[dict[str, Impl]] = None) -> dict[str, Any]:
+              progress: bool = True, extra_backends: Optional[dict[str, H.BackendFactory]] = None
+              ) -> dict[str, Any]:
     """Time every (shape, M) x baseline and implementation x mode; the JSON-able result (fields in
     docs/bench.md). ``budget_s`` stops starting new configurations after that many seconds (the
-    rest are listed in "skipped")."""
+    rest are listed in "skipped"). Implementations are registry backends (``impls``: names from
+    :data:`BENCH_IMPLS`; ``extra_backends``: name -> factory(variant) -> registry.Backend); a
+    configuration ``registry.check`` refuses on this device is a skip row with its reason."""
     gpu = H.on_gpu()
     variants = H.variants_from_formats(variants)
     shapes = shapes if shapes is not None else select_shapes(None, gpu=gpu, quick=quick)
     baselines = list(BASELINES) if baselines is None else baselines
-    impl_objs = build_impls(impls, extra_impls)
+    impl_objs = H.implementations(impls, BENCH_IMPLS, extra_backends)
     clock = H.Stopwatch()
     session, dev_rep = open_session(warmup_ms=warmup_ms, rep_ms=rep_ms, graph_max_m=graph_max_m, check=check)
     configs = plan(shapes, ms, gpu=gpu, quick=quick)
@@ -426,10 +427,11 @@ def run_bench(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
                 time_baseline(session, cfg, b)
                 bar.advance(f"{shape.id} M={M} {b}")
             for v in variants:
-                for iname, impl in impl_objs.items():
-                    ok, why = impl.support(v, M, shape.N, shape.K)
+                for iname, factory in impl_objs.items():
+                    backend = factory(v)
+                    ok, why = H.check(backend, v, M, shape.N, shape.K, torch.bfloat16, session.device_info)
                     for mode in modes_of(v):
-                        bar.advance(time_impl(session, cfg, v, iname, impl, mode, None if ok else why))
+                        bar.advance(time_impl(session, cfg, v, iname, backend, mode, None if ok else why))
             del cfg
     cache = None
     ratios(session.results)

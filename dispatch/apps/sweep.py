@@ -1,10 +1,12 @@
 """``b12x-dual sweep``: the diff matrix on this device.
 
-formats x implementations available here x a shape grid x output dtypes. Rows are the five formats
-and MXFP4 weight-only (``mxfp4_w4a16``: MXFP4 weights, bf16/fp16 activations). Implementations:
-reference (formats/ oracle, float64 output), triton (kernels_triton), cute (kernels_cute where it
-runs; elsewhere skipped with the reason). Every cell draws fresh random inputs (normal values, outliers,
-all-zero blocks; a fresh weight quantized by the oracle) and gives every implementation the same ones.
+formats x implementations available here x a shape grid x output dtypes. Rows are the variants of
+dispatch.registry.VARIANTS: the five formats and the weight-only ones (``nvfp4_w4a16``,
+``mxfp4_w4a16``: 4-bit weights, bf16/fp16 activations). Implementations are registry backends:
+reference (formats/ oracle, float64 output), triton (kernels_triton), cute (kernels_cute); one that
+``registry.check`` says cannot run a cell on this device is skipped there with the registry's reason.
+Every cell draws fresh random inputs (normal values, outliers, all-zero blocks; a fresh weight
+quantized by the oracle) and gives every implementation the same ones.
 
 Per cell:
   * activation bit-exactness: each implementation's quantize_activation(x) against
@@ -14,7 +16,7 @@ Per cell:
     mean_rel and cosine (dispatch.apps._harness.compare_outputs), b the earlier one in the order
     reference, triton, cute (so reference is the denominator whenever it is in the pair).
 
-Tolerances (issues 3 and 5): norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; for cute vs triton
+Tolerances: norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; for cute vs triton
 on fp8_block (b12x's split-K with bf16 atomics) norm_rel <= 3e-3 and cosine >= 0.99999 (the wider
 of the two norm bounds applies). NaN or Inf never passes. An implementation that raises on a cell it
 claimed to support fails the cell.
@@ -50,7 +52,6 @@ from dispatch.registry import VARIANTS
 
 from . import _harness as H
 from . import argtypes as A
-from ._harness import Impl
 
 GRIDS: dict[str, dict[str, list]] = {
     "small": {"m": [1, 3, 16], "nk": [(40, 128), (64, 256)]},
@@ -70,20 +71,12 @@ def tolerance(fmt: str, out_dtype: torch.dtype, a: str, b: str) -> dict[str, Opt
     return tol
 
 
-def build_impls(names: Optional[list[str]], extra: Optional[dict[str, Impl]]) -> dict[str, Impl]:
-    """The implementations asked for (default: all built-in), then the extra ones, in order."""
-    builtin = H.builtin_impls()
-    names = list(builtin) if names is None else names
-    out = {n: builtin[n]() for n in IMPL_ORDER if n in names}
-    for n, impl in (extra or {}).items():
-        out[n] = impl
-    return out
-
-
-def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: dict[str, Impl], *,
+def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: dict[str, H.BackendFactory], *,
              seed: int, device: str) -> dict[str, Any]:
-    """One cell of the matrix: fresh inputs, every implementation, the comparisons."""
+    """One cell of the matrix: fresh inputs, every implementation (``impls``: name -> factory of its
+    registry backend per variant) that the registry says can run it on ``device``, the comparisons."""
     fmt, a16 = H.split(variant)
+    dev_info = H.running_device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     x = H.make_input((M, K), dtype, gen, device)
     w = H.make_weight(N, K, gen, device)
@@ -95,29 +88,34 @@ def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: di
         "ran": [], "skipped": {}, "errors": {}, "quant": {}, "pairs": [],
     }
     outs: dict[str, torch.Tensor] = {}
-    for name, impl in impls.items():
-        ok, why = impl.support(variant, M, N, K)
+    backends = {}
+    for name, factory in impls.items():
+        entry = factory(variant)
+        ok, why = H.check(entry, variant, M, N, K, dtype, dev_info)
         if not ok:
             cell["skipped"][name] = why
             continue
+        backends[name] = entry
+        # the oracle in float64: the exact product of the quantized operands, rounded once
+        opts = {"out_dtype": torch.float64} if name == "reference" else {}
         try:
-            prepared = impl.prepare(qweight, a16)
-            y = impl.linear(x, prepared, qweight, bias, a16)
+            prepared = entry.prepare(qweight)
+            y = entry.apply(x, prepared, bias, **opts)
             outs[name] = y.detach()
             cell["ran"].append(name)
         except Exception as e:
             cell["errors"][name] = f"linear: {type(e).__name__}: {e}"
             cell["traceback_" + name] = traceback.format_exc(limit=4)
 
-    # activation bit-exactness against the oracle
+    # activation bit-exactness against the oracle (compare_quantized unswizzles 128x4 scales)
     if not a16:
         ref_q = formats.quantize(x, fmt, role="activation")
         for name in cell["ran"]:
-            impl = impls[name]
-            if name == "reference" or impl.quantize is None:
+            backend = backends[name]
+            if name == "reference" or not H.has_quantizer(backend):
                 continue
             try:
-                cell["quant"][name] = H.compare_quantized(impl.quantize(x, fmt), ref_q)
+                cell["quant"][name] = H.compare_quantized(backend.quantize_activation(x), ref_q)
             except Exception as e:
                 cell["quant"][name] = {"ok": False, "detail": f"quantize_activation: {type(e).__name__}: {e}"}
 
@@ -140,19 +138,19 @@ def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: di
 def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]] = None, grid: str = "small",
               dtypes: Optional[list[str]] = None, ms: Optional[list[int]] = None,
               nk: Optional[list[tuple[int, int]]] = None, seed: int = 0,
-              extra_impls: Optional[dict[str, Impl]] = None, progress: bool = True,
+              extra_backends: Optional[dict[str, H.BackendFactory]] = None, progress: bool = True,
               device: Optional[str] = None, budget_s: Optional[float] = None) -> dict[str, Any]:
     """Run the matrix and return the JSON-able result (see the module docstring for the fields).
 
-    ``extra_impls`` adds implementations (name -> dispatch.apps._harness.Impl), e.g. a deliberately
-    broken one in the tests."""
+    ``extra_backends`` adds implementations (name -> factory(variant) -> registry.Backend), e.g. a
+    deliberately broken one in the tests. ValueError for an unknown implementation name."""
     device = device or H.default_device()
     variants = H.variants_from_formats(variants)
     dtypes = dtypes or ["bf16", "fp16"]
     g = GRIDS[grid]
     ms = ms or g["m"]
     nk = nk or g["nk"]
-    impl_objs = build_impls(impls, extra_impls)
+    impl_objs = H.implementations(impls, IMPL_ORDER, extra_backends)
     clock = H.Stopwatch()
     cells = []
     # variants innermost: a time budget then cuts the last shapes of every variant, not whole variants
@@ -180,7 +178,7 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
         "grid": grid,
         "args": {"variants": variants, "impls": list(impl_objs), "dtypes": dtypes, "m": ms,
                  "nk": [list(t) for t in nk], "seed": seed},
-        "impls": {n: {"note": i.note} for n, i in impl_objs.items()},
+        "impls": {n: {"note": "" if n in (extra_backends or {}) else H.impl_note(n)} for n in impl_objs},
         "tolerances": {"norm_rel": {H.DTYPE_NAMES[k]: v for k, v in TOL_NORM.items()},
                        "cute_vs_triton_fp8_block": {"norm_rel": SPLITK_NORM, "cosine": SPLITK_COSINE}},
         "cells": cells,
@@ -296,12 +294,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
 
 
-def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
+def run(args, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -> int:
     """The sweep with the parsed options (every value already checked by its ``type=``); 0 when every
     cell agrees, 1 otherwise."""
     grid = args.grid or ("large" if H.on_gpu() else "small")
     result = run_sweep(variants=args.formats, impls=args.impls, grid=grid, dtypes=args.dtypes, ms=args.m,
-                       seed=args.seed, extra_impls=extra_impls, progress=not args.no_progress,
+                       seed=args.seed, extra_backends=extra_backends, progress=not args.no_progress,
                        budget_s=args.budget_s)
     summarize(result, verbose=args.verbose, plain=args.plain)
     if args.json:
@@ -310,11 +308,11 @@ def run(args, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
     return 0 if result["summary"]["ok"] else 1
 
 
-def main(argv=None, *, extra_impls: Optional[dict[str, Impl]] = None) -> int:
+def main(argv=None, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -> int:
     p = argparse.ArgumentParser(prog="b12x-dual sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    return run(p.parse_args(argv), extra_impls=extra_impls)
+    return run(p.parse_args(argv), extra_backends=extra_backends)
 
 
 if __name__ == "__main__":

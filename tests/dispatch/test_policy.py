@@ -40,8 +40,8 @@ def _b12x(monkeypatch, installed: bool, version: str = "1.5.1"):
 def _cute_shape_rule(variant, M, N, K):
     """kernels_cute's own predicate for the shape (the production rule, called directly)."""
     spec = registry.VARIANTS[variant]
-    if variant in backends.CUTE_UNSUPPORTED:
-        return False, f"cute does not implement {variant}: {backends.CUTE_UNSUPPORTED[variant]}"
+    if kernels_cute.not_served(variant):
+        return False, f"cute does not implement {variant}: {kernels_cute.not_served(variant)}"
     mod = kernels_cute.module(spec.fmt)
     return mod.supported(M, N, K, a16=True) if spec.a16 else mod.supported(M, N, K)
 
@@ -78,8 +78,8 @@ def test_auto_without_b12x_picks_triton_everywhere_and_says_why(monkeypatch, key
     dev = KNOWN_DEVICES[key]
     c = choose(variant, M, N, K, dev)
     impl, skipped = _expected_without_b12x(key)
-    if variant in backends.CUTE_UNSUPPORTED:
-        skipped = f"cute does not implement {variant}: {backends.CUTE_UNSUPPORTED[variant]}"
+    if kernels_cute.not_served(variant):
+        skipped = f"cute does not implement {variant}: {kernels_cute.not_served(variant)}"
         if key == "cpu" and not interpreting():
             skipped += "; " + registry.get("triton", variant).is_supported(CPU)[1]
     assert c.impl == impl

@@ -3,14 +3,19 @@ status, JSON fields, and that a wrong implementation is caught. Nothing here is 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+from dataclasses import replace
 
+import pytest
 import torch
 
+from dispatch import registry
 from dispatch.apps import _harness as H
 from dispatch.apps import bench, bench_plan, bench_record, sweep
+from dispatch.backends import TritonBackend
 
 ON_CPU = not torch.cuda.is_available()
 
@@ -70,6 +75,10 @@ def test_sweep_small_subset_agrees_and_writes_json(tmp_path):
         assert c["errors"] == {}, c["errors"]
         for name, why in c["skipped"].items():
             assert EXPLICIT_SKIP.search(why), f"{name} skipped without naming the device or library: {why!r}"
+            # the reason is the registry's own, for this cell on the device the tensors are on
+            problem = registry.Problem(c["variant"], c["M"], c["N"], c["K"], H.DTYPES[c["out_dtype"]])
+            assert (False, why) == registry.check(registry.entries()[(name, c["variant"])], problem,
+                                                  H.running_device(H.default_device()))
         pair = next(p for p in c["pairs"] if {p["a"], p["b"]} == {"triton", "reference"})
         for key in ("norm_rel", "max_rel", "mean_rel", "cosine", "tol_norm_rel", "ok"):
             assert key in pair
@@ -81,30 +90,53 @@ def test_sweep_small_subset_agrees_and_writes_json(tmp_path):
             assert q["ok"] and q["data_equal"] and q["scale_equal"] and q["mismatched_bytes"] == 0
 
 
-def _triton_based(name, *, linear_factor=1.0, corrupt_scale=False) -> H.Impl:
-    tri = H.triton_impl()
+class _SkewedTriton(TritonBackend):
+    """The triton backend with its output scaled by ``factor`` and/or one bit of its activation's
+    first scale byte flipped: a wrong implementation the sweep must catch."""
 
-    def linear(x, prepared, qweight, bias, a16):
-        return tri.linear(x, prepared, qweight, bias, a16) * linear_factor
+    def __init__(self, variant, *, factor=1.0, corrupt_scale=False):
+        super().__init__(variant)
+        self.factor, self.corrupt_scale = factor, corrupt_scale
 
-    def quantize(x, fmt):
-        q = tri.quantize(x, fmt)
-        if corrupt_scale:
-            from dataclasses import replace
+    def apply(self, x, prepared, bias=None, **act_opts):
+        return super().apply(x, prepared, bias, **act_opts) * self.factor
 
+    def quantize_activation(self, x, **act_opts):
+        q = super().quantize_activation(x, **act_opts)
+        if self.corrupt_scale:
             s = q.scale.clone()
-            s.reshape(-1).view(torch.uint8)[:1] ^= 1  # flip one bit of the first scale byte
+            s.reshape(-1).view(torch.uint8)[:1] ^= 1
             q = replace(q, scale=s)
         return q
 
-    return H.Impl(name, linear, quantize=quantize, support=tri.support)
+
+class _Raises(registry.Backend):
+    """Claims every cell triton claims, then raises in apply; no separate quantizer or GEMM."""
+
+    impl = "raises"
+
+    def __init__(self, variant):
+        super().__init__(variant)
+        self._triton = registry.get("triton", variant)
+
+    def is_supported(self, device):
+        return self._triton.is_supported(device)
+
+    def can_implement(self, problem):
+        return self._triton.can_implement(problem)
+
+    def prepare(self, qweight, into=None):
+        return self._triton.prepare(qweight, into)
+
+    def apply(self, x, prepared, bias=None, **act_opts):
+        raise RuntimeError("deliberately broken")
 
 
 def test_sweep_reports_a_wrong_output(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     rc = sweep.main(["--grid", "small", "--formats", "fp8_tensor", "--m", "3", "--dtypes", "bf16",
                      "--impls", "reference,triton", "--json", str(out), "--no-progress", "--plain"],
-                    extra_impls={"broken": _triton_based("broken", linear_factor=1.01)})
+                    extra_backends={"broken": functools.partial(_SkewedTriton, factor=1.01)})
     assert rc == 1
     res = _load(out)
     assert res["summary"]["ok"] is False and res["summary"]["failed"] == len(res["cells"]) == 2
@@ -120,7 +152,7 @@ def test_sweep_reports_activation_bits_that_differ(tmp_path):
     out = tmp_path / "sweep.json"
     rc = sweep.main(["--grid", "small", "--formats", "nvfp4", "--m", "1", "--dtypes", "bf16",
                      "--impls", "reference", "--json", str(out), "--no-progress", "--plain"],
-                    extra_impls={"badscale": _triton_based("badscale", corrupt_scale=True)})
+                    extra_backends={"badscale": functools.partial(_SkewedTriton, corrupt_scale=True)})
     assert rc == 1
     for c in _load(out)["cells"]:
         q = c["quant"]["badscale"]
@@ -158,6 +190,11 @@ def test_bench_tiny_grid_writes_json_and_plot(tmp_path, capsys):
     assert bench_row_problems(res) == []
     cute = [r for r in rows if r["name"] == "cute"]
     assert len(cute) == 3 and all(r.get("us") or r.get("skipped") for r in cute)
+    for r in cute:
+        if r.get("skipped"):  # the registry's reason for this configuration on this device (bf16)
+            problem = registry.Problem(r["variant"], r["M"], r["N"], r["K"], torch.bfloat16)
+            assert (False, r["skipped"]) == registry.check(registry.entries()[("cute", r["variant"])], problem,
+                                                           H.running_device(H.default_device()))
     assert len(res["targets"]) == len(bench_record.TARGETS)
     if H._have("matplotlib"):
         assert png.exists() and png.stat().st_size > 0
@@ -165,16 +202,47 @@ def test_bench_tiny_grid_writes_json_and_plot(tmp_path, capsys):
     assert bench.main(["--summarize", str(out), "--plain"]) == 0
 
 
+def test_sweep_reports_an_implementation_that_raises(tmp_path):
+    out = tmp_path / "sweep.json"
+    rc = sweep.main(["--grid", "small", "--formats", "fp8_tensor", "--m", "3", "--dtypes", "bf16",
+                     "--impls", "reference", "--json", str(out), "--no-progress", "--plain"],
+                    extra_backends={"raises": _Raises})
+    assert rc == 1
+    cells = _load(out)["cells"]
+    assert len(cells) == 2
+    for c in cells:
+        assert c["ok"] is False and c["ran"] == ["reference"]
+        assert "deliberately broken" in c["errors"]["raises"]
+
+
+def test_sweep_skips_an_unsupported_entry_with_its_reason(tmp_path):
+    """A cell the registry declares unsupported is a skip row carrying the entry's reason."""
+    out = tmp_path / "sweep.json"
+    why = "no kernel for this variant in this test"
+    rc = sweep.main(["--grid", "small", "--formats", "fp8_tensor", "--m", "1", "--dtypes", "bf16",
+                     "--impls", "reference", "--json", str(out), "--no-progress", "--plain"],
+                    extra_backends={"none": lambda v: registry.UnsupportedEntry("none", v, why)})
+    assert rc == 0
+    for c in _load(out)["cells"]:
+        assert c["skipped"] == {"none": f"none does not implement fp8_tensor: {why}"}
+
+
+def test_implementations_rejects_bad_names():
+    with pytest.raises(ValueError, match="'fast'"):
+        H.implementations(["fast"], sweep.IMPL_ORDER)
+    with pytest.raises(ValueError, match="extra_backends\\['x'\\]"):
+        H.implementations(None, sweep.IMPL_ORDER, {"x": "triton"})
+    assert list(H.implementations(["cute", "reference"], sweep.IMPL_ORDER, {"z": _Raises})) == [
+        "reference", "cute", "z"]
+
+
 def test_bench_reports_an_implementation_that_raises(tmp_path):
     """The strict row check is not vacuous: an implementation that raises gives error rows, bench
     exits 1, and bench_row_problems names them."""
-    def linear(x, prepared, qweight, bias, a16):
-        raise RuntimeError("deliberately broken")
-
     out = tmp_path / "bench.json"
     rc = bench.main(["--shapes", "tiny", "--m", "1", "--formats", "fp8_tensor", "--impls", "triton",
                      "--baselines", "torch_bf16", "--json", str(out), "--no-progress", "--plain"],
-                    extra_impls={"raises": H.Impl("raises", linear)})
+                    extra_backends={"raises": _Raises})
     assert rc == 1
     problems = bench_row_problems(_load(out))
     assert len(problems) == 1 and "impl raises fp8_tensor linear" in problems[0]

@@ -1,0 +1,216 @@
+"""NVFP4 activation quantization in Triton, bit for bit as the oracle (kernels_triton.nvfp4 is
+the format's public module; this file holds its quantization kernels).
+
+What NVFP4 stores (formats/nvfp4.py is the spec and the oracle): e2m1 codes packed two per byte
+along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements
+(float8_e4m3fn [rows, K/16], linear layout), and one float32 global scale g per tensor:
+
+    g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
+    s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
+    code = e2m1(div_rn(x * g, decode(s)))         code 0 where s == 0
+    x   ~= e2m1_value(code) * decode(s) / g
+
+Quantization (``quantize_activation``) runs two kernels:
+
+    _amax_partial_kernel   (dynamic g only) a (Pm, Pk) grid of programs, each the max |x| over a
+                           strided set of row and K tiles -> partial[Pm * Pk] (no atomics, so the
+                           result does not depend on timing)
+    _quantize_kernel       every program reduces partial[0:P] itself (P <= 256, a few hundred
+                           bytes), forms g, then quantizes its [BLOCK_M, BLOCK_K] tile:
+        xb    = x tile as [BLOCK_M, BLOCK_K/16, 16] float32
+        s     = encode_e4m3(div_rn(max(max|xb|, FLOOR), 6) * g)          # [BLOCK_M, BLOCK_K/16]
+        codes = encode_e2m1(div_rn(xb * g, decode_e4m3(s)))              # 0 where s == 0
+        bytes = codes[..., 0::2] | codes[..., 1::2] << 4                 # low nibble = even element
+Everything stays on the device (no .item()), so the call can be captured in a CUDA graph. Rounding
+to e4m3/e2m1 uses the bit-arithmetic encoders of _common (never Triton's fp8 cast, which is wrong in
+the interpreter) and IEEE division (tl.math.div_rn), so the codes equal the oracle's bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+import triton
+import triton.language as tl
+
+from formats import QuantizedTensor
+from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+
+from ._common import check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting
+
+FMT = "nvfp4"
+VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
+MAX_PARTIALS = 256  # programs of the amax reduction (the quantize kernel reads all their results)
+
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _global_scale_from_amax(amax):
+    """g = 2688 / max(amax, AMAX_FLOOR), one IEEE division, as the oracle (formats.base.ieee_div)."""
+    return tl.math.div_rn(tl.zeros_like(amax) + _G_NUM, tl.maximum(amax, _FLOOR))
+
+
+@triton.jit
+def _amax_partial_kernel(
+    x_ptr, partial_ptr,
+    M, K,
+    stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """partial[pid_m * Pk + pid_k] = max |x| over the row tiles pid_m, pid_m + Pm, ... and the K tiles
+    pid_k, pid_k + Pk, ... of a (Pm, Pk) grid. The grid spans K too: one program walking all of K
+    would issue its loads one after another (at decode, 64 dependent steps for K = 8192)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pm = tl.num_programs(0)
+    num_pk = tl.num_programs(1)
+    amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for m0 in range(pid_m * BLOCK_M, M, num_pm * BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+            ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+    tl.store(partial_ptr + pid_m * num_pk + pid_k, tl.max(tl.max(amax, axis=1), axis=0))
+
+
+@triton.jit
+def _quantize_kernel(
+    # pointers
+    x_ptr,  # bf16/fp16 [M, K], any strides
+    partial_ptr,  # float32 [num_partials] (dynamic) or the static g (float32 [1])
+    q_ptr, s_ptr,  # out: packed uint8 [M, K/2], e4m3 scale bytes uint8 [M, K/16]
+    g_out_ptr,  # out: float32 [1], the global scale used
+    # dimensions
+    M, K, num_partials,
+    # strides
+    stride_xm, stride_xk, stride_qm, stride_sm,
+    # meta-parameters
+    DYNAMIC: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+
+    # ----- global scale: reduce the partial amaxes (dynamic) or read the static g
+    if DYNAMIC:
+        offs_p = tl.arange(0, BLOCK_P)
+        partial = tl.load(partial_ptr + offs_p, mask=offs_p < num_partials, other=0.0)
+        g = _global_scale_from_amax(tl.max(partial, axis=0))
+    else:
+        g = tl.load(partial_ptr)
+    tl.store(g_out_ptr, g, mask=(pid_m == 0) & (pid_k == 0))
+
+    # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = offs_m.to(tl.int64)
+    m_mask = offs_m < M
+    mask = m_mask[:, None] & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
+                mask=mask, other=0.0).to(tl.float32)
+
+    # ----- per-16 block scale s = e4m3(amax_b / 6 * g): [BLOCK_M, BLOCK_K / 16]
+    xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
+    amax_b = tl.maximum(tl.max(tl.abs(xb), axis=2), _FLOOR)
+    s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
+    s_val = decode_e4m3(s_code)[:, :, None]
+
+    # ----- element codes: e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf)
+    safe_s = tl.where(s_val > 0, s_val, 1.0)
+    codes = encode_e2m1(tl.math.div_rn(xb * g, safe_s))
+    codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
+
+    # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
+    even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
+    packed = even | (odd << 4)
+    offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
+             mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
+    offs_ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], s_code,
+             mask=m_mask[:, None] & (offs_ks[None, :] < K // 16))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers
+# ---------------------------------------------------------------------------------------------
+def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) of the quantize kernels: whole small problems in the interpreter (each
+    program costs milliseconds there), 32 x 128 (256 blocks of 16 per program) on GPU."""
+    if interp:
+        return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
+    return 32, 128
+
+
+def _static_global_scale(global_scale, device) -> torch.Tensor:
+    """The static g as a float32 one-element tensor on ``device``. A Python number is checked
+    (finite, > 0); a tensor is trusted as is (checking its value would synchronize the host)."""
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.numel() != 1 or not global_scale.is_floating_point():
+            raise ValueError(f"global_scale must be one positive float, got a {global_scale.dtype} tensor "
+                             f"of shape {tuple(global_scale.shape)}")
+        return global_scale.to(device=device, dtype=torch.float32).reshape(1)
+    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float)) \
+            or not math.isfinite(global_scale) or global_scale <= 0:
+        raise ValueError(f"global_scale must be one finite positive number, got {global_scale!r}")
+    return torch.tensor([global_scale], dtype=torch.float32, device=device)
+
+
+def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None) -> QuantizedTensor:
+    """Quantize activations to NVFP4 with the Triton kernels, bit for bit as
+    ``formats.quantize(x, "nvfp4", role="activation", global_scale=global_scale)``.
+
+    Args:
+        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; finite values.
+        global_scale: static g (e.g. a calibrated input_global_scale = 2688 / amax), a Python number
+            or a one-element float tensor; None = dynamic, 2688 / max(amax(x), 2^-100).
+    Returns:
+        QuantizedTensor(fmt="nvfp4", role="activation", data=uint8 [M, K/2],
+        scale=float8_e4m3fn [M, K/16], global_scale=float32 0-d, shape=(M, K)), M = prod(x.shape[:-1]).
+    Raises:
+        ValueError: x not a bf16/fp16 tensor, K not a positive multiple of 16, or a bad global_scale.
+    """
+    check_activation(x, None, VEC_SIZE, FMT)
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)  # a view when the strides allow; the kernels take both strides
+    M = x2.shape[0]
+    device = x.device
+    data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
+    scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=device)
+    dynamic = global_scale is None
+    g_in = None if dynamic else _static_global_scale(global_scale, device)
+    if M == 0:  # no launch; the oracle's g for an empty tensor is 2688 / AMAX_FLOOR
+        g = (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
+             / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else g_in.clone()
+    else:
+        interp = interpreting()
+        block_m, block_k = _quantize_tiles(M, K, interp)
+        g = torch.empty((1,), dtype=torch.float32, device=device)
+        num_partials = 1
+        if dynamic:
+            pm = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
+            pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
+            num_partials = pm * pk
+            g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
+            _amax_partial_kernel[(pm, pk)](
+                x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+        _quantize_kernel[grid](
+            x2, g_in, data, scale, g,
+            M, K, num_partials,
+            x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
+            DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)),
+            BLOCK_M=block_m, BLOCK_K=block_k,
+        )
+    return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
+                           (1, VEC_SIZE), (M, K))

@@ -1,0 +1,118 @@
+"""Compile-only, no GPU: every GEMM configuration the SM12x tile tables can select compiles for
+sm_120a and sm_121a, its PTX holds the native block-scaled MMA of its format (and not the bf16 or
+plain-fp8 fallback), and ptxas' report fits the part (shared memory <= 101,376 B per block, no
+spills, registers x threads <= 65,536).
+
+How: tools/sm12x_compile.py compiles the builds in a subprocess (TRITON_INTERPRET=0, two worker
+processes, a fresh Triton cache so ptxas reports). One xdist worker compiles, the others wait on
+a file lock and read the same records; the records are also kept in pytest's cache under a key of
+the kernel sources and the Triton version, so a second run with unchanged kernels compiles nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+import kernels_triton
+from formats import FORMAT_NAMES, spec
+from kernels_triton import _tiles
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "sm12x_compile.py"
+_spec = importlib.util.spec_from_file_location("sm12x_compile", TOOL)
+sm12x_compile = importlib.util.module_from_spec(_spec)
+sys.modules["sm12x_compile"] = sm12x_compile  # dataclasses look their module up there
+_spec.loader.exec_module(sm12x_compile)
+
+BUILDS = sm12x_compile.builds()
+ARCHS = tuple(f"sm_{a}a" for a in sm12x_compile.ARCHES)
+
+
+def _key() -> str:
+    h = hashlib.sha256(triton.__version__.encode())
+    for p in sorted((ROOT / "kernels_triton").glob("*.py")) + [TOOL]:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def records(request, tmp_path_factory) -> dict:
+    key = _key()
+    cached = request.config.cache.get(f"sm12x_compile/{key}", None)
+    if cached is None:
+        shared = tmp_path_factory.getbasetemp().parent  # one directory for all xdist workers
+        out = shared / f"sm12x_compile_{key}.json"
+        with open(shared / "sm12x_compile.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not out.exists():
+                env = {**os.environ, "TRITON_INTERPRET": "0"}
+                proc = subprocess.run([sys.executable, str(TOOL), "--json", str(out), "--jobs", "2"],
+                                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                if not out.exists():
+                    pytest.fail(f"tools/sm12x_compile.py wrote no records (rc {proc.returncode}):\n"
+                                f"{proc.stderr[-3000:]}")
+            cached = json.loads(out.read_text())
+        request.config.cache.set(f"sm12x_compile/{key}", cached)
+    return {(r["name"], r["arch"]): r for r in cached}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", [b.name for b in BUILDS])
+def test_build_compiles_to_the_native_mma_and_fits(records, name, arch):
+    r = records[(name, arch)]
+    cap = (12, int(arch[5]))
+    if r["path"] == "native" and kernels_triton.gemm_path(r["fmt"], cap)[0] != "native":
+        pytest.skip(kernels_triton.gemm_path(r["fmt"], cap)[1])  # an older Triton: the policy says portable
+    assert "error" not in r, r.get("error")
+    assert r["target"] == arch, f"PTX .target is {r['target']}, expected {arch}"
+    assert not r["missing"], f"PTX lacks {r['missing']}; it has {r['mma']}"
+    assert not r["forbidden"], f"PTX falls back to {r['forbidden']}"
+    assert r["shared"] <= sm12x_compile.SMEM_LIMIT, f"{r['shared']} B of shared memory per block"
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, \
+        f"{r['spill_stores']} B spill stores / {r['spill_loads']} B spill loads at {r['registers']} registers"
+    assert r["registers"] * r["threads"] <= sm12x_compile.REGS_PER_SM, f"{r['registers']} registers x {r['threads']}"
+
+
+def test_every_format_and_table_row_is_built():
+    """The build list covers each format's native kernel for every row of its table, and the
+    W4A16 kernel of each FP4 format for every row of the portable FP4 table."""
+    have = {(b.fmt, b.path, b.row) for b in BUILDS}
+    for fmt in FORMAT_NAMES:
+        kinds = ["e2m1"] if spec(fmt).element == "e2m1" else ["e4m3"]
+        if fmt == "fp8_block":
+            kinds.append("fp8_block")
+        for kind in kinds:
+            for row in _tiles.sm12x_entries(kind):
+                assert (fmt, "native", row) in have, (fmt, kind, row)
+        if spec(fmt).element == "e2m1":
+            for row in _tiles.sm12x_entries("e2m1_portable"):
+                assert (fmt, "portable", row) in have, (fmt, row)
+
+
+@pytest.mark.parametrize("kind", _tiles.KINDS)
+def test_selection_stays_inside_the_compiled_entries(kind):
+    """sm12x_config picks only tiles that are compiled above (split-K changes nothing but the
+    epilogue branch, which the 'split' builds compile), for decode to prefill M and every SM count."""
+    entries = {str(c) for c in _tiles.sm12x_entries(kind).values()}
+    for sms in _tiles.SM12X_SM_COUNTS:
+        for m in (1, 7, 16, 17, 64, 65, 128, 129, 256, 257, 4096):
+            for n, k in ((2048, 4096), (4096, 7168), (8192, 8192), (576, 2048)):
+                cfg = _tiles.sm12x_config(kind, m, n, k, sms)
+                base = str(_tiles.TileConfig(**{**cfg.__dict__, "SPLIT_K": 1}))
+                assert base in entries, (kind, m, n, k, sms, str(cfg))
+                # operand bytes per element: e4m3 1, packed e2m1 1/2, the portable kernel's bf16
+                # activation 2 (its pre-pass GEMM: bf16 both sides); all num_stages buffers
+                a_b, b_b = {"e4m3": (1, 1), "fp8_block": (1, 1), "e2m1": (0.5, 0.5),
+                            "e2m1_portable": (2, 2 if cfg.PREPASS else 0.5)}[kind]
+                est = cfg.num_stages * (cfg.BLOCK_M * a_b + cfg.BLOCK_N * b_b) * cfg.BLOCK_K
+                assert est <= _tiles.SM12X_SMEM_PER_BLOCK, (kind, str(cfg), est)

@@ -1,0 +1,275 @@
+"""Compile every GEMM configuration the SM12x tile tables can select, for sm_120a and sm_121a,
+on a machine without a GPU, and report what ptxas made of each.
+
+    python tools/sm12x_compile.py                 # markdown table (docs/results.md) to stdout
+    python tools/sm12x_compile.py --json out.json # the full records, for tests/kernels_triton
+    python tools/sm12x_compile.py --arch 120 --jobs 2
+
+A build is one kernel with its tile (kernels_triton._tiles) and its format's constexprs. Each is
+compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` in a worker
+process with TRITON_INTERPRET=0 and a fresh Triton cache (so ptxas runs and its -v report is
+read). Pointer arguments and every integer but M are marked divisible by 16, as Triton's launcher
+specializes them for real shapes (without it the loads are not vectorized and the register counts
+mean nothing); strides equal to 1 are constants, as the launcher makes them.
+
+Per build: the mma.sync instructions in the PTX, registers, spill stores/loads, stack frame and
+shared memory (Triton's allocation, metadata.shared), and ``fits``: shared <= 101,376 B, no spills,
+registers * threads <= 65,536.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARCHES = (120, 121)
+SMEM_LIMIT = 101_376
+REGS_PER_SM = 65_536
+
+# what the PTX must hold (all of ``want``) and must not hold (any of ``avoid``)
+NATIVE_AVOID = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",  # the bf16 fallback
+                "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32")  # plain (half-rate) fp8
+WANT = {
+    "nvfp4": ("kind::mxf4nvf4.block_scale.scale_vec::4X", "e2m1.e2m1.f32.ue4m3"),
+    "mxfp4": ("kind::mxf4nvf4.block_scale.scale_vec::2X", "e2m1.e2m1.f32.ue8m0"),
+    "e4m3": ("kind::mxf8f6f4.block_scale.scale_vec::1X", "e4m3.e4m3.f32.ue8m0"),
+    "bf16": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",),
+}
+
+
+@dataclass
+class Build:
+    name: str  # "<fmt> <path> <row>[ split]"
+    fmt: str
+    path: str  # native | portable
+    row: str  # the table row (decode / small / medium / large / prepass)
+    kernel: str  # "module:attr" in kernels_triton
+    tile: str
+    num_warps: int
+    num_stages: int
+    want: tuple = ()
+    avoid: tuple = ()
+    types: dict = field(default_factory=dict)  # non-default pointer types
+    constexprs: dict = field(default_factory=dict)
+
+
+def _native_e4m3(fmt, kernel, kind, extra, row, cfg, split, types=None):
+    c = dict(HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+             GROUP_M=cfg.GROUP_M, SPLIT=split, **extra)
+    return Build(f"{fmt}{'' if kind == fmt else ' ' + kind} native {row}{' split' if split else ''}", fmt, "native",
+                 row, kernel, str(cfg), cfg.num_warps, cfg.num_stages, WANT["e4m3"], NATIVE_AVOID,
+                 types or {}, c)
+
+
+def builds() -> list[Build]:
+    """Every build the SM12x tables can select (pure Python: nothing is compiled here)."""
+    sys.path.insert(0, ROOT)
+    from formats import FORMAT_NAMES, spec
+    from kernels_triton import _tiles
+    from kernels_triton._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE
+
+    out = []
+    for fmt in FORMAT_NAMES:
+        s = spec(fmt)
+        fp4 = s.element == "e2m1"
+        e4m3_scales = s.scale.startswith("e4m3")
+        vec = s.weight_block[1] if s.weight_block else None
+        native_kinds = ["e2m1"] if fp4 else (["fp8_block", "e4m3"] if fmt == "fp8_block" else ["e4m3"])
+        for kind in native_kinds:
+            for row, cfg in _tiles.sm12x_entries(kind).items():
+                for split in ((False, True) if _tiles.can_split(row) else (False,)):
+                    if fp4:
+                        # swizzled weight scales only change the scale addresses of the one FP4 body,
+                        # whose nvfp4 instance compiles both
+                        for swz in ((False, True) if e4m3_scales else (False,)):
+                            c = dict(VEC_SIZE=vec, SCALE_E4M3=e4m3_scales, W_SWIZZLED=swz,
+                                     ALPHA_MODE=ALPHA_GLOBAL_RECIP if e4m3_scales else ALPHA_NONE,
+                                     HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                                     BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT=split)
+                            name = f"{fmt} native {row}{' split' if split else ''}{' swizzled' if swz else ''}"
+                            out.append(Build(name, fmt, "native", row, "nvfp4:fp4_dot_scaled_kernel", str(cfg),
+                                             cfg.num_warps, cfg.num_stages, WANT[fmt] if fmt in WANT else
+                                             WANT["nvfp4" if e4m3_scales else "mxfp4"], NATIVE_AVOID,
+                                             {"gx_ptr": "*fp32", "gw_ptr": "*fp32"}, c))
+                    elif fmt == "fp8_block":
+                        out.append(_native_e4m3(fmt, "fp8_block:_native_gemm_kernel", "ue8m0" if kind == "e4m3"
+                                                else fmt, dict(UE8M0=kind == "e4m3"), row, cfg, split,
+                                                {"sx_ptr": "*fp32", "sw_ptr": "*fp32"}))
+                    elif fmt == "fp8_tensor":
+                        out.append(_native_e4m3(fmt, "fp8_tensor:_native_gemm_kernel", fmt, {}, row, cfg, split,
+                                                {"sx_ptr": "*fp32", "sw_ptr": "*fp32"}))
+                    else:
+                        for swz in (False, True):
+                            b = _native_e4m3(fmt, f"{fmt}:_native_gemm_kernel", fmt, dict(W_SWIZZLED=swz),
+                                             row, cfg, split)
+                            b.name += " swizzled" if swz else ""
+                            out.append(b)
+        if not fp4:
+            continue
+        # W4A16: the portable kernel with the SM12x "e2m1_portable" table, bf16 and fp16 activations
+        for row, cfg in _tiles.sm12x_entries("e2m1_portable").items():
+            for act in ("bf16", "fp16"):
+                if cfg.PREPASS:
+                    if act == "fp16":
+                        continue  # fp16 keeps the fused kernel at every M (_fp4_gemm)
+                    c = dict(ALPHA_MODE=ALPHA_GLOBAL_RECIP if e4m3_scales else ALPHA_NONE, HAS_BIAS=True,
+                             ROUND_BF16=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                             GROUP_M=cfg.GROUP_M, stride_ak=1, stride_bk=1)
+                    out.append(Build(f"{fmt} W4A16 portable {row} (bf16 GEMM)", fmt, "portable", row,
+                                     "_twopass:bf16_gemm_kernel", str(cfg), cfg.num_warps, cfg.num_stages,
+                                     WANT["bf16"], (), {"a_ptr": "*bf16", "b_ptr": "*bf16", "s1_ptr": "*fp32",
+                                                        "s2_ptr": "*fp32"}, c))
+                    continue
+                for split in ((False, True) if _tiles.can_split(row) else (False,)):
+                    c = dict(GROUP=vec, SCALE_E4M3=e4m3_scales, HAS_GLOBAL=e4m3_scales, A16=True,
+                             SPLIT_A16=act == "fp16", HAS_BIAS=True, DOT_DTYPE="bf16", ROUND_BF16=False,
+                             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                             SPLIT_K=2 if split else 1, stride_ak=1)
+                    out.append(Build(f"{fmt} W4A16 {act} portable {row}{' split' if split else ''}", fmt,
+                                     "portable", row, "_fp4_gemm:fp4_gemm_kernel", str(cfg), cfg.num_warps,
+                                     cfg.num_stages, WANT["bf16"], (),
+                                     {"a_ptr": f"*{act}", "gx_ptr": "*fp32", "gw_ptr": "*fp32"}, c))
+    return out
+
+
+def _signature(fn, b: Build) -> tuple[dict, dict, dict]:
+    import triton.language as tl
+
+    sig, const, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in b.constexprs:
+            v = b.constexprs[name]
+            const[name] = tl.bfloat16 if v == "bf16" else v
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            default = "*bf16" if name in ("c_ptr", "y_ptr") else "*fp32" if name in ("ws_ptr", "bias_ptr") else "*u8"
+            sig[name] = b.types.get(name, default)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if name != "M":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, const, attrs
+
+
+def compile_one(job: tuple[dict, int]) -> dict:
+    """Compile one build for one arch in this (worker) process; returns the record."""
+    bd, arch = job
+    b = Build(**bd)
+    import importlib
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod, attr = b.kernel.split(":")
+    fn = getattr(importlib.import_module(f"kernels_triton.{mod}"), attr)
+    sig, const, attrs = _signature(fn, b)
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    rec = {**asdict(b), "arch": f"sm_{arch}a"}
+    rec.pop("types")
+    rec["constexprs"] = {k: str(v) for k, v in b.constexprs.items()}
+    try:
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                               options=dict(num_warps=b.num_warps, num_stages=b.num_stages))
+    except Exception as e:  # reported, and the test fails on it
+        rec["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+        return rec
+    ptx, text = k.asm["ptx"], log.getvalue()
+
+    def num(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else None
+
+    rec.update(
+        mma=sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.:]+", ptx))),
+        target=re.search(r"\.target\s+(\S+)", ptx).group(1),
+        registers=num(r"Used (\d+) registers"),
+        spill_stores=num(r"(\d+) bytes spill stores"),
+        spill_loads=num(r"(\d+) bytes spill loads"),
+        stack=num(r"(\d+) bytes stack frame"),
+        shared=int(k.metadata.shared),
+        threads=32 * b.num_warps,
+    )
+    rec["missing"] = [w for w in b.want if w not in ptx]
+    rec["forbidden"] = [a for a in b.avoid if a in ptx]
+    rec["fits"] = bool(rec["shared"] <= SMEM_LIMIT and rec["spill_stores"] == 0 and rec["spill_loads"] == 0
+                       and rec["registers"] is not None and rec["registers"] * rec["threads"] <= REGS_PER_SM)
+    return rec
+
+
+def _worker_init(cache_dir: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "0"  # real JITFunctions (kernels_triton respects a set value)
+    os.environ["TRITON_CACHE_DIR"] = cache_dir  # fresh: ptxas must run to report
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    sys.path.insert(0, ROOT)
+
+
+def run(arches=ARCHES, jobs: int = 2, only: str = "") -> list[dict]:
+    todo = [(asdict(b), a) for a in arches for b in builds() if only in b.name]
+    for bd, _ in todo:
+        bd["want"], bd["avoid"] = tuple(bd["want"]), tuple(bd["avoid"])
+    with tempfile.TemporaryDirectory(prefix="sm12x-triton-cache-") as cache:
+        # spawn, not fork: a forked worker would inherit kernels already defined for the interpreter
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
+                                 initargs=(cache,)) as ex:
+            return list(ex.map(compile_one, todo, chunksize=4))
+
+
+def markdown(records: list[dict]) -> str:
+    """configuration -> registers / shared memory / spills, one column pair per arch."""
+    arches = sorted({r["arch"] for r in records})
+    by = {}
+    for r in records:
+        by.setdefault((r["name"], r["tile"]), {})[r["arch"]] = r
+    head = "| configuration | tile | " + " | ".join(f"{a} regs / smem B / spills" for a in arches) + " | MMA |"
+    lines = [head, "|" + "---|" * (3 + len(arches))]
+    for (name, tile), per in by.items():
+        cells = []
+        for a in arches:
+            r = per.get(a)
+            if r is None or "error" in r:
+                cells.append("compile error" if r else "-")
+            else:
+                cells.append(f"{r['registers']} / {r['shared']} / {r['spill_stores']}" + ("" if r["fits"] else " (does not fit)"))
+        any_r = next(iter(per.values()))
+        mma = ", ".join(m.replace("mma.sync.aligned.", "") for m in any_r.get("mma", []))
+        lines.append(f"| {name} | {tile} | " + " | ".join(cells) + f" | `{mma}` |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, action="append", choices=ARCHES, help="120 and/or 121 (default both)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compile processes (default 2)")
+    p.add_argument("--json", help="write the records to this file")
+    p.add_argument("--only", default="", help="compile only the builds whose name contains this")
+    args = p.parse_args(argv)
+    records = run(tuple(args.arch or ARCHES), args.jobs, args.only)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    print(markdown(records))
+    bad = [r["name"] + " " + r["arch"] for r in records if "error" in r or r["missing"] or r["forbidden"] or not r["fits"]]
+    if bad:
+        print(f"\n{len(bad)} builds failed a check: " + "; ".join(bad), file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
