@@ -98,8 +98,10 @@ class _Adapter:
                 replace_parameter(layer, pname, p.data.new_empty((0,)))  # keeps weight_loader
         layer.b12x_warmup_provider = self
 
+    # [apply]
     def _run(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return torch.ops.b12x_dual.linear(x, bias, layer.b12x_dual_handle, layer.b12x_dual_n)
+    # [/apply]
 
     def get_b12x_warmup_unit(self, layer, token_counts, output_dtype):
         """vLLM's b12x warmup hook (vllm/model_executor/warmup/b12x_warmup.py): a unit per layer,

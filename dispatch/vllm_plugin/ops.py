@@ -68,6 +68,7 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+# [op]
 @torch.library.custom_op(OP, mutates_args=())
 def linear(x: torch.Tensor, bias: Optional[torch.Tensor], handle: int, n: int) -> torch.Tensor:
     """y [..., n] = x [..., K] . W^T (+ bias) for the layer ``handle`` (x bf16/fp16; y x's dtype)."""
@@ -85,3 +86,4 @@ def linear(x: torch.Tensor, bias: Optional[torch.Tensor], handle: int, n: int) -
 @linear.register_fake
 def _linear_fake(x: torch.Tensor, bias: Optional[torch.Tensor], handle: int, n: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))
+# [/op]

@@ -115,7 +115,7 @@ def test_selected_and_bit_exact_with_oracle(kind, dist, ckpt, impl):
             assert callable(layer.weight.weight_loader), "the weight loader must survive process_weights_after_loading"
 
 
-TRITON_KINDS = ["ct_nvfp4", "ct_fp8", "ct_fp8_block", "ct_mxfp4", "ct_mxfp8"]
+TRITON_KINDS = ["ct_nvfp4", "ct_nvfp4a16", "ct_fp8", "ct_fp8_block", "ct_mxfp4", "ct_mxfp8"]
 
 
 @pytest.mark.parametrize("kind", TRITON_KINDS)
