@@ -198,9 +198,10 @@ def check_activation(x, k: int, k_multiple: int, fmt: str, device=None) -> None:
     _validate.check_activation(x, k, fmt, device=device, k_multiple=k_multiple)
 
 
-def check_weight(qweight, fmt: str) -> None:
-    """formats.validate.check_weight, linear-layout scales only (what the Triton kernels read)."""
-    _validate.check_weight(qweight, fmt, layouts=("linear",))
+def check_weight(qweight, fmt: str, layouts: tuple[str, ...] = ("linear",)) -> None:
+    """formats.validate.check_weight; linear-layout scales unless ``layouts`` says more (the native
+    SM12x path also reads swizzled 128x4 ones)."""
+    _validate.check_weight(qweight, fmt, layouts=layouts)
 
 
 def kernel_bias(bias):

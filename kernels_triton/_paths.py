@@ -14,7 +14,6 @@ choice without a GPU; the kernels call ``resolve_path`` with the operand's devic
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -166,7 +165,4 @@ def weight_scale_bytes(qweight: QuantizedTensor, fmt: str, vec_size: int) -> tup
 
 def check_native_weight(qweight, fmt: str, path: Optional[str]) -> None:
     """check_weight, except that a forced native path also takes swizzled 128x4 weight scales."""
-    if path == "native" and isinstance(qweight, QuantizedTensor) and qweight.scale_layout == "swizzled_128x4":
-        check_weight(replace(qweight, scale_layout="linear"), fmt)
-    else:
-        check_weight(qweight, fmt)
+    check_weight(qweight, fmt, layouts=NATIVE_SCALE_LAYOUTS if path == "native" else ("linear",))
