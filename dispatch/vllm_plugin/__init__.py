@@ -1,0 +1,83 @@
+"""The vLLM plugin: b12x-dual's five formats as vLLM 0.33.0 linear kernels.
+
+Installed as a ``vllm.general_plugins`` entry point (pyproject: ``b12x_dual =
+"dispatch.vllm_plugin:register"``), which vLLM calls in every process it starts. ``register()``
+is idempotent and cheap: it imports neither vLLM's kernel package nor any of ours, nor b12x or
+CuTe DSL. It arranges for :func:`patches.apply` to run right after vLLM imports
+``vllm.model_executor.kernels.linear`` (or at once, if it already has), which puts our kernel
+classes (kernels.py) into vLLM's selection. docs/vllm.md has the user's side:
+
+    vllm serve <model> --linear-backend b12x            # our classes for every format they serve
+    B12X_IMPL=triton vllm serve <model> --linear-backend b12x   # the readable kernels, to debug
+    B12X_VLLM_AUTO=0                                    # no auto placement on SM12x
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+_TARGET = "vllm.model_executor.kernels.linear"
+_state = {"registered": False, "applied": False}
+
+
+def _apply() -> None:
+    if _state["applied"]:
+        return
+    _state["applied"] = True
+    from . import patches
+
+    try:
+        patches.apply()  # each patch logs and records its own failure (patches.failed)
+    except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
+        import logging
+
+        logging.getLogger("dispatch.vllm_plugin").exception(
+            "b12x-dual: patching vLLM failed; vLLM's own kernels serve every layer")
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`_apply` once vLLM's linear-kernel package has finished importing."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _TARGET:
+            return None
+        spec = None
+        for finder in sys.meta_path:  # whoever would have found it (path, editable install, ...)
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
+            _apply()
+
+        loader.exec_module = exec_then_patch
+        return spec
+
+
+def register() -> None:
+    """vLLM's plugin hook: make our kernel classes part of linear-kernel selection.
+
+    Idempotent; safe in every vLLM process; imports nothing heavy (the patching happens when vLLM
+    imports its linear-kernel package).
+    """
+    if _state["registered"]:
+        return
+    _state["registered"] = True
+    if _TARGET in sys.modules:
+        _apply()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+def registered() -> bool:
+    """True once register() ran; patches are in place once vLLM's kernel package is imported."""
+    return _state["registered"]

@@ -1,0 +1,299 @@
+"""vLLM 0.33.0 linear-kernel classes over the b12x-dual backend registry, one per format.
+
+Each subclasses vLLM's base for its format and implements vLLM's four verbs:
+
+    is_supported(compute_capability)  platform, device and request (see placement.py)
+    can_implement(config)             format constraints; the reason names the value and what is allowed
+    process_weights_after_loading     layer tensors -> QuantizedTensor (convert.py) -> backend.prepare,
+                                      once; on a reload, into the existing storage; frees what it copied
+    apply_weights                     one torch.ops.b12x_dual.linear call (ops.py)
+
+Importing this module imports vLLM's linear-kernel package (and whatever that imports), never our
+kernel packages: those load on the first prepare/apply.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from vllm.model_executor.kernels.linear import (
+    Fp8BlockScaledMMLinearKernel,
+    FP8ScaledMMLinearKernel,
+    MxFp4LinearKernel,
+    Mxfp8LinearKernel,
+    NvFp4LinearKernel,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, kMxfp4Dynamic
+from vllm.model_executor.utils import replace_parameter
+
+from ..devices import current_device
+from . import _backend, convert, ops, placement
+
+log = logging.getLogger("dispatch.vllm_plugin")
+
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _dtype_name(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _check_dtypes(config) -> tuple[bool, Optional[str]]:
+    if config.input_dtype not in ACT_DTYPES:
+        return False, f"input dtype is {_dtype_name(config.input_dtype)}; b12x-dual takes bfloat16 or float16"
+    if config.out_dtype is not None and config.out_dtype != config.input_dtype:
+        return False, (f"output dtype {_dtype_name(config.out_dtype)} differs from the input dtype "
+                       f"{_dtype_name(config.input_dtype)}; b12x-dual writes the input's dtype")
+    return True, None
+
+
+class _Adapter:
+    """What the six classes share: placement, load (choose, prepare, free) and the op call."""
+
+    VARIANT: str = ""
+    QUANT_KEY: str = ""
+    FREED: tuple[str, ...] = ("weight", "weight_scale")
+
+    @classmethod
+    def _placement(cls, compute_capability=None, variant: Optional[str] = None) -> tuple[bool, Optional[str]]:
+        ok, why = placement.placement(variant or cls.VARIANT, cls.QUANT_KEY, compute_capability)
+        placement.log_once(logging.INFO if ok else logging.DEBUG, "b12x-dual %s: %s: %s", cls.__name__,
+                           "eligible" if ok else "declines", why)
+        return ok, (None if ok else why)
+
+    def _variant(self) -> str:
+        return self.VARIANT
+
+    def _load(self, layer: torch.nn.Module, qw, act_opts: dict) -> None:
+        n, k = qw.shape
+        name = convert.layer_name(layer)
+        variant = self._variant()
+        dtype = getattr(layer, "params_dtype", None) or torch.get_default_dtype()
+        handle = getattr(layer, "b12x_dual_handle", None)
+        if handle is not None:  # reload: same storage, so captured CUDA graphs stay valid
+            st = ops.state(handle)
+            if (st.variant, st.n, st.k) != (variant, n, k):
+                raise convert.CheckpointError(
+                    f"layer {name}: reloaded weight is {variant} N={n} K={k}, but the layer was loaded as "
+                    f"{st.variant} N={st.n} K={st.k}; a reload must keep the format and shape")
+            st.prepared = st.chosen.backend.prepare(qw, into=st.prepared)
+            for key, t in act_opts.items():
+                if t is not None and st.act_opts.get(key) is not None:
+                    st.act_opts[key].copy_(t)
+        else:
+            try:
+                chosen = _backend.choose(variant, 1, n, k, current_device(qw.device), dtype)
+            except ValueError as e:
+                raise RuntimeError(f"b12x-dual: layer {name} ({variant}, N={n}, K={k}): {e}") from e
+            placement.log_once(logging.INFO, "b12x-dual: %s %s N=%d K=%d -> %s (%s=%s): %s", type(self).__name__,
+                               variant, n, k, chosen.impl, chosen.source, chosen.requested, chosen.reason)
+            st = ops.LayerState(variant, n, k, dtype, chosen, chosen.backend.prepare(qw), act_opts, name)
+            layer.b12x_dual_handle = ops.new_handle(st)
+        layer.b12x_dual_n = n
+        for pname in self.FREED:
+            p = getattr(layer, pname, None)
+            if isinstance(p, torch.nn.Parameter) and p.numel():
+                replace_parameter(layer, pname, p.data.new_empty((0,)))  # keeps weight_loader
+        layer.b12x_warmup_provider = self
+
+    # [apply]
+    def _run(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.ops.b12x_dual.linear(x, bias, layer.b12x_dual_handle, layer.b12x_dual_n)
+    # [/apply]
+
+    def get_b12x_warmup_unit(self, layer, token_counts, output_dtype):
+        """vLLM's b12x warmup hook (vllm/model_executor/warmup/b12x_warmup.py): a unit per layer,
+        keyed by the layer's signature, so identical layers compile once."""
+        from . import warmup
+
+        return warmup.unit(layer, token_counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 per-tensor (W8A8, static or dynamic activation scale)
+# ---------------------------------------------------------------------------------------------
+class B12xDualFp8TensorKernel(_Adapter, FP8ScaledMMLinearKernel):
+    """Per-tensor FP8 (CT / ModelOpt ``fp8_w8a8``) through b12x-dual's fp8_tensor backend."""
+
+    VARIANT, QUANT_KEY = "fp8_tensor", "fp8_w8a8"
+
+    @classmethod
+    def is_supported(cls, compute_capability: Optional[int] = None):
+        return cls._placement(compute_capability)
+
+    @classmethod
+    def can_implement(cls, config):
+        w, a = config.weight_quant_key.scale, config.activation_quant_key.scale
+        if not (w.static and w.group_shape.is_per_tensor()):
+            return False, f"weight scale is {w.group_shape} (static={w.static}); b12x-dual takes one static per-tensor scale"
+        # A dynamic checkpoint leaves the activation granularity to the runtime; vLLM asks for
+        # per-token scales there (its CUTLASS path's choice), our fp8_tensor uses one dynamic
+        # per-tensor scale (amax/448 per call), as the checkpoint's "dynamic, tensor" declares.
+        dynamic_token = not a.static and a.group_shape.is_per_token()
+        if not (a.group_shape.is_per_tensor() or dynamic_token):
+            return False, (f"activation scale group shape is {a.group_shape} (static={a.static}); b12x-dual "
+                           "takes per-tensor (static or dynamic) or dynamic per-token (served per tensor)")
+        ok, why = _check_dtypes(config)
+        if not ok:
+            return ok, why
+        n, k = config.weight_shape
+        ok, why = placement.shape_placement(cls.VARIANT, cls.QUANT_KEY, n, k, config.input_dtype)
+        return ok, (None if ok else why)
+
+    def process_weights_after_loading(self, layer):
+        n, k = self.config.weight_shape
+        static = bool(self.config.activation_quant_key.scale.static)
+        qw, act = convert.fp8_tensor(layer, n, k, static_input=static)
+        self._load(layer, qw, act)
+
+    def apply_weights(self, layer, x, bias=None):
+        return self._run(layer, x, bias)
+
+    def apply_scaled_mm(self, **kwargs):  # the base class's hook; apply_weights never calls it
+        raise NotImplementedError("B12xDualFp8TensorKernel overrides apply_weights")
+
+
+# ---------------------------------------------------------------------------------------------
+# Block FP8 (1x128 activations, 128x128 weights)
+# ---------------------------------------------------------------------------------------------
+class B12xDualFp8BlockKernel(_Adapter, Fp8BlockScaledMMLinearKernel):
+    """Block FP8 (``Fp8Config`` weight_block_size [128, 128], CT FP8_BLOCK) via fp8_block."""
+
+    VARIANT, QUANT_KEY = "fp8_block", "fp8_block_w8a8"
+    FREED = ("weight", "weight_scale", "weight_scale_inv")
+
+    @classmethod
+    def is_supported(cls, compute_capability: Optional[int] = None):
+        return cls._placement(compute_capability)
+
+    @classmethod
+    def can_implement(cls, config):
+        a, w = config.activation_quant_key.scale, config.weight_quant_key.scale
+        if a.static or a.group_shape != GroupShape(1, 128):
+            return False, (f"activation scales are {a.group_shape} (static={a.static}); b12x-dual takes dynamic "
+                           "1x128 groups")
+        if w.group_shape != GroupShape(128, 128):
+            return False, f"weight blocks are {w.group_shape}; b12x-dual takes 128x128"
+        ok, why = _check_dtypes(config)
+        if not ok:
+            return ok, why
+        n, k = config.weight_shape
+        if k <= 0 or k % 128:
+            return False, f"K (input features of this shard) is {k}; block FP8 needs a positive multiple of 128"
+        ok, why = placement.shape_placement(cls.VARIANT, cls.QUANT_KEY, n, k, config.input_dtype)
+        return ok, (None if ok else why)
+
+    def process_weights_after_loading(self, layer):
+        n, k = self.config.weight_shape
+        qw, act = convert.fp8_block(layer, n, k)
+        self._load(layer, qw, act)
+
+    def apply_weights(self, layer, x, bias=None, **kwargs):
+        return self._run(layer, x, bias)
+
+    def apply_block_scaled_mm(self, A, B, As, Bs):  # the base class's hook; unused
+        raise NotImplementedError("B12xDualFp8BlockKernel overrides apply_weights")
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8
+# ---------------------------------------------------------------------------------------------
+class B12xDualMxfp8Kernel(_Adapter, Mxfp8LinearKernel):
+    """MXFP8 (CT / ModelOpt) through b12x-dual's mxfp8 backend."""
+
+    VARIANT, QUANT_KEY = "mxfp8", "mxfp8"
+
+    @classmethod
+    def is_supported(cls, compute_capability: Optional[int] = None):
+        return cls._placement(compute_capability)
+
+    @classmethod
+    def can_implement(cls, config):
+        if config.bmm_batch_size is not None:
+            return False, f"bmm_batch_size is {config.bmm_batch_size}; b12x-dual serves plain linear layers (None)"
+        n, k = config.weight_shape
+        if k <= 0 or k % 32:
+            return False, f"K (input features of this shard) is {k}; MXFP8 needs a positive multiple of 32"
+        ok, why = placement.shape_placement(cls.VARIANT, cls.QUANT_KEY, n, k, torch.get_default_dtype())
+        return ok, (None if ok else why)
+
+    def process_weights_after_loading(self, layer):
+        n, k = self.config.weight_shape
+        qw, act = convert.mxfp8(layer, n, k)
+        self._load(layer, qw, act)
+
+    def apply_weights(self, layer, x, bias=None):
+        return self._run(layer, x, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 W4A4 and W4A16
+# ---------------------------------------------------------------------------------------------
+class B12xDualNvFp4Kernel(_Adapter, NvFp4LinearKernel):
+    """NVFP4 W4A4 (CT / ModelOpt) through b12x-dual's nvfp4 backend; the activation global scale
+    is the checkpoint's static ``input_global_scale_inv``."""
+
+    VARIANT, QUANT_KEY = "nvfp4", "nvfp4_w4a4"
+    A16 = False
+
+    @classmethod
+    def is_supported(cls, compute_capability: Optional[int] = None):
+        return cls._placement(compute_capability)
+
+    @classmethod
+    def can_implement(cls, config):
+        # NvFp4LinearLayerConfig carries no shape: the shard's K is checked at load (convert.nvfp4).
+        return True, None
+
+    def process_weights_after_loading(self, layer):
+        qw, act = convert.nvfp4(layer, a16=self.A16)
+        self._load(layer, qw, act)
+
+    def apply_weights(self, layer, x, bias=None):
+        return self._run(layer, x, bias)
+
+
+class B12xDualNvFp4W4A16Kernel(B12xDualNvFp4Kernel):
+    """NVFP4 weights with bf16/fp16 activations (CT NVFP4A16, ModelOpt W4A16)."""
+
+    VARIANT, QUANT_KEY = "nvfp4_w4a16", "nvfp4_w4a16"
+    A16 = True
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 (W4A4 with dynamic MXFP4 activations, or W4A16)
+# ---------------------------------------------------------------------------------------------
+class B12xDualMxFp4Kernel(_Adapter, MxFp4LinearKernel):
+    """MXFP4 (CT mxfp4-pack-quantized, Quark, online) through mxfp4 / mxfp4_w4a16."""
+
+    VARIANT, QUANT_KEY = "mxfp4", "mxfp4"
+
+    @classmethod
+    def is_supported(cls, compute_capability: Optional[int] = None):
+        return cls._placement(compute_capability)
+
+    @classmethod
+    def can_implement(cls, config):
+        key = config.activation_quant_key
+        if key is not None and key != kMxfp4Dynamic:
+            return False, f"activation quantization is {key}; b12x-dual takes dynamic MXFP4 ({kMxfp4Dynamic}) or none (W4A16)"
+        if key is None:
+            ok, why = placement.placement("mxfp4_w4a16", cls.QUANT_KEY)
+            return ok, (None if ok else why)
+        return True, None
+
+    def _variant(self) -> str:
+        return "mxfp4_w4a16" if self.config.activation_quant_key is None else "mxfp4"
+
+    def process_weights_after_loading(self, layer):
+        qw, act = convert.mxfp4(layer)
+        self._load(layer, qw, act)
+
+    def apply_weights(self, layer, x, bias=None):
+        return self._run(layer, x, bias)
+
+
+KERNELS = (B12xDualFp8TensorKernel, B12xDualFp8BlockKernel, B12xDualMxfp8Kernel, B12xDualNvFp4Kernel,
+           B12xDualNvFp4W4A16Kernel, B12xDualMxFp4Kernel)

@@ -1,0 +1,189 @@
+"""Everything the plugin changes in vLLM 0.33.0, in one module. Each patch has a test in
+tests/vllm/test_patches.py that fails when vLLM changes what it patches.
+
+1. ``kernel_lists``: our classes go to the FRONT of ``_POSSIBLE_{FP8,FP8_BLOCK,MXFP8,NVFP4,MXFP4}
+   _KERNELS`` for the CUDA and CPU platforms. vLLM's public ``register_linear_kernel`` appends,
+   and on CUDA every list ends in always-supported torch/emulation kernels, so an appended kernel
+   is never reached; at the front, our ``is_supported`` decides (placement.py: first under auto
+   only on SM12x where CuTe serves, and wherever asked for with ``--linear-backend b12x``).
+2. ``backend_map``: ``_LINEAR_BACKEND_KERNEL_MAP["b12x"]`` holds our classes instead of the
+   in-tree B12x* ones, so ``--linear-backend b12x`` (and ``linear_backend_per_quant``) selects ours.
+   (``LinearBackend`` is a closed Literal: a new backend name would fail config validation.)
+3. ``nvfp4_w4a16``: ``init_nvfp4_linear_kernel(use_a16=True)`` forces Marlin under ``auto`` (and
+   filters every other backend through a hard-coded tuple of weight-only kernels), so a W4A16
+   checkpoint could never reach our class. The wrapper offers our W4A16 class first, under the same
+   placement rules, and otherwise calls vLLM's function unchanged. It replaces the name in every
+   module that imported it (kernels.linear, compressed-tensors' NVFP4 scheme, ModelOpt, Quark, the
+   online lm_head).
+4. ``cpu_fp8_quant`` (CPU platform only, and only when the wheel lacks the op): vLLM's CPU wheel
+   from the registry has no ``torch.ops._C.static_scaled_fp8_quant``, which per-tensor FP8 loading
+   calls to requantize q/k/v shards to their max scale. A torch version (RNE, saturating, the
+   formats/ e4m3 codec) stands in, so those checkpoints load on the CPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger("dispatch.vllm_plugin")
+
+LINEAR = "vllm.model_executor.kernels.linear"
+LIST_NAMES = {
+    "fp8": "_POSSIBLE_FP8_KERNELS",
+    "fp8_block": "_POSSIBLE_FP8_BLOCK_KERNELS",
+    "mxfp8": "_POSSIBLE_MXFP8_KERNELS",
+    "nvfp4": "_POSSIBLE_NVFP4_KERNELS",
+    "mxfp4": "_POSSIBLE_MXFP4_KERNELS",
+}
+IN_TREE_B12X = ("B12xFp8BlockScaledMMKernel", "B12xMxFp4LinearKernel", "B12xMxfp8LinearKernel",
+                "B12xNvFp4LinearKernel", "B12xNvFp4W4A16LinearKernel", "B12xTensorFP8ScaledMMLinearKernel")
+NVFP4_IMPORTERS = (
+    LINEAR,
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4",
+    "vllm.model_executor.layers.quantization.modelopt",
+    "vllm.model_executor.layers.quantization.quark.schemes.quark_nvfp4",
+    "vllm.model_executor.layers.quantization.online.lm_head",
+)
+
+applied: list[str] = []
+failed: dict[str, str] = {}  # patch name -> the error, for a patch that raised (logged too)
+removed_in_tree: set = set()
+
+
+def _kinds():
+    from . import kernels as K
+
+    return {
+        "fp8": K.B12xDualFp8TensorKernel,
+        "fp8_block": K.B12xDualFp8BlockKernel,
+        "mxfp8": K.B12xDualMxfp8Kernel,
+        "nvfp4": K.B12xDualNvFp4Kernel,
+        "mxfp4": K.B12xDualMxFp4Kernel,
+    }
+
+
+def kernel_lists() -> None:
+    from vllm.platforms import PlatformEnum
+
+    lin = sys.modules[LINEAR]
+    for kind, cls in _kinds().items():
+        table = getattr(lin, LIST_NAMES[kind])
+        for platform in (PlatformEnum.CUDA, PlatformEnum.CPU):
+            lst = table.setdefault(platform, [])
+            if cls not in lst:
+                lst.insert(0, cls)
+
+
+def backend_map() -> None:
+    from . import kernels as K
+
+    lin = sys.modules[LINEAR]
+    kset = lin._LINEAR_BACKEND_KERNEL_MAP.setdefault("b12x", set())
+    for cls in list(kset):
+        if cls.__name__ in IN_TREE_B12X:
+            kset.discard(cls)
+            removed_in_tree.add(cls)
+    kset.update(K.KERNELS)
+
+
+def _original_init_nvfp4():
+    fn = sys.modules[LINEAR].init_nvfp4_linear_kernel
+    return getattr(fn, "__b12x_dual_original__", fn)
+
+
+def nvfp4_w4a16() -> None:
+    import vllm.envs as envs
+
+    lin = sys.modules[LINEAR]
+    original = _original_init_nvfp4()
+    if getattr(lin.init_nvfp4_linear_kernel, "__b12x_dual_original__", None) is None:
+        from vllm.model_executor.kernels.linear import NvFp4LinearLayerConfig
+
+        from . import placement
+
+        def init_nvfp4_linear_kernel(use_a16: bool = False):
+            if use_a16 and not envs.VLLM_BATCH_INVARIANT:
+                from .kernels import B12xDualNvFp4W4A16Kernel as W4A16
+
+                wanted = placement.requested_backend("nvfp4_w4a16") in ("auto", placement.BACKEND_NAME)
+                if wanted and W4A16.__name__ not in envs.VLLM_DISABLED_KERNELS:
+                    ok, why = W4A16.is_supported()
+                    if ok:
+                        placement.log_once(logging.INFO, "Using %s for NVFP4 GEMM", W4A16.__name__)
+                        return W4A16(NvFp4LinearLayerConfig())
+                    placement.log_once(logging.INFO, "b12x-dual: %s not used: %s", W4A16.__name__, why)
+            return original(use_a16=use_a16)
+
+        init_nvfp4_linear_kernel.__b12x_dual_original__ = original
+        init_nvfp4_linear_kernel.__doc__ = original.__doc__
+        wrapper = init_nvfp4_linear_kernel
+    else:
+        wrapper = lin.init_nvfp4_linear_kernel
+    for name in NVFP4_IMPORTERS:
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "init_nvfp4_linear_kernel", None) is original:
+            mod.init_nvfp4_linear_kernel = wrapper
+    for mod in list(sys.modules.values()):  # any other module that imported it by name
+        # vars(), not getattr: lazy modules (transformers) import on attribute access.
+        try:
+            held = vars(mod).get("init_nvfp4_linear_kernel")
+        except Exception:  # noqa: BLE001  (an odd object in sys.modules: it cannot hold the name)
+            continue
+        if held is original:
+            mod.init_nvfp4_linear_kernel = wrapper
+
+
+def _has_c_op(name: str) -> bool:
+    try:
+        return hasattr(torch.ops._C, name)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_fp8_quant() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or _has_c_op("static_scaled_fp8_quant"):
+        return
+    import vllm._custom_ops as vops
+
+    original = vops.scaled_fp8_quant
+    if getattr(original, "__b12x_dual_original__", None) is not None:
+        return
+
+    def scaled_fp8_quant(input, scale=None, num_token_padding=None, scale_ub=None,
+                         use_per_token_if_dynamic=False, output=None, **kwargs):
+        if scale is None or scale.numel() != 1 or num_token_padding or output is not None:
+            return original(input, scale, num_token_padding, scale_ub, use_per_token_if_dynamic, output, **kwargs)
+        from formats.base import ieee_div
+        from formats.codecs import encode_e4m3
+
+        return encode_e4m3(ieee_div(input.to(torch.float32), scale.to(torch.float32).reshape(()))), scale
+
+    scaled_fp8_quant.__b12x_dual_original__ = original
+    vops.scaled_fp8_quant = scaled_fp8_quant
+
+
+PATCHES = (("kernel_lists", kernel_lists), ("backend_map", backend_map), ("nvfp4_w4a16", nvfp4_w4a16),
+           ("cpu_fp8_quant", cpu_fp8_quant))
+
+
+def apply() -> list[str]:
+    """Apply every patch (idempotent; each independently: one that raises is logged and recorded
+    in :data:`failed`, the others still apply). vLLM's linear-kernel package must be imported."""
+    if LINEAR not in sys.modules:
+        raise RuntimeError(f"patches.apply() needs {LINEAR} imported first")
+    for name, fn in PATCHES:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001  (vLLM keeps working; the error is logged and kept)
+            failed[name] = f"{type(e).__name__}: {e}"
+            log.exception("b12x-dual: patch %s failed; vLLM's own behaviour stays there", name)
+            continue
+        failed.pop(name, None)
+        if name not in applied:
+            applied.append(name)
+    return applied

@@ -1,0 +1,108 @@
+"""One test per patch in dispatch/vllm_plugin/patches.py: each fails when vLLM changes what the
+patch works around (then the patch must be revisited), and checks the patch itself."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pytest
+import torch
+
+from _vllm_env import dist  # noqa: F401
+
+
+def test_kernel_lists_register_linear_kernel_still_appends(dist):
+    """Why we insert at the front: register_linear_kernel appends, and every CUDA list we join
+    ends in a kernel that is always supported, so an appended kernel is never reached."""
+    import vllm.model_executor.kernels.linear as lin
+    from vllm.platforms import PlatformEnum
+
+    from dispatch.vllm_plugin import kernels as K
+    from dispatch.vllm_plugin import patches
+
+    class Probe:
+        pass
+
+    table = lin._POSSIBLE_MXFP8_KERNELS[PlatformEnum.CUDA]
+    lin.register_linear_kernel(Probe, PlatformEnum.CUDA, "mxfp8")
+    try:
+        assert table[-1] is Probe, "register_linear_kernel no longer appends: revisit patches.kernel_lists"
+    finally:
+        table.remove(Probe)
+    always = {"nvfp4": lin.EmulationNvFp4LinearKernel, "mxfp8": lin.EmulationMxfp8LinearKernel,
+              "mxfp4": lin.EmulationMxfp4LinearKernel, "fp8_block": lin.BlockWiseTorchFP8ScaledMMLinearKernel}
+    for kind, cls in always.items():
+        lst = getattr(lin, patches.LIST_NAMES[kind])[PlatformEnum.CUDA]
+        assert cls in lst and lst.index(cls) > 0
+    assert lin.EmulationNvFp4LinearKernel.is_supported()[0]  # supported everywhere: blocks what follows
+    # the patch: ours first on CUDA and CPU, once
+    for kind, cls in patches._kinds().items():
+        for platform in (PlatformEnum.CUDA, PlatformEnum.CPU):
+            lst = getattr(lin, patches.LIST_NAMES[kind])[platform]
+            assert lst[0] is cls and lst.count(cls) == 1
+    patches.apply()  # idempotent
+    assert lin._POSSIBLE_FP8_KERNELS[PlatformEnum.CUDA].count(K.B12xDualFp8TensorKernel) == 1
+
+
+def test_backend_map_b12x_name_and_in_tree_classes(dist):
+    """LinearBackend is a closed Literal (a new name is refused by vLLM's config), so we answer to
+    "b12x"; the in-tree classes we displace still exist under their names."""
+    import vllm.model_executor.kernels.linear as lin
+    from vllm.config import KernelConfig
+    from vllm.config.kernel import LinearBackend
+
+    from dispatch.vllm_plugin import kernels as K
+    from dispatch.vllm_plugin import patches
+
+    assert "b12x" in typing.get_args(LinearBackend)
+    with pytest.raises(Exception, match="literal_error|Input should be"):
+        KernelConfig(linear_backend="b12x_dual")
+    for name in patches.IN_TREE_B12X:
+        assert hasattr(lin, name), f"vLLM renamed {name}: revisit patches.IN_TREE_B12X"
+    assert {c.__name__ for c in patches.removed_in_tree} == set(patches.IN_TREE_B12X)
+    assert lin._LINEAR_BACKEND_KERNEL_MAP["b12x"] == set(K.KERNELS)
+
+
+def test_nvfp4_w4a16_vllm_still_forces_marlin(dist):
+    """vLLM's own init_nvfp4_linear_kernel(use_a16=True) forces Marlin under auto and filters
+    everything else through its weight-only tuple: neither reaches our class."""
+    import vllm.model_executor.kernels.linear as lin
+    from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config
+
+    from dispatch.vllm_plugin import patches
+
+    original = lin.init_nvfp4_linear_kernel.__b12x_dual_original__
+    src = inspect.getsource(original)
+    assert "force_kernel = MarlinNvFp4LinearKernel" in src and "a16_kernels" in src
+    with set_current_vllm_config(VllmConfig(kernel_config=KernelConfig(linear_backend="auto"))):
+        with pytest.raises(ValueError, match="Forced NVFP4 kernel MarlinNvFp4LinearKernel"):
+            original(use_a16=True)
+    with set_current_vllm_config(VllmConfig(kernel_config=KernelConfig(linear_backend="b12x"))):
+        with pytest.raises(ValueError, match="Failed to find a kernel"):
+            original(use_a16=True)  # our W4A4 class is in the list, but filtered out
+        assert type(lin.init_nvfp4_linear_kernel(use_a16=True)).__name__ == "B12xDualNvFp4W4A16Kernel"
+    import importlib
+
+    for name in patches.NVFP4_IMPORTERS:  # every importer by name holds the wrapper
+        mod = importlib.import_module(name)
+        assert mod.init_nvfp4_linear_kernel is lin.init_nvfp4_linear_kernel, name
+
+
+def test_cpu_fp8_quant_op_still_missing_and_stand_in_matches_formats(dist):
+    """The registry's CPU wheel lacks torch.ops._C.static_scaled_fp8_quant (if it ships it, drop
+    patches.cpu_fp8_quant); our stand-in rounds like the formats/ codec (RNE, saturating)."""
+    import vllm._custom_ops as vops
+
+    from dispatch.vllm_plugin import patches
+    from formats.codecs import encode_e4m3
+
+    assert not patches._has_c_op("static_scaled_fp8_quant")
+    assert patches.failed == {}, patches.failed
+    assert getattr(vops.scaled_fp8_quant, "__b12x_dual_original__", None) is not None
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * 30
+    s = torch.tensor(0.07)
+    q, s_out = vops.scaled_fp8_quant(x, s)
+    assert q.dtype == torch.float8_e4m3fn and s_out is s
+    assert torch.equal(q.view(torch.uint8), encode_e4m3(x / s).view(torch.uint8))
+    assert float(q.float().abs().max()) == 448.0  # saturates (x/s reaches ~1700 here)
