@@ -23,6 +23,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"a torch device (default: the one found) or a known part: {', '.join(KNOWN_DEVICES)}")
     p.add_argument("-N", type=A.positive_int, default=4096, help="output features of the example shapes (default 4096)")
     p.add_argument("-K", type=A.positive_int, default=4096, help="input features of the example shapes (default 4096)")
+    p.add_argument("--vllm", action="store_true",
+                   help="also show, for each vLLM quantization scheme, which linear kernel vLLM picks on this "
+                        "platform with and without the b12x-dual plugin, and every reason along its priority list "
+                        "(needs vLLM: pip install 'b12x-dual[vllm]')")
     return p
 
 
@@ -52,4 +56,14 @@ def run(args) -> int:
             cells.append(f"[bold]{c.impl}[/]: {c.reason}")
         table.add_row(variant, *cells)
     console.print(table)
+    if args.vllm:
+        from dispatch.vllm_plugin import report
+
+        try:
+            rows = report.selection_report(n=args.N, k=args.K)
+        except ImportError as e:
+            Console(stderr=True).print(f"[red]b12x-dual info --vllm: {e}[/]")
+            return 2
+        console.print("[bold]vLLM's kernel selection[/] (+ passes, - refuses, in priority order)")
+        console.print(report.format_rows(rows), markup=False, highlight=False)
     return 0

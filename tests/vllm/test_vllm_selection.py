@@ -209,3 +209,18 @@ def test_choice_logged_once_with_reason(dist, ckpt, impl, caplog):
     assert "B12xDualMxfp8Kernel mxfp8 N=384 K=384 -> reference (B12X_IMPL=reference)" in picks[0]
     eligible = [r.getMessage() for r in caplog.records if "eligible" in r.getMessage()]
     assert eligible and all(msg.count("--linear-backend b12x") == 1 for msg in eligible)
+
+
+def test_info_vllm_prints_the_selection_table():
+    """`b12x-dual info --vllm` (a subprocess: vLLM's platform is chosen at import): every scheme's
+    row, ours chosen under --linear-backend b12x with the plugin, the reasons along the walk."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    out = subprocess.run([sys.executable, "-m", "dispatch.apps.cli", "info", "--vllm", "-N", "256", "-K", "256"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "vLLM's kernel selection" in out.stdout
+    from dispatch.vllm_plugin import report
+
+    for scheme in report.SCHEMES:
+        assert f"\n{scheme}" in out.stdout
+    assert "B12xDualNvFp4Kernel" in out.stdout and "- CPUFp8BlockScaledMMKernel" in out.stdout
