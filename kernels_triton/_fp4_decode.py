@@ -183,12 +183,16 @@ def decode_config(M: int, N: int, K: int, interp: bool, sm_count: int = 132) -> 
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
 
 
-def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
+def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype, scale_e4m3: bool) -> bool:
     """The decode kernel's domain: M <= 16 on sm_90 (no block-scaled MMA; SM12x has its own native
-    path and tables), W4A4 or W4A16 with bf16 activations (fp16 ones keep the lesson's exact hi/lo split)."""
+    path and tables), for nvfp4 W4A4 (fp16 decode) and W4A16 with bf16 activations (fp16 ones keep
+    the lesson's exact hi/lo split). mxfp4 W4A4 keeps the lesson kernel: with two bf16 decodes the
+    swapped kernel was slower on the H200 (57.6 vs 50.8 us at M = 16, N = K = 8192)."""
     if M < 1 or M > DECODE_MAX_M or capability is None or capability[0] != 9:
         return False
-    return not (a16 and a_dtype != torch.bfloat16)
+    if a16:
+        return a_dtype == torch.bfloat16
+    return scale_e4m3
 
 
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,

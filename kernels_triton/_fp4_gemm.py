@@ -109,10 +109,10 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
 PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
 
 
-def decode_applies(M, cap, a16, a_dtype) -> bool:
+def decode_applies(M, cap, a16, a_dtype, scale_e4m3) -> bool:
     from ._fp4_decode import decode_applies as f
 
-    return f(M, cap, a16, a_dtype)
+    return f(M, cap, a16, a_dtype, scale_e4m3)
 
 
 def decode_config(M, N, K, interp, n_sms) -> TileConfig:
@@ -121,13 +121,14 @@ def decode_config(M, N, K, interp, n_sms) -> TileConfig:
     return f(M, N, K, interp, n_sms)
 
 
-def portable_config(M: int, N: int, K: int, device) -> TileConfig:
+def portable_config(M: int, N: int, K: int, device, *, decode_kernel: bool = False) -> TileConfig:
     """The portable kernel's tile on ``device``: the SM12x table on SM120/SM121 (101,376 B of shared
-    memory per block), fp4_gemm_config elsewhere and under the interpreter."""
+    memory per block), fp4_gemm_config elsewhere and under the interpreter; with ``decode_kernel``
+    (a caller whose GEMM takes _fp4_decode at M <= 16 on sm_90) that kernel's tile."""
     cap = device_capability(device)
     if cap is not None and cap[0] == 12:
         return sm12x_config("e2m1_portable", M, N, K, sm_count(device))
-    if not interpreting() and decode_applies(M, cap, False, torch.bfloat16):
+    if decode_kernel and not interpreting() and cap is not None and cap[0] == 9 and 1 <= M <= 16:
         return decode_config(M, N, K, False, sm_count(device))  # _fp4_decode's swapped kernel
     return fp4_gemm_config(M, N, K, interpreting())
 
@@ -321,7 +322,7 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
     if M == 0 or N == 0:
         return out
     interp = interpreting()
-    if config is None and not interp and decode_applies(M, device_capability(w.device), a16, a.dtype):
+    if config is None and not interp and decode_applies(M, device_capability(w.device), a16, a.dtype, scale_e4m3):
         # M <= 16 on sm_90: the swapped decode kernel of the performance module
         from ._fp4_decode import launch_fp4_decode
 

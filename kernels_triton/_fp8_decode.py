@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig
+from ._common import TileConfig, interpreting
+from ._paths import device_capability, sm_count
 from ._twopass import ALPHA_SCALES, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
@@ -53,13 +54,41 @@ def fp8_decode_gemm_kernel(
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def fp8_decode_config(M: int, N: int, K: int, sm_count: int = 132, *, bn: int = 64, bk: int = 128,
-                      stages: int = 4, warps: int = 4, programs_per_sm: int = 2) -> TileConfig:
+def _is_sm90(device) -> bool:
+    if interpreting():
+        return False
+    cap = device_capability(device)
+    return cap is not None and cap[0] == 9
+
+
+def fp8_decode_applies(M: int, device) -> bool:
+    """fp8_tensor's GEMM takes this kernel for 1 <= M <= 16 on sm_90 (not under the interpreter)."""
+    return 1 <= M <= 16 and _is_sm90(device)
+
+
+def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64, bk: int = 128,
+                      stages: int = 6, warps: int = 4, programs_per_sm: int = 1) -> TileConfig:
+    """64 weight rows x 16 (padded) activation rows per program, 6 stages of 128-wide K; split-K
+    until the grid covers every SM once (H200, N = K = 8192: 16x64x128 s6 split 2 took 21.8 us
+    at M = 16 against 24.4 for s4 split 4 and 28.3 for the lesson's mma.sync tile; docs/perf_notes.md)."""
     tiles = triton.cdiv(N, bn)
     split = 1
-    while tiles * split < programs_per_sm * sm_count and triton.cdiv(K, bk) >= 8 * split:
+    while tiles * split < programs_per_sm * n_sms and triton.cdiv(K, bk) >= 8 * split:
         split *= 2
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
+
+
+def hopper_config(M: int, N: int, K: int, device) -> TileConfig | None:
+    """fp8_tensor's tile on sm_90 where it differs from _e4m3_gemm.gemm_config (None elsewhere):
+    the decode kernel's for M <= 16, and 4 stages instead of 3 for the 128 x 128 x 128 prefill
+    tile (H200, 8192^3: 1184 vs 1256 us)."""
+    if not _is_sm90(device):
+        return None
+    if 1 <= M <= 16:
+        return fp8_decode_config(M, N, K, sm_count(device))
+    if M > 256:
+        return TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4)
+    return None
 
 
 def launch_fp8_decode(x, w, sx, sw, bias, y, *, imprecise_acc: int = 128, config: TileConfig | None = None):
@@ -68,7 +97,7 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, imprecise_acc: int = 128, config
     N = w.shape[0]
     if M > 16:
         raise ValueError(f"M must be <= 16 for the decode kernel, got {M}")
-    cfg = config or fp8_decode_config(M, N, K)
+    cfg = config or fp8_decode_config(M, N, K, sm_count(y.device))
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
     fp8_decode_gemm_kernel[(triton.cdiv(N, cfg.BLOCK_N), n_split)](

@@ -73,8 +73,11 @@ def test_f16_decode_is_exact():
 
 
 def test_policy_domain():
-    assert _fp4_decode.decode_applies(16, (9, 0), False, torch.bfloat16)
-    assert not _fp4_decode.decode_applies(17, (9, 0), False, torch.bfloat16)
-    assert not _fp4_decode.decode_applies(1, (12, 0), False, torch.bfloat16)  # SM12x: native path
-    assert not _fp4_decode.decode_applies(1, (9, 0), True, torch.float16)  # fp16 W4A16: hi/lo split
-    assert not _fp4_decode.decode_applies(1, None, False, torch.bfloat16)  # interpreter / CPU
+    f = _fp4_decode.decode_applies
+    assert f(16, (9, 0), False, torch.bfloat16, True)  # nvfp4 W4A4 on sm_90
+    assert f(1, (9, 0), True, torch.bfloat16, False)  # W4A16, bf16 activations
+    assert not f(16, (9, 0), False, torch.bfloat16, False)  # mxfp4 W4A4 keeps the lesson kernel
+    assert not f(17, (9, 0), False, torch.bfloat16, True)
+    assert not f(1, (12, 0), False, torch.bfloat16, True)  # SM12x: native path and its tables
+    assert not f(1, (9, 0), True, torch.float16, True)  # fp16 W4A16: the exact hi/lo split
+    assert not f(1, None, False, torch.bfloat16, True)  # CPU / interpreter
