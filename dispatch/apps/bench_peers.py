@@ -108,12 +108,33 @@ def _gemlite_layer(gemlite, variant: str, w_bf16: torch.Tensor):
     return helper.from_linear(lin, del_orig=True)
 
 
-def time_peers(session, cfg, variants: list[str], peers: list[str], state: dict) -> list[str]:
+def known_failure(variant: str) -> Optional[str]:
+    """Why gemlite's equivalent of ``variant`` is not attempted here, or None. Its NVFP4 kernels
+    (dot_scaled with e4m3 scales) fail to compile on sm_90 with Triton < 3.7 (triton#7549, fixed by
+    #9772), and its autotuner then compiles and fails every candidate, each printing an MLIR dump:
+    minutes per shape (seen on the H200 with Triton 3.6, 2026-12-01)."""
+    import triton
+
+    if "NVFP" not in GEMLITE_FORMATS[variant].helper or not torch.cuda.is_available():
+        return None
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    if torch.cuda.get_device_capability()[0] == 9 and (major, minor) < (3, 7):
+        return (f"not attempted: gemlite's NVFP4 kernels do not compile on sm_90 with Triton {triton.__version__} "
+                "('PassManager::run failed' in TritonGPUAccelerateMatmul, triton#7549)")
+    return None
+
+
+def time_peers(session, cfg, variants: list[str], peers: list[str], state: dict,
+               over_budget=lambda: False) -> list[str]:
     """The peer rows of one (shape, M): kind "peer", name the peer, the variant it stands in for;
     timed like ours ("linear": whole layer, bf16 in and out), or ``error``/``skipped`` with why.
-    ``state`` caches the import per run. Returns progress labels."""
+    ``state`` caches the import and each variant's first failure per run (a variant that failed is
+    not retried: gemlite's autotuner can spend minutes failing). Returns progress labels."""
     labels = []
+    failed = state.setdefault("_failed", {})
     for peer in peers:
+        if peer.startswith("_"):
+            continue
         if peer not in state:
             try:
                 state[peer] = load_gemlite() + (None,)
@@ -129,6 +150,12 @@ def time_peers(session, cfg, variants: list[str], peers: list[str], state: dict)
                 session.results.append(row)
                 continue
             row.update({"peer_helper": spec.helper, "peer_note": spec.note, "peer_version": info.get("version")})
+            skip = known_failure(v) or (over_budget() and "time budget spent")
+            if skip or (peer, v) in failed:
+                row.update({"skipped": skip} if skip else {"error": f"failed earlier in this run: {failed[(peer, v)]}"})
+                row["us"] = None
+                session.results.append(row)
+                continue
             try:
                 w0 = cfg.cache.w.to(torch.bfloat16)
                 ns = min(len(cfg.xs), 5 if session.gpu else 1)
@@ -145,6 +172,7 @@ def time_peers(session, cfg, variants: list[str], peers: list[str], state: dict)
                 session.record(row)
             except Exception as e:
                 msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}"
+                failed[(peer, v)] = msg
                 row.update({"error": msg, "us": None, "traceback": traceback.format_exc(limit=2)[-800:]})
                 session.results.append(row)
             finally:
@@ -153,8 +181,12 @@ def time_peers(session, cfg, variants: list[str], peers: list[str], state: dict)
 
 
 def peer_info(state: dict) -> dict:
-    return {p: ({"available": True, **info} if why is None else {"available": False, "why": why})
-            for p, (mod, info, why) in state.items()}
+    out = {}
+    for p, entry in state.items():
+        if not p.startswith("_"):
+            _, info, why = entry
+            out[p] = {"available": True, **info} if why is None else {"available": False, "why": why}
+    return out
 
 
 def print_peers(result: dict, *, plain: bool = False) -> None:

@@ -441,7 +441,8 @@ def run_bench(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
                     ok, why = H.check(backend, v, M, shape.N, shape.K, torch.bfloat16, session.device_info)
                     for mode in modes_of(v):
                         bar.advance(time_impl(session, cfg, v, iname, backend, mode, None if ok else why))
-            for label in time_peers(session, cfg, variants, peers, peer_state):
+            for label in time_peers(session, cfg, variants, peers, peer_state,
+                                    over_budget=lambda: budget_s is not None and clock() > budget_s):
                 bar.advance(label)
             del cfg
     cache = None
