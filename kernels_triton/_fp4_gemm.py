@@ -109,12 +109,27 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
 PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
 
 
-def portable_config(M: int, N: int, K: int, device) -> TileConfig:
+def decode_applies(M, cap, a16, a_dtype, scale_e4m3) -> bool:
+    from ._fp4_decode import decode_applies as f
+
+    return f(M, cap, a16, a_dtype, scale_e4m3)
+
+
+def decode_config(M, N, K, interp, n_sms) -> TileConfig:
+    from ._fp4_decode import decode_config as f
+
+    return f(M, N, K, interp, n_sms)
+
+
+def portable_config(M: int, N: int, K: int, device, *, decode_kernel: bool = False) -> TileConfig:
     """The portable kernel's tile on ``device``: the SM12x table on SM120/SM121 (101,376 B of shared
-    memory per block), fp4_gemm_config elsewhere and under the interpreter."""
+    memory per block), fp4_gemm_config elsewhere and under the interpreter; with ``decode_kernel``
+    (a caller whose GEMM takes _fp4_decode at M <= 16 on sm_90) that kernel's tile."""
     cap = device_capability(device)
     if cap is not None and cap[0] == 12:
         return sm12x_config("e2m1_portable", M, N, K, sm_count(device))
+    if decode_kernel and not interpreting() and cap is not None and cap[0] == 9 and 1 <= M <= 16:
+        return decode_config(M, N, K, False, sm_count(device))  # _fp4_decode's swapped kernel
     return fp4_gemm_config(M, N, K, interpreting())
 
 
@@ -307,7 +322,15 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
     if M == 0 or N == 0:
         return out
     interp = interpreting()
+    if config is None and not interp and decode_applies(M, device_capability(w.device), a16, a.dtype, scale_e4m3):
+        # M <= 16 on sm_90: the swapped decode kernel of the performance module
+        from ._fp4_decode import launch_fp4_decode
+
+        return launch_fp4_decode(a, a_scale, w, w_scale, M=M, N=N, K=K, group=group, scale_e4m3=scale_e4m3,
+                                 bias=bias, out_dtype=out_dtype, gx=gx, gw=gw, a16=a16)
     split = bool(a16 and a.dtype == torch.float16 and not interp)
+    if split and config is None and M <= 16 and (device_capability(w.device) or (0,))[0] == 9:
+        config = fp4_gemm_config(M, N, K, interp)  # fp16 W4A16 keeps the lesson kernel's decode tile
     # fp16 W4A16 keeps the fused hi/lo kernel at every M, so it never takes the pre-pass GEMM's tile
     # (128 x 256 spills in the fused kernel): it uses the fused config of M <= 128 instead.
     cfg = config or portable_config(min(M, PREPASS_MIN_M) if split else M, N, K, w.device)

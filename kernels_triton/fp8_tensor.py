@@ -82,6 +82,7 @@ from ._e4m3_gemm import (
     native_config,
     quant_config,
 )
+from ._fp8_decode import fp8_decode_applies, hopper_config, launch_fp8_decode
 from ._paths import default_device, resolve_path
 from ._twopass import (
     ALPHA_SCALES,
@@ -302,7 +303,7 @@ def tile_config(M: int, N: int, K: int, path=None):
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_config(M, N, K, dev)
-    return gemm_config(M, N, K, interpreting())
+    return hopper_config(M, N, K, dev) or gemm_config(M, N, K, interpreting())
 
 
 def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
@@ -380,6 +381,8 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return y
     if resolve_path(path, FMT, qweight.device) == "native":
         return _gemm_native(xq, qweight, bias, y)
+    if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
+        return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y)
     interp = interpreting()
     dot_fp8 = not interp
     cfg = tile_config(M, N, K, path="portable")

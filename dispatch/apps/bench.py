@@ -56,6 +56,7 @@ from dispatch.registry import VARIANTS
 
 from . import _harness as H
 from . import argtypes as A
+from .bench_peers import PEERS, print_peers
 from .bench_plan import BASELINES, GRAPH_MAX_M, QUICK_M, QUICK_SHAPES, select_shapes
 from .bench_record import plot, print_results, summarize
 from .bench_run import run_bench
@@ -91,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of M (default: 1,16,64,512,4096 (+8192 square) on GPU)")
     p.add_argument("--baselines", type=A.choice_list(BASELINES, "baseline"), default=",".join(BASELINES),
                    help="comma list from " + ",".join(BASELINES))
+    p.add_argument("--peers", type=A.choice_list(PEERS, "peer"), default=None,
+                   help="comma list from " + ",".join(PEERS) + ": time other libraries' equivalents in the same run "
+                        "(pip install b12x-dual[peers]; a peer that cannot run is a row with the reason)")
     p.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, M {QUICK_M}")
     p.add_argument("--check", action="store_true",
                    help="re-check each timed configuration against formats.reference_linear (256 rows)")
@@ -124,8 +128,10 @@ def run(args, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -
     result = run_bench(variants=args.formats, impls=args.impls, shapes=shapes, ms=args.m, quick=args.quick,
                        baselines=args.baselines, check=args.check, budget_s=args.budget_s,
                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graph_max_m=args.graph_max_m,
-                       seed=args.seed, progress=not args.no_progress, extra_backends=extra_backends)
+                       seed=args.seed, progress=not args.no_progress, extra_backends=extra_backends,
+                       peers=args.peers)
     print_results(result, plain=args.plain)
+    print_peers(result, plain=args.plain)
     if args.plot:
         why = plot(result, args.plot)
         print(why or f"wrote {args.plot}")

@@ -25,6 +25,7 @@ from dispatch.devices import CPU, DeviceInfo
 from . import _harness as H
 from .bench_plan import (BASELINE_NOTES, BASELINES, CPU_NOTE, GRAPH_MAX_M, Shape, ShapeCache, check_output,
                          check_rows, n_sets_for, plan, rand_x, select_shapes, tile_config)
+from .bench_peers import peer_info, time_peers, unquantized_error
 from .bench_record import ratios, targets
 
 
@@ -241,6 +242,7 @@ class Session:
     results: list = field(default_factory=list)
     device_info: DeviceInfo = CPU
     baseline_notes: dict = field(default_factory=lambda: dict(BASELINE_NOTES))
+    unquantized_err: bool = False  # --peers: linear rows also get err_vs_unquantized (bench_peers)
 
     def record(self, row: dict) -> None:
         """A timed row: derived metrics (TFLOP/s, GB/s, roofline share), then kept."""
@@ -379,6 +381,8 @@ def time_impl(session: Session, cfg: Config, variant: str, iname: str, backend, 
                    formats.dequantize(formats.quantize(x0, fmt, role="activation"),
                                       torch.float64)[rows_d]) @ cfg.cache.wd(fmt).T
             row["check"] = check_output(fns[0](), ref, cfg.rows, 4e-3)
+        if session.unquantized_err and mode == "linear":
+            row["err_vs_unquantized"] = unquantized_error(fns[0](), cfg.xs[0], cfg.cache.wd(None), cfg.rows)
         session.record(row)
     except Exception as e:
         row.update({"error": f"{type(e).__name__}: {str(e)[:300]}", "us": None,
@@ -391,13 +395,14 @@ def run_bench(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
               shapes: Optional[list[Shape]] = None, ms: Optional[list[int]] = None, quick: bool = False,
               baselines: Optional[list[str]] = None, check: bool = False, budget_s: Optional[float] = None,
               warmup_ms: float = 10, rep_ms: float = 50, graph_max_m: int = GRAPH_MAX_M, seed: int = 0,
-              progress: bool = True, extra_backends: Optional[dict[str, H.BackendFactory]] = None
-              ) -> dict[str, Any]:
+              progress: bool = True, extra_backends: Optional[dict[str, H.BackendFactory]] = None,
+              peers: Optional[list[str]] = None) -> dict[str, Any]:
     """Time every (shape, M) x baseline and implementation x mode; the JSON-able result (fields in
     docs/bench.md). ``budget_s`` stops starting new configurations after that many seconds (the
     rest are listed in "skipped"). Implementations are registry backends (``impls``: names from
     :data:`BENCH_IMPLS`; ``extra_backends``: name -> factory(variant) -> registry.Backend); a
-    configuration ``registry.check`` refuses on this device is a skip row with its reason."""
+    configuration ``registry.check`` refuses on this device is a skip row with its reason.
+    ``peers`` (names from bench_peers.PEERS) adds their rows (kind "peer") to every configuration."""
     gpu = H.on_gpu()
     variants = H.variants_from_formats(variants)
     shapes = shapes if shapes is not None else select_shapes(None, gpu=gpu, quick=quick)
@@ -405,8 +410,12 @@ def run_bench(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
     impl_objs = H.implementations(impls, BENCH_IMPLS, extra_backends)
     clock = H.Stopwatch()
     session, dev_rep = open_session(warmup_ms=warmup_ms, rep_ms=rep_ms, graph_max_m=graph_max_m, check=check)
+    peers = list(peers or [])
+    session.unquantized_err = bool(peers)
+    peer_state: dict = {}
     configs = plan(shapes, ms, gpu=gpu, quick=quick)
-    per_config = len(baselines) + sum(len(modes_of(v)) for v in variants) * len(impl_objs)
+    per_config = (len(baselines) + sum(len(modes_of(v)) for v in variants) * len(impl_objs)
+                  + len(variants) * len(peers))
     skipped: list[dict] = []
     cache: Optional[ShapeCache] = None
 
@@ -432,6 +441,9 @@ def run_bench(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
                     ok, why = H.check(backend, v, M, shape.N, shape.K, torch.bfloat16, session.device_info)
                     for mode in modes_of(v):
                         bar.advance(time_impl(session, cfg, v, iname, backend, mode, None if ok else why))
+            for label in time_peers(session, cfg, variants, peers, peer_state,
+                                    over_budget=lambda: budget_s is not None and clock() > budget_s):
+                bar.advance(label)
             del cfg
     cache = None
     ratios(session.results)
@@ -444,9 +456,10 @@ def run_bench(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
         "ceilings": session.ceilings,
         "args": {"variants": variants, "impls": list(impl_objs), "baselines": baselines, "quick": quick,
                  "check": check, "budget_s": budget_s, "warmup_ms": warmup_ms, "rep_ms": rep_ms,
-                 "graph_max_m": graph_max_m, "seed": seed},
+                 "graph_max_m": graph_max_m, "seed": seed, "peers": peers},
         "shapes": [{"id": s.id, "model": s.model, "layer": s.layer, "N": s.N, "K": s.K} for s in shapes],
         "baselines": session.baseline_notes,
+        "peers": peer_info(peer_state),
         "results": session.results,
         "skipped": skipped,
         "seconds": round(clock(), 1),

@@ -1,0 +1,233 @@
+"""Decode-sized FP4 GEMM (M <= 16) for GPUs without block-scaled MMA (sm_90): the performance path.
+
+The lesson kernel (``_fp4_gemm.fp4_gemm_kernel``) puts the activation on the MMA's M side, so at
+M <= 16 the decoded weight is the MMA's B operand: on Hopper it makes a round trip through shared
+memory before every MMA, and each element costs ~6 instructions to decode (fp32 bit placement,
+two fmuls, a cvt). Here the product is computed transposed ("swap AB"):
+
+    acc[n, m] = sum_k  W~[n, k] * X~[m, k]          acc [BLOCK_N, BLOCK_M], BLOCK_M = 16 >= M
+    y[m, n]   = acc[n, m] * 2^28 * alpha + bias[n]    (2^28 only for the fp16 decode below)
+
+so the decoded weight tile is the MMA's A operand and stays in registers (wgmma takes A from
+registers); the activation tile (16 rows) is the small B operand. Split-K spreads the few
+N tiles over all SMs; the fp32 partials go through _twopass's ordered reduction (deterministic).
+
+fp16 decode (nvfp4 W4A4, ``F16_DECODE``): the 3 magnitude bits of an e2m1 code placed at fp16
+bits 11..9 and its sign at bit 15 are exactly value * 2^-14 for every code (the subnormal 0.5 too),
+so a code pair becomes an fp16 pair with a handful of 32-bit integer ops (``_e2m1x4_lo/hi_f16``:
+a byte ``prmt`` and and/shift/or over two 16-bit lanes at once). Times the e4m3 block scale, as
+fp16, the product is still exact: it is a multiple of 2^-24 (fp16's smallest subnormal) with at
+most 6 significant bits, below 6 * 448 * 2^-14. Both operands carry 2^-14, hence 2^28 in the
+epilogue; the fp16 products are exact in the fp32 accumulator, so the function equals the lesson
+kernel's up to the order of the fp32 additions.
+
+bf16 decode (mxfp4, and W4A16 with bf16 activations): E8M0 scales exceed fp16's range, so the
+weight tile is the lesson's exact fp32 decode rounded to bf16 (exact), in the same swapped layout.
+
+Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
+and the integer decode runs as plain Triton ops instead of inline PTX.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import TileConfig, decode_e4m3, interpreting, round_to_bf16_rne
+from ._fp4_gemm import dequant_e2m1_tile  # the lesson's exact fp32 decode (bf16 flavour)
+from ._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+
+DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
+F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
+
+
+# ---------------------------------------------------------------------------------------------
+# e2m1 -> fp16 (value * 2^-14), four packed bytes at a time
+# ---------------------------------------------------------------------------------------------
+# prmt 0x4140 / 0x4342 spreads bytes (0, 1) / (2, 3) of the word into the two 16-bit lanes; then the
+# low nibble's magnitude goes to bits 11..9 and its sign to bit 15 of each lane. The high nibble is
+# the same after a 4-bit shift of the masks.
+_LO_ASM = tl.constexpr("""{
+.reg .b32 x, a, s;
+prmt.b32 x, $2, 0, 0x4140;
+and.b32 a, x, 0x00070007; shl.b32 a, a, 9; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 $0, a, s;
+prmt.b32 x, $2, 0, 0x4342;
+and.b32 a, x, 0x00070007; shl.b32 a, a, 9; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 $1, a, s;
+}""")
+_HI_ASM = tl.constexpr("""{
+.reg .b32 x, a, s;
+prmt.b32 x, $2, 0, 0x4140;
+and.b32 a, x, 0x00700070; shl.b32 a, a, 5; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 $0, a, s;
+prmt.b32 x, $2, 0, 0x4342;
+and.b32 a, x, 0x00700070; shl.b32 a, a, 5; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 $1, a, s;
+}""")
+
+
+@triton.jit
+def e2m1_f16_scaled(nibble):
+    """4-bit e2m1 code (0..15) -> fp16 value * 2^-14, by bit placement (the plain-op form)."""
+    c = nibble.to(tl.uint16)
+    return (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_pairs_f16(b, USE_ASM: tl.constexpr):
+    """Packed bytes (uint8) -> (low-nibble, high-nibble) fp16 tensors of value * 2^-14."""
+    if USE_ASM:
+        lo = tl.inline_asm_elementwise(_LO_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_HI_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        lo = e2m1_f16_scaled(b & 0xF)
+        hi = e2m1_f16_scaled(b >> 4)
+    return lo, hi
+
+
+@triton.jit
+def nvfp4_tile_f16(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, USE_ASM: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    """Rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed e2m1 matrix with e4m3 block scales, as
+    fp16 [BLOCK_R, BLOCK_K] = value * 2^-14 (exact; see the module docstring). Masked reads give 0."""
+    rows = offs_r.to(tl.int64)
+    # k0 is a multiple of BLOCK_K (splitk_plan), which lets the loads be 16 bytes wide
+    offs_kb = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    if EVEN_K:
+        b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :], mask=r_mask[:, None], other=0)
+    else:
+        b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :],
+                    mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
+    lo, hi = e2m1_pairs_f16(b, USE_ASM)
+    v = tl.join(lo, hi).reshape(BLOCK_R, BLOCK_K)  # element 2j from the low nibble, as stored
+    offs_ks = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
+                mask=r_mask[:, None] & (offs_ks[None, :] < K // GROUP), other=0)
+    s16 = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
+    v = v.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * s16[:, :, None]
+    return v.reshape(BLOCK_R, BLOCK_K)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def fp4_decode_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, gx_ptr, gw_ptr, bias_ptr, c_ptr, ws_ptr,
+    M, N, K, K_PER,
+    stride_am, stride_ak, stride_asm, stride_wn, stride_wsn, stride_cm,
+    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr, A16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, F16_DECODE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module docstring)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if F16_DECODE:
+            w = nvfp4_tile_f16(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                               BLOCK_N, BLOCK_K, GROUP, USE_ASM, EVEN_K)
+            a = nvfp4_tile_f16(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                               BLOCK_M, BLOCK_K, GROUP, USE_ASM, EVEN_K)
+        else:
+            w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                  BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
+            if A16:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
+                            mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+            else:
+                a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                      BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
+        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc)
+
+    out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if F16_DECODE:
+        out = out * F16_SCALE_BACK
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        store_splitk_partial(ws_ptr, out, pid_k, offs_m, offs_n, M, N, mask)
+        return
+    if HAS_GLOBAL:
+        out = out * (tl.math.div_rn(1.0, tl.load(gx_ptr)) * tl.math.div_rn(1.0, tl.load(gw_ptr)))
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        out = round_to_bf16_rne(out)
+    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
+             out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy and launcher
+# ---------------------------------------------------------------------------------------------
+def decode_config(M: int, N: int, K: int, interp: bool, sm_count: int = 132) -> TileConfig:
+    """BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program; split-K
+    until the grid holds about four programs per SM while each keeps >= 4 K tiles."""
+    if interp:
+        p = triton.next_power_of_2
+        return TileConfig(BLOCK_M=16, BLOCK_N=min(256, max(16, p(N))), BLOCK_K=min(512, max(64, p(K))),
+                          GROUP_M=1, num_warps=4, num_stages=1)
+    bn, bk = 64, 128
+    tiles = triton.cdiv(N, bn)
+    split = 1
+    while tiles * split < 4 * sm_count and triton.cdiv(K, bk) >= 8 * split:
+        split *= 2
+    return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
+
+
+def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype, scale_e4m3: bool) -> bool:
+    """The decode kernel's domain: M <= 16 on sm_90 (no block-scaled MMA; SM12x has its own native
+    path and tables), for nvfp4 W4A4 (fp16 decode) and W4A16 with bf16 activations (fp16 ones keep
+    the lesson's exact hi/lo split). mxfp4 W4A4 keeps the lesson kernel: with two bf16 decodes the
+    swapped kernel was slower on the H200 (57.6 vs 50.8 us at M = 16, N = K = 8192)."""
+    if M < 1 or M > DECODE_MAX_M or capability is None or capability[0] != 9:
+        return False
+    if a16:
+        return a_dtype == torch.bfloat16
+    return scale_e4m3
+
+
+def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
+                      gx=None, gw=None, a16=False, config: TileConfig | None = None,
+                      use_asm: bool | None = None) -> torch.Tensor:
+    """y [M, N] of the FP4 GEMM (arguments as ``_fp4_gemm.launch_fp4_gemm``; M <= 16)."""
+    if M > DECODE_MAX_M:
+        raise ValueError(f"M must be <= {DECODE_MAX_M} for the decode kernel, got {M}")
+    out = torch.empty((M, N), dtype=out_dtype, device=w.device)
+    if M == 0 or N == 0:
+        return out
+    interp = interpreting()
+    cfg = config or decode_config(M, N, K, interp)
+    f16 = bool(scale_e4m3 and not a16)  # nvfp4 W4A4: both operands fit fp16 exactly
+    dot = tl.float32 if interp else (tl.float16 if f16 else tl.bfloat16)
+    if a16:
+        stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
+    else:
+        stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
+    n_split, k_per = splitk_plan(K, cfg)
+    ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
+    has_global = gx is not None
+    grid = (triton.cdiv(N, cfg.BLOCK_N), n_split)
+    fp4_decode_gemm_kernel[grid](
+        a, a_scale, w, w_scale, gx if has_global else w_scale, gw if has_global else w_scale,
+        bias if bias is not None else out, out, ws,
+        M, N, K, k_per,
+        stride_am, stride_ak, stride_asm, w.stride(0), w_scale.stride(0), out.stride(0),
+        GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, A16=a16, HAS_BIAS=bias is not None,
+        F16_DECODE=f16, USE_ASM=(not interp) if use_asm is None else use_asm, DOT_DTYPE=dot,
+        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if n_split > 1:
+        launch_splitk_reduce(ws, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE,
+                             s1=gx, s2=gw)
+    return out

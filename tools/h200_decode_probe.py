@@ -1,0 +1,187 @@
+"""Issue 13 knob probe on the H200 (one device call): the decode-sized FP4 kernel (_fp4_decode) and
+the swapped FP8 kernel (_fp8_decode) against the lesson kernels, and the fp8_tensor prefill knobs.
+
+GEMM alone on operands quantized beforehand, N = K = 8192, bf16 output. Decode rows: CUDA-graph
+replay over 5 distinct weights (from HBM, as the bench); prefill rows: do_bench with the L2
+flushed. Each variant is checked against the lesson kernel's output (max |diff| / max |lesson|).
+
+    PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import formats
+from kernels_triton import _fp4_decode, _fp4_gemm, _fp8_decode, fp8_tensor, mxfp4, nvfp4
+from kernels_triton._common import TileConfig
+
+N = K = 8192
+SETS = 5
+
+
+def graph_us(fns, reps=200):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
+    return statistics.median(ts)
+
+
+def bench_us(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60) * 1e3
+
+
+def relerr(y, ref):
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+def fp4_rows(fmt, M, a16, w0, gen):
+    mod = nvfp4 if fmt == "nvfp4" else mxfp4
+    group = 16 if fmt == "nvfp4" else 32
+    ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
+    x = (torch.randn(M, K, generator=gen, device="cuda") ).to(torch.bfloat16)
+    xq = None if a16 else formats.quantize(x, fmt, role="activation")
+    nv = fmt == "nvfp4"
+    one = torch.ones(1, device="cuda")
+
+    def args(w):
+        gx = (one if a16 else xq.global_scale.reshape(1).float()) if nv else None
+        gw = w.global_scale.reshape(1).float() if nv else None
+        a = x if a16 else xq.data
+        sa = None if a16 else xq.scale.view(torch.uint8)
+        return (a, sa, w.data, w.scale.view(torch.uint8)), dict(M=M, N=N, K=K, group=group, scale_e4m3=nv, bias=None,
+                                                                   out_dtype=torch.bfloat16, gx=gx, gw=gw, a16=a16)
+
+    rows = []
+    lesson_cfg = _fp4_gemm.fp4_gemm_config(M, N, K, False)
+    a0, k0 = args(ws[0])
+    ref = _fp4_gemm.launch_fp4_gemm(*a0, **k0, config=lesson_cfg)
+
+    def add(name, launch, **extra):
+        try:
+            fns = []
+            for w in ws:
+                a, k = args(w)
+                fns.append(lambda a=a, k=k: launch(*a, **k, **extra))
+            y = fns[0]()
+            us = graph_us(fns)
+            rows.append({"fmt": fmt + ("_w4a16" if a16 else ""), "M": M, "variant": name, "us": us,
+                         "rel_vs_lesson": relerr(y, ref)})
+        except Exception as e:
+            rows.append({"fmt": fmt + ("_w4a16" if a16 else ""), "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(rows[-1], flush=True)
+
+    add(f"lesson {lesson_cfg}", _fp4_gemm.launch_fp4_gemm, config=lesson_cfg)
+    # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages); stages 1 gives 16-byte weight loads (with the
+    # pipeliner, Triton 3.6 copies the packed bytes 4 at a time)
+    variants = [(64, 128, 4, 4, 3), (64, 128, 4, 4, 1), (64, 128, 8, 4, 1), (64, 256, 4, 4, 1), (128, 128, 4, 4, 1),
+                (128, 128, 8, 8, 1), (64, 128, 8, 4, 3), (64, 128, 16, 4, 1)]
+    if M == 1 or a16 or not nv:
+        variants = variants[:3] + variants[5:6]
+    for bn, bk, split, warps, stages in variants:
+        cfg = TileConfig(16, bn, bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
+        add(f"swap {cfg}", _fp4_decode.launch_fp4_decode, config=cfg)
+        if nv and not a16 and M == 16 and (bn, bk, split, warps) == (64, 128, 4, 4):
+            add(f"swap {cfg} no-asm", _fp4_decode.launch_fp4_decode, config=cfg, use_asm=False)
+    return rows
+
+
+def fp8_rows(M, w0, gen):
+    ws = [formats.quantize(w0 * (1 + 0.01 * i), "fp8_tensor", role="weight") for i in range(SETS)]
+    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    xq = formats.quantize(x, "fp8_tensor", role="activation")
+    rows = []
+    ref = fp8_tensor.gemm(xq, ws[0], None, torch.bfloat16, path="portable")
+
+    def add(name, fn_of_w):
+        try:
+            fns = [lambda w=w: fn_of_w(w) for w in ws]
+            y = fns[0]()
+            us = graph_us(fns) if M <= 64 else bench_us(fns[0])
+            rows.append({"fmt": "fp8_tensor", "M": M, "variant": name, "us": us, "rel_vs_lesson": relerr(y, ref)})
+        except Exception as e:
+            rows.append({"fmt": "fp8_tensor", "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(rows[-1], flush=True)
+
+    add(f"lesson {fp8_tensor.tile_config(M, N, K, path='portable')}",
+        lambda w: fp8_tensor.gemm(xq, w, None, torch.bfloat16, path="portable"))
+    if M <= 16:
+        for bn, bk, st, wp, ppsm, imp in [(64, 128, 4, 4, 2, 128), (64, 128, 4, 4, 4, 128), (128, 128, 4, 4, 2, 128),
+                                          (64, 256, 3, 4, 2, 128), (64, 128, 6, 4, 1, 128), (128, 128, 4, 4, 1, 128),
+                                          (64, 128, 4, 4, 2, 1 << 30)]:
+            cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, bk=bk, stages=st, warps=wp, programs_per_sm=ppsm)
+            add(f"swap {cfg} imprecise={imp}",
+                lambda w, cfg=cfg, imp=imp: _fp8_decode.launch_fp8_decode(
+                    xq.data, w.data, xq.scale, w.scale, None, torch.empty(M, N, device="cuda", dtype=torch.bfloat16),
+                    imprecise_acc=imp, config=cfg))
+    else:
+        orig_cfg, orig_imp = fp8_tensor.tile_config, fp8_tensor.IMPRECISE_ACC
+        for cfg, imp in [(TileConfig(128, 128, 128, 8, 8, 4), 128), (TileConfig(128, 128, 128, 8, 4, 3), 128),
+                         (TileConfig(128, 128, 64, 8, 4, 4), 64), (TileConfig(128, 256, 64, 8, 8, 3), 64),
+                         (TileConfig(128, 128, 128, 8, 8, 3), 1 << 30), (TileConfig(128, 256, 128, 8, 8, 3), 1 << 30)]:
+            fp8_tensor.tile_config = lambda *a, cfg=cfg, **k: cfg
+            fp8_tensor.IMPRECISE_ACC = imp
+            add(f"{cfg} imprecise={imp}", lambda w: fp8_tensor.gemm(xq, w, None, torch.bfloat16, path="portable"))
+        fp8_tensor.tile_config, fp8_tensor.IMPRECISE_ACC = orig_cfg, orig_imp
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--budget-s", type=float, default=200)
+    args = p.parse_args()
+    t0 = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w0 = torch.randn(N, K, generator=gen, device="cuda") * 0.05
+    rows = []
+    jobs = [("nvfp4", 16, False), ("mxfp4", 16, False), ("mxfp4", 16, True), ("nvfp4", 1, False),
+            ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None)]
+    for fmt, M, a16 in jobs:
+        if time.time() - t0 > args.budget_s:
+            print(f"probe budget spent, skipping {fmt} M={M}", flush=True)
+            continue
+        if fmt == "fp8":
+            rows += fp8_rows(M, w0, gen)
+        else:
+            rows += fp4_rows(fmt, M, a16, w0, gen)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n| fmt | M | variant | us | rel vs lesson |")
+    for r in rows:
+        print(f"| {r['fmt']} | {r['M']} | {r['variant']} | {r.get('us', float('nan')):.1f} | "
+              f"{r.get('rel_vs_lesson', float('nan')):.1e} | {r.get('error', '')[:60]}")
+    print(f"probe: {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
