@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU run for issue 6: GPU tests, `sweep --grid large`, `bench` on the issue's shapes, and a
+# One-shot GPU run: GPU tests, `sweep --grid large`, `bench` on the model shapes, and a
 # short summary printed LAST (the device tool returns only the end of the output).
 #
 #   bash tools/h200_run.sh                 # from anywhere; runs in the repository root

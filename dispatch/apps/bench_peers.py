@@ -112,7 +112,7 @@ def known_failure(variant: str) -> Optional[str]:
     """Why gemlite's equivalent of ``variant`` is not attempted here, or None. Its NVFP4 kernels
     (dot_scaled with e4m3 scales) fail to compile on sm_90 with Triton < 3.7 (triton#7549, fixed by
     #9772), and its autotuner then compiles and fails every candidate, each printing an MLIR dump:
-    minutes per shape (seen on the H200 with Triton 3.6, 2026-12-01)."""
+    minutes per shape (docs/results.md has the H200 run that showed it)."""
     import triton
 
     if "NVFP" not in GEMLITE_FORMATS[variant].helper or not torch.cuda.is_available():

@@ -44,8 +44,8 @@ TARGETS = [
     ("nvfp4 prefill M=4096 linear vs bf16", "nvfp4", 4096, "linear", "torch_bf16", 0.4),
     ("mxfp4 prefill M=4096 linear vs bf16", "mxfp4", 4096, "linear", "torch_bf16", 0.4),
 ]
-# issue 13 (Hopper): decode at M = 1 and 16, prefill at M = 4096, square shape
-TARGETS += [(f"[13] {v} decode M={m} linear vs bf16", v, m, "linear", "torch_bf16", thr)
+# Hopper decode and prefill targets (docs/perf_notes.md): M = 1 and 16, and M = 4096, square shape
+TARGETS += [(f"[hopper] {v} decode M={m} linear vs bf16", v, m, "linear", "torch_bf16", thr)
             for m in (1, 16)
             for v, thr in (("nvfp4", 1.5), ("mxfp4", 1.5), ("mxfp4_w4a16", 1.5), ("mxfp8", 1.2),
                            ("fp8_tensor", 1.4), ("fp8_block", 1.4))]

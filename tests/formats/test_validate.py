@@ -1,4 +1,4 @@
-"""formats.validate: every well-formed operand passes, and each malformed one of issue 12's list
+"""formats.validate: every well-formed operand passes, and each malformed one of the bad-input classes in docs/errors.md
 raises a ValueError naming the argument (and the field), instead of reaching a kernel."""
 
 from __future__ import annotations

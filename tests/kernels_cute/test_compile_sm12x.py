@@ -6,7 +6,7 @@ How: kernels_cute._compile turns one subprocess per arch into a b12x compile wor
 that uses b12x private API) and compiles the exact plans kernels_cute.<fmt>.linear uses. Both arch
 processes run in parallel, into a temporary B12X_COMPILE_CACHE_DIR.
 
-Grid (issue 5): M in {1, 8, 128, 2048} x K in {4096, 7168} x N in {2048, 4096}, five formats, plus
+Grid: M in {1, 8, 128, 2048} x K in {4096, 7168} x N in {2048, 4096}, five formats, plus
 the NVFP4 W4A16 route (nvfp4_w4a16) at the corners. Plans are deduplicated (MXFP4 plans M <= 129 at
 capacity 129 when K >= 4096). Set B12X_DUAL_COMPILE_GRID=corners to compile only M in {1, 2048},
 K=4096/N=2048 and K=7168/N=4096.

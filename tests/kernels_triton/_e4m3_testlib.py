@@ -17,7 +17,7 @@ from conftest import DEVICE, device_name, make_input, rel_err
 TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 1e-5}
 # On a GPU, fp8_tensor and fp8_block dot the e4m3 tiles directly; Hopper's fp8 MMA keeps fewer
 # accumulator bits than fp32 for the products inside one promotion interval (128 here), so fp32
-# output there shows 1.2e-4 to 3.1e-4 (H200, Triton 3.6, 2026-11-29). bf16/fp16 bounds unchanged.
+# output there shows 1.2e-4 to 3.1e-4 (docs/results.md, the H200 runs). bf16/fp16 bounds unchanged.
 FP8_DIRECT_DOT_FP32_TOL = 5e-4
 
 
