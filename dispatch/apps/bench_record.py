@@ -50,9 +50,9 @@ TARGETS += [(f"[hopper] {v} decode M={m} linear vs bf16", v, m, "linear", "torch
             for v, thr in (("nvfp4", 1.5), ("mxfp4", 1.5), ("mxfp4_w4a16", 1.5), ("mxfp8", 1.2),
                            ("fp8_tensor", 1.4), ("fp8_block", 1.4))]
 TARGETS += [
-    ("[13] fp8_tensor prefill M=4096 GEMM vs _scaled_mm per-tensor", "fp8_tensor", 4096, "gemm", "torch_fp8_tensor", 0.85),
-    ("[13] fp8_block prefill M=4096 GEMM vs _scaled_mm blockwise", "fp8_block", 4096, "gemm", "torch_fp8_block", 0.8),
-] + [(f"[13] {v} prefill M=4096 linear vs bf16", v, 4096, "linear", "torch_bf16", 0.6) for v in ("mxfp8", "nvfp4", "mxfp4")]
+    ("[hopper] fp8_tensor prefill M=4096 GEMM vs _scaled_mm per-tensor", "fp8_tensor", 4096, "gemm", "torch_fp8_tensor", 0.85),
+    ("[hopper] fp8_block prefill M=4096 GEMM vs _scaled_mm blockwise", "fp8_block", 4096, "gemm", "torch_fp8_block", 0.8),
+] + [(f"[hopper] {v} prefill M=4096 linear vs bf16", v, 4096, "linear", "torch_bf16", 0.6) for v in ("mxfp8", "nvfp4", "mxfp4")]
 
 
 def targets(result: dict) -> list[dict]:
