@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, interpreting, round_to_bf16_rne
+from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_alpha, interpreting, round_to_bf16_rne
 from ._paths import device_capability, sm_count
 from ._tiles import sm12x_config
 from ._twopass import (
@@ -243,8 +243,7 @@ def fp4_gemm_kernel(
         # (their product underflows only when amax_x * amax_w < ~1e-31).
         gx = tl.load(gx_ptr)
         gw = tl.load(gw_ptr)
-        alpha = tl.math.div_rn(1.0, gx) * tl.math.div_rn(1.0, gw)
-        acc = acc * alpha
+        acc = acc * global_alpha(gx, gw)  # NaN for a global scale that is not finite and > 0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
