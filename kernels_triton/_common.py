@@ -55,12 +55,21 @@ def decode_e4m3(code):
 
     Same trick as decode_e2m1: the 7 magnitude bits eeee mmm go to fp32 bits 26..20 (low 4 exponent
     bits, top 3 mantissa bits); that is value * 2^-120 for every code, subnormals included, and one
-    multiply by 2^120 restores it (0x7F would come out as 480, hence the select).
+    multiply by 2^120 restores it. The NaN codes would come out as +-480, which no other code gives,
+    hence the select on the value.
     """
+    v = decode_e4m3_finite(code)
+    return tl.where(tl.abs(v) == 480.0, float("nan"), v)
+
+
+@triton.jit
+def decode_e4m3_finite(code):
+    """decode_e4m3 for codes known not to be NaN (0x7F/0xFF would read as +-480): only for weight
+    scales, which formats.validate.check_scale_values refuses with NaN codes where the weight is
+    loaded, in a kernel at its register limit (the nvfp4 W4A16 kernel: one select more spills)."""
     c = code.to(tl.uint32)
     bits = ((c & 0x7F) << 20) | ((c & 0x80) << 24)
-    v = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
 
 
 @triton.jit

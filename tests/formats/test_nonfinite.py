@@ -99,3 +99,12 @@ def test_reference_w4a16_propagates_nonfinite_to_its_row(fmt):
 def test_weight_with_nonfinite_values_raises(fmt, v):
     with pytest.raises(ValueError, match="x contains NaN or Inf; quantizing a weight needs finite values"):
         F.quantize(_x(v), fmt, role="weight")
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, INF, NAN])
+@pytest.mark.parametrize("fmt,key", [("fp8_tensor", "scale"), ("nvfp4", "global_scale")])
+def test_bad_static_scale_raises_in_the_oracle(fmt, key, bad):
+    # numbers or tensors alike: the oracle may read the value (it is the reference, not a kernel)
+    for value in (bad, torch.tensor(bad)):
+        with pytest.raises(ValueError, match=rf"{key} must be one finite positive number"):
+            F.quantize(_x(1.0), fmt, role="activation", **{key: value})

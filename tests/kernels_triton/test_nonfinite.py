@@ -12,6 +12,7 @@ from conftest import DEVICE, device_name
 from kernels_triton import interpreting
 
 import formats as F
+from formats.validate import check_scale_values
 import kernels_triton as kt
 from formats import FORMAT_NAMES
 
@@ -109,10 +110,13 @@ def test_nan_weight_codes_decode_to_nan(fmt, path):
     assert bool(y[:, 0].isnan().all()) and bool(torch.isfinite(y[:, 1:]).all())
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_nan_weight_scale_w4a16(fmt):
-    y = kt.linear(_x(1.0), _poison_weight(_weight(fmt)), a16=True)
+def test_nan_weight_scale_w4a16():
+    y = kt.linear(_x(1.0), _poison_weight(_weight("mxfp4")), a16=True)
     assert bool(y[:, 0].isnan().all()) and bool(torch.isfinite(y[:, 1:]).all())
+    # nvfp4 W4A16 decodes its weight scales without the NaN select (the kernel is at its register
+    # limit: kernels_triton._common.decode_e4m3_finite); a NaN scale code is refused at load instead
+    with pytest.raises(ValueError, match="must be non-negative and not NaN"):
+        check_scale_values(_poison_weight(_weight("nvfp4")))
 
 
 @pytest.mark.parametrize("g", [0.0, -1.0, INF, NAN], ids=["zero", "negative", "inf", "nan"])
