@@ -2,10 +2,44 @@
 
 from __future__ import annotations
 
+import os
+import random
+import zlib
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import kernels_triton  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU)
+from kernels_triton import interpreting  # noqa: F401  (for the tests that import it from here)
+
+# Hypothesis profiles: "ci" (default) a few dozen derandomized examples per property, for the CPU
+# interpreter; "h200" 10,000 per property (HYPOTHESIS_PROFILE=h200, on a GPU). No example database
+# (the runs are derandomized or seeded; nothing is written into the checkout).
+_HYP = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=30, derandomize=True, **_HYP)
+settings.register_profile("h200", max_examples=10_000, derandomize=True, **_HYP)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Seed torch and random for every test: B12X_TEST_SEED if set, else a hash of the test id (so
+    each test is reproducible alone and tests do not share a stream). Printed when the test fails."""
+    seed = int(os.environ.get("B12X_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node._b12x_seed = seed
+    yield seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "_b12x_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("seed", f"torch/random seed {seed} (rerun with B12X_TEST_SEED={seed})"))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
