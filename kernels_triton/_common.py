@@ -82,6 +82,7 @@ def decode_e8m0(code):
 # ---------------------------------------------------------------------------------------------
 # The non-finite rule (docs/formats.md): a NaN/Inf makes its block's scale NaN
 # ---------------------------------------------------------------------------------------------
+# [nonfinite]
 @triton.jit
 def abs_or_inf(x):
     """|x| with NaN and +-Inf as +Inf, so a max over a block is +Inf exactly when the block holds a
@@ -94,6 +95,7 @@ def abs_or_inf(x):
 def amax_or_nan(amax, floor):
     """max(amax, floor) for an amax of abs_or_inf values; NaN where it is +Inf (a NaN/Inf inside)."""
     return tl.where(amax <= 3.4028234663852886e38, tl.maximum(amax, floor), float("nan"))
+# [/nonfinite]
 
 
 @triton.jit
