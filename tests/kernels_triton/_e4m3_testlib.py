@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import formats
-from conftest import DEVICE, device_name, make_input, rel_err
+from conftest import DEVICE, assert_within_bound, device_name, make_input, rel_err  # noqa: F401
+from conftest import gemm_bound as _gemm_bound
 
 # Tolerances on ||y - ref|| / ||ref||, ref = float64 product of the dequantized operands rounded
 # once to the output dtype. The kernels accumulate exactly-representable products in fp32, so
@@ -66,40 +67,10 @@ def make_bias(n: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(n, dtype=torch.float32).to(dtype).to(DEVICE)
 
 
-# Element-wise bound of a GEMM against formats.reference_linear on the same quantized operands,
-# derived from the arithmetic instead of a norm-wise tolerance:
-#   * the products of decoded e4m3 codes and their scales are exact in fp32 (4 significant bits
-#     each, power-of-two or fp32 scales applied as the oracle does), so the kernel's only errors
-#     are its K-term summation, |acc - exact| <= K * u_acc * sum_k |a_k b_k| (Higham's gamma_K), with
-#     u_acc = 2^-24 for an fp32 accumulator; Hopper's fp8 MMA (fp8_tensor / fp8_block on a GPU)
-#     keeps ~13 mantissa bits between promotions, so u_acc = 2^-12 there (measured errors: see
-#     FP8_DIRECT_DOT_FP32_TOL above);
-#   * the epilogue (scales, bias) adds at most 3 fp32 roundings: 3 * 2^-24 * (|y| + |bias|);
-#   * y and ref are each rounded once to the output dtype, so they may sit one spacing apart:
-#     spacing(v) <= 2^(1-p) |v| for p significand bits (bf16 8, fp16 11, fp32 24), plus the
-#     dtype's smallest subnormal for results that underflow.
-OUT_P = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
-
-
 def gemm_bound(xq, qweight, bias, out_dtype, ref):
-    """The element-wise |y - ref| bound above, float64 [M, N] on the CPU."""
-    a = formats.dequantize(xq.to("cpu"), torch.float64).abs()
-    b = formats.dequantize(qweight.to("cpu"), torch.float64).abs()
-    k = qweight.k
-    fp8_mma = DEVICE == "cuda" and qweight.fmt in ("fp8_tensor", "fp8_block")
-    u_acc = 2.0 ** -12 if fp8_mma else 2.0 ** -24
-    r = ref.double().abs().cpu()
-    bias_abs = 0.0 if bias is None else bias.double().abs().cpu()[None, :]
-    tiny = torch.finfo(out_dtype).smallest_normal * 2.0 ** (1 - OUT_P[out_dtype])
-    return k * u_acc * (a @ b.T) + 3 * 2.0 ** -24 * (r + bias_abs) + 2.0 ** (1 - OUT_P[out_dtype]) * r + tiny
-
-
-def assert_within_bound(y, ref, bound, what=""):
-    err = (y.double().cpu() - ref.double().cpu()).abs()
-    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
-    worst = (err - bound).argmax()
-    assert bool((err <= bound).all()), (f"{what}: |y - ref| = {err.view(-1)[worst].item():.3e} > bound "
-                                        f"{bound.view(-1)[worst].item():.3e} at flat index {worst.item()}")
+    """conftest.gemm_bound; fp8_tensor / fp8_block on a GPU dot the e4m3 codes on Hopper's fp8 MMA."""
+    return _gemm_bound(xq, qweight, bias, out_dtype, ref,
+                       fp8_mma=DEVICE == "cuda" and qweight.fmt in ("fp8_tensor", "fp8_block"))
 
 
 def check_gemm(mod, xq, qweight, bias, out_dtype):
