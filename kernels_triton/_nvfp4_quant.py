@@ -173,7 +173,7 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
     ``formats.quantize(x, "nvfp4", role="activation", global_scale=global_scale)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; finite values.
+        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         global_scale: static g (e.g. a calibrated input_global_scale = 2688 / amax), a Python number
             or a one-element float tensor; None = dynamic, 2688 / max(amax(x), 2^-100).
     Returns:

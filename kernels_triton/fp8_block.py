@@ -279,7 +279,7 @@ def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTen
     ``formats.quantize(x, "fp8_block", role="activation", ue8m0=ue8m0)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K a multiple of 128, any strides, finite values.
+        x: bfloat16/float16 [..., K], K a multiple of 128, any strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         ue8m0: round every scale up to a power of two (DeepGEMM's UE8M0 scales).
     Returns:
         QuantizedTensor(fmt="fp8_block", role="activation", data float8_e4m3fn [M, K],

@@ -315,7 +315,7 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     ``formats.quantize(x, "fp8_tensor", role="activation", scale=scale)``.
 
     Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides), finite values.
+        x: bfloat16/float16 [..., K] (any leading dims, any strides); a NaN/Inf follows the non-finite rule (docs/formats.md).
         scale: static scale (a positive number or 0-d tensor, e.g. a calibrated input_scale);
             None for the dynamic max(amax, AMAX_FLOOR) / 448.
     Returns:

@@ -158,7 +158,7 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     ``formats.quantize(x, "mxfp4", role="activation", scale_rule=scale_rule)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K % 32 == 0, any leading dims and strides; finite values.
+        x: bfloat16/float16 [..., K], K % 32 == 0, any leading dims and strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         scale_rule: "ceil" (default) or "floor" (see the module docstring).
     Returns:
         QuantizedTensor(fmt="mxfp4", role="activation", data=uint8 [M, K/2], scale=uint8 E8M0

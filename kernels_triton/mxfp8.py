@@ -321,7 +321,7 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     ``formats.quantize(x, "mxfp8", role="activation", scale_rule=scale_rule)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K a multiple of 32, any strides, finite values.
+        x: bfloat16/float16 [..., K], K a multiple of 32, any strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         scale_rule: "ceil" (default: 2^ceil(log2(amax/448))) or "floor" (OCP MX 6.3).
     Returns:
         QuantizedTensor(fmt="mxfp8", role="activation", data float8_e4m3fn [M, K],
