@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e4m3, interpreting, round_to_bf16_rne
+from ._common import TileConfig, decode_e4m3, global_alpha, interpreting, round_to_bf16_rne
 from ._fp4_gemm import dequant_e2m1_tile  # the lesson's exact fp32 decode (bf16 flavour)
 from ._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
@@ -156,7 +156,7 @@ def fp4_decode_gemm_kernel(
         store_splitk_partial(ws_ptr, out, pid_k, offs_m, offs_n, M, N, mask)
         return
     if HAS_GLOBAL:
-        out = out * (tl.math.div_rn(1.0, tl.load(gx_ptr)) * tl.math.div_rn(1.0, tl.load(gw_ptr)))
+        out = out * global_alpha(tl.load(gx_ptr), tl.load(gw_ptr))  # NaN for a bad global scale
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if ROUND_BF16:
