@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from formats import QuantizedTensor, spec
+from formats.base import check_positive_scalar
 from formats.validate import check_scale_values, check_weight
 
 from . import api, policy, registry
@@ -46,7 +47,11 @@ class QuantLinear(nn.Module):
         act_dtype: cast the input to this dtype for the call and the output back to the input's
             dtype (e.g. bf16 to run a float32 model through kernels that take bf16/fp16);
             None: pass the input as is.
-        act_opts: activation-quantization options passed to the implementation.
+        act_opts: activation-quantization options passed to the implementation. A static
+            ``scale`` (fp8_tensor) or ``global_scale`` (nvfp4), number or tensor, is checked here
+            (finite and > 0; reading a tensor's value synchronizes once, at build, never per call).
+    Raises:
+        ValueError: a malformed weight, a meta weight, bad scale values, or a bad static act_opts scale.
     """
 
     def __init__(self, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *, a16: bool = False,
@@ -63,6 +68,9 @@ class QuantLinear(nn.Module):
         self.impl = None if impl is None else policy.parse_impl(impl, "impl")
         self.act_dtype = act_dtype
         self.act_opts = dict(act_opts or {})
+        for key in ("scale", "global_scale"):  # static activation scales: value-checked once, here
+            if self.act_opts.get(key) is not None:
+                check_positive_scalar(self.act_opts[key], f"act_opts[{key!r}]")
         self.out_features, self.in_features = qweight.shape
         self._meta = {"block_shape": qweight.block_shape, "scale_layout": qweight.scale_layout}
         # The quantized tensors are stored as same-width integer views, so that module.to(dtype),

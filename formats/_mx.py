@@ -17,7 +17,7 @@ import torch
 
 from .base import block_amax, expand_blocks, ieee_div
 from .codecs import ceil_log2, decode_e8m0, encode_e8m0, floor_log2
-from .constants import E8M0_BIAS, MX_BLOCK
+from .constants import E8M0_BIAS, E8M0_NAN, MX_BLOCK
 
 SCALE_RULES = ("ceil", "floor")
 
@@ -38,9 +38,17 @@ def scaled_blocks(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
 
 
 def mx_scales(x: torch.Tensor, max_elem: float, emax_elem: int, scale_rule: str):
-    """(E8M0 bytes uint8 [rows, K/32], x scaled into element range float32 [rows, K])."""
+    """(E8M0 bytes uint8 [rows, K/32], x scaled into element range float32 [rows, K]).
+
+    A block holding a NaN or Inf (an activation: the non-finite rule, docs/formats.md) gets the
+    NaN byte 0xFF and NaN scaled values (each format turns them into its codes).
+    """
     e = mx_scale_exponent(x, max_elem, emax_elem, scale_rule)
-    return encode_e8m0(e), scaled_blocks(x, e)
+    bad = torch.isnan(block_amax(x, 1, MX_BLOCK))
+    e = torch.where(bad, torch.zeros_like(e), e)
+    scale = torch.where(bad, torch.full_like(e, E8M0_NAN, dtype=torch.uint8), encode_e8m0(e))
+    scaled = scaled_blocks(x, e)
+    return scale, torch.where(expand_blocks(bad, x.shape[0], 1, MX_BLOCK), float("nan"), scaled)
 
 
 def expand_e8m0(scale: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -97,8 +97,9 @@ def check_role(role: str) -> None:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
-def check_float_input(x, name: str, *, matrix: bool) -> None:
-    """Raise ValueError unless x is a finite float32/bf16/fp16 tensor (2-D if ``matrix``)."""
+def check_float_input(x, name: str, *, matrix: bool, finite: bool = True) -> None:
+    """Raise ValueError unless x is a float32/bf16/fp16 tensor (2-D if ``matrix``), with finite
+    values if ``finite`` (weights; activations follow the non-finite rule of docs/formats.md)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -107,9 +108,9 @@ def check_float_input(x, name: str, *, matrix: bool) -> None:
         raise ValueError(f"{name} must be 2-D [rows, K], got shape {tuple(x.shape)}")
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least one dimension [..., K], got a 0-d tensor")
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        # Documented behaviour: the oracle refuses NaN/Inf instead of propagating them into scales.
-        raise ValueError(f"{name} contains NaN or Inf; quantization needs finite input")
+    if finite and x.numel() and not bool(torch.isfinite(x).all()):
+        # A weight with NaN/Inf is refused (a checkpoint bug); activations take the non-finite rule.
+        raise ValueError(f"{name} contains NaN or Inf; quantizing a weight needs finite values")
 
 
 def check_k(spec: FormatSpec, k: int, name: str = "x.shape[-1]") -> None:
@@ -143,15 +144,22 @@ def block_amax(x: torch.Tensor, block_rows: int, block_k: int) -> torch.Tensor:
     """max |x| over each (block_rows x block_k) block of a [rows, K] float32 matrix.
 
     Rows are padded with zeros up to a multiple of block_rows (K must already be a multiple of
-    block_k). Returns float32 [ceil(rows/block_rows), K/block_k], clamped below at AMAX_FLOOR.
+    block_k). Returns float32 [ceil(rows/block_rows), K/block_k], clamped below at AMAX_FLOOR;
+    NaN for a block holding a NaN or Inf (the non-finite rule, docs/formats.md).
     """
     rows, k = x.shape
     pad = (-rows) % block_rows
-    a = x.abs()
+    a = nan_if_nonfinite(x.abs())
     if pad:
         a = torch.cat([a, a.new_zeros(pad, k)])
     a = a.view(-1, block_rows, k // block_k, block_k)
     return a.amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
+
+
+def nan_if_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """x with every NaN and +-Inf replaced by NaN (so that a max over it, and every scale computed
+    from that max, is NaN: the non-finite rule of docs/formats.md)."""
+    return torch.where(torch.isfinite(x), x, torch.full_like(x, float("nan")))
 
 
 def expand_blocks(s: torch.Tensor, rows: int, block_rows: int, block_k: int) -> torch.Tensor:

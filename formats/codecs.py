@@ -16,6 +16,7 @@ from .constants import (
     E2M1_MAX,
     E2M1_VALUES,
     E4M3_MAX,
+    E4M3_NAN,
     E8M0_BIAS,
     E8M0_MAX_EXP,
     E8M0_MIN_EXP,
@@ -50,10 +51,11 @@ def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values to e4m3fn (RNE, saturating to +-448).
 
     Args:
-        x: float32 tensor, any shape, finite values.
+        x: float32 tensor, any shape.
     Returns:
-        torch.float8_e4m3fn tensor of x's shape. Values beyond +-448 saturate to +-448; the sign of
-        values that round to zero is kept (-0.0 encodes as byte 0x80).
+        torch.float8_e4m3fn tensor of x's shape. Values beyond +-448 (+-Inf too) saturate to +-448;
+        the sign of values that round to zero is kept (-0.0 encodes as byte 0x80); NaN (of either
+        sign) encodes as 0x7F.
     Raises:
         ValueError: if x is not float32.
     Source: OCP MX v1.0 5.3.2 (E4M3 with saturation, "satfinite" conversion as in PTX cvt.rn.satfinite).
@@ -61,7 +63,8 @@ def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     _require_float32(x, "x")
     # torch's float -> float8_e4m3fn cast is RNE (normals and subnormals) but turns out-of-range
     # values into NaN; clamping first gives saturation (any |x| >= 448 rounds to 448 anyway).
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    codes = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(x), torch.full_like(codes, E4M3_NAN), codes).view(torch.float8_e4m3fn)
 
 
 def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:

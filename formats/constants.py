@@ -7,6 +7,7 @@ Sources: OCP Microscaling Formats (MX) Specification v1.0 (2023-09), sections 5.
 """
 
 E4M3_MAX = 448.0  # largest finite e4m3fn value: 1.75 * 2^8 (S.1111.110); 0x7F/0xFF are NaN, no inf
+E4M3_NAN = 0x7F  # the NaN code the formats write (0xFF, the negative NaN, decodes as NaN too)
 E4M3_EMAX = 8  # exponent of E4M3_MAX, used by the OCP floor scale rule
 E4M3_MIN_SUBNORMAL = 2.0**-9  # 0x01
 E4M3_EXP_BIAS = 7

@@ -49,7 +49,8 @@ def quantize(x: torch.Tensor, role: str = "weight", *, ue8m0: bool = False) -> Q
     br, bk = SPEC.block(role)
     scale = ieee_div(block_amax(x, br, bk), E4M3_MAX)
     if ue8m0:
-        scale = pow2_ceil(scale)
+        scale = torch.where(torch.isnan(scale), scale, pow2_ceil(scale))
+    # a group holding a NaN/Inf has a NaN scale (block_amax), so all its codes are 0x7F
     data = encode_e4m3(ieee_div(x, expand_blocks(scale, x.shape[0], br, bk)))
     return QuantizedTensor(SPEC.name, role, data, scale, None, (br, bk), tuple(x.shape))
 

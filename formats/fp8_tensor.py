@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .base import FormatSpec, QuantizedTensor, check_positive_scalar, check_role, ieee_div
+from .base import FormatSpec, QuantizedTensor, check_positive_scalar, check_role, ieee_div, nan_if_nonfinite
 from .codecs import decode_e4m3, encode_e4m3
 from .constants import AMAX_FLOOR, E4M3_MAX
 
@@ -36,8 +36,9 @@ SPEC = FormatSpec(
 
 
 def tensor_scale(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic per-tensor scale: max(amax, AMAX_FLOOR) / 448 as a float32 0-d tensor."""
-    amax = x.abs().amax() if x.numel() else x.new_zeros(())
+    """Dynamic per-tensor scale: max(amax, AMAX_FLOOR) / 448 as a float32 0-d tensor (NaN when x
+    holds a NaN or Inf: the non-finite rule, docs/formats.md)."""
+    amax = nan_if_nonfinite(x.abs()).amax() if x.numel() else x.new_zeros(())
     return ieee_div(amax.to(torch.float32).clamp_min(AMAX_FLOOR), E4M3_MAX)
 
 
@@ -52,10 +53,13 @@ def quantize(x: torch.Tensor, role: str = "weight", *, scale: Optional[float] = 
         QuantizedTensor(data=float8_e4m3fn [rows, K], scale=float32 0-d).
     Raises:
         ValueError: bad role or a non-positive / non-finite ``scale``.
+    Non-finite x (activations only; the oracle refuses them in weights): with the dynamic scale the
+    scale is NaN and every code 0x7F; with a static scale each NaN/Inf element's code is 0x7F.
     """
     check_role(role)
     s = tensor_scale(x) if scale is None else check_positive_scalar(scale, "scale").to(x.device)
-    data = encode_e4m3(ieee_div(x, s))
+    # a NaN/Inf element, or every element under a NaN scale, encodes as the NaN code 0x7F
+    data = encode_e4m3(ieee_div(nan_if_nonfinite(x), s))
     return QuantizedTensor(SPEC.name, role, data, s, None, None, tuple(x.shape))
 
 

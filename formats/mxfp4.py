@@ -41,7 +41,8 @@ def quantize(x: torch.Tensor, role: str = "weight", *, scale_rule: str = "ceil")
     """
     check_role(role)
     scale, scaled = mx_scales(x, E2M1_MAX, E2M1_EMAX, scale_rule)
-    data = pack_e2m1(encode_e2m1(scaled))
+    # e2m1 has no NaN: a block with the NaN scale 0xFF (it held a NaN/Inf) gets all-zero codes
+    data = pack_e2m1(encode_e2m1(torch.nan_to_num(scaled, nan=0.0)))
     return QuantizedTensor(SPEC.name, role, data, scale, None, (1, MX_BLOCK), tuple(x.shape))
 
 

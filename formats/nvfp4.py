@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from .base import FormatSpec, QuantizedTensor, block_amax, check_positive_scalar, check_role, expand_blocks, ieee_div
+from .base import (FormatSpec, QuantizedTensor, block_amax, check_positive_scalar, check_role, expand_blocks,
+                   ieee_div, nan_if_nonfinite)
 from .codecs import decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, pack_e2m1, unpack_e2m1
 from .constants import AMAX_FLOOR, E2M1_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 
@@ -57,13 +58,15 @@ def quantize(x: torch.Tensor, role: str = "weight", *, global_scale: Optional[fl
     """
     check_role(role)
     if global_scale is None:
-        amax = x.abs().amax() if x.numel() else x.new_zeros(())
+        amax = nan_if_nonfinite(x.abs()).amax() if x.numel() else x.new_zeros(())  # NaN if x has NaN/Inf
         g = global_scale_from_amax(amax)
     else:
         g = check_positive_scalar(global_scale, "global_scale").to(x.device)
     amax_b = block_amax(x, 1, NVFP4_BLOCK)
     scale = encode_e4m3(ieee_div(amax_b, E2M1_MAX) * g)
     s = expand_blocks(decode_e4m3(scale), x.shape[0], 1, NVFP4_BLOCK)
+    # a NaN block scale (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf) fails
+    # s > 0, so its codes are 0
     scaled = torch.where(s > 0, ieee_div(x * g, s), torch.zeros_like(x))
     data = pack_e2m1(encode_e2m1(scaled))
     return QuantizedTensor(SPEC.name, role, data, scale, g, (1, NVFP4_BLOCK), tuple(x.shape))

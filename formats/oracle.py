@@ -52,7 +52,9 @@ def quantize(x: torch.Tensor, fmt: str, *, role: str = "weight", **opts) -> Quan
 
     Args:
         x: float32/bf16/fp16. A weight is [N, K]; an activation is [..., K] (leading dims are
-            flattened into rows). Values must be finite.
+            flattened into rows). A weight's values must be finite; an activation's NaN/Inf follow
+            the non-finite rule of docs/formats.md (its block's scale, or the tensor's for the
+            per-tensor scales, becomes NaN).
         fmt: "fp8_tensor" | "fp8_block" | "mxfp8" | "nvfp4" | "mxfp4".
         role: "weight" or "activation" (matters for fp8_block: 128x128 blocks vs 1x128 groups).
         **opts: format options: fp8_tensor ``scale`` (static scale); fp8_block ``ue8m0``;
@@ -60,12 +62,12 @@ def quantize(x: torch.Tensor, fmt: str, *, role: str = "weight", **opts) -> Quan
     Returns:
         QuantizedTensor with linear-layout scales (see formats.base.QuantizedTensor for dtypes).
     Raises:
-        ValueError: unknown fmt/role/option, non-float or non-finite x, a weight that is not 2-D,
+        ValueError: unknown fmt/role/option, non-float x, a weight with NaN/Inf or not 2-D,
             or K not a multiple of the format's block (the message names the multiple).
     """
     mod = format_module(fmt)
     check_role(role)
-    check_float_input(x, "x", matrix=(role == "weight"))
+    check_float_input(x, "x", matrix=(role == "weight"), finite=(role == "weight"))
     check_k(mod.SPEC, x.shape[-1])
     try:
         return mod.quantize(x.reshape(-1, x.shape[-1]).to(torch.float32), role, **opts)
@@ -113,7 +115,9 @@ def reference_linear(
         a16: keep the activation unquantized (weight-only W4A16 / W8A16 numerics).
         out_dtype: output dtype; default x's dtype (bf16 for a QuantizedTensor x).
     Returns:
-        [..., N] tensor of ``out_dtype``.
+        [..., N] tensor of ``out_dtype``. A NaN/Inf in a row of x makes that row non-finite (NaN
+        for the quantized paths), and every row for fp8_tensor's dynamic scale and nvfp4's dynamic
+        global scale (docs/formats.md, "Non-finite values").
     Raises:
         ValueError: mismatched K, formats or roles, bad bias shape, bad out_dtype.
     Source: the GEMM column of each format's spec (formats.<fmt> docstrings).
@@ -129,7 +133,7 @@ def reference_linear(
         lead, xq = (x.rows,), x
         out_dtype = out_dtype or torch.bfloat16
     else:
-        check_float_input(x, "x", matrix=False)
+        check_float_input(x, "x", matrix=False, finite=False)
         if x.shape[-1] != k:
             raise ValueError(f"x.shape[-1] must equal the weight's K={k}, got {x.shape[-1]}")
         lead = tuple(x.shape[:-1])

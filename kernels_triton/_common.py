@@ -50,13 +50,23 @@ def decode_e2m1(nibble):
 
 @triton.jit
 def decode_e4m3(code):
-    """8-bit e4m3fn code -> float32. The NaN codes 0x7F/0xFF are not special-cased: the formats
-    never produce them.
+    """8-bit e4m3fn code -> float32; the NaN codes 0x7F/0xFF decode to NaN (an activation block
+    that held a NaN/Inf is written as 0x7F: the non-finite rule, docs/formats.md).
 
     Same trick as decode_e2m1: the 7 magnitude bits eeee mmm go to fp32 bits 26..20 (low 4 exponent
     bits, top 3 mantissa bits); that is value * 2^-120 for every code, subnormals included, and one
-    multiply by 2^120 restores it.
+    multiply by 2^120 restores it. The NaN codes would come out as +-480, which no other code gives,
+    hence the select on the value.
     """
+    v = decode_e4m3_finite(code)
+    return tl.where(tl.abs(v) == 480.0, float("nan"), v)
+
+
+@triton.jit
+def decode_e4m3_finite(code):
+    """decode_e4m3 for codes known not to be NaN (0x7F/0xFF would read as +-480): only for weight
+    scales, which formats.validate.check_scale_values refuses with NaN codes where the weight is
+    loaded, in a kernel at its register limit (the nvfp4 W4A16 kernel: one select more spills)."""
     c = code.to(tl.uint32)
     bits = ((c & 0x7F) << 20) | ((c & 0x80) << 24)
     return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
@@ -64,8 +74,43 @@ def decode_e4m3(code):
 
 @triton.jit
 def decode_e8m0(code):
-    """E8M0 byte b -> 2^(b - 127) as float32, exactly (0x00 -> 2^-127; 0xFF is never produced)."""
-    return exp2_int(code.to(tl.int32) - 127)
+    """E8M0 byte b -> 2^(b - 127) as float32, exactly (0x00 -> 2^-127; 0xFF, the NaN byte, -> NaN)."""
+    c = code.to(tl.int32)
+    return tl.where(c == 0xFF, float("nan"), exp2_int(c - 127))
+
+
+# ---------------------------------------------------------------------------------------------
+# The non-finite rule (docs/formats.md): a NaN/Inf makes its block's scale NaN
+# ---------------------------------------------------------------------------------------------
+# [nonfinite]
+@triton.jit
+def abs_or_inf(x):
+    """|x| with NaN and +-Inf as +Inf, so a max over a block is +Inf exactly when the block holds a
+    non-finite value (a NaN inside a max depends on the backend: PTX max drops it, numpy keeps it)."""
+    a = tl.abs(x)
+    return tl.where(a <= 3.4028234663852886e38, a, float("inf"))
+
+
+@triton.jit
+def amax_or_nan(amax, floor):
+    """max(amax, floor) for an amax of abs_or_inf values; NaN where it is +Inf (a NaN/Inf inside)."""
+    return tl.where(amax <= 3.4028234663852886e38, tl.maximum(amax, floor), float("nan"))
+# [/nonfinite]
+
+
+@triton.jit
+def nan_if_nonfinite(x):
+    """x with NaN and +-Inf as NaN (which encode_e4m3 writes as the NaN code 0x7F)."""
+    return tl.where(tl.abs(x) <= 3.4028234663852886e38, x, float("nan"))
+
+
+@triton.jit
+def global_alpha(gx, gw):
+    """nvfp4's alpha = (1 / g_x) * (1 / g_w) (two IEEE reciprocals, so g_x * g_w cannot overflow),
+    NaN unless both global scales are finite and > 0: a tensor-valued global scale is not checked
+    on the host (that would synchronize), and a bad one must give NaN, never zeros."""
+    ok = (gx > 0) & (gx <= 3.4028234663852886e38) & (gw > 0) & (gw <= 3.4028234663852886e38)
+    return tl.where(ok, tl.math.div_rn(1.0, gx) * tl.math.div_rn(1.0, gw), float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +118,7 @@ def decode_e8m0(code):
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def encode_e4m3(x):
-    """float32 -> e4m3fn code as uint8 (RNE, saturating to +-448, sign kept for zeros)."""
+    """float32 -> e4m3fn code as uint8 (RNE, saturating to +-448, sign kept for zeros; NaN -> 0x7F)."""
     bits = x.to(tl.uint32, bitcast=True)
     sign = (bits >> 24) & 0x80
     a = tl.minimum(tl.abs(x), 448.0)
@@ -87,8 +132,8 @@ def encode_e4m3(x):
     # smallest normal, whose code is also 8). Adding 2^23 rounds to an integer (RNE) in one fp32
     # addition; the integer is then read from the low mantissa bits.
     sub = ((a * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000).to(tl.int32)
-    code = tl.where(a < 0.015625, sub, normal)
-    return (code | sign.to(tl.int32)).to(tl.uint8)
+    code = tl.where(a < 0.015625, sub, normal) | sign.to(tl.int32)
+    return tl.where(x != x, 0x7F, code).to(tl.uint8)
 
 
 @triton.jit

@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, interpreting, round_to_bf16_rne
+from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e4m3_finite, decode_e8m0, global_alpha, interpreting,
+                      round_to_bf16_rne)
 from ._paths import device_capability, sm_count
 from ._tiles import sm12x_config
 from ._twopass import (
@@ -144,9 +145,10 @@ def dot_dtype(interp: bool):
 @triton.jit
 def dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                      SCALE_E4M3: tl.constexpr):
+                      SCALE_E4M3: tl.constexpr, NAN_SCALES: tl.constexpr = True):
     """Decode rows ``offs_r`` x K-columns [k0, k0 + BLOCK_K) of a packed e2m1 matrix, with block
-    scales applied, to float32 [BLOCK_R, BLOCK_K]. Out-of-range rows and K columns read as 0."""
+    scales applied, to float32 [BLOCK_R, BLOCK_K]. Out-of-range rows and K columns read as 0.
+    NAN_SCALES: e4m3 scale code 0x7F decodes to NaN (False only for load-checked weight scales)."""
     rows = offs_r.to(tl.int64)
     # Packed bytes [BLOCK_R, BLOCK_K // 2]: byte j holds elements 2j (low nibble) and 2j + 1 (high).
     offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -161,8 +163,10 @@ def dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, str
     offs_ks = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     s_mask = r_mask[:, None] & (offs_ks[None, :] < K // GROUP)
     s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :], mask=s_mask, other=0)
-    if SCALE_E4M3:
+    if SCALE_E4M3 and NAN_SCALES:
         sv = decode_e4m3(s)
+    elif SCALE_E4M3:
+        sv = decode_e4m3_finite(s)
     else:
         sv = decode_e8m0(s)
     # Broadcast each scale over its GROUP elements: [BLOCK_R, BLOCK_K / GROUP, GROUP] * [.., .., 1].
@@ -224,7 +228,7 @@ def fp4_gemm_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # W tile, scales applied: [BLOCK_N, BLOCK_K] -> transposed to [BLOCK_K, BLOCK_N]
         w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                              BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
+                              BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, not A16)  # W4A16: at its register limit
         w_t = tl.trans(w.to(DOT_DTYPE))
         if A16:
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -258,8 +262,7 @@ def fp4_gemm_kernel(
         # (their product underflows only when amax_x * amax_w < ~1e-31).
         gx = tl.load(gx_ptr)
         gw = tl.load(gw_ptr)
-        alpha = tl.math.div_rn(1.0, gx) * tl.math.div_rn(1.0, gw)
-        acc = acc * alpha
+        acc = acc * global_alpha(gx, gw)  # NaN for a global scale that is not finite and > 0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]

@@ -38,7 +38,7 @@ import triton.language as tl
 from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 
-from ._common import check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting
+from ._common import abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
@@ -54,7 +54,7 @@ _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
 @triton.jit
 def _global_scale_from_amax(amax):
     """g = 2688 / max(amax, AMAX_FLOOR), one IEEE division, as the oracle (formats.base.ieee_div)."""
-    return tl.math.div_rn(tl.zeros_like(amax) + _G_NUM, tl.maximum(amax, _FLOOR))
+    return tl.math.div_rn(tl.zeros_like(amax) + _G_NUM, amax_or_nan(amax, _FLOOR))  # NaN if +Inf: NaN/Inf in x
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def _amax_partial_kernel(
             mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
             ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = tl.maximum(amax, abs_or_inf(x))  # +Inf marks a NaN/Inf
     tl.store(partial_ptr + pid_m * num_pk + pid_k, tl.max(tl.max(amax, axis=1), axis=0))
 
 
@@ -121,11 +121,12 @@ def _quantize_kernel(
 
     # ----- per-16 block scale s = e4m3(amax_b / 6 * g): [BLOCK_M, BLOCK_K / 16]
     xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
-    amax_b = tl.maximum(tl.max(tl.abs(xb), axis=2), _FLOOR)
+    amax_b = amax_or_nan(tl.max(abs_or_inf(xb), axis=2), _FLOOR)  # NaN for a block with NaN/Inf
     s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
     s_val = decode_e4m3(s_code)[:, :, None]
 
-    # ----- element codes: e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf)
+    # ----- element codes: e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf) or
+    # s is NaN (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf; the non-finite rule)
     safe_s = tl.where(s_val > 0, s_val, 1.0)
     codes = encode_e2m1(tl.math.div_rn(xb * g, safe_s))
     codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
@@ -154,7 +155,8 @@ def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
 
 def _static_global_scale(global_scale, device) -> torch.Tensor:
     """The static g as a float32 one-element tensor on ``device``. A Python number is checked
-    (finite, > 0); a tensor is trusted as is (checking its value would synchronize the host)."""
+    (finite, > 0); a tensor's value is not (that would synchronize the host): a bad one (0,
+    negative, Inf, NaN) gives NaN output, never zeros (_common.global_alpha in the GEMM)."""
     if isinstance(global_scale, torch.Tensor):
         if global_scale.numel() != 1 or not global_scale.is_floating_point():
             raise ValueError(f"global_scale must be one positive float, got a {global_scale.dtype} tensor "
@@ -171,7 +173,7 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
     ``formats.quantize(x, "nvfp4", role="activation", global_scale=global_scale)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; finite values.
+        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         global_scale: static g (e.g. a calibrated input_global_scale = 2688 / amax), a Python number
             or a one-element float tensor; None = dynamic, 2688 / max(amax(x), 2^-100).
     Returns:

@@ -29,7 +29,8 @@ alpha (ALPHA_MODE, constexpr), named:
     ALPHA_GLOBAL_RECIP  (1 / s1) * (1 / s2)      (nvfp4: the global scales, read from device tensors,
                                                   no host sync; two IEEE reciprocals, so g_x * g_w
                                                   cannot overflow; their product underflows only when
-                                                  amax_x * amax_w < ~1e-31)
+                                                  amax_x * amax_w < ~1e-31; NaN when a global scale
+                                                  is not finite and > 0: _common.global_alpha)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, interpreting, round_to_bf16_rne
+from ._common import TileConfig, global_alpha, interpreting, round_to_bf16_rne
 
 # epilogue modes (ALPHA_MODE): what multiplies the fp32 accumulator before the bias
 ALPHA_NONE = 0
@@ -54,9 +55,10 @@ def epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
               ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
     """acc * alpha + bias (see the module docstring), rounded for a bf16 store under the interpreter."""
     if ALPHA_MODE == _ALPHA_SCALES:
-        acc = acc * tl.load(s1_ptr) * tl.load(s2_ptr)
+        # the scales meet each other first: acc * s1 alone can overflow where the result does not
+        acc = acc * (tl.load(s1_ptr) * tl.load(s2_ptr))
     if ALPHA_MODE == _ALPHA_GLOBAL_RECIP:
-        acc = acc * (tl.math.div_rn(1.0, tl.load(s1_ptr)) * tl.math.div_rn(1.0, tl.load(s2_ptr)))
+        acc = acc * global_alpha(tl.load(s1_ptr), tl.load(s2_ptr))
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND_BF16:

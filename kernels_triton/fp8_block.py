@@ -39,7 +39,8 @@ handed to the MMA as its E8M0 byte e + 127, repeated over its four 32-blocks, an
 step is needed (a scale that is not a power of two makes its rows/columns of y NaN).
 
 Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
-fp8_block QuantizedTensor [N, K]. NaN/Inf in x are not checked (no host synchronization).
+fp8_block QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md: the
+group's scale becomes NaN and its codes 0x7F, so that row of y is NaN and no other row is.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK
 
 from ._common import (
+    abs_or_inf,
+    amax_or_nan,
     check_activation,
     check_bias,
     check_weight,
@@ -106,11 +109,11 @@ def _quantize_kernel(
     # x tile [BLOCK_M, 128]: exactly one group per row, so the group amax is a row max
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
-    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX)
+    amax = tl.max(abs_or_inf(x), axis=1)  # [BLOCK_M]; +Inf marks a NaN/Inf in the group
+    scale = tl.math.div_rn(amax_or_nan(amax, _AMAX_FLOOR), _E4M3_MAX)  # NaN: all codes become 0x7F
     if UE8M0:
         # power-of-two scale, exponent kept in the float32 normal range as formats.codecs.pow2_ceil
-        scale = exp2_int(tl.minimum(tl.maximum(ceil_log2(scale), -126), 127))
+        scale = tl.where(scale != scale, scale, exp2_int(tl.minimum(tl.maximum(ceil_log2(scale), -126), 127)))
     q = encode_e4m3(tl.math.div_rn(x, scale[:, None]))
     q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
     tl.store(q_ptrs, q, mask=row_ok[:, None])
@@ -165,7 +168,7 @@ def _gemm_kernel(
             partial = tl.dot(decode_e4m3(a), decode_e4m3(b))
         sx = tl.load(sx_ptrs + kb * stride_sxk, mask=m_ok, other=0.0)  # [BLOCK_M]
         sw = tl.load(sw_ptrs + kb * stride_swk, mask=n_ok, other=0.0)  # [BLOCK_N]
-        acc += partial * sx[:, None] * sw[None, :]
+        acc += partial * (sx[:, None] * sw[None, :])  # scales together first: partial * sx can overflow
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -246,7 +249,7 @@ def _native_gemm_kernel(
             sx = tl.load(sx_ptr + rows_sx + kb * stride_sxk, mask=m_ok, other=0.0)  # [BLOCK_M]
             sw = tl.load(sw_ptr + rows_sw + kb * stride_swk, mask=n_ok, other=0.0)  # [BLOCK_N]
             partial = tl.dot_scaled(a, unit_a, "e4m3", b.T, unit_b, "e4m3")  # a fresh 128-deep sum
-            acc += partial * sx[:, None] * sw[None, :]
+            acc += partial * (sx[:, None] * sw[None, :])  # scales first, as the portable kernel
     if UE8M0:
         acc = tl.where((bad_m[:, None] | bad_n[None, :]) != 0, float("nan"), acc)
 
@@ -276,7 +279,7 @@ def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTen
     ``formats.quantize(x, "fp8_block", role="activation", ue8m0=ue8m0)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K a multiple of 128, any strides, finite values.
+        x: bfloat16/float16 [..., K], K a multiple of 128, any strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         ue8m0: round every scale up to a power of two (DeepGEMM's UE8M0 scales).
     Returns:
         QuantizedTensor(fmt="fp8_block", role="activation", data float8_e4m3fn [M, K],

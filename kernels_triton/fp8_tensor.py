@@ -47,8 +47,9 @@ runs at half the 8-bit rate and the block-scaled one at full rate (triton#11320)
 stay in the epilogue either way.
 
 Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
-fp8_tensor QuantizedTensor [N, K]. NaN/Inf in x are not checked (the oracle refuses them; checking
-here would need a host synchronization); the result is then unspecified.
+fp8_tensor QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md:
+the dynamic scale becomes NaN (every row of y is NaN: the scale is per tensor); with a static scale
+the element's code is 0x7F (NaN), so only its row is.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ from formats.base import check_positive_scalar
 from formats.constants import AMAX_FLOOR, E4M3_MAX
 
 from ._common import (
+    abs_or_inf,
+    amax_or_nan,
     check_activation,
     check_bias,
     check_weight,
@@ -71,6 +74,7 @@ from ._common import (
     encode_e4m3,
     interpreting,
     kernel_bias,
+    nan_if_nonfinite,
     round_to_bf16_rne,
 )
 from ._e4m3_gemm import (
@@ -133,7 +137,7 @@ def _amax_partials_kernel(
         mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         # x tile [BLOCK_M, BLOCK_K]; masked elements read as 0, which never raises a max of |x|
         x = tl.load(x_ptr + row_off[:, None] + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        amax = tl.maximum(amax, tl.max(abs_or_inf(x.to(tl.float32)), axis=1))  # +Inf marks a NaN/Inf
     tl.store(partials_ptr + pid_m * num_pk + pid_k, tl.max(amax, axis=0))
 
 
@@ -165,7 +169,8 @@ def _quantize_kernel(
             offs_p = p0 + tl.arange(0, PARTIALS_BLOCK)
             amax = tl.maximum(amax, tl.load(partials_ptr + offs_p, mask=offs_p < num_partials, other=0.0))
         # div_rn: IEEE division, as the oracle's torch division (plain / may be approximate on GPU)
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _AMAX_FLOOR), _E4M3_MAX)
+        # (NaN if x held a NaN/Inf: then every code is 0x7F, the non-finite rule)
+        scale = tl.math.div_rn(amax_or_nan(tl.max(amax, axis=0), _AMAX_FLOOR), _E4M3_MAX)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_ptr, scale)
 
@@ -175,7 +180,7 @@ def _quantize_kernel(
     # x tile [BLOCK_M, BLOCK_K], read through both strides (x may be non-contiguous)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    q = encode_e4m3(tl.math.div_rn(x, scale))
+    q = encode_e4m3(tl.math.div_rn(nan_if_nonfinite(x), scale))  # NaN/Inf -> 0x7F, static scale too
     q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
     tl.store(q_ptrs, q, mask=mask)
 
@@ -230,7 +235,7 @@ def _gemm_kernel(
         return
 
     # ----- epilogue: the two per-tensor scales, then the bias -----
-    y = acc * tl.load(sx_ptr) * tl.load(sw_ptr)
+    y = acc * (tl.load(sx_ptr) * tl.load(sw_ptr))  # scales together first: acc * sx can overflow
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if RNE_BF16:
@@ -311,7 +316,7 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     ``formats.quantize(x, "fp8_tensor", role="activation", scale=scale)``.
 
     Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides), finite values.
+        x: bfloat16/float16 [..., K] (any leading dims, any strides); a NaN/Inf follows the non-finite rule (docs/formats.md).
         scale: static scale (a positive number or 0-d tensor, e.g. a calibrated input_scale);
             None for the dynamic max(amax, AMAX_FLOOR) / 448.
     Returns:

@@ -62,6 +62,7 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
 from ._common import (
+    abs_or_inf,
     ceil_log2,
     check_activation,
     check_bias,
@@ -116,7 +117,9 @@ def _quantize_kernel(
 
     # ----- per-32 block exponent e: [BLOCK_M, BLOCK_K / 32]
     xb = x.reshape(BLOCK_M, BLOCK_K // 32, 32)
-    amax = tl.maximum(tl.max(tl.abs(xb), axis=2), _FLOOR)
+    amax = tl.max(abs_or_inf(xb), axis=2)  # +Inf marks a NaN/Inf in the block
+    bad = amax > 3.4028234663852886e38
+    amax = tl.maximum(amax, _FLOOR)
     if CEIL_RULE:
         e = ceil_log2(tl.math.div_rn(amax, _E2M1_MAX))
     else:
@@ -125,7 +128,9 @@ def _quantize_kernel(
 
     # ----- element codes: e2m1(x * 2^-e); the power-of-two product is exact (or one correctly
     # rounded subnormal, like the oracle's float64 ldexp cast to float32)
-    codes = encode_e2m1(xb * exp2_int(-e)[:, :, None]).reshape(BLOCK_M, BLOCK_K)
+    # (a bad block: NaN byte 0xFF, all codes 0; e2m1 has no NaN code)
+    codes = encode_e2m1(xb * exp2_int(-e)[:, :, None])
+    codes = tl.where(bad[:, :, None], 0, codes).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
 
     # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
     even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
@@ -134,7 +139,7 @@ def _quantize_kernel(
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
              mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
     offs_ks = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-    tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], (e + 127).to(tl.uint8),
+    tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], tl.where(bad, 0xFF, e + 127).to(tl.uint8),
              mask=m_mask[:, None] & (offs_ks[None, :] < K // 32))
 
 
@@ -153,7 +158,7 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     ``formats.quantize(x, "mxfp4", role="activation", scale_rule=scale_rule)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K % 32 == 0, any leading dims and strides; finite values.
+        x: bfloat16/float16 [..., K], K % 32 == 0, any leading dims and strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         scale_rule: "ceil" (default) or "floor" (see the module docstring).
     Returns:
         QuantizedTensor(fmt="mxfp4", role="activation", data=uint8 [M, K/2], scale=uint8 E8M0

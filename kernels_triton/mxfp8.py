@@ -50,9 +50,10 @@ mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, which appl
 32 elements of each row inside the instruction: the same exact products, fp32 accumulation.
 
 Constraints: K a multiple of 32; x bf16/fp16 [..., K]; weight a linear-layout mxfp8
-QuantizedTensor [N, K] (scale uint8 [N, K/32]). E8M0 byte 0xFF (NaN) is not special-cased, and
-scale bytes below 2^-117 (never produced by our quantizer) could underflow bf16 on GPU. NaN/Inf in
-x are not checked (no host synchronization).
+QuantizedTensor [N, K] (scale uint8 [N, K/32]). E8M0 byte 0xFF and e4m3 codes 0x7F/0xFF
+decode to NaN; scale bytes below 2^-117 (never produced by our quantizer) could underflow bf16 on
+GPU. NaN/Inf in x follow the non-finite rule of docs/formats.md (the block's scale becomes 0xFF and
+its codes 0x7F, so that row of y is NaN and no other row is).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from formats._mx import SCALE_RULES
 from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS, MX_BLOCK
 
 from ._common import (
+    abs_or_inf,
     ceil_log2,
     check_activation,
     check_bias,
@@ -126,18 +128,21 @@ def _quantize_kernel(
     # x tile [BLOCK_M, GROUPS, 32]: the last axis is one scale block, so its amax is one reduction
     x_off = offs_m[:, None, None].to(tl.int64) * stride_xm + offs_k[None, :, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), _AMAX_FLOOR)  # [BLOCK_M, GROUPS]
+    amax = tl.max(abs_or_inf(x), axis=2)  # [BLOCK_M, GROUPS]; +Inf marks a NaN/Inf in the block
+    bad = amax > 3.4028234663852886e38
+    amax = tl.maximum(amax, _AMAX_FLOOR)
     if FLOOR_RULE:
         e = floor_log2(amax) - _E4M3_EMAX
     else:
         e = ceil_log2(tl.math.div_rn(amax, _E4M3_MAX))
     e = tl.minimum(tl.maximum(e, -127), 127)
-    # x * 2^-e is exact (a power of two), like the oracle's ldexp
-    q = encode_e4m3(x * exp2_int(-e)[:, :, None])
+    # x * 2^-e is exact (a power of two), like the oracle's ldexp; a bad block's codes are all 0x7F
+    # (times NaN) and its scale the NaN byte 0xFF (the non-finite rule)
+    q = encode_e4m3(x * tl.where(bad, float("nan"), exp2_int(-e))[:, :, None])
     q_off = offs_m[:, None, None].to(tl.int64) * stride_qm + offs_k[None, :, :].to(tl.int64) * stride_qk
     tl.store(q_ptr + q_off, q, mask=mask)
     s_off = offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
-    tl.store(s_ptr + s_off, (e + _E8M0_BIAS).to(tl.uint8), mask=(offs_m < M)[:, None] & (offs_g < num_groups)[None, :])
+    tl.store(s_ptr + s_off, tl.where(bad, 0xFF, e + _E8M0_BIAS).to(tl.uint8), mask=(offs_m < M)[:, None] & (offs_g < num_groups)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +320,7 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     ``formats.quantize(x, "mxfp8", role="activation", scale_rule=scale_rule)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K a multiple of 32, any strides, finite values.
+        x: bfloat16/float16 [..., K], K a multiple of 32, any strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         scale_rule: "ceil" (default: 2^ceil(log2(amax/448))) or "floor" (OCP MX 6.3).
     Returns:
         QuantizedTensor(fmt="mxfp8", role="activation", data float8_e4m3fn [M, K],

@@ -2,10 +2,44 @@
 
 from __future__ import annotations
 
+import os
+import random
+import zlib
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import kernels_triton  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU)
+from kernels_triton import interpreting  # noqa: F401  (for the tests that import it from here)
+
+# Hypothesis profiles: "ci" (default) a few dozen derandomized examples per property, for the CPU
+# interpreter; "h200" 10,000 per property (HYPOTHESIS_PROFILE=h200, on a GPU). No example database
+# (the runs are derandomized or seeded; nothing is written into the checkout).
+_HYP = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=30, derandomize=True, **_HYP)
+settings.register_profile("h200", max_examples=10_000, derandomize=True, **_HYP)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Seed torch and random for every test: B12X_TEST_SEED if set, else a hash of the test id (so
+    each test is reproducible alone and tests do not share a stream). Printed when the test fails."""
+    seed = int(os.environ.get("B12X_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node._b12x_seed = seed
+    yield seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "_b12x_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("seed", f"torch/random seed {seed} (rerun with B12X_TEST_SEED={seed})"))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -48,3 +82,46 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+# ---------------------------------------------------------------------------------------------
+# Element-wise GEMM bound, derived from the arithmetic (used instead of norm-wise tolerances)
+# ---------------------------------------------------------------------------------------------
+# The kernels multiply exactly decoded operands (e4m3/e2m1 codes times power-of-two, e4m3 or fp32
+# scales are exact in fp32 or bf16, and so are the products of two of them), so a kernel's errors
+# against formats.reference_linear on the same quantized operands are:
+#   * its K-term summation: |acc - exact| <= K * u_acc * sum_k |a_k b_k| (Higham's gamma_K), u_acc =
+#     2^-24 for an fp32 accumulator; 2^-12 for Hopper's fp8 MMA (fp8_tensor / fp8_block on a GPU
+#     keep ~13 accumulator mantissa bits between promotions);
+#   * the epilogue: the scales or nvfp4's alpha (two reciprocals and a product) and the bias, at
+#     most 6 fp32 roundings: 6 * 2^-24 * (|y| + |bias|);
+#   * y and ref are each rounded once to the output dtype, so they may sit one spacing apart:
+#     spacing(v) <= 2^(1-p) |v| for p significand bits (bf16 8, fp16 11, fp32 24), plus one
+#     subnormal spacing for results that underflow.
+OUT_P = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+
+
+def gemm_bound(x, qweight, bias, out_dtype, ref, *, fp8_mma: bool = False):
+    """The bound above, float64 [M, N] on the CPU. x: the activation as the kernel multiplies it, a
+    QuantizedTensor (W4A4 / W8A8) or a float tensor [M, K] (W4A16)."""
+    import formats
+
+    a = (formats.dequantize(x.to("cpu"), torch.float64) if isinstance(x, formats.QuantizedTensor)
+         else x.reshape(-1, x.shape[-1]).double().cpu()).abs()
+    b = formats.dequantize(qweight.to("cpu"), torch.float64).abs()
+    u_acc = 2.0 ** -12 if fp8_mma else 2.0 ** -24
+    r = ref.reshape(a.shape[0], -1).double().abs().cpu()
+    bias_abs = 0.0 if bias is None else bias.double().abs().cpu()[None, :]
+    spacing = 2.0 ** (1 - OUT_P[out_dtype])
+    tiny = torch.finfo(out_dtype).smallest_normal * spacing
+    return qweight.k * u_acc * (a @ b.T) + 6 * 2.0 ** -24 * (r + bias_abs) + spacing * r + tiny
+
+
+def assert_within_bound(y, ref, bound, what=""):
+    """|y - ref| <= bound everywhere (y finite); the message names the worst element."""
+    y2, r2 = y.reshape(bound.shape).double().cpu(), ref.reshape(bound.shape).double().cpu()
+    assert bool(torch.isfinite(y2).all()), f"{what}: non-finite output"
+    err = (y2 - r2).abs()
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), (f"{what}: |y - ref| = {err.view(-1)[worst].item():.3e} > bound "
+                                        f"{bound.view(-1)[worst].item():.3e} at flat index {worst}")

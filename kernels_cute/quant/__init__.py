@@ -62,7 +62,7 @@ def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTens
     ``formats.quantize(x, fmt, role="activation", ...)`` (and the Triton quantizers).
 
     Args:
-        x: bfloat16/float16 CUDA tensor [..., K], any strides, finite values.
+        x: bfloat16/float16 CUDA tensor [..., K], any strides; NaN/Inf follow the non-finite rule (docs/formats.md).
         fmt: "fp8_tensor", "fp8_block", "mxfp8", "mxfp4" or "nvfp4".
         opts: fp8_tensor: ``scale`` (static; None = dynamic); fp8_block: ``ue8m0``; mxfp8 / mxfp4:
             ``scale_rule`` ("ceil" | "floor"), ``swizzled``; nvfp4: ``global_scale`` (static number or

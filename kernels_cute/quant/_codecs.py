@@ -18,6 +18,48 @@ from cutlass._mlir_helpers.math import RoundingMode
 from formats.constants import AMAX_FLOOR, SWIZZLE_TILE_BYTES
 
 FLOOR = AMAX_FLOOR  # 2^-100: amax is clamped below to this before it divides anything
+_INF_BITS = 0x7F800000
+_NAN_BITS = 0x7FC00000
+
+
+# ---------------------------------------------------------------------------------------------
+# The non-finite rule (docs/formats.md): a NaN/Inf makes its block's scale NaN. Tests on the bits,
+# so that no float comparison's NaN ordering (ordered or not) matters.
+# ---------------------------------------------------------------------------------------------
+@cute.jit
+def is_finite(x: Float32):
+    """x is neither NaN nor +-Inf (exponent field not all ones)."""
+    return (x.bitcast(Uint32) & Uint32(0x7FFFFFFF)) < Uint32(_INF_BITS)
+
+
+@cute.jit
+def not_finite(x: Float32):
+    """x is NaN or +-Inf."""
+    return (x.bitcast(Uint32) & Uint32(0x7FFFFFFF)) >= Uint32(_INF_BITS)
+
+
+@cute.jit
+def abs_or_inf(x: Float32) -> Float32:
+    """|x| with NaN and +-Inf as +Inf, so a max over a block is +Inf exactly when it holds a
+    non-finite value (PTX max.f32 drops a NaN operand)."""
+    return Float32(cutlass.select_(is_finite(x), abs(x), Uint32(_INF_BITS).bitcast(Float32)))
+
+
+@cute.jit
+def amax_or_nan(amax: Float32, floor: Float32) -> Float32:
+    """max(amax, floor) for an amax of abs_or_inf values; NaN where it is +Inf (a NaN/Inf inside)."""
+    return Float32(cutlass.select_(is_finite(amax), fmax(amax, floor), Uint32(_NAN_BITS).bitcast(Float32)))
+
+
+@cute.jit
+def nan_if_nonfinite(x: Float32) -> Float32:
+    """x with NaN and +-Inf as NaN (which encode_e4m3 writes as the NaN code 0x7F)."""
+    return Float32(cutlass.select_(is_finite(x), x, Uint32(_NAN_BITS).bitcast(Float32)))
+
+
+@cute.jit
+def nan_value() -> Float32:
+    return Uint32(_NAN_BITS).bitcast(Float32)
 
 
 @cute.jit
@@ -34,7 +76,7 @@ def fmax(a: Float32, b: Float32) -> Float32:
 
 @cute.jit
 def encode_e4m3(x: Float32) -> Int32:
-    """float32 -> e4m3fn code 0..255 (RNE, saturating to +-448, sign kept for zeros).
+    """float32 -> e4m3fn code 0..255 (RNE, saturating to +-448, sign kept for zeros; NaN -> 0x7F).
 
     Normal range (|x| >= 2^-6): round the 23-bit fp32 mantissa to 3 bits, ties to even, by adding
     0x7FFFF plus the kept LSB (a carry ripples into the exponent), then rebias 127 -> 7. Subnormal
@@ -48,16 +90,19 @@ def encode_e4m3(x: Float32) -> Int32:
     normal = rounded - Uint32((127 - 7) << 3)
     sub = (a * Float32(512.0) + Float32(8388608.0)).bitcast(Uint32) - Uint32(0x4B000000)
     code = Uint32(cutlass.select_(a < Float32(0.015625), sub, normal))
-    return Int32(code | sign)
+    is_nan = (x.bitcast(Uint32) & Uint32(0x7FFFFFFF)) > Uint32(_INF_BITS)
+    return Int32(cutlass.select_(is_nan, Uint32(0x7F), code | sign))
 
 
 @cute.jit
 def decode_e4m3(code: Int32) -> Float32:
-    """e4m3fn code (0..255, never NaN) -> float32, exactly: the 7 magnitude bits go to fp32 bits 26..20,
-    which is value * 2^-120 for every code (subnormals too), and one exact multiply by 2^120 restores it."""
+    """e4m3fn code (0..255) -> float32, exactly: the 7 magnitude bits go to fp32 bits 26..20, which
+    is value * 2^-120 for every code (subnormals too), and one exact multiply by 2^120 restores it;
+    the NaN codes 0x7F/0xFF decode to NaN."""
     c = Uint32(code)
     bits = ((c & Uint32(0x7F)) << Uint32(20)) | ((c & Uint32(0x80)) << Uint32(24))
-    return bits.bitcast(Float32) * Float32(1.329227995784916e36)  # 2^120
+    v = bits.bitcast(Float32) * Float32(1.329227995784916e36)  # 2^120
+    return Float32(cutlass.select_((c & Uint32(0x7F)) == Uint32(0x7F), nan_value(), v))
 
 
 @cute.jit

@@ -26,6 +26,8 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 from formats._mx import SCALE_RULES
 from formats.layout import swizzled_size
 
+from ._codecs import abs_or_inf
+
 THREADS = 128  # threads per CTA for every quantizer kernel
 CHUNK = 128  # elements per thread in the amax / per-tensor kernels (K need not be a multiple)
 
@@ -180,7 +182,8 @@ class TensorAmax:
             n = cutlass.min(K - k0, CHUNK)
             amax = cutlass.Float32(0.0)
             for j in cutlass.range(n):
-                amax = cutlass.max(amax, abs(mX_mk[m, k0 + j].to(cutlass.Float32)))
+                # NaN/Inf count as +Inf (the non-finite rule: the consumer's scale becomes NaN)
+                amax = cutlass.max(amax, abs_or_inf(mX_mk[m, k0 + j].to(cutlass.Float32)))
             amax_bits = amax.bitcast(Int32)
         # every lane takes part in the shuffle reduction, then one atomic per warp
         amax_bits = cute.arch.warp_reduction_max(amax_bits)

@@ -36,7 +36,7 @@ from cutlass import Float32, Int32, Int64, Uint8
 from formats.constants import E4M3_MAX, FP8_BLOCK
 
 from . import _launch as L
-from ._codecs import FLOOR, ceil_log2, clamp_int, div_rn, encode_e4m3, exp2_int, fmax
+from ._codecs import FLOOR, abs_or_inf, amax_or_nan, ceil_log2, clamp_int, div_rn, encode_e4m3, exp2_int, fmax, is_finite
 
 GROUP = FP8_BLOCK  # 128 elements of one row share a scale
 
@@ -72,11 +72,11 @@ class Fp8BlockQuantize:
             # ----- pass 1: the group's amax
             amax = Float32(0.0)
             for j in cutlass.range(GROUP, unroll=8):
-                amax = fmax(amax, abs(mX_mk[m, k0 + j].to(Float32)))
+                amax = fmax(amax, abs_or_inf(mX_mk[m, k0 + j].to(Float32)))  # +Inf marks NaN/Inf
             # ----- the scale (IEEE division by 448; optionally rounded up to a power of two)
-            scale = div_rn(fmax(amax, Float32(FLOOR)), Float32(E4M3_MAX))
+            scale = div_rn(amax_or_nan(amax, Float32(FLOOR)), Float32(E4M3_MAX))  # NaN: codes 0x7F
             if cutlass.const_expr(self.ue8m0):
-                scale = exp2_int(clamp_int(ceil_log2(scale), -126, 127))
+                scale = Float32(cutlass.select_(is_finite(scale), exp2_int(clamp_int(ceil_log2(scale), -126, 127)), scale))
             mS_mkb[m, kb] = scale
             # ----- pass 2: the codes (the group is read again; it is in L1/L2 by now)
             for j in cutlass.range(GROUP, unroll=8):

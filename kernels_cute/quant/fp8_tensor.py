@@ -37,7 +37,7 @@ from cutlass import Float32, Int32, Int64, Uint8
 from formats.constants import E4M3_MAX
 
 from . import _launch as L
-from ._codecs import FLOOR, div_rn, encode_e4m3, fmax
+from ._codecs import FLOOR, amax_or_nan, div_rn, encode_e4m3, fmax, nan_if_nonfinite
 
 
 class Fp8TensorQuantize:
@@ -71,7 +71,7 @@ class Fp8TensorQuantize:
         if cutlass.const_expr(self.dynamic):
             mAmax = cute.make_tensor(pAmax, cute.make_layout(1))
             amax = mAmax[0].bitcast(Float32)
-            scale = div_rn(fmax(amax, Float32(FLOOR)), Float32(E4M3_MAX))
+            scale = div_rn(amax_or_nan(amax, Float32(FLOOR)), Float32(E4M3_MAX))  # NaN: x held NaN/Inf
             if idx == 0:
                 mScale[0] = scale
         else:
@@ -82,7 +82,8 @@ class Fp8TensorQuantize:
             k0 = (idx % num_chunks) * L.CHUNK
             n = cutlass.min(K - k0, L.CHUNK)
             for j in cutlass.range(n):
-                mQ_mk[m, k0 + j] = Uint8(encode_e4m3(div_rn(mX_mk[m, k0 + j].to(Float32), scale)))
+                # NaN/Inf (or any element under a NaN scale) -> the NaN code 0x7F
+                mQ_mk[m, k0 + j] = Uint8(encode_e4m3(div_rn(nan_if_nonfinite(mX_mk[m, k0 + j].to(Float32)), scale)))
 
 
 def example_args(x_dtype) -> tuple:

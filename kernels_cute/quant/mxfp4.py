@@ -37,7 +37,8 @@ from cutlass import Float32, Int32, Int64, Uint8
 from formats.constants import E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
 from . import _launch as L
-from ._codecs import FLOOR, ceil_log2, clamp_int, div_rn, encode_e2m1, exp2_int, floor_log2, fmax, swizzled_offset
+from ._codecs import (FLOOR, abs_or_inf, ceil_log2, clamp_int, div_rn, encode_e2m1, exp2_int, floor_log2, fmax,
+                      not_finite, swizzled_offset)
 
 SCALE_RULES = L.SCALE_RULES
 
@@ -76,7 +77,8 @@ class Mxfp4Quantize:
             for j in cutlass.range_constexpr(MX_BLOCK):
                 v = mX_mk[m, k0 + j].to(Float32)
                 rX[j] = v
-                amax = fmax(amax, abs(v))
+                amax = fmax(amax, abs_or_inf(v))  # +Inf marks a NaN/Inf in the block
+            bad = not_finite(amax)
             amax = fmax(amax, Float32(FLOOR))
             # ----- the shared exponent e (scale 2^e)
             e = Int32(0)
@@ -90,13 +92,14 @@ class Mxfp4Quantize:
             for i in cutlass.range_constexpr(MX_BLOCK // 2):
                 lo = encode_e2m1(rX[2 * i] * inv)
                 hi = encode_e2m1(rX[2 * i + 1] * inv)
-                mQ_mkp[m, kb * (MX_BLOCK // 2) + i] = Uint8(lo | (hi << Int32(4)))
+                # a bad block (NaN byte 0xFF) has all-zero codes: e2m1 has no NaN
+                mQ_mkp[m, kb * (MX_BLOCK // 2) + i] = Uint8(cutlass.select_(bad, Int32(0), lo | (hi << Int32(4))))
             # ----- the E8M0 byte
             off = m * num_kb + kb
             if cutlass.const_expr(self.swizzled):
                 off = swizzled_offset(m, kb, num_kb)
             mS = cute.make_tensor(pS, cute.make_layout(off + 1))
-            mS[off] = Uint8(e + Int32(127))
+            mS[off] = Uint8(cutlass.select_(bad, Int32(0xFF), e + Int32(127)))  # 0xFF: NaN byte
 
 
 def compile_for(arch: str, x_dtype=cutlass.BFloat16, *, scale_rule: str = "ceil", swizzled: bool = False,

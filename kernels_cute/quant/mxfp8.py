@@ -40,7 +40,8 @@ from cutlass import Float32, Int32, Int64, Uint8
 from formats.constants import E4M3_EMAX, E4M3_MAX, MX_BLOCK
 
 from . import _launch as L
-from ._codecs import FLOOR, ceil_log2, clamp_int, div_rn, encode_e4m3, exp2_int, floor_log2, fmax, swizzled_offset
+from ._codecs import (FLOOR, abs_or_inf, ceil_log2, clamp_int, div_rn, encode_e4m3, exp2_int, floor_log2, fmax,
+                      nan_value, not_finite, swizzled_offset)
 
 SCALE_RULES = L.SCALE_RULES
 
@@ -79,7 +80,8 @@ class Mxfp8Quantize:
             for j in cutlass.range_constexpr(MX_BLOCK):
                 v = mX_mk[m, k0 + j].to(Float32)
                 rX[j] = v
-                amax = fmax(amax, abs(v))
+                amax = fmax(amax, abs_or_inf(v))  # +Inf marks a NaN/Inf in the block
+            bad = not_finite(amax)
             amax = fmax(amax, Float32(FLOOR))
             # ----- the shared exponent e (scale 2^e)
             e = Int32(0)
@@ -88,7 +90,7 @@ class Mxfp8Quantize:
             else:
                 e = floor_log2(amax) - Int32(E4M3_EMAX)
             e = clamp_int(e, -127, 127)
-            inv = exp2_int(-e)
+            inv = Float32(cutlass.select_(bad, nan_value(), exp2_int(-e)))  # bad block: codes 0x7F
             # ----- codes
             for j in cutlass.range_constexpr(MX_BLOCK):
                 mQ_mk[m, k0 + j] = Uint8(encode_e4m3(rX[j] * inv))
@@ -97,7 +99,7 @@ class Mxfp8Quantize:
             if cutlass.const_expr(self.swizzled):
                 off = swizzled_offset(m, kb, num_kb)
             mS = cute.make_tensor(pS, cute.make_layout(off + 1))
-            mS[off] = Uint8(e + Int32(127))
+            mS[off] = Uint8(cutlass.select_(bad, Int32(0xFF), e + Int32(127)))  # 0xFF: NaN byte
 
 
 def compile_for(arch: str, x_dtype=cutlass.BFloat16, *, scale_rule: str = "ceil", swizzled: bool = False,

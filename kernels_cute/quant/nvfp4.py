@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, Int64, Uint8
 from formats.constants import E2M1_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 
 from . import _launch as L
-from ._codecs import FLOOR, decode_e4m3, div_rn, encode_e2m1, encode_e4m3, fmax, swizzled_offset
+from ._codecs import FLOOR, abs_or_inf, amax_or_nan, decode_e4m3, div_rn, encode_e2m1, encode_e4m3, fmax, swizzled_offset
 
 
 class Nvfp4Quantize:
@@ -73,7 +73,7 @@ class Nvfp4Quantize:
         g = Float32(0.0)
         if cutlass.const_expr(self.dynamic):
             amax = cute.make_tensor(pAmax, cute.make_layout(1))[0].bitcast(Float32)
-            g = div_rn(Float32(NVFP4_GLOBAL_NUMERATOR), fmax(amax, Float32(FLOOR)))
+            g = div_rn(Float32(NVFP4_GLOBAL_NUMERATOR), amax_or_nan(amax, Float32(FLOOR)))  # NaN: x held NaN/Inf
         else:
             g = cute.make_tensor(pG, cute.make_layout(1))[0]
         if b == 0:
@@ -88,11 +88,13 @@ class Nvfp4Quantize:
             for j in cutlass.range_constexpr(NVFP4_BLOCK):
                 v = mX_mk[m, k0 + j].to(Float32)
                 rX[j] = v
-                amax_b = fmax(amax_b, abs(v))
+                amax_b = fmax(amax_b, abs_or_inf(v))  # +Inf marks a NaN/Inf in the block
             # ----- the e4m3 block scale and its value
-            s_code = encode_e4m3(div_rn(fmax(amax_b, Float32(FLOOR)), Float32(E2M1_MAX)) * g)
+            s_code = encode_e4m3(div_rn(amax_or_nan(amax_b, Float32(FLOOR)), Float32(E2M1_MAX)) * g)
             s_val = decode_e4m3(s_code)
-            nonzero = s_val > Float32(0.0)
+            # codes 0 where the scale is 0 or NaN (0x7F: the block, or the tensor for dynamic g, held
+            # a NaN/Inf); the NaN test is on the code, independent of how a NaN compares
+            nonzero = (Int32(s_val > Float32(0.0)) * Int32((s_code & Int32(0x7F)) != Int32(0x7F))) != Int32(0)
             safe_s = Float32(cutlass.select_(nonzero, s_val, Float32(1.0)))
             # ----- codes, two per byte (element 2i in the low nibble); 0 where the scale is 0
             for i in cutlass.range_constexpr(NVFP4_BLOCK // 2):

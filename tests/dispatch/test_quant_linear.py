@@ -319,3 +319,27 @@ def test_loading_into_a_meta_device_model_raises(tmp_path):
         model = _Toy()
     with pytest.raises(ValueError, match="layer 'up' has tensors on the meta device"):
         load_quantized(model, path)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("fmt,key", [("nvfp4", "global_scale"), ("fp8_tensor", "scale")])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "tensor"])
+def test_a_bad_static_act_scale_fails_where_the_layer_is_built(fmt, key, bad, as_tensor):
+    lin, _ = _layer(0)
+    value = torch.tensor(bad) if as_tensor else bad
+    with pytest.raises(ValueError, match=rf"act_opts\['{key}'\] must be one finite positive number"):
+        QuantLinear.from_linear(lin, fmt, act_opts={key: value})
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_nonfinite_activation_row_never_comes_out_finite(variant, impl):
+    # the non-finite rule (docs/formats.md): its row is non-finite; the other rows too only for the
+    # per-tensor dynamic scales (fp8_tensor, nvfp4 W4A4); reference and triton agree on the pattern
+    lin, x = _layer(1)
+    x = x.reshape(-1, x.shape[-1])[:4].clone()
+    x[1, 7] = float("nan")
+    layer = QuantLinear.from_linear(lin, variant, impl=impl, act_dtype=torch.bfloat16).to(DEVICE)
+    y = layer(x.to(DEVICE))
+    per_tensor = variant in ("fp8_tensor", "nvfp4")
+    assert (~torch.isfinite(y)).all(1).tolist() == ([True] * 4 if per_tensor else [False, True, False, False])
