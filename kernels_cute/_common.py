@@ -1,6 +1,8 @@
 """What the kernels_cute format modules share: the b12x import, the prepared-weight container,
-the plan registry (capacity plans per token count), the alignment checks, the operand checks
-(formats.validate), the scale swizzle for b12x and the reload copy.
+the plan registry (capacity plans per token count) and the fixed query every plan is made from, the
+alignment checks, the operand checks (formats.validate), the scale swizzle for b12x, the reload
+copy, and the bodies of gemm() and linear() around each format's own b12x call (run_gemm,
+run_linear).
 
 Private b12x API. One private field is set here: ``Plan._device`` (a dataclass field of every b12x
 ``Plan``; b12x's own planners and ``heuristic_plan`` set it, ``blockscaled.plan`` leaves it None).
