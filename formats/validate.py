@@ -45,6 +45,7 @@ __all__ = [
     "check_quantized_activation",
     "check_scale_values",
     "check_weight",
+    "static_global_scale",
 ]
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)  # unquantized activations the kernels take
@@ -220,6 +221,24 @@ def check_bias(bias, N: int, device, *, name: str = "bias") -> None:
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {bias.dtype}")
     if device is not None and bias.device != torch.device(device):
         raise ValueError(f"{name} must be on {device}, got {bias.device}")
+
+
+def static_global_scale(global_scale, device, *, name: str = "global_scale") -> torch.Tensor:
+    """A static NVFP4 global scale g (formats/nvfp4.py) as float32 [1] on ``device``.
+
+    A Python number is checked (finite, > 0; ValueError naming ``name`` otherwise). A tensor must
+    hold one floating-point element and is trusted as is: checking its value would synchronize with
+    the device, so the caller checks it where it is made.
+    """
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.numel() != 1 or not global_scale.is_floating_point():
+            raise ValueError(f"{name} must be one positive float, got a {global_scale.dtype} tensor "
+                             f"of shape {tuple(global_scale.shape)}")
+        return global_scale.to(device=device, dtype=torch.float32).reshape(1)
+    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float)) \
+            or not math.isfinite(global_scale) or global_scale <= 0:
+        raise ValueError(f"{name} must be one finite positive number, got {global_scale!r}")
+    return torch.tensor([global_scale], dtype=torch.float32, device=device)
 
 
 def check_scale_values(qt, *, name: str = "qweight") -> None:

@@ -1,6 +1,8 @@
 """What the kernels_cute format modules share: the b12x import, the prepared-weight container,
-the plan registry (capacity plans per token count), the alignment checks, the operand checks
-(formats.validate), the scale swizzle for b12x and the reload copy.
+the plan registry (capacity plans per token count) and the fixed query every plan is made from, the
+alignment checks, the operand checks (formats.validate), the scale swizzle for b12x, the reload
+copy, and the bodies of gemm() and linear() around each format's own b12x call (run_gemm,
+run_linear).
 
 Private b12x API. One private field is set here: ``Plan._device`` (a dataclass field of every b12x
 ``Plan``; b12x's own planners and ``heuristic_plan`` set it, ``blockscaled.plan`` leaves it None).
@@ -269,6 +271,54 @@ def plan_for_call(fmt: str, M: int, N: int, K: int, out_dtype: torch.dtype, devi
                 f"kernels_cute.{fmt}: no prepared plan covers M={M} (N={N}, K={K}, {name}); a shape "
                 "used under CUDA graph capture must be prepared first with kernels_cute.prepare(...)")
     return get_plan(PlanKey(fmt, cap, N, K, name, dev), make_query), cap
+
+
+def same_cap(cap: int, K: int) -> int:
+    """``cap_for`` of an entry point with no minimum row capacity: plan the ``cap`` rows asked for."""
+    return cap
+
+
+def fixed_query(cap: int, N: int, K: int, out_dtype: str, *, recipe: str, call_kind: str, input_dtype: str,
+                **fields):
+    """The ``b12x.gemm.blockscaled.FixedBlockscaledQuery`` of an M <= cap call, as every format here
+    declares it: row capacity ``max_rows=cap``, ``expected_m=None``, K unpadded
+    (``padded_in_features=K``). ``fields``: the entry point's own ones (alpha_mode,
+    source_scale_form)."""
+    return blockscaled().FixedBlockscaledQuery(
+        recipe=recipe, call_kind=call_kind, max_rows=cap, in_features=K, padded_in_features=K,
+        out_features=N, input_dtype=input_dtype, output_dtype=out_dtype, expected_m=None, **fields)
+
+
+def run_gemm(fmt: str, xq, prepared: CuteWeight, bias: Optional[torch.Tensor], out_dtype,
+             make_query, cap_for: Callable[[int, int], int],
+             mm: Callable[[object, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """What every format's gemm() does around its b12x call, in this order: check xq (check_xq),
+    out_dtype (default bf16) and bias; M == 0 gives an empty [0, N] without touching b12x; else the
+    plan serving M rows (plan_for_call), ``y = mm(plan, out_dtype)`` (the format's b12x GEMM,
+    [M, N] of out_dtype), and y + bias (add_bias). ValueError from the checks, RuntimeError from
+    plan_for_call under graph capture."""
+    check_xq(xq, prepared, fmt)
+    out_dtype = check_out_dtype(out_dtype)
+    N, K = prepared.shape
+    validate.check_bias(bias, N, prepared.device)
+    M = xq.rows
+    if M == 0:
+        return torch.empty((0, N), dtype=out_dtype, device=prepared.device)
+    plan, _ = plan_for_call(fmt, M, N, K, out_dtype, prepared.device, make_query, cap_for)
+    return add_bias(mm(plan, out_dtype), bias, N)
+
+
+def run_linear(fmt: str, x: torch.Tensor, prepared: CuteWeight, bias: Optional[torch.Tensor],
+               rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """What every format's linear() does around its route: x [..., K] checked and flattened to
+    [M, K] (flatten_activation), bias checked; M == 0 gives an empty [..., N] of x's dtype; else
+    ``rows(x2)`` ([M, N], bias included) reshaped to [..., N]. ValueError from the checks."""
+    N, K = prepared.shape
+    x2 = flatten_activation(x, K, fmt, prepared.device)
+    validate.check_bias(bias, N, prepared.device)
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], N))
+    return rows(x2).reshape(*x.shape[:-1], N)
 
 
 def flatten_activation(x: torch.Tensor, K: int, fmt: str, device=None) -> torch.Tensor:

@@ -50,14 +50,11 @@ def supported(M: int, N: int, K: int) -> tuple[bool, str]:
     return C.check_alignment(FMT, M, N, K, k_multiple=K_MULTIPLE, n_multiple=N_MULTIPLE)
 
 
-def cap_for(cap: int, K: int) -> int:
-    return cap
+cap_for = C.same_cap  # b12x plans any row capacity here
 
 
 def make_query(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
-    return C.blockscaled().FixedBlockscaledQuery(
-        recipe="tensor_fp8", call_kind="packed", max_rows=cap, in_features=K, padded_in_features=K,
-        out_features=N, input_dtype="float8_e4m3fn", output_dtype=out_dtype, expected_m=None)
+    return C.fixed_query(cap, N, K, out_dtype, recipe="tensor_fp8", call_kind="packed", input_dtype="float8_e4m3fn")
 
 
 def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = None, a16: bool = False) -> C.CuteWeight:
@@ -98,18 +95,13 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     Raises:
         ValueError: a malformed xq (formats.validate), K or device mismatch, bad bias or out_dtype.
     """
-    C.check_xq(xq, prepared, FMT)
-    out_dtype = C.check_out_dtype(out_dtype)
-    N, K = prepared.shape
-    C.validate.check_bias(bias, N, prepared.device)
-    M = xq.rows
-    if M == 0:
-        return torch.empty((0, N), dtype=out_dtype, device=prepared.device)
-    plan, _ = C.plan_for_call(FMT, M, N, K, out_dtype, prepared.device, make_query, cap_for)
-    # a per-call copy of the frozen packed weight whose combined scale is the device tensor sx * sw
-    weight = replace(prepared.packed, output_scale=(xq.scale.reshape(1).float() * prepared.scale).contiguous())
-    y = C.blockscaled().mm(xq.data.contiguous(), weight, plan=plan, out_dtype=out_dtype)
-    return C.add_bias(y, bias, N)
+
+    def mm(plan, out_dtype):
+        # a per-call copy of the frozen packed weight whose combined scale is the device tensor sx * sw
+        weight = replace(prepared.packed, output_scale=(xq.scale.reshape(1).float() * prepared.scale).contiguous())
+        return C.blockscaled().mm(xq.data.contiguous(), weight, plan=plan, out_dtype=out_dtype)
+
+    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
@@ -118,10 +110,8 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     x bf16/fp16 [..., K] -> [..., N] of x's dtype. ``scale``: static input scale (None = dynamic)."""
     if a16:
         raise ValueError("fp8_tensor has no W8A16 variant here")
-    N, K = prepared.shape
-    x2 = C.flatten_activation(x, K, FMT, prepared.device)
-    C.validate.check_bias(bias, N, prepared.device)
-    if x2.shape[0] == 0:
-        return x.new_empty((*x.shape[:-1], N))
-    y = gemm(quantize_activation(x2, scale=scale), prepared, bias, out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], N)
+
+    def rows(x2):
+        return gemm(quantize_activation(x2, scale=scale), prepared, bias, out_dtype=x.dtype)
+
+    return C.run_linear(FMT, x, prepared, bias, rows)

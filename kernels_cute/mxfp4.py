@@ -72,9 +72,8 @@ def cap_for(cap: int, K: int) -> int:
 
 def make_query(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
     """The b12x declaration of an M <= cap call. Callers pass ``cap_for(cap, K)`` as ``cap``."""
-    return C.blockscaled().FixedBlockscaledQuery(
-        recipe=FMT, call_kind="serialized", max_rows=cap, in_features=K, padded_in_features=K,
-        out_features=N, input_dtype="uint8", output_dtype=out_dtype, expected_m=None, alpha_mode="unit")
+    return C.fixed_query(cap, N, K, out_dtype, recipe=FMT, call_kind="serialized", input_dtype="uint8",
+                         alpha_mode="unit")
 
 
 def prepare_weight(qweight: QuantizedTensor, *, into: Optional[C.CuteWeight] = None, a16: bool = False) -> C.CuteWeight:
@@ -110,17 +109,12 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     Raises:
         ValueError: a malformed xq (formats.validate), K or device mismatch, bad bias or out_dtype.
     """
-    C.check_xq(xq, prepared, FMT)
-    out_dtype = C.check_out_dtype(out_dtype)
-    N, K = prepared.shape
-    C.validate.check_bias(bias, N, prepared.device)
-    M = xq.rows
-    if M == 0:
-        return torch.empty((0, N), dtype=out_dtype, device=prepared.device)
-    plan, _ = C.plan_for_call(FMT, M, N, K, out_dtype, prepared.device, make_query, cap_for)
-    y = C.blockscaled().mm_mxfp4(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
-                                  plan=plan, out_dtype=out_dtype)
-    return C.add_bias(y, bias, N)
+
+    def mm(plan, out_dtype):
+        return C.blockscaled().mm_mxfp4(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
+                                        plan=plan, out_dtype=out_dtype)
+
+    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
@@ -129,10 +123,8 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError(f"kernels_cute.mxfp4: {A16_UNSUPPORTED}")
-    N, K = prepared.shape
-    x2 = C.flatten_activation(x, K, FMT, prepared.device)
-    C.validate.check_bias(bias, N, prepared.device)
-    if x2.shape[0] == 0:
-        return x.new_empty((*x.shape[:-1], N))
-    y = gemm(quantize_activation(x2, scale_rule=scale_rule), prepared, bias, out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], N)
+
+    def rows(x2):
+        return gemm(quantize_activation(x2, scale_rule=scale_rule), prepared, bias, out_dtype=x.dtype)
+
+    return C.run_linear(FMT, x, prepared, bias, rows)

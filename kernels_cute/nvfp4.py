@@ -76,15 +76,13 @@ def supported(M: int, N: int, K: int, *, a16: bool = False, dtype: Optional[torc
     return C.check_alignment(name, M, N, K, k_multiple=K_MULTIPLE, n_multiple=N_MULTIPLE)
 
 
-def cap_for(cap: int, K: int) -> int:
-    return cap
+cap_for = C.same_cap  # b12x plans any row capacity here
 
 
 def make_query(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
     """The b12x declaration of a W4A4 M <= cap call (the same one compile checks use)."""
-    return C.blockscaled().FixedBlockscaledQuery(
-        recipe=FMT, call_kind="serialized", max_rows=cap, in_features=K, padded_in_features=K,
-        out_features=N, input_dtype="uint8", output_dtype=out_dtype, expected_m=None, alpha_mode="tensor")
+    return C.fixed_query(cap, N, K, out_dtype, recipe=FMT, call_kind="serialized", input_dtype="uint8",
+                         alpha_mode="tensor")
 
 
 def make_query_a16(cap: int, N: int, K: int, out_dtype: str = "bfloat16"):
@@ -144,18 +142,13 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     """
     if prepared.a16:
         raise ValueError("gemm() takes a W4A4 weight; this one was prepared with a16=True (use linear(a16=True))")
-    C.check_xq(xq, prepared, FMT)
-    out_dtype = C.check_out_dtype(out_dtype)
-    N, K = prepared.shape
-    C.validate.check_bias(bias, N, prepared.device)
-    M = xq.rows
-    if M == 0:
-        return torch.empty((0, N), dtype=out_dtype, device=prepared.device)
-    plan, _ = C.plan_for_call(FMT, M, N, K, out_dtype, prepared.device, make_query, cap_for)
-    alpha = torch.reciprocal(xq.global_scale.reshape(1)) * prepared.inv_global_scale
-    y = C.blockscaled().mm_nvfp4(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale, alpha,
-                                  plan=plan, out_dtype=out_dtype)
-    return C.add_bias(y, bias, N)
+
+    def mm(plan, out_dtype):
+        alpha = torch.reciprocal(xq.global_scale.reshape(1)) * prepared.inv_global_scale
+        return C.blockscaled().mm_nvfp4(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
+                                        alpha, plan=plan, out_dtype=out_dtype)
+
+    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
 
 
 def _linear_a16(x2: torch.Tensor, prepared: C.CuteWeight) -> torch.Tensor:
@@ -183,13 +176,10 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
                          f"kernels_cute.nvfp4.prepare_weight(q, a16={a16})")
     if a16 and global_scale is not None:
         raise ValueError("global_scale is an activation option of W4A4; nvfp4_w4a16 keeps x in bf16")
-    N, K = prepared.shape
-    x2 = C.flatten_activation(x, K, FMT, prepared.device)
-    C.validate.check_bias(bias, N, prepared.device)
-    if x2.shape[0] == 0:
-        return x.new_empty((*x.shape[:-1], N))
-    if a16:
-        y = C.add_bias(_linear_a16(x2, prepared), bias, N)
-    else:
-        y = gemm(quantize_activation(x2, global_scale=global_scale), prepared, bias, out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], N)
+
+    def rows(x2):
+        if a16:
+            return C.add_bias(_linear_a16(x2, prepared), bias, prepared.n)
+        return gemm(quantize_activation(x2, global_scale=global_scale), prepared, bias, out_dtype=x.dtype)
+
+    return C.run_linear(FMT, x, prepared, bias, rows)

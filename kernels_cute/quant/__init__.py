@@ -35,13 +35,11 @@ quantizers compute the same formulas (tests/kernels_cute/test_cute_quant.py comp
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from formats import QuantizedTensor
 from formats.base import check_positive_scalar
-from formats.validate import check_activation
+from formats.validate import check_activation, static_global_scale
 from formats.constants import FP8_BLOCK, MX_BLOCK, NVFP4_BLOCK
 
 from . import fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
@@ -57,20 +55,6 @@ OPTIONS = {
 }
 
 __all__ = ["FORMATS", "quantize_activation_cute", "compile_all"]
-
-
-def _static_global_scale(global_scale, device) -> torch.Tensor:
-    """Static NVFP4 g as float32 [1] on ``device``: a Python number is checked (finite, > 0); a
-    tensor is trusted as is (checking it would synchronize; the caller checks it where it is made)."""
-    if isinstance(global_scale, torch.Tensor):
-        if global_scale.numel() != 1 or not global_scale.is_floating_point():
-            raise ValueError(f"global_scale must be one positive float, got a {global_scale.dtype} tensor "
-                             f"of shape {tuple(global_scale.shape)}")
-        return global_scale.to(device=device, dtype=torch.float32).reshape(1)
-    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float)) \
-            or not math.isfinite(global_scale) or global_scale <= 0:
-        raise ValueError(f"global_scale must be one finite positive number, got {global_scale!r}")
-    return torch.tensor([global_scale], dtype=torch.float32, device=device)
 
 
 def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
@@ -122,7 +106,7 @@ def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTens
         data, s = mxfp4.quantize(x2, scale_rule=opts.get("scale_rule", "ceil"), swizzled=swizzled)
         return QuantizedTensor(fmt, "activation", data, s, None, (1, MX_BLOCK), (M, K), layout)
     gs = opts.get("global_scale")
-    g_in = None if gs is None else _static_global_scale(gs, x.device)
+    g_in = None if gs is None else static_global_scale(gs, x.device)
     data, s, g = nvfp4.quantize(x2, global_scale=g_in, swizzled=swizzled)
     return QuantizedTensor(fmt, "activation", data, s, g, (1, NVFP4_BLOCK), (M, K), layout)
 

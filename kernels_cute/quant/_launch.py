@@ -1,5 +1,7 @@
-"""What the four CuTe DSL quantizers share on the host side: the compile cache, the target arch,
-pointers and the stream, and the whole-tensor amax kernel (per-tensor FP8 and NVFP4's global scale).
+"""What the CuTe DSL quantizers share on the host side: the compile cache, the target arch, pointers
+and the stream, the row-wise quantizer's arguments and launch (fp8_block, mxfp8, mxfp4), the block
+scale storage and scale rule (mxfp8, mxfp4, nvfp4), and the whole-tensor amax kernel (per-tensor FP8
+and NVFP4's global scale).
 
 Every kernel is a small class in the CUTLASS-example shape: ``__init__`` takes the knobs that change
 code generation (the input dtype, the scale rule, the scale layout), ``@cute.jit __call__`` builds the
@@ -20,6 +22,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+from formats._mx import SCALE_RULES
+from formats.layout import swizzled_size
 
 from ._codecs import abs_or_inf
 
@@ -102,6 +107,40 @@ def fake_strides(n: int) -> tuple:
 
 def fake_stream():
     return make_fake_stream()
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-wise quantizers: __call__(pX, pQ, pS, M, K, stride_xm, stride_xk, stream)
+# ---------------------------------------------------------------------------------------------
+def rowwise_example_args(x_dtype, scale_dtype=cutlass.Uint8, scale_align: int = 1) -> tuple:
+    """Placeholders for a row-wise quantizer: x (``x_dtype``), 1-byte codes, scales of ``scale_dtype``."""
+    return (fake_ptr(x_dtype, 2), fake_ptr(cutlass.Uint8, 1), fake_ptr(scale_dtype, scale_align),
+            *fake_sizes(2), *fake_strides(2), fake_stream())
+
+
+def launch_rowwise(fn, x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """Run a compiled row-wise quantizer on x2 [M, K] (M >= 1, any strides) on torch's current stream,
+    writing ``codes`` (1-byte elements, e.g. float8_e4m3fn or uint8) and ``scale``."""
+    M, K = x2.shape
+    fn(ptr(x2), ptr(codes.view(torch.uint8)), ptr(scale), Int32(M), Int32(K),
+       Int64(x2.stride(0)), Int64(x2.stride(1)), current_stream(x2.device))
+
+
+def ceil_rule(scale_rule: str) -> bool:
+    """The MX scale-rule knob: True for "ceil", False for "floor" (formats._mx.SCALE_RULES);
+    ValueError naming anything else."""
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    return scale_rule == "ceil"
+
+
+def block_scale_bytes(M: int, num_kb: int, swizzled: bool, device: torch.device) -> torch.Tensor:
+    """uint8 storage for the [M, num_kb] 1-byte block scales: that matrix (linear), or flat
+    ``swizzled_size(M, num_kb)`` bytes zeroed first (swizzled; the padding stays zero, as
+    ``formats.swizzle_128x4`` with pad_value=0)."""
+    if swizzled:
+        return torch.zeros(swizzled_size(M, num_kb), dtype=torch.uint8, device=device)
+    return torch.empty((M, num_kb), dtype=torch.uint8, device=device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,15 +83,10 @@ class Fp8BlockQuantize:
                 mQ_mk[m, k0 + j] = Uint8(encode_e4m3(div_rn(mX_mk[m, k0 + j].to(Float32), scale)))
 
 
-def example_args(x_dtype) -> tuple:
-    return (L.fake_ptr(x_dtype, 2), L.fake_ptr(cutlass.Uint8, 1), L.fake_ptr(cutlass.Float32, 4),
-            *L.fake_sizes(2), *L.fake_strides(2), L.fake_stream())
-
-
 def compile_for(arch: str, x_dtype=cutlass.BFloat16, *, ue8m0: bool = False, keep_ptx: bool = False):
     """The compiled quantizer for ``arch`` (used by the launcher and by the compile-only tests)."""
-    return L.compiled(Fp8BlockQuantize, (x_dtype, bool(ue8m0)), arch, lambda: example_args(x_dtype),
-                      keep_ptx=keep_ptx)
+    return L.compiled(Fp8BlockQuantize, (x_dtype, bool(ue8m0)), arch,
+                      lambda: L.rowwise_example_args(x_dtype, cutlass.Float32, 4), keep_ptx=keep_ptx)
 
 
 def quantize(x2: torch.Tensor, *, ue8m0: bool = False):
@@ -101,6 +96,5 @@ def quantize(x2: torch.Tensor, *, ue8m0: bool = False):
     scale = torch.empty((M, K // GROUP), dtype=torch.float32, device=x2.device)
     if M:
         fn = compile_for(L.arch_of(x2.device), L.TORCH_TO_CUTLASS[x2.dtype], ue8m0=ue8m0)
-        fn(L.ptr(x2), L.ptr(data.view(torch.uint8)), L.ptr(scale), Int32(M), Int32(K),
-           Int64(x2.stride(0)), Int64(x2.stride(1)), L.current_stream(x2.device))
+        L.launch_rowwise(fn, x2, data, scale)
     return data, scale

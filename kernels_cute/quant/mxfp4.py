@@ -35,13 +35,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
 from formats.constants import E2M1_EMAX, E2M1_MAX, MX_BLOCK
-from formats.layout import swizzled_size
 
 from . import _launch as L
 from ._codecs import (FLOOR, abs_or_inf, ceil_log2, clamp_int, div_rn, encode_e2m1, exp2_int, floor_log2, fmax,
                       not_finite, swizzled_offset)
 
-SCALE_RULES = ("ceil", "floor")
+SCALE_RULES = L.SCALE_RULES
 
 
 class Mxfp4Quantize:
@@ -103,32 +102,20 @@ class Mxfp4Quantize:
             mS[off] = Uint8(cutlass.select_(bad, Int32(0xFF), e + Int32(127)))  # 0xFF: NaN byte
 
 
-def example_args(x_dtype) -> tuple:
-    return (L.fake_ptr(x_dtype, 2), L.fake_ptr(cutlass.Uint8, 1), L.fake_ptr(cutlass.Uint8, 1),
-            *L.fake_sizes(2), *L.fake_strides(2), L.fake_stream())
-
-
 def compile_for(arch: str, x_dtype=cutlass.BFloat16, *, scale_rule: str = "ceil", swizzled: bool = False,
                 keep_ptx: bool = False):
     """The compiled quantizer for ``arch`` (used by the launcher and by the compile-only tests)."""
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    return L.compiled(Mxfp4Quantize, (x_dtype, scale_rule == "ceil", bool(swizzled)), arch,
-                      lambda: example_args(x_dtype), keep_ptx=keep_ptx)
+    return L.compiled(Mxfp4Quantize, (x_dtype, L.ceil_rule(scale_rule), bool(swizzled)), arch,
+                      lambda: L.rowwise_example_args(x_dtype), keep_ptx=keep_ptx)
 
 
 def quantize(x2: torch.Tensor, *, scale_rule: str = "ceil", swizzled: bool = False):
     """x2 bf16/fp16 CUDA [M, K] (K % 32 == 0, any strides) -> (uint8 codes [M, K/2], uint8 E8M0
     scales [M, K/32], or flat swizzled bytes when ``swizzled``)."""
     M, K = x2.shape
-    device = x2.device
-    data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
-    if swizzled:
-        scale = torch.zeros(swizzled_size(M, K // MX_BLOCK), dtype=torch.uint8, device=device)
-    else:
-        scale = torch.empty((M, K // MX_BLOCK), dtype=torch.uint8, device=device)
+    data = torch.empty((M, K // 2), dtype=torch.uint8, device=x2.device)
+    scale = L.block_scale_bytes(M, K // MX_BLOCK, swizzled, x2.device)
     if M:
-        fn = compile_for(L.arch_of(device), L.TORCH_TO_CUTLASS[x2.dtype], scale_rule=scale_rule, swizzled=swizzled)
-        fn(L.ptr(x2), L.ptr(data), L.ptr(scale), Int32(M), Int32(K),
-           Int64(x2.stride(0)), Int64(x2.stride(1)), L.current_stream(device))
+        fn = compile_for(L.arch_of(x2.device), L.TORCH_TO_CUTLASS[x2.dtype], scale_rule=scale_rule, swizzled=swizzled)
+        L.launch_rowwise(fn, x2, data, scale)
     return data, scale

@@ -37,7 +37,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
 from formats.constants import E2M1_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
-from formats.layout import swizzled_size
 
 from . import _launch as L
 from ._codecs import FLOOR, abs_or_inf, amax_or_nan, decode_e4m3, div_rn, encode_e2m1, encode_e4m3, fmax, swizzled_offset
@@ -134,10 +133,7 @@ def quantize(x2: torch.Tensor, *, global_scale=None, swizzled: bool = False):
     device = x2.device
     dynamic = global_scale is None
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
-    if swizzled:
-        scale = torch.zeros(swizzled_size(M, K // NVFP4_BLOCK), dtype=torch.uint8, device=device)
-    else:
-        scale = torch.empty((M, K // NVFP4_BLOCK), dtype=torch.uint8, device=device)
+    scale = L.block_scale_bytes(M, K // NVFP4_BLOCK, swizzled, device)
     if M == 0:  # no launch; the oracle's g for an empty tensor is 2688 / AMAX_FLOOR
         if dynamic:
             g = torch.full((), NVFP4_GLOBAL_NUMERATOR / FLOOR, dtype=torch.float32, device=device)  # exact
