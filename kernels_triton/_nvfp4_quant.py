@@ -28,7 +28,6 @@ the interpreter) and IEEE division (tl.math.div_rn), so the codes equal the orac
 
 from __future__ import annotations
 
-import math
 from typing import Union
 
 import torch
@@ -37,6 +36,7 @@ import triton.language as tl
 
 from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+from formats.validate import static_global_scale
 
 from ._common import abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting
 
@@ -153,21 +153,6 @@ def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     return 32, 128
 
 
-def _static_global_scale(global_scale, device) -> torch.Tensor:
-    """The static g as a float32 one-element tensor on ``device``. A Python number is checked
-    (finite, > 0); a tensor's value is not (that would synchronize the host): a bad one (0,
-    negative, Inf, NaN) gives NaN output, never zeros (_common.global_alpha in the GEMM)."""
-    if isinstance(global_scale, torch.Tensor):
-        if global_scale.numel() != 1 or not global_scale.is_floating_point():
-            raise ValueError(f"global_scale must be one positive float, got a {global_scale.dtype} tensor "
-                             f"of shape {tuple(global_scale.shape)}")
-        return global_scale.to(device=device, dtype=torch.float32).reshape(1)
-    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float)) \
-            or not math.isfinite(global_scale) or global_scale <= 0:
-        raise ValueError(f"global_scale must be one finite positive number, got {global_scale!r}")
-    return torch.tensor([global_scale], dtype=torch.float32, device=device)
-
-
 def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None) -> QuantizedTensor:
     """Quantize activations to NVFP4 with the Triton kernels, bit for bit as
     ``formats.quantize(x, "nvfp4", role="activation", global_scale=global_scale)``.
@@ -190,7 +175,7 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
     scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=device)
     dynamic = global_scale is None
-    g_in = None if dynamic else _static_global_scale(global_scale, device)
+    g_in = None if dynamic else static_global_scale(global_scale, device)
     if M == 0:  # no launch; the oracle's g for an empty tensor is 2688 / AMAX_FLOOR
         g = (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
              / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else g_in.clone()
