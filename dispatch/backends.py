@@ -93,6 +93,25 @@ class ReferenceBackend(Backend):
         return reference_linear(xq, prepared, bias, out_dtype=out_dtype)
 
 
+class _KernelBackend(Backend):
+    """What the two kernel packages' backends share: each format module has linear (with
+    ``a16=True`` for W4A16), quantize_activation and gemm."""
+
+    def _module(self):
+        raise NotImplementedError
+
+    def _linear(self, mod, x, prepared, bias, act_opts):
+        if self.a16:
+            return mod.linear(x, prepared, bias, a16=True, **act_opts)
+        return mod.linear(x, prepared, bias, **act_opts)
+
+    def quantize_activation(self, x, **act_opts):
+        return self._module().quantize_activation(x, **act_opts)
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # triton
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +123,7 @@ def _triton_module_present(fmt: str) -> bool:
         return False
 
 
-class TritonBackend(Backend):
+class TritonBackend(_KernelBackend):
     """kernels_triton.<fmt>: any CUDA GPU, and CPU tensors through Triton's interpreter."""
 
     impl = "triton"
@@ -146,15 +165,7 @@ class TritonBackend(Backend):
     def apply(self, x, prepared, bias=None, **act_opts):
         self.check_options(act_opts)
         mod = self._module()
-        if self.a16:
-            return mod.linear(x, prepared, bias, a16=True, **act_opts)
-        return mod.linear(x, prepared, bias, **act_opts)
-
-    def quantize_activation(self, x, **act_opts):
-        return self._module().quantize_activation(x, **act_opts)
-
-    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
-        return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
+        return self._linear(mod, x, prepared, bias, act_opts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +200,7 @@ def _is_running_device(device: DeviceInfo) -> bool:
     return device.kind == "cuda" and torch.cuda.is_available() and current_device() == device
 
 
-class CuteBackend(Backend):
+class CuteBackend(_KernelBackend):
     """kernels_cute.<fmt>: b12x's CuTe DSL GEMMs on SM120/SM121 with our CuTe DSL quantizers.
 
     ``apply(..., quantizer="triton")`` composes the Triton activation quantizer with the CuTe GEMM
@@ -244,15 +255,7 @@ class CuteBackend(Backend):
             return y.reshape(*x.shape[:-1], y.shape[-1])
         if quantizer not in ("cute", "triton"):
             raise ValueError(f"quantizer must be 'cute' or 'triton', got {quantizer!r}")
-        if self.a16:
-            return mod.linear(x, prepared, bias, a16=True, **act_opts)
-        return mod.linear(x, prepared, bias, **act_opts)
-
-    def quantize_activation(self, x, **act_opts):
-        return self._module().quantize_activation(x, **act_opts)
-
-    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
-        return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
+        return self._linear(mod, x, prepared, bias, act_opts)
 
 
 _CLASSES = {"reference": ReferenceBackend, "triton": TritonBackend, "cute": CuteBackend}
