@@ -41,7 +41,10 @@ _prepared: dict[tuple[int, str], object] = {}
 def _prepared_for(backend: registry.Backend, qweight: QuantizedTensor):
     key = (id(qweight), backend.name)
     if key not in _prepared:
-        _prepared[key] = backend.prepare(qweight)
+        prepared = backend.prepare(qweight)
+        if prepared is qweight:  # nothing repacked (triton, reference): caching it would keep it alive
+            return prepared
+        _prepared[key] = prepared
         weakref.finalize(qweight, _prepared.pop, key, None)
     return _prepared[key]
 

@@ -245,6 +245,9 @@ class CuteBackend(_KernelBackend):
 
     def apply(self, x, prepared, bias=None, *, quantizer: str = "cute", **act_opts):
         self.check_options(act_opts)
+        if quantizer not in ("cute", "triton") or (quantizer == "triton" and self.a16):
+            allowed = "'cute' (W4A16 quantizes no activation)" if self.a16 else "'cute' or 'triton'"
+            raise ValueError(f"{self.name}: quantizer must be {allowed}, got {quantizer!r}")
         mod = self._module()
         if quantizer == "triton" and not self.a16:
             import kernels_triton
@@ -253,8 +256,6 @@ class CuteBackend(_KernelBackend):
             xq = kernels_triton.module(self.fmt).quantize_activation(x2, **act_opts)
             y = mod.gemm(xq, prepared, bias, out_dtype=x.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        if quantizer not in ("cute", "triton"):
-            raise ValueError(f"quantizer must be 'cute' or 'triton', got {quantizer!r}")
         return self._linear(mod, x, prepared, bias, act_opts)
 
 

@@ -68,9 +68,16 @@ class QuantLinear(nn.Module):
         self.impl = None if impl is None else policy.parse_impl(impl, "impl")
         self.act_dtype = act_dtype
         self.act_opts = dict(act_opts or {})
-        for key in ("scale", "global_scale"):  # static activation scales: value-checked once, here
+        # Static activation scales: value-checked once, here, and kept as float32 buffers (they move
+        # with the module), so a call passes a device tensor the kernels trust: no host read, no
+        # allocation, nothing that would break CUDA-graph capture.
+        self._act_scales = []
+        for key in ("scale", "global_scale"):
             if self.act_opts.get(key) is not None:
-                check_positive_scalar(self.act_opts[key], f"act_opts[{key!r}]")
+                t = check_positive_scalar(self.act_opts.pop(key), f"act_opts[{key!r}]")
+                # an int32 view, like the weight's buffers, so model.half() cannot round it
+                self.register_buffer(f"act_{key}", _as_int(t.reshape(1)), persistent=False)
+                self._act_scales.append(key)
         self.out_features, self.in_features = qweight.shape
         self._meta = {"block_shape": qweight.block_shape, "scale_layout": qweight.scale_layout}
         # The quantized tensors are stored as same-width integer views, so that module.to(dtype),
@@ -147,7 +154,8 @@ class QuantLinear(nn.Module):
         c = self.choose(x)
         self.last_impl = c.impl
         xin = x if self.act_dtype is None else x.to(self.act_dtype)
-        y = c.backend.apply(xin, self.prepared(c.backend), self.bias, **self.act_opts)
+        opts = {**self.act_opts, **{k: getattr(self, f"act_{k}").view(torch.float32) for k in self._act_scales}}
+        y = c.backend.apply(xin, self.prepared(c.backend), self.bias, **opts)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -332,6 +340,11 @@ def load_quantized(model: nn.Module, path, **opts) -> nn.Module:
             if current.variant != m["variant"] or [current.out_features, current.in_features] != m["shape"]:
                 raise ValueError(f"{path}: layer {name!r} is {current.variant} {current.out_features}x"
                                  f"{current.in_features} in the model but {m['variant']} {m['shape']} in the file")
+            mine = _layer_meta(current)
+            for field in ("block_shape", "scale_layout", "bias"):
+                if mine[field] != m[field]:
+                    raise ValueError(f"{path}: layer {name!r} has {field}={mine[field]!r} in the model but "
+                                     f"{m[field]!r} in the file; load into a matching layer (or a fresh model)")
             with torch.no_grad():
                 for buf, t in (("weight_data", q.data), ("weight_scale", q.scale),
                                ("weight_global_scale", q.global_scale), ("bias", bias)):

@@ -348,6 +348,8 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
     key = (device, variant_, m_bucket(M), N, K, dtype, requested, source)
     c = _cache.get(key)
     if c is not None:
+        if log_choice and requested == "auto":
+            _log_once(c, device, variant_)  # a set lookup: the decision may have been cached by a report
         return c
     variant(variant_)
     problem = Problem(variant_, M, N, K, dtype)

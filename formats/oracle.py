@@ -17,12 +17,15 @@ import torch
 from .base import FormatSpec, QuantizedTensor, check_float_input, check_k, check_role
 
 
+_NOT_FORMATS = ("base", "codecs", "constants", "layout", "oracle", "validate")  # the package's own machinery
+
+
 def _discover() -> dict[str, ModuleType]:
     """Every module of this package that defines a FormatSpec ``SPEC`` is a format (a new format
     is one new file here), ordered by its ``ORDER``."""
     found = []
     for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if info.name.startswith("_") or info.name == "oracle":
+        if info.name.startswith("_") or info.name in _NOT_FORMATS:
             continue
         mod = importlib.import_module(f"{__package__}.{info.name}")
         if isinstance(getattr(mod, "SPEC", None), FormatSpec):

@@ -46,6 +46,7 @@ __all__ = [
     "check_scale_values",
     "check_weight",
     "static_global_scale",
+    "static_scale",
 ]
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)  # unquantized activations the kernels take
@@ -221,6 +222,26 @@ def check_bias(bias, N: int, device, *, name: str = "bias") -> None:
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {bias.dtype}")
     if device is not None and bias.device != torch.device(device):
         raise ValueError(f"{name} must be on {device}, got {bias.device}")
+
+
+def static_scale(scale, device, *, name: str = "scale") -> torch.Tensor:
+    """A static per-tensor FP8 activation scale (formats/fp8_tensor.py: amax / 448) as float32 0-d
+    on ``device``.
+
+    A Python number is checked (finite, > 0; ValueError naming ``name`` otherwise). A tensor must
+    hold one floating-point element; its value is not read on the host (that would synchronize on
+    every call: it is checked where it is made, QuantLinear or a checkpoint loader), and a bad one
+    (0, negative, Inf, NaN) is turned into NaN on the device, so the output is NaN, never zeros.
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise ValueError(f"{name} must be one positive float, got a {scale.dtype} tensor "
+                             f"of shape {tuple(scale.shape)}")
+        t = scale.to(device=device, dtype=torch.float32).reshape(())
+        return torch.where((t > 0) & (t <= torch.finfo(torch.float32).max), t, float("nan"))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name} must be one finite positive number, got {scale!r}")
+    return torch.tensor(scale, dtype=torch.float32, device=device)
 
 
 def static_global_scale(global_scale, device, *, name: str = "global_scale") -> torch.Tensor:

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from formats import QuantizedTensor
-from formats.base import check_positive_scalar
+from formats.validate import static_scale
 from formats.constants import AMAX_FLOOR, E4M3_MAX
 
 from ._common import (
@@ -331,7 +331,7 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     if scale is None:
         s = torch.empty((), dtype=torch.float32, device=x.device)
     else:
-        s = check_positive_scalar(scale, "scale").to(x.device)
+        s = static_scale(scale, x.device)
     data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     if M == 0:
         if scale is None:  # the oracle's scale of an empty tensor: the amax floor over 448

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from formats import QuantizedTensor
+from formats.codecs import decode_e8m0
 from formats.base import ieee_div
 
 E8M0_DTYPES = (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
@@ -88,8 +89,9 @@ def _finite(layer, name: str, t: torch.Tensor, what: str) -> None:
 
 
 def e8m0_to_fp32(s: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes -> float32 2^(b-127) (exact), for UE8M0 block-FP8 scales."""
-    return (s.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    """E8M0 bytes (uint8 or float8_e8m0fnu) -> float32 2^(b-127), for UE8M0 block-FP8 scales
+    (formats.codecs.decode_e8m0: 0x00 is 2^-127, 0xFF is NaN)."""
+    return decode_e8m0(s.view(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------------------

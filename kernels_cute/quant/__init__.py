@@ -38,8 +38,7 @@ from __future__ import annotations
 import torch
 
 from formats import QuantizedTensor
-from formats.base import check_positive_scalar
-from formats.validate import check_activation, static_global_scale
+from formats.validate import check_activation, static_global_scale, static_scale
 from formats.constants import FP8_BLOCK, MX_BLOCK, NVFP4_BLOCK
 
 from . import fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
@@ -93,7 +92,7 @@ def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTens
 
     if fmt == "fp8_tensor":
         scale = opts.get("scale")
-        static = None if scale is None else check_positive_scalar(scale, "scale").to(x.device)
+        static = None if scale is None else static_scale(scale, x.device)
         data, s = fp8_tensor.quantize(x2, scale=static)
         return QuantizedTensor(fmt, "activation", data, s, None, None, (M, K))
     if fmt == "fp8_block":

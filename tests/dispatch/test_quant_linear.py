@@ -343,3 +343,38 @@ def test_a_nonfinite_activation_row_never_comes_out_finite(variant, impl):
     y = layer(x.to(DEVICE))
     per_tensor = variant in ("fp8_tensor", "nvfp4")
     assert (~torch.isfinite(y)).all(1).tolist() == ([True] * 4 if per_tensor else [False, True, False, False])
+
+
+def test_loading_into_a_layer_with_another_bias_layout_is_named(tmp_path):
+    path, tensors, meta = _saved(tmp_path)
+    model = quantize_model(_Toy(), "nvfp4")
+    model.up.bias = None  # the file has a bias for 'up'; the layer has none
+    with pytest.raises(ValueError, match="layer 'up' has bias=False in the model but True in the file"):
+        load_quantized(model, path)
+
+
+def test_static_activation_scales_live_in_buffers_that_dtype_casts_leave_alone():
+    lin, x = _layer(4)
+    q = QuantLinear.from_linear(lin, "fp8_tensor", impl="reference", act_dtype=torch.bfloat16,
+                                act_opts={"scale": 0.0123})
+    y = q(x)
+    q.half().float()  # would round a float32 scale buffer to fp16
+    assert q.act_scale.view(torch.float32).item() == torch.tensor(0.0123, dtype=torch.float32).item()
+    with torch.no_grad():
+        q.bias.copy_(lin.bias)  # the bias follows the module's dtype, as nn.Linear's does: put it back
+    assert torch.equal(q(x), y)
+    assert "scale" not in q.state_dict() and "act_scale" not in q.state_dict()
+    with pytest.raises(ValueError, match=r"act_opts\['global_scale'\] must be one finite positive number"):
+        QuantLinear.from_linear(lin, "nvfp4", act_opts={"global_scale": float("inf")})
+
+
+def test_linear_on_a_bare_weight_keeps_no_reference_to_it():
+    import gc
+    import weakref
+
+    qw = api.quantize_weight(torch.randn(64, 128), "fp8_block")
+    api.linear(torch.randn(2, 128, dtype=torch.bfloat16), qw, impl="reference")
+    ref = weakref.ref(qw)
+    del qw
+    gc.collect()
+    assert ref() is None

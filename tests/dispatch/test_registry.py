@@ -151,3 +151,20 @@ def test_each_backend_takes_its_formats_activation_options():
     assert registry.get("reference", "fp8_tensor").act_options == {"scale", "out_dtype"}
     assert registry.get("cute", "mxfp8").act_options == {"scale_rule", "quantizer"}
     assert registry.get("triton", "mxfp4_w4a16").act_options == frozenset()
+
+
+def test_a_bad_static_fp8_scale_tensor_gives_nan_never_zeros():
+    # A tensor scale is not read on the host (no sync per call); a bad one becomes NaN on the device.
+    b = registry.get("triton", "fp8_tensor")
+    qw = _weight("fp8_tensor", 0, n=64, k=256)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        assert bool(b.apply(x, b.prepare(qw), scale=torch.tensor(bad)).isnan().all()), bad
+
+
+def test_cute_quantizer_option_is_checked_before_any_kernel():
+    b = registry.get("cute", "nvfp4_w4a16")
+    with pytest.raises(ValueError, match=r"cute:nvfp4_w4a16: quantizer must be 'cute' \(W4A16 quantizes no activation\)"):
+        b.apply(torch.randn(2, 256).to(torch.bfloat16), None, quantizer="triton")
+    with pytest.raises(ValueError, match="quantizer must be 'cute' or 'triton', got 'fast'"):
+        registry.get("cute", "mxfp8").apply(torch.randn(2, 256).to(torch.bfloat16), None, quantizer="fast")
