@@ -75,6 +75,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         ValueError: qweight is not a weight QuantizedTensor, or a16 on a format without W4A16.
         ImplementationUnavailable: a forced implementation cannot serve this call.
         InvalidImplementation: an unknown implementation name.
+        NoBackend: auto found nothing that serves the call (the message lists every reason).
     """
     if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
         raise ValueError("qweight must be a QuantizedTensor with role 'weight' (see quantize_weight)")

@@ -3,8 +3,9 @@
 
 Each class serves every variant of its implementation; :func:`make` builds the table cell for one
 (impl, variant), an :class:`~dispatch.registry.UnsupportedEntry` where an implementation has no
-kernel for a variant. Kernel packages are imported lazily, on the first verb that needs them, so
-building the table (and the vLLM plugin's ``register()``) imports no kernel, b12x or CuTe DSL.
+kernel for a variant. b12x and CuTe DSL are imported lazily, on the first verb that needs them;
+building the table imports kernels_cute's adapters (torch and formats only, to learn what they
+serve) and nothing of b12x.
 """
 
 from __future__ import annotations
@@ -223,6 +224,9 @@ class CuteBackend(_KernelBackend):
         probe = b12x_probe()
         if probe.module is None:
             return False, f"b12x is not installed ({probe.error}); install it with: {INSTALL_CUTE}"
+        err = importlib.import_module("kernels_cute._common").b12x_import_error()  # b12x's GEMMs need CuTe DSL
+        if err:
+            return False, err
         if _is_running_device(device):
             ok, why = importlib.import_module("kernels_cute").device_gate(self.variant)
             if not ok:

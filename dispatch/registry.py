@@ -15,7 +15,7 @@ the vLLM plugin) reaches an implementation the same way:
 A variant is a format (formats.FORMAT_NAMES) or its weight-only W4A16 form ("nvfp4_w4a16",
 "mxfp4_w4a16": activations stay bf16/fp16). A format is added to the registry by one entry in
 :data:`FORMATS`; everything else here is derived. An implementation that does not serve a variant
-has an explicit :class:`Unsupported` entry saying why, so the table is complete.
+has an explicit :class:`UnsupportedEntry` saying why, so the table is complete.
 
 What the caller asked for (``impl=`` > ``use_impl()`` > ``B12X_IMPL`` > auto) is read by
 :mod:`dispatch.policy`; this module decides.

@@ -284,5 +284,5 @@ def check_scale_values(qt, *, name: str = "qweight") -> None:
         if b.numel() and bool(((b & 0x7F) == 0x7F).any() | (b >= 0x80).any()):
             raise ValueError(f"{name}.scale (e4m3 block scales) must be non-negative and not NaN; "
                              "found a NaN code (0x7F/0xFF) or a negative scale")
-    elif qt.fmt in ("mxfp8", "mxfp4") and qt.scale.numel() and bool((qt.scale == 0xFF).any()):
+    elif qt.scale.dtype == torch.uint8 and qt.scale.numel() and bool((qt.scale == 0xFF).any()):
         raise ValueError(f"{name}.scale (E8M0 bytes) must not contain 0xFF (NaN)")

@@ -103,7 +103,10 @@ def query_maker(variant: str):
 
 @functools.lru_cache(maxsize=None)
 def _b12x_gate(variant: str) -> bool:
-    return bool(importlib.import_module(_GATES[variant]).is_supported())
+    try:
+        return bool(importlib.import_module(_GATES[variant]).is_supported())
+    except Exception:  # noqa: BLE001  (an entry point that does not import is not supported)
+        return False
 
 
 def device_gate(variant: str) -> tuple[bool, str]:
@@ -150,8 +153,8 @@ def supported(fmt: str, M: int, N: int, K: int, device, *, dtype: Optional[torch
     if err:
         return False, err
     mod = module(fmt)
-    if base == "mxfp4" and a16:
-        return mod.supported(M, N, K, a16=True)
+    if not_served(fmt):
+        return mod.supported(M, N, K, a16=True)  # the module's own "no such kernel" reason
     if _is_running_device(device):
         ok, why = device_gate(fmt)
         if not ok:

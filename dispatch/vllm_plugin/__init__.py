@@ -2,7 +2,8 @@
 
 Installed as a ``vllm.general_plugins`` entry point (pyproject: ``b12x_dual =
 "dispatch.vllm_plugin:register"``), which vLLM calls in every process it starts. ``register()``
-is idempotent and cheap: it imports neither vLLM's kernel package nor any of ours, nor b12x or
+is idempotent and cheap: it imports neither vLLM's kernel package nor any kernel module of ours
+(only the dispatch package, which sets TRITON_INTERPRET=1 on a machine without a GPU), nor b12x or
 CuTe DSL. It arranges for :func:`patches.apply` to run right after vLLM imports
 ``vllm.model_executor.kernels.linear`` (or at once, if it already has), which puts our kernel
 classes (kernels.py) into vLLM's selection. docs/vllm.md has the user's side:

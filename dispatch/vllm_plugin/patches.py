@@ -1,5 +1,5 @@
 """Everything the plugin changes in vLLM 0.33.0, in one module. Each patch has a test in
-tests/vllm/test_patches.py that fails when vLLM changes what it patches.
+tests/vllm/test_vllm_patches.py that fails when vLLM changes what it patches.
 
 1. ``kernel_lists``: our classes go to the FRONT of ``_POSSIBLE_{FP8,FP8_BLOCK,MXFP8,NVFP4,MXFP4}
    _KERNELS`` for the CUDA and CPU platforms. vLLM's public ``register_linear_kernel`` appends,

@@ -76,7 +76,7 @@ def unit(layer: torch.nn.Module, counts):
 def warmup_model(model: torch.nn.Module, counts: Iterable[int]) -> dict[str, int]:
     """Run every b12x-dual layer signature in ``model`` at each token count once.
 
-    Returns {variant: signatures warmed}. Safe to call again: what already ran is skipped.
+    Returns {"b12x-dual <variant>": signatures warmed}. Safe to call again: what already ran is skipped.
     """
     counts = tuple(counts)
     units = {}
