@@ -35,7 +35,7 @@ from dispatch.quant_linear import QuantLinear, quantize_model
 
 from . import argtypes as A
 
-DEMO_VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "mxfp4_w4a16")
+DEMO_VARIANTS = tuple(registry.VARIANTS)
 BATCH_SIZE = 16
 """Sentences per forward pass. The sentences are sorted by length first, so batches carry little
 padding (the GEMM M is the padded token count)."""
