@@ -10,7 +10,6 @@ s_x * s_w and the bias once.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -177,7 +177,6 @@ def _metrics(row: dict, ceilings: dict, gpu: bool) -> None:
 def _baseline_calls(name: str, cache: ShapeCache, M: int, xs: list[torch.Tensor], gpu: bool):
     """(fns, bytes, check-closure) for a baseline, or raise with the reason it cannot run."""
     N, K = cache.shape.N, cache.shape.K
-    dev = cache.device
     if name == "torch_bf16":
         w0 = cache.w.to(torch.bfloat16)
         n = len(xs)

@@ -12,9 +12,8 @@ cache key is (kernel class, knobs, target arch).
 
 from __future__ import annotations
 
-import os
 import threading
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 

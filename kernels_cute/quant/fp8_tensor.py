@@ -37,7 +37,7 @@ from cutlass import Float32, Int32, Int64, Uint8
 from formats.constants import E4M3_MAX
 
 from . import _launch as L
-from ._codecs import FLOOR, amax_or_nan, div_rn, encode_e4m3, fmax, nan_if_nonfinite
+from ._codecs import FLOOR, amax_or_nan, div_rn, encode_e4m3, nan_if_nonfinite
 
 
 class Fp8TensorQuantize:
