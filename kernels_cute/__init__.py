@@ -259,10 +259,9 @@ def prepare(layers, *, cuda_graph_sizes: Iterable[int] = (), max_tokens: Optiona
     """
     import time
 
+    _common.blockscaled()  # RuntimeError naming the install line when b12x is missing
     from b12x.preparation import PreparationSession, PreparedCall
 
-    bs = _common.blockscaled()
-    del bs
     layers = [(w.variant, w.n, w.k) if isinstance(w, CuteWeight) else tuple(w) for w in layers]
     counts = token_counts(cuda_graph_sizes, max_tokens, token_counts_extra)
     keys, skipped = plan_keys(layers, counts, out_dtype=out_dtype, device=device)

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from ..api import tokens
+
 log = logging.getLogger("dispatch.vllm_plugin")
 
 OP = "b12x_dual::linear"
@@ -73,7 +75,7 @@ def _capturing(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, bias: Optional[torch.Tensor], handle: int, n: int) -> torch.Tensor:
     """y [..., n] = x [..., K] . W^T (+ bias) for the layer ``handle`` (x bf16/fp16; y x's dtype)."""
     st = _STATES[handle]
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    m = tokens(x)
     if _capturing(x) and m not in st.warmed:
         # A first call may compile (CuTe DSL, Triton); that must not happen inside a CUDA graph.
         raise RuntimeError(
