@@ -248,8 +248,9 @@ def static_global_scale(global_scale, device, *, name: str = "global_scale") -> 
     """A static NVFP4 global scale g (formats/nvfp4.py) as float32 [1] on ``device``.
 
     A Python number is checked (finite, > 0; ValueError naming ``name`` otherwise). A tensor must
-    hold one floating-point element and is trusted as is: checking its value would synchronize with
-    the device, so the caller checks it where it is made.
+    hold one floating-point element; its value is not read here (that would synchronize with the
+    device): the quantizers turn a bad one into NaN on the device, and callers that make or load one
+    check it there (check_scale_values).
     """
     if isinstance(global_scale, torch.Tensor):
         if global_scale.numel() != 1 or not global_scale.is_floating_point():

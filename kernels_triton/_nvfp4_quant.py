@@ -38,7 +38,8 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 from formats.validate import static_global_scale
 
-from ._common import abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting
+from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting,
+                      nan_if_nonfinite)
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
@@ -107,7 +108,10 @@ def _quantize_kernel(
         partial = tl.load(partial_ptr + offs_p, mask=offs_p < num_partials, other=0.0)
         g = _global_scale_from_amax(tl.max(partial, axis=0))
     else:
+        # a static g given as a tensor is not checked on the host (that would sync): a bad one
+        # (<= 0, Inf, NaN) becomes NaN here, so every consumer of g_out yields NaN, never zeros
         g = tl.load(partial_ptr)
+        g = nan_if_nonfinite(tl.where(g > 0, g, float("nan")))
     tl.store(g_out_ptr, g, mask=(pid_m == 0) & (pid_k == 0))
 
     # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16)

@@ -39,7 +39,8 @@ from cutlass import Float32, Int32, Int64, Uint8
 from formats.constants import E2M1_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 
 from . import _launch as L
-from ._codecs import FLOOR, abs_or_inf, amax_or_nan, decode_e4m3, div_rn, encode_e2m1, encode_e4m3, fmax, swizzled_offset
+from ._codecs import (FLOOR, abs_or_inf, amax_or_nan, decode_e4m3, div_rn, encode_e2m1, encode_e4m3, fmax,
+                      nan_if_nonfinite, nan_value, swizzled_offset)
 
 
 class Nvfp4Quantize:
@@ -75,7 +76,10 @@ class Nvfp4Quantize:
             amax = cute.make_tensor(pAmax, cute.make_layout(1))[0].bitcast(Float32)
             g = div_rn(Float32(NVFP4_GLOBAL_NUMERATOR), amax_or_nan(amax, Float32(FLOOR)))  # NaN: x held NaN/Inf
         else:
-            g = cute.make_tensor(pG, cute.make_layout(1))[0]
+            # a static g tensor is not checked on the host (a sync): a bad one (<= 0, Inf, NaN)
+            # becomes NaN, so the codes, g_out and the GEMM's alpha are NaN, never zeros
+            g_in = cute.make_tensor(pG, cute.make_layout(1))[0]
+            g = nan_if_nonfinite(Float32(cutlass.select_(g_in > Float32(0.0), g_in, nan_value())))
         if b == 0:
             cute.make_tensor(pGout, cute.make_layout(1))[0] = g
         if b < blocks:
@@ -127,7 +131,8 @@ def quantize(x2: torch.Tensor, *, global_scale=None, swizzled: bool = False):
     """x2 bf16/fp16 CUDA [M, K] (K % 16 == 0, any strides) -> (uint8 codes [M, K/2], e4m3 scales
     [M, K/16] or flat swizzled, float32 0-d g).
 
-    ``global_scale``: None (dynamic) or a float32 one-element tensor on x2's device (static, trusted).
+    ``global_scale``: None (dynamic) or a float32 one-element tensor on x2's device (static; a value
+    that is not finite and > 0 becomes NaN in the kernel).
     """
     M, K = x2.shape
     device = x2.device

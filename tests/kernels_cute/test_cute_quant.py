@@ -216,6 +216,18 @@ def test_all_zero_tensor_gets_the_amax_floor(fmt):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("g", [0.0, -1.0, float("inf"), float("nan")], ids=["zero", "negative", "inf", "nan"])
+def test_bad_static_global_scale_tensor_becomes_nan_as_in_triton(g):
+    """A tensor g is not read on the host; the kernel records NaN as the g it used (the codes are 0
+    and the scales the NaN code 0x7F), so the GEMM's alpha = 1 / g_x is NaN, never 0 (g = Inf)."""
+    x = make_input((5, 64), BF16, block=16, generator=torch.Generator().manual_seed(11))
+    q = cute_q(x, "nvfp4", global_scale=torch.tensor(g, device=DEVICE))
+    assert bool(q.global_scale.isnan())
+    assert_same_bits(q, triton_q(x, "nvfp4", global_scale=torch.tensor(g, device=DEVICE)), f"g={g}: cute vs triton")
+
+
+@pytest.mark.gpu
+@on_gpu
 @pytest.mark.parametrize("fmt,opts", [("mxfp8", {}), ("mxfp8", {"scale_rule": "floor"}),
                                       ("mxfp4", {}), ("mxfp4", {"scale_rule": "floor"}),
                                       ("nvfp4", {}), ("nvfp4", {"global_scale": 100.0})])
