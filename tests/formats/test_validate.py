@@ -45,7 +45,7 @@ def test_good_operands_pass(fmt):
     xq = act(fmt)
     V.check_quantized_activation(xq, fmt, K, device="cpu")
     V.check_quantized_activation(act(fmt, m=0), fmt, K)
-    V.check_activation(make_input((2, 3, K)), K, fmt, device="cpu")
+    V.check_activation(make_input((2, 3, K), device="cpu"), K, fmt, device="cpu")
     V.check_bias(torch.zeros(N), N, "cpu")
     V.check_bias(None, N, "cpu")
     if fmt in ("mxfp8", "nvfp4", "mxfp4"):  # 1-byte scales may come swizzled
