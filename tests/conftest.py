@@ -13,11 +13,12 @@ from hypothesis import HealthCheck, settings
 import kernels_triton  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU)
 from kernels_triton import interpreting  # noqa: F401  (for the tests that import it from here)
 
-# Hypothesis profiles: "ci" (default) a few dozen derandomized examples per property, for the CPU
-# interpreter; "h200" 10,000 per property (HYPOTHESIS_PROFILE=h200, on a GPU). No example database
-# (the runs are derandomized or seeded; nothing is written into the checkout).
+# Hypothesis profiles: "ci" (default) 100 derandomized examples per property (500 quantizer
+# cases), for the CPU interpreter; "h200" 10,000 per property (HYPOTHESIS_PROFILE=h200, on a
+# GPU). No example database (the runs are derandomized or seeded; nothing is written into the
+# checkout).
 _HYP = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=30, derandomize=True, **_HYP)
+settings.register_profile("ci", max_examples=100, derandomize=True, **_HYP)
 settings.register_profile("h200", max_examples=10_000, derandomize=True, **_HYP)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

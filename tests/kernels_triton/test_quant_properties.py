@@ -5,8 +5,9 @@ block maxima at and around each format's largest code, huge and tiny magnitudes,
 non-finite rule). Hypothesis draws the structure and a seed; torch builds the tensor from the seed
 (drawing every element through Hypothesis would cost more than the kernel under the interpreter).
 
-Profiles (tests/conftest.py): "ci" (default) 30 derandomized examples per format and quantizer;
-HYPOTHESIS_PROFILE=h200 runs 10,000 per format (docs/results.md has the figures).
+Profiles (tests/conftest.py): "ci" (default) 100 derandomized examples per format and quantizer
+(500 Triton cases in CI); HYPOTHESIS_PROFILE=h200 runs 10,000 per format (docs/results.md has
+the figures).
 """
 
 from __future__ import annotations
