@@ -179,7 +179,7 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
 
     def rows(x2):
         if a16:
-            return C.add_bias(_linear_a16(x2, prepared), bias, prepared.n)
+            return C.add_bias(_linear_a16(x2, prepared), bias)
         return gemm(quantize_activation(x2, global_scale=global_scale), prepared, bias, out_dtype=x.dtype)
 
     return C.run_linear(FMT, x, prepared, bias, rows)
