@@ -16,8 +16,10 @@ accesses overlap its predecessor's, and as the predecessor itself waited for its
 before touching memory, the order holds down the whole chain (quantize -> GEMM -> reduce -> the
 next linear's quantize). What overlaps is the launch and the programs' start-up, nothing that reads
 or writes memory; the arithmetic, and so every bit of the output, is the same as without PDL.
-A kernel launched without the attribute (torch's, cuBLAS) waits for its predecessor as usual, and
-a chain kernel after it simply starts when it ends.
+A kernel launched without the attribute (torch's, cuBLAS, b12x's) waits for its predecessor as
+usual, whatever the predecessor signalled, and a chain kernel after it simply starts when it ends.
+The rule for a new kernel: launch it with ``**pdl_launch(device)`` only if every program calls
+``pdl_wait(USE_PDL)`` before its first global load or store.
 
 ``B12X_PDL=0`` turns it off (default: on where it applies). Under the interpreter, on CPU tensors
 and on GPUs older than sm_90 it never applies: ``USE_PDL`` is False, the branches below are never
