@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ._common import TileConfig, decode_e4m3, global_alpha, interpreting, round_to_bf16_rne
 from ._fp4_gemm import dequant_e2m1_tile  # the lesson's exact fp32 decode (bf16 flavour)
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
@@ -119,6 +120,7 @@ def fp4_decode_gemm_kernel(
     HAS_BIAS: tl.constexpr, F16_DECODE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # _pdl
 ):
     """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module docstring)."""
     pid_n = tl.program_id(0)
@@ -130,6 +132,7 @@ def fp4_decode_gemm_kernel(
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if F16_DECODE:
             w = nvfp4_tile_f16(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
@@ -148,6 +151,7 @@ def fp4_decode_gemm_kernel(
                                       BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
         acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc)
 
+    pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if F16_DECODE:
         out = out * F16_SCALE_BACK
@@ -225,7 +229,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         F16_DECODE=f16, USE_ASM=(not interp) if use_asm is None else use_asm, DOT_DTYPE=dot,
         ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE,

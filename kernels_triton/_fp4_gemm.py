@@ -47,6 +47,7 @@ import triton.language as tl
 from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e4m3_finite, decode_e8m0, global_alpha, interpreting,
                       round_to_bf16_rne)
 from ._paths import device_capability, sm_count
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._tiles import sm12x_config
 from ._twopass import (
     ALPHA_GLOBAL_RECIP,
@@ -202,6 +203,7 @@ def fp4_gemm_kernel(
     ROUND_BF16: tl.constexpr,  # interpreter + bf16 output: round to nearest even before the cast
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     # ----- program -> output tile, grouped along M so neighbouring programs share W tiles in L2
     pid = tl.program_id(0)
@@ -225,6 +227,7 @@ def fp4_gemm_kernel(
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # W tile, scales applied: [BLOCK_N, BLOCK_K] -> transposed to [BLOCK_K, BLOCK_N]
         w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
@@ -249,6 +252,7 @@ def fp4_gemm_kernel(
             a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
                                   BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
             acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
+    pdl_launch_dependents(USE_PDL)
 
     if SPLIT_K > 1:
         # partial sum of this K range; splitk_reduce_kernel adds the slices and runs the epilogue
@@ -366,7 +370,7 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
         ROUND_BF16=interp and out_dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE, s1=gx, s2=gw)

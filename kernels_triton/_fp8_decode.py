@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._common import TileConfig, interpreting
 from ._paths import device_capability, sm_count
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import ALPHA_SCALES, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
@@ -26,6 +27,7 @@ def fp8_decode_gemm_kernel(
     M, N, K, K_PER, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # _pdl
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -36,6 +38,7 @@ def fp8_decode_gemm_kernel(
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
@@ -44,6 +47,7 @@ def fp8_decode_gemm_kernel(
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_ACC)
+    pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
@@ -104,7 +108,7 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, imprecise_acc: int = 128, config
         M, N, K, k_per, x.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IMPRECISE_ACC=min(imprecise_acc, cfg.BLOCK_K),
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=sx, s2=sw)

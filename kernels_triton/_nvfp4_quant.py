@@ -40,6 +40,7 @@ from formats.validate import static_global_scale
 
 from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting,
                       nan_if_nonfinite)
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
@@ -64,6 +65,7 @@ def _amax_partial_kernel(
     M, K,
     stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """partial[pid_m * Pk + pid_k] = max |x| over the row tiles pid_m, pid_m + Pm, ... and the K tiles
     pid_k, pid_k + Pk, ... of a (Pm, Pk) grid. The grid spans K too: one program walking all of K
@@ -73,6 +75,7 @@ def _amax_partial_kernel(
     num_pm = tl.num_programs(0)
     num_pk = tl.num_programs(1)
     amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    pdl_wait(USE_PDL)  # x is the previous kernel's output
     for m0 in range(pid_m * BLOCK_M, M, num_pm * BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
@@ -81,6 +84,7 @@ def _amax_partial_kernel(
             ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, abs_or_inf(x))  # +Inf marks a NaN/Inf
+    pdl_launch_dependents(USE_PDL)
     tl.store(partial_ptr + pid_m * num_pk + pid_k, tl.max(tl.max(amax, axis=1), axis=0))
 
 
@@ -98,9 +102,11 @@ def _quantize_kernel(
     # meta-parameters
     DYNAMIC: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pdl_wait(USE_PDL)  # the partials (and x) come from earlier kernels
 
     # ----- global scale: reduce the partial amaxes (dynamic) or read the static g
     if DYNAMIC:
@@ -138,6 +144,7 @@ def _quantize_kernel(
     # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
     even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
     packed = even | (odd << 4)
+    pdl_launch_dependents(USE_PDL)
     offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
              mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
@@ -194,14 +201,14 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
             num_partials = pm * pk
             g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
             _amax_partial_kernel[(pm, pk)](
-                x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
+                x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device))
         grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
         _quantize_kernel[grid](
             x2, g_in, data, scale, g,
             M, K, num_partials,
             x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
             DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)),
-            BLOCK_M=block_m, BLOCK_K=block_k,
+            BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device),
         )
     return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
                            (1, VEC_SIZE), (M, K))

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ._common import TileConfig, global_alpha, interpreting, round_to_bf16_rne
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 # epilogue modes (ALPHA_MODE): what multiplies the fp32 accumulator before the bias
 ALPHA_NONE = 0
@@ -81,9 +82,9 @@ def splitk_reduce_kernel(
     ws_ptr, y_ptr, s1_ptr, s2_ptr, bias_ptr,
     M, N, stride_ym,
     SPLIT_K: tl.constexpr, ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    """y[tile] = epilogue(sum_s ws[s, tile]); ws is contiguous fp32 [SPLIT_K, M, N]."""
+    """y[tile] = epilogue(sum_s ws[s, tile]); ws is contiguous fp32 [SPLIT_K, M, N]. USE_PDL: _pdl."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -91,8 +92,10 @@ def splitk_reduce_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     rows = offs_m.to(tl.int64)  # int64: the workspace [SPLIT_K * M, N] may pass 2^31 elements
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pdl_wait(USE_PDL)  # the GEMM's partials
     for s in tl.static_range(SPLIT_K):  # fixed order: the same bits every run
         acc += tl.load(ws_ptr + (rows + s * M)[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    pdl_launch_dependents(USE_PDL)
     acc = epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -135,7 +138,7 @@ def launch_splitk_reduce(ws, y, *, bias=None, alpha_mode=ALPHA_NONE, s1=None, s2
         M, N, y.stride(0),
         SPLIT_K=split, ALPHA_MODE=alpha_mode, HAS_BIAS=bias is not None,
         ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=4, **pdl_launch(y.device),
     )
     return y
 

@@ -77,6 +77,7 @@ from ._e4m3_gemm import (
     quant_config,
 )
 from ._paths import default_device, resolve_path
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 FMT = "fp8_block"
@@ -99,6 +100,7 @@ def _quantize_kernel(
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     # meta-parameters
     UE8M0: tl.constexpr, BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """q = e4m3(x / s) and s = max(amax, floor) / 448 (optionally 2^ceil(log2 s)) per 1x128 group."""
     pid_m = tl.program_id(0)
@@ -106,6 +108,7 @@ def _quantize_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = kb * _GROUP + tl.arange(0, _GROUP)
     row_ok = offs_m < M
+    pdl_wait(USE_PDL)  # x is the previous kernel's output
     # x tile [BLOCK_M, 128]: exactly one group per row, so the group amax is a row max
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -115,6 +118,7 @@ def _quantize_kernel(
         # power-of-two scale, exponent kept in the float32 normal range as formats.codecs.pow2_ceil
         scale = tl.where(scale != scale, scale, exp2_int(tl.minimum(tl.maximum(ceil_log2(scale), -126), 127)))
     q = encode_e4m3(tl.math.div_rn(x, scale[:, None]))
+    pdl_launch_dependents(USE_PDL)
     q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
     tl.store(q_ptrs, q, mask=row_ok[:, None])
     tl.store(s_ptr + offs_m.to(tl.int64) * stride_sm + kb * stride_sk, scale, mask=row_ok)
@@ -136,7 +140,7 @@ def _gemm_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """One [BLOCK_M, BLOCK_N] tile of y (or, split-K, its sum over K blocks [kb_lo, kb_hi)); BLOCK_K
     must be 128 (one scale per K step)."""
@@ -159,6 +163,7 @@ def _gemm_kernel(
 
     # ----- K loop: one 128-deep partial per step, scaled before it joins the accumulator -----
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pdl_wait(USE_PDL)  # the quantized activation
     for kb in range(kb_lo, kb_hi):
         a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
@@ -171,6 +176,7 @@ def _gemm_kernel(
         acc += partial * (sx[:, None] * sw[None, :])  # scales together first: partial * sx can overflow
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
+    pdl_launch_dependents(USE_PDL)
 
     if SPLIT_K > 1:  # a partial sum of this K range; the bias comes in the reduction
         store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
@@ -299,7 +305,7 @@ def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTen
             x2, q, scale,
             M,
             x2.stride(0), x2.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
-            UE8M0=bool(ue8m0), BLOCK_M=block_m,
+            UE8M0=bool(ue8m0), BLOCK_M=block_m, **pdl_launch(x.device),
         )
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, FP8_BLOCK), (M, K))
 
@@ -351,7 +357,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and out_dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias)

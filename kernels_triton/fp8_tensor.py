@@ -88,6 +88,7 @@ from ._e4m3_gemm import (
 )
 from ._fp8_decode import fp8_decode_applies, hopper_config, launch_fp8_decode
 from ._paths import default_device, resolve_path
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (
     ALPHA_SCALES,
     epilogue,
@@ -122,6 +123,7 @@ def _amax_partials_kernel(
     stride_xm, stride_xk,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """partials[pid_m * Pk + pid_k] = max |x| over rows [pid_m*BLOCK_M, (pid_m+1)*BLOCK_M) and the
     K tiles pid_k, pid_k + Pk, ... The grid spans K as well as M: a program walking all of K issues
@@ -132,12 +134,14 @@ def _amax_partials_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_off = offs_m.to(tl.int64) * stride_xm
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pdl_wait(USE_PDL)  # x is the previous kernel's output
     for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         # x tile [BLOCK_M, BLOCK_K]; masked elements read as 0, which never raises a max of |x|
         x = tl.load(x_ptr + row_off[:, None] + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(abs_or_inf(x.to(tl.float32)), axis=1))  # +Inf marks a NaN/Inf
+    pdl_launch_dependents(USE_PDL)
     tl.store(partials_ptr + pid_m * num_pk + pid_k, tl.max(amax, axis=0))
 
 
@@ -154,11 +158,12 @@ def _quantize_kernel(
     stride_xm, stride_xk, stride_qm, stride_qk,
     # meta-parameters
     STATIC_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIALS_BLOCK: tl.constexpr,
+    PARTIALS_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """q[tile] = e4m3(x[tile] / scale); with a dynamic scale, also scale = max(amax, floor) / 448."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pdl_wait(USE_PDL)  # the partials (and x) come from earlier kernels
     if STATIC_SCALE:
         scale = tl.load(scale_ptr)
     else:
@@ -181,6 +186,7 @@ def _quantize_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     q = encode_e4m3(tl.math.div_rn(nan_if_nonfinite(x), scale))  # NaN/Inf -> 0x7F, static scale too
+    pdl_launch_dependents(USE_PDL)
     q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
     tl.store(q_ptrs, q, mask=mask)
 
@@ -349,7 +355,7 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
         num_partials = pm * pk
         partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
         _amax_partials_kernel[(pm, pk)](
-            x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k
+            x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(x.device)
         )
     q = data.view(torch.uint8)
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
@@ -358,6 +364,7 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
         M, K, num_partials,
         x2.stride(0), x2.stride(1), q.stride(0), q.stride(1),
         STATIC_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, PARTIALS_BLOCK=PARTIALS_BLOCK,
+        **pdl_launch(x.device),
     )
     return QuantizedTensor(FMT, "activation", data, s, None, None, (M, K))
 

@@ -75,6 +75,7 @@ from ._common import (
 )
 from ._fp4_gemm import launch_fp4_gemm, portable_config
 from ._paths import check_native_weight, default_device, resolve_path, weight_scale_bytes
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from .nvfp4 import launch_fp4_dot_scaled, native_tile_config
 
 FMT = "mxfp4"
@@ -102,9 +103,11 @@ def _quantize_kernel(
     # meta-parameters
     CEIL_RULE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pdl_wait(USE_PDL)  # x is the previous kernel's output
 
     # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -135,6 +138,7 @@ def _quantize_kernel(
     # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
     even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
     packed = even | (odd << 4)
+    pdl_launch_dependents(USE_PDL)
     offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
              mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
@@ -180,7 +184,7 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
         _quantize_kernel[grid](
             x2, data, scale, M, K,
             x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
-            CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k,
+            CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(x.device),
         )
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, VEC_SIZE), (M, K))
 

@@ -84,6 +84,7 @@ from ._common import (
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
 from ._paths import NATIVE_SCALE_LAYOUTS, check_native_weight, default_device, resolve_path, weight_scale_bytes
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (
     NO_ALPHA,
     epilogue,
@@ -117,6 +118,7 @@ def _quantize_kernel(
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     # meta-parameters
     FLOOR_RULE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """Per 1x32 block: e from the block amax (ceil or floor rule), q = e4m3(x * 2^-e), s = e + 127."""
     pid_m = tl.program_id(0)
@@ -125,6 +127,7 @@ def _quantize_kernel(
     offs_g = pid_k * GROUPS + tl.arange(0, GROUPS)              # [GROUPS] block index along K
     offs_k = offs_g[:, None] * VEC_SIZE + tl.arange(0, VEC_SIZE)[None, :]  # [GROUPS, 32]
     mask = (offs_m < M)[:, None, None] & (offs_g < num_groups)[None, :, None]
+    pdl_wait(USE_PDL)  # x is the previous kernel's output
     # x tile [BLOCK_M, GROUPS, 32]: the last axis is one scale block, so its amax is one reduction
     x_off = offs_m[:, None, None].to(tl.int64) * stride_xm + offs_k[None, :, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
@@ -139,6 +142,7 @@ def _quantize_kernel(
     # x * 2^-e is exact (a power of two), like the oracle's ldexp; a bad block's codes are all 0x7F
     # (times NaN) and its scale the NaN byte 0xFF (the non-finite rule)
     q = encode_e4m3(x * tl.where(bad, float("nan"), exp2_int(-e))[:, :, None])
+    pdl_launch_dependents(USE_PDL)
     q_off = offs_m[:, None, None].to(tl.int64) * stride_qm + offs_k[None, :, :].to(tl.int64) * stride_qk
     tl.store(q_ptr + q_off, q, mask=mask)
     s_off = offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
@@ -178,7 +182,7 @@ def _gemm_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale block")
@@ -191,6 +195,7 @@ def _gemm_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * K_PER
+    pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
         a = _dequant_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
@@ -202,6 +207,7 @@ def _gemm_kernel(
             acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
+    pdl_launch_dependents(USE_PDL)
 
     if SPLIT_K > 1:  # a partial sum of this K range; the bias comes in the reduction
         store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
@@ -344,7 +350,7 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
             x2, q, scale,
             M, num_groups,
             x2.stride(0), x2.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
-            FLOOR_RULE=scale_rule == "floor", BLOCK_M=block_m, GROUPS=groups,
+            FLOOR_RULE=scale_rule == "floor", BLOCK_M=block_m, GROUPS=groups, **pdl_launch(x.device),
         )
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, MX_BLOCK), (M, K))
 
@@ -393,7 +399,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         HAS_BIAS=bias is not None, DOT_BF16=not interp, RNE_BF16=interp and out_dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias)

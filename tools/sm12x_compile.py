@@ -152,6 +152,10 @@ def _signature(fn, b: Build) -> tuple[dict, dict, dict]:
             const[name] = tl.bfloat16 if v == "bf16" else v
             sig[name] = "constexpr"
             continue
+        if fn.params[i].is_constexpr and fn.params[i].has_default:  # e.g. USE_PDL=False (_pdl)
+            const[name] = fn.params[i].default
+            sig[name] = "constexpr"
+            continue
         if name.endswith("_ptr"):
             default = "*bf16" if name in ("c_ptr", "y_ptr") else "*fp32" if name in ("ws_ptr", "bias_ptr") else "*u8"
             sig[name] = b.types.get(name, default)
