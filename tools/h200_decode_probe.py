@@ -137,7 +137,7 @@ def fp8_rows(M, w0, gen):
     if M <= 16:
         for bn, bk, st, wp, ppsm, imp in [(64, 128, 4, 4, 2, 128), (64, 128, 4, 4, 4, 128), (128, 128, 4, 4, 2, 128),
                                           (64, 256, 3, 4, 2, 128), (64, 128, 6, 4, 1, 128), (128, 128, 4, 4, 1, 128),
-                                          (64, 128, 4, 4, 2, 1 << 30)]:
+                                          (64, 128, 4, 4, 2, 1 << 30), (64, 128, 6, 4, 0, 128), (64, 128, 8, 4, 0, 128)]:
             cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, bk=bk, stages=st, warps=wp, programs_per_sm=ppsm)
             add(f"swap {cfg} imprecise={imp}",
                 lambda w, cfg=cfg, imp=imp: _fp8_decode.launch_fp8_decode(
@@ -177,7 +177,8 @@ def fp8_block_rows(M, w0, gen):
         print(rows[-1], flush=True)
 
     add(f"lesson {lesson_cfg}", lambda w: fp8_block._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
-    for bn, st, ppsm in [(64, 6, 1), (64, 4, 2), (64, 6, 2), (128, 4, 1)]:
+    # programs_per_sm 0: no split-K (one program per 64-row tile walks all of K, no reduction launch)
+    for bn, st, ppsm in [(64, 6, 1), (64, 4, 2), (64, 6, 2), (128, 4, 1), (64, 6, 0), (64, 8, 0), (64, 8, 1)]:
         cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, stages=st, programs_per_sm=ppsm)
         add(f"swap {cfg}", lambda w, cfg=cfg: _fp8_decode.launch_fp8_decode(
             xq.data, w.data, xq.scale, w.scale, None, out(), block_scaled=True, config=cfg))
@@ -199,7 +200,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
-    p.add_argument("--only", default="", help="comma list of job formats: nvfp4, mxfp4, fp8, fp8_block (default: all)")
+    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block; "
+                   "default: all)")
     args = p.parse_args()
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -209,7 +211,8 @@ def main():
             ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None),
             ("fp8_block", 16, None), ("fp8_block", 1, None)]
     if args.only:
-        jobs = [j for j in jobs if j[0] in args.only.split(",")]
+        sel = args.only.split(",")
+        jobs = [j for j in jobs if j[0] in sel or f"{j[0]}:{j[1]}" in sel]
     for fmt, M, a16 in jobs:
         if time.time() - t0 > args.budget_s:
             print(f"probe budget spent, skipping {fmt} M={M}", flush=True)
