@@ -278,7 +278,8 @@ def tile_config(M: int, N: int, K: int, path=None):
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_config(M, N, K, dev, kind="fp8_block", block_k=FP8_BLOCK)
-    return hopper_config(M, N, K, dev, block_scaled=True) or gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK)
+    return (hopper_config(M, N, K, dev, block_scaled=True)
+            or gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK))
 
 
 def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
