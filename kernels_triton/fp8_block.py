@@ -38,6 +38,11 @@ promoted as above; with ``ue8m0=True`` (power-of-two scales, DeepGEMM's UE8M0) e
 handed to the MMA as its E8M0 byte e + 127, repeated over its four 32-blocks, and no promotion
 step is needed (a scale that is not a power of two makes its rows/columns of y NaN).
 
+Decode on sm_90 (1 <= M <= 16, ``_fp8_decode`` with BLOCK_SCALED): the same sum with the operands
+swapped, so the weight is wgmma's 64-row M side and the 16 padded activation rows its N side; each
+128-deep partial is a fresh wgmma accumulator scaled by sw * sx before it joins the fp32 sum, and
+K is split over the SMs. ``ue8m0`` changes nothing there, as in the portable kernel.
+
 Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
 fp8_block QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md: the
 group's scale becomes NaN and its codes 0x7F, so that row of y is NaN and no other row is.
@@ -76,6 +81,7 @@ from ._e4m3_gemm import (
     native_config,
     quant_config,
 )
+from ._fp8_decode import fp8_decode_applies, hopper_config, launch_fp8_decode
 from ._paths import default_device, resolve_path
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
@@ -273,11 +279,13 @@ def _native_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 def tile_config(M: int, N: int, K: int, path=None):
     """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
-    and ``path`` (None: gemm_path's choice; native with fp32 scales), as gemm uses it (the bench)."""
+    and ``path`` (None: gemm_path's choice; native with fp32 scales), as gemm uses it (the bench);
+    on sm_90 at M <= 16 the swapped decode kernel's (_fp8_decode)."""
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_config(M, N, K, dev, kind="fp8_block", block_k=FP8_BLOCK)
-    return gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK)
+    return (hopper_config(M, N, K, dev, block_scaled=True)
+            or gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK))
 
 
 def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
@@ -317,7 +325,8 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     Native path (SM12x): fp32 scales take one unit-scale block-scaled MMA per 128-K step plus the
     fp32 promotion; ``ue8m0=True`` declares both operands' scales powers of two (DeepGEMM UE8M0)
     and hands them to the MMA as E8M0 bytes. Portable path: fp8 tl.dot partials (ue8m0 is then
-    only a statement: the same kernel serves both).
+    only a statement: the same kernel serves both); on sm_90 at M <= 16 the swapped wgmma kernel
+    of _fp8_decode, the same sum and scales.
 
     Args:
         xq: fp8_block activation QuantizedTensor [M, K] (scale float32 [M, K/128]).
@@ -340,9 +349,19 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return y
     if resolve_path(path, FMT, qweight.device) == "native":
         return _gemm_native(xq, qweight, bias, y, bool(ue8m0))
+    if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
+        return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
+                                 block_scaled=True)
+    return _gemm_portable(xq, qweight, bias, y)
+
+
+def _gemm_portable(xq, qweight, bias, y, cfg=None) -> torch.Tensor:
+    """Launch _gemm_kernel (the lesson kernel) into y [M, N]; ``cfg`` None: tile_config's."""
+    M, N = y.shape
+    K = qweight.k
     interp = interpreting()
     dot_fp8 = not interp
-    cfg = tile_config(M, N, K, path="portable")
+    cfg = cfg or tile_config(M, N, K, path="portable")
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
     sx, sw = xq.scale, qweight.scale
@@ -354,7 +373,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         M, N, K, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and out_dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and y.dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),

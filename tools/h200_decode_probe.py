@@ -1,11 +1,13 @@
 """Issue 13 knob probe on the H200 (one device call): the decode-sized FP4 kernel (_fp4_decode) and
-the swapped FP8 kernel (_fp8_decode) against the lesson kernels, and the fp8_tensor prefill knobs.
+the swapped FP8 kernel (_fp8_decode, per-tensor and block scales) against the lesson kernels, and
+the fp8_tensor prefill knobs.
 
 GEMM alone on operands quantized beforehand, N = K = 8192, bf16 output. Decode rows: CUDA-graph
 replay over 5 distinct weights (from HBM, as the bench); prefill rows: do_bench with the L2
 flushed. Each variant is checked against the lesson kernel's output (max |diff| / max |lesson|).
+fp8_block also times the whole linear (quantization + GEMM) and bf16 cuBLAS on the same shapes.
 
-    PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json
+    PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json [--only fp8_block]
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import time
 import torch
 
 import formats
-from kernels_triton import _fp4_decode, _fp4_gemm, _fp8_decode, fp8_tensor, mxfp4, nvfp4
+from kernels_triton import _fp4_decode, _fp4_gemm, _fp8_decode, fp8_block, fp8_tensor, mxfp4, nvfp4
 from kernels_triton._common import TileConfig
+from kernels_triton._e4m3_gemm import gemm_config
 
 N = K = 8192
 SETS = 5
@@ -129,12 +132,13 @@ def fp8_rows(M, w0, gen):
             rows.append({"fmt": "fp8_tensor", "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         print(rows[-1], flush=True)
 
-    add(f"lesson {fp8_tensor.tile_config(M, N, K, path='portable')}",
+    # at M <= 16 on sm_90 gemm itself takes the decode kernel, so this row is the default, not the lesson
+    add(f"gemm {fp8_tensor.tile_config(M, N, K, path='portable')}",
         lambda w: fp8_tensor.gemm(xq, w, None, torch.bfloat16, path="portable"))
     if M <= 16:
         for bn, bk, st, wp, ppsm, imp in [(64, 128, 4, 4, 2, 128), (64, 128, 4, 4, 4, 128), (128, 128, 4, 4, 2, 128),
                                           (64, 256, 3, 4, 2, 128), (64, 128, 6, 4, 1, 128), (128, 128, 4, 4, 1, 128),
-                                          (64, 128, 4, 4, 2, 1 << 30)]:
+                                          (64, 128, 4, 4, 2, 1 << 30), (64, 128, 6, 4, 0, 128), (64, 128, 8, 4, 0, 128)]:
             cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, bk=bk, stages=st, warps=wp, programs_per_sm=ppsm)
             add(f"swap {cfg} imprecise={imp}",
                 lambda w, cfg=cfg, imp=imp: _fp8_decode.launch_fp8_decode(
@@ -152,23 +156,72 @@ def fp8_rows(M, w0, gen):
     return rows
 
 
+def fp8_block_rows(M, w0, gen):
+    """fp8_block at decode M: the lesson kernel, decode configs (BLOCK_N, stages, programs per SM),
+    then the whole linear (lesson and default path) and bf16 cuBLAS, all over the same 5 weights."""
+    ws = [formats.quantize(w0 * (1 + 0.01 * i), "fp8_block", role="weight") for i in range(SETS)]
+    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    xq = formats.quantize(x, "fp8_block", role="activation")
+    lesson_cfg = gemm_config(M, N, K, False, block_k=128)
+    out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    ref = fp8_block._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
+    rows = []
+
+    def add(name, fn_of_w, what="gemm"):
+        try:
+            fns = [lambda w=w: fn_of_w(w) for w in ws]
+            y = fns[0]()
+            us = graph_us(fns)
+            rows.append({"fmt": f"fp8_block {what}", "M": M, "variant": name, "us": us, "rel_vs_lesson": relerr(y, ref)})
+        except Exception as e:
+            rows.append({"fmt": f"fp8_block {what}", "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(rows[-1], flush=True)
+
+    add(f"lesson {lesson_cfg}", lambda w: fp8_block._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
+    # programs_per_sm 0: no split-K (one program per 64-row tile walks all of K, no reduction launch)
+    for bn, st, ppsm in [(64, 6, 1), (64, 4, 2), (64, 6, 2), (128, 4, 1), (64, 6, 0), (64, 8, 0), (64, 8, 1)]:
+        cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, stages=st, programs_per_sm=ppsm)
+        add(f"swap {cfg}", lambda w, cfg=cfg: _fp8_decode.launch_fp8_decode(
+            xq.data, w.data, xq.scale, w.scale, None, out(), block_scaled=True, config=cfg))
+    add(f"default {fp8_block.tile_config(M, N, K)}", lambda w: fp8_block.gemm(xq, w, None, torch.bfloat16))
+    add(f"lesson {lesson_cfg}", lambda w: fp8_block._gemm_portable(
+        fp8_block.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
+    add(f"default {fp8_block.tile_config(M, N, K)}", lambda w: fp8_block.linear(x, w), "linear")
+    w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
+    try:
+        us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
+        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "torch.nn.functional.linear", "us": us})
+    except Exception as e:
+        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "F.linear", "error": f"{type(e).__name__}: {e}"[:200]})
+    print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
+    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block; "
+                   "default: all)")
     args = p.parse_args()
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w0 = torch.randn(N, K, generator=gen, device="cuda") * 0.05
     rows = []
     jobs = [("nvfp4", 16, False), ("mxfp4", 16, False), ("mxfp4", 16, True), ("nvfp4", 1, False),
-            ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None)]
+            ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None),
+            ("fp8_block", 16, None), ("fp8_block", 1, None)]
+    if args.only:
+        sel = args.only.split(",")
+        jobs = [j for j in jobs if j[0] in sel or f"{j[0]}:{j[1]}" in sel]
     for fmt, M, a16 in jobs:
         if time.time() - t0 > args.budget_s:
             print(f"probe budget spent, skipping {fmt} M={M}", flush=True)
             continue
         if fmt == "fp8":
             rows += fp8_rows(M, w0, gen)
+        elif fmt == "fp8_block":
+            rows += fp8_block_rows(M, w0, gen)
         else:
             rows += fp4_rows(fmt, M, a16, w0, gen)
         torch.cuda.empty_cache()

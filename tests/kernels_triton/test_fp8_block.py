@@ -14,6 +14,7 @@ from _e4m3_testlib import (
     check_gemm,
     check_linear,
     check_quantize,
+    device_name,
     error_calls,
     make_bias,
     make_weight,
@@ -23,6 +24,7 @@ from _e4m3_testlib import (
 )
 from conftest import make_input, rel_err
 from kernels_triton import fp8_block as mod
+from kernels_triton._fp8_decode import fp8_decode_config
 
 FMT = "fp8_block"
 BLOCK = 128
@@ -62,11 +64,14 @@ def test_quantize_empty_rows():
 
 
 # (M, N, K, bias, out_dtype). N = 200 spans two 128-row weight blocks (the second one partial),
-# so sw[n // 128] is exercised inside one tile.
+# so sw[n // 128] is exercised inside one tile. On sm_90, M <= 16 runs the swapped decode kernel
+# (_fp8_decode), and K = 1024 / 2048 split it over 2 / 4 programs along K (test_decode_tile_on_sm90).
 GEMM_CASES = [
     (1, 200, 128, True, BF16),
     (3, 40, 384, False, FP16),
     (16, 1, 256, True, FP16),
+    (7, 200, 1024, True, BF16),
+    (16, 128, 2048, False, torch.float32),
     (100, 200, 384, True, BF16),
     (257, 40, 128, False, BF16),
     (257, 200, 256, True, torch.float32),
@@ -80,10 +85,11 @@ def test_gemm_matches_reference_on_identical_operands(M, N, K, has_bias, out_dty
     check_gemm(mod, xq, w, make_bias(N, FP16) if has_bias else None, out_dtype)
 
 
-def test_gemm_ue8m0_operands():
-    w = make_weight(FMT, 200, 256, BLOCK, ue8m0=True)
-    xq = formats.quantize(make_input((16, 256), block=BLOCK), FMT, role="activation", ue8m0=True)
-    check_gemm(mod, xq, w, None, BF16)
+@pytest.mark.parametrize("M,K,has_bias", [(16, 256, False), (1, 1024, True)])
+def test_gemm_ue8m0_operands(M, K, has_bias):
+    w = make_weight(FMT, 200, K, BLOCK, ue8m0=True)
+    xq = formats.quantize(make_input((M, K), block=BLOCK), FMT, role="activation", ue8m0=True)
+    check_gemm(mod, xq, w, make_bias(200) if has_bias else None, BF16)
 
 
 def test_gemm_empty_m_returns_empty():
@@ -125,6 +131,19 @@ def test_argument_errors_name_the_argument(case):
     call, word = {name: (call, word) for name, call, word in error_calls(mod, FMT, 128, BLOCK, "fp8_tensor")}[case]
     with pytest.raises(ValueError, match=re.escape(word)):
         call()
+
+
+@pytest.mark.gpu
+def test_decode_tile_on_sm90():
+    # the GEMM tests above at M <= 16, K >= 1024 reach the swapped kernel with split-K on sm_90
+    require_gpu()
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        pytest.skip(f"the decode kernel is sm_90 only; found {device_name()} (sm_{cap[0]}{cap[1]})")
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (M, N, K), split in (((7, 200, 1024), 2), ((16, 128, 2048), 4), ((1, 200, 1024), 2)):
+        assert mod.tile_config(M, N, K) == fp8_decode_config(M, N, K, n_sms)
+        assert mod.tile_config(M, N, K).SPLIT_K == split
 
 
 # ---------------------------------------------------------------------------------------------
