@@ -105,7 +105,7 @@ def fp8_decode_applies(M: int, device) -> bool:
 
 
 def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64, bk: int = 128,
-                      stages: int = 6, warps: int = 4, programs_per_sm: int = 1) -> TileConfig:
+                      stages: int = 6, warps: int = 4, programs_per_sm: float = 1) -> TileConfig:
     """64 weight rows x 16 (padded) activation rows per program, 6 stages of 128-wide K; split-K
     until the grid covers every SM once (H200, N = K = 8192, M = 16: 16x64x128 s6 split 2 took
     21.8 us against 24.4 for s4 split 4 and 28.3 for the lesson's mma.sync tile; fp8_block 22.5
@@ -124,7 +124,12 @@ def hopper_config(M: int, N: int, K: int, device, *, block_scaled: bool = False)
     if not _is_sm90(device):
         return None
     if 1 <= M <= 16:
-        return fp8_decode_config(M, N, K, sm_count(device))
+        if block_scaled:
+            return fp8_decode_config(M, N, K, sm_count(device))
+        # per-tensor scales leave the wgmma chain unbroken: 8 stages keep enough bytes in flight
+        # without split-K (and its reduction launch) once the tiles fill half the SMs (N = K = 8192,
+        # M = 16: 20.3 us against 21.7 for s6 split 2; docs/perf_notes.md)
+        return fp8_decode_config(M, N, K, sm_count(device), stages=8, programs_per_sm=0.5)
     if M > 256 and not block_scaled:
         return TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4)
     return None
