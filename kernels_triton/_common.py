@@ -99,42 +99,6 @@ def amax_or_nan(amax, floor):
 
 
 @triton.jit
-def strided_amax(x_ptr, M, K, stride_xm, stride_xk, m_lo, m_step, k_lo, k_step,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """max of abs_or_inf(x) over the [BLOCK_M, BLOCK_K] tiles of x [M, K] at rows m_lo, m_lo + m_step,
-    ... and columns k_lo, k_lo + k_step, ... (+Inf when one holds a NaN/Inf; 0 for no element).
-    A stage-1 program passes its own offsets and the grid's strides; a program that needs the
-    whole tensor's amax passes 0, BLOCK_M, 0, BLOCK_K."""
-    amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for m0 in range(m_lo, M, m_step):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        for k0 in range(k_lo, K, k_step):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-            ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
-            # masked elements read as 0, which never raises a max of |x|
-            amax = tl.maximum(amax, abs_or_inf(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)))
-    return tl.max(tl.max(amax, axis=1), axis=0)
-
-
-# A dynamic per-tensor scale needs the whole tensor's amax before any code. For a small tensor
-# (M * K <= AMAX_IN_PROGRAM_MAX: decode with M <= 2 at K = 8192) every quantize program takes it
-# itself, in a few 4096-element loads (from L2 after the first program), instead of waiting for a
-# separate stage-1 launch: one launch less at decode, the same max, so the same codes.
-AMAX_IN_PROGRAM_MAX = 1 << 14
-AMAX_TILE_ELEMENTS = 4096
-
-
-def amax_in_program_tile(M: int, K: int) -> tuple[int, int] | None:
-    """(BLOCK_M, BLOCK_K) of the whole-tensor amax loop when the quantize kernel takes the amax
-    itself (M * K <= AMAX_IN_PROGRAM_MAX), else None (a stage-1 launch writes partials)."""
-    if M * K > AMAX_IN_PROGRAM_MAX:
-        return None
-    bm = min(triton.next_power_of_2(max(M, 1)), AMAX_TILE_ELEMENTS // 16)
-    return bm, max(16, min(triton.next_power_of_2(K), AMAX_TILE_ELEMENTS // bm))
-
-
-@triton.jit
 def nan_if_nonfinite(x):
     """x with NaN and +-Inf as NaN (which encode_e4m3 writes as the NaN code 0x7F)."""
     return tl.where(tl.abs(x) <= 3.4028234663852886e38, x, float("nan"))

@@ -21,8 +21,6 @@ Quantization (``quantize_activation``) runs two kernels:
         s     = encode_e4m3(div_rn(max(max|xb|, FLOOR), 6) * g)          # [BLOCK_M, BLOCK_K/16]
         codes = encode_e2m1(div_rn(xb * g, decode_e4m3(s)))              # 0 where s == 0
         bytes = codes[..., 0::2] | codes[..., 1::2] << 4                 # low nibble = even element
-A small x (decode, M * K <= 16384) skips the first kernel: every quantize program then takes the
-whole amax itself in a few wide loads (_common.AMAX_IN_PROGRAM_MAX), one launch less.
 Everything stays on the device (no .item()), so the call can be captured in a CUDA graph. Rounding
 to e4m3/e2m1 uses the bit-arithmetic encoders of _common (never Triton's fp8 cast, which is wrong in
 the interpreter) and IEEE division (tl.math.div_rn), so the codes equal the oracle's bit for bit.
@@ -40,8 +38,8 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 from formats.validate import static_global_scale
 
-from ._common import (abs_or_inf, amax_in_program_tile, amax_or_nan, check_activation, decode_e4m3, encode_e2m1,
-                      encode_e4m3, interpreting, nan_if_nonfinite, strided_amax)
+from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting,
+                      nan_if_nonfinite)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 FMT = "nvfp4"
@@ -76,11 +74,18 @@ def _amax_partial_kernel(
     pid_k = tl.program_id(1)
     num_pm = tl.num_programs(0)
     num_pk = tl.num_programs(1)
+    amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     pdl_wait(USE_PDL)  # x is the previous kernel's output
-    amax = strided_amax(x_ptr, M, K, stride_xm, stride_xk, pid_m * BLOCK_M, num_pm * BLOCK_M,
-                        pid_k * BLOCK_K, num_pk * BLOCK_K, BLOCK_M, BLOCK_K)
+    for m0 in range(pid_m * BLOCK_M, M, num_pm * BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+            ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, abs_or_inf(x))  # +Inf marks a NaN/Inf
     pdl_launch_dependents(USE_PDL)
-    tl.store(partial_ptr + pid_m * num_pk + pid_k, amax)
+    tl.store(partial_ptr + pid_m * num_pk + pid_k, tl.max(tl.max(amax, axis=1), axis=0))
 
 
 @triton.jit
@@ -98,7 +103,6 @@ def _quantize_kernel(
     DYNAMIC: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
-    AMAX_M: tl.constexpr = 0, AMAX_K: tl.constexpr = 0,  # > 0: take the whole amax here (no stage 1)
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -106,12 +110,9 @@ def _quantize_kernel(
 
     # ----- global scale: reduce the partial amaxes (dynamic) or read the static g
     if DYNAMIC:
-        if AMAX_M > 0:  # a small x: the whole amax here (_common.AMAX_IN_PROGRAM_MAX)
-            amax = strided_amax(x_ptr, M, K, stride_xm, stride_xk, 0, AMAX_M, 0, AMAX_K, AMAX_M, AMAX_K)
-        else:
-            offs_p = tl.arange(0, BLOCK_P)
-            amax = tl.max(tl.load(partial_ptr + offs_p, mask=offs_p < num_partials, other=0.0), axis=0)
-        g = _global_scale_from_amax(amax)
+        offs_p = tl.arange(0, BLOCK_P)
+        partial = tl.load(partial_ptr + offs_p, mask=offs_p < num_partials, other=0.0)
+        g = _global_scale_from_amax(tl.max(partial, axis=0))
     else:
         # a static g given as a tensor is not checked on the host (that would sync): a bad one
         # (<= 0, Inf, NaN) becomes NaN here, so every consumer of g_out yields NaN, never zeros
@@ -194,10 +195,7 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
         block_m, block_k = _quantize_tiles(M, K, interp)
         g = torch.empty((1,), dtype=torch.float32, device=device)
         num_partials = 1
-        amax_tile = amax_in_program_tile(M, K) if dynamic else None
-        if amax_tile is not None:
-            g_in = g  # unused placeholder pointer: the quantize programs take the amax themselves
-        elif dynamic:
+        if dynamic:
             pm = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
             pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
             num_partials = pm * pk
@@ -211,7 +209,6 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
             x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
             DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)),
             BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device),
-            AMAX_M=amax_tile[0] if amax_tile else 0, AMAX_K=amax_tile[1] if amax_tile else 0,
         )
     return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
                            (1, VEC_SIZE), (M, K))

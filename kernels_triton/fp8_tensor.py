@@ -21,9 +21,7 @@ and no host synchronization:
              K tiles q, q + Pk, ... and writes one float to partials[p * Pk + q].
     stage 2  _quantize_kernel: every program reduces the (few) partials itself, computes sx,
              program (0, 0) writes sx to the scale tensor, and each program quantizes its
-             [BLOCK_M, BLOCK_K] tile. A static ``scale`` skips stage 1 (the kernel reads sx), and
-             so does a small x (decode, M * K <= 16384): each program then takes the whole
-             amax itself in a few wide loads, one launch less (_common.AMAX_IN_PROGRAM_MAX).
+             [BLOCK_M, BLOCK_K] tile. A static ``scale`` skips stage 1 (the kernel reads sx).
 
 GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
 
@@ -67,7 +65,7 @@ from formats.validate import static_scale
 from formats.constants import AMAX_FLOOR, E4M3_MAX
 
 from ._common import (
-    amax_in_program_tile,
+    abs_or_inf,
     amax_or_nan,
     check_activation,
     check_bias,
@@ -78,7 +76,6 @@ from ._common import (
     kernel_bias,
     nan_if_nonfinite,
     round_to_bf16_rne,
-    strided_amax,
 )
 from ._e4m3_gemm import (
     check_gemm_operands,
@@ -134,11 +131,18 @@ def _amax_partials_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pk = tl.num_programs(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_off = offs_m.to(tl.int64) * stride_xm
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     pdl_wait(USE_PDL)  # x is the previous kernel's output
-    amax = strided_amax(x_ptr, M, K, stride_xm, stride_xk, pid_m * BLOCK_M, tl.num_programs(0) * BLOCK_M,
-                        pid_k * BLOCK_K, num_pk * BLOCK_K, BLOCK_M, BLOCK_K)
+    for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        # x tile [BLOCK_M, BLOCK_K]; masked elements read as 0, which never raises a max of |x|
+        x = tl.load(x_ptr + row_off[:, None] + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(abs_or_inf(x.to(tl.float32)), axis=1))  # +Inf marks a NaN/Inf
     pdl_launch_dependents(USE_PDL)
-    tl.store(partials_ptr + pid_m * num_pk + pid_k, amax)
+    tl.store(partials_ptr + pid_m * num_pk + pid_k, tl.max(amax, axis=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +159,6 @@ def _quantize_kernel(
     # meta-parameters
     STATIC_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIALS_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
-    AMAX_M: tl.constexpr = 0, AMAX_K: tl.constexpr = 0,  # > 0: take the whole amax here (no stage 1)
 ):
     """q[tile] = e4m3(x[tile] / scale); with a dynamic scale, also scale = max(amax, floor) / 448."""
     pid_m = tl.program_id(0)
@@ -164,19 +167,15 @@ def _quantize_kernel(
     if STATIC_SCALE:
         scale = tl.load(scale_ptr)
     else:
-        if AMAX_M > 0:  # a small x: the whole amax here (_common.AMAX_IN_PROGRAM_MAX)
-            amax = strided_amax(x_ptr, M, K, stride_xm, stride_xk, 0, AMAX_M, 0, AMAX_K, AMAX_M, AMAX_K)
-        else:
-            # Every program redoes this small reduction rather than waiting on another program:
-            # there is no grid-wide barrier in Triton, and there are only a few partials.
-            partial = tl.zeros([PARTIALS_BLOCK], dtype=tl.float32)
-            for p0 in range(0, num_partials, PARTIALS_BLOCK):
-                offs_p = p0 + tl.arange(0, PARTIALS_BLOCK)
-                partial = tl.maximum(partial, tl.load(partials_ptr + offs_p, mask=offs_p < num_partials, other=0.0))
-            amax = tl.max(partial, axis=0)
+        # Every program redoes this small reduction rather than waiting on another program: there
+        # is no grid-wide barrier in Triton, and there are only cdiv(M, BLOCK_M) partials.
+        amax = tl.zeros([PARTIALS_BLOCK], dtype=tl.float32)
+        for p0 in range(0, num_partials, PARTIALS_BLOCK):
+            offs_p = p0 + tl.arange(0, PARTIALS_BLOCK)
+            amax = tl.maximum(amax, tl.load(partials_ptr + offs_p, mask=offs_p < num_partials, other=0.0))
         # div_rn: IEEE division, as the oracle's torch division (plain / may be approximate on GPU)
         # (NaN if x held a NaN/Inf: then every code is 0x7F, the non-finite rule)
-        scale = tl.math.div_rn(amax_or_nan(amax, _AMAX_FLOOR), _E4M3_MAX)
+        scale = tl.math.div_rn(amax_or_nan(tl.max(amax, axis=0), _AMAX_FLOOR), _E4M3_MAX)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_ptr, scale)
 
@@ -347,10 +346,9 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
 
     interp = interpreting()
     block_m, block_k = quant_config(M, K, interp, group=32)
-    partials = s  # unused placeholder pointer when the scale is static or the amax is taken in stage 2
+    partials = s  # unused placeholder pointer when the scale is static
     num_partials = 0
-    amax_tile = amax_in_program_tile(M, K) if scale is None else None
-    if scale is None and amax_tile is None:
+    if scale is None:
         pm = triton.cdiv(M, block_m)
         # K programs per row block: up to ~PARTIALS_BLOCK partials in all (stage 2 reads them all)
         pk = 1 if interp else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
@@ -366,7 +364,6 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
         M, K, num_partials,
         x2.stride(0), x2.stride(1), q.stride(0), q.stride(1),
         STATIC_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, PARTIALS_BLOCK=PARTIALS_BLOCK,
-        AMAX_M=amax_tile[0] if amax_tile else 0, AMAX_K=amax_tile[1] if amax_tile else 0,
         **pdl_launch(x.device),
     )
     return QuantizedTensor(FMT, "activation", data, s, None, None, (M, K))
