@@ -158,9 +158,12 @@ def _quantize_kernel(
 # ---------------------------------------------------------------------------------------------
 def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the quantize kernels: whole small problems in the interpreter (each
-    program costs milliseconds there), 32 x 128 (256 blocks of 16 per program) on GPU."""
+    program costs milliseconds there), 32 x 128 (256 blocks of 16 per program) on GPU, and one
+    row 1024 wide per program at decode (M <= 16), as _e4m3_gemm.quant_config says why."""
     if interp:
         return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
+    if M <= 16:
+        return 1, 1024
     return 32, 128
 
 

@@ -24,8 +24,8 @@ from h200_decode_probe import SETS, graph_us  # noqa: E402  (same folder)
 
 N = K = 8192
 FORMATS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4")
-TILES = {"fp8_tensor": [(16, 256), (16, 512), (1, 1024)], "mxfp8": [(16, 256), (16, 512)],
-         "nvfp4": [(16, 256), (16, 512)]}
+TILES = {"fp8_tensor": [(32, 128), (1, 512), (1, 2048)], "mxfp8": [(32, 128)],
+         "nvfp4": [(32, 128), (1, 512), (1, 2048)]}
 
 
 def rows(fmt, M, gen):
