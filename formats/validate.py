@@ -263,6 +263,13 @@ def static_global_scale(global_scale, device, *, name: str = "global_scale") -> 
     return torch.tensor([global_scale], dtype=torch.float32, device=device)
 
 
+def nan_unless_positive(g: torch.Tensor) -> torch.Tensor:
+    """g with every element that is not finite and > 0 replaced by NaN (torch ops on g's device, no
+    synchronization): what the nvfp4 quantizers record as a bad static global scale, so that no
+    consumer turns it into zeros. float32 tensor in, same shape out."""
+    return torch.where(torch.isfinite(g) & (g > 0), g, torch.full_like(g, float("nan")))
+
+
 def check_scale_values(qt, *, name: str = "qweight") -> None:
     """The value checks a metadata check cannot do: global scale and fp32 scales finite and > 0,
     e4m3 block scales not NaN (codes 0x7F/0xFF) and not negative, E8M0 bytes not 0xFF (NaN).

@@ -79,9 +79,10 @@ def native_config(M: int, N: int, K: int, device, *, kind: str = "e4m3", block_k
 def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of an activation-quantization tile; BLOCK_K is a multiple of ``group``.
 
-    On GPU, decode (M <= 16) quantizes one row per program, 1024 wide: a 32-row tile would leave
-    most of each program masked, and the quantizer is latency bound there (H200, fp8_tensor,
-    K = 8192: 8.0 -> 3.3 us at M = 1, 7.0 -> 4.1 at M = 16; docs/perf_notes.md)."""
+    On GPU, decode (M <= 16) quantizes one row per program, 1024 wide (fp8_block takes only
+    BLOCK_M and keeps one 128 group per program): a 32-row tile would leave most of each program
+    masked, and the quantizer is latency bound there (H200, fp8_tensor, K = 8192: 8.0 -> 3.3 us at
+    M = 1, 7.0 -> 4.1 at M = 16; docs/perf_notes.md)."""
     if interpreting:
         return min(256, triton.next_power_of_2(max(M, 1))), max(group, min(1024, triton.next_power_of_2(K)))
     if M <= 16:

@@ -105,7 +105,7 @@ def fp8_decode_applies(M: int, device) -> bool:
 
 
 def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64, bk: int = 128,
-                      stages: int = 6, warps: int = 4, programs_per_sm: float = 1) -> TileConfig:
+                      stages: int = 6, warps: int = 4, programs_per_sm: int = 1) -> TileConfig:
     """64 weight rows x 16 (padded) activation rows per program, 6 stages of 128-wide K; split-K
     until the grid covers every SM once (H200, N = K = 8192, M = 16: 16x64x128 s6 split 2 took
     21.8 us against 24.4 for s4 split 4 and 28.3 for the lesson's mma.sync tile; fp8_block 22.5
@@ -124,12 +124,7 @@ def hopper_config(M: int, N: int, K: int, device, *, block_scaled: bool = False)
     if not _is_sm90(device):
         return None
     if 1 <= M <= 16:
-        if block_scaled:
-            return fp8_decode_config(M, N, K, sm_count(device))
-        # per-tensor scales leave the wgmma chain unbroken: 8 stages keep enough bytes in flight
-        # without split-K (and its reduction launch) once the tiles fill half the SMs (N = K = 8192,
-        # M = 16: 20.3 us against 21.7 for s6 split 2; docs/perf_notes.md)
-        return fp8_decode_config(M, N, K, sm_count(device), stages=8, programs_per_sm=0.5)
+        return fp8_decode_config(M, N, K, sm_count(device))
     if M > 256 and not block_scaled:
         return TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4)
     return None
@@ -143,15 +138,18 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, block_scaled: bool = False, impr
     Per-tensor scales (fp8_tensor): sx, sw float32 0-d, y = (x . w^T) * sx * sw + bias.
     ``block_scaled`` (fp8_block): sx float32 [M, K/128], sw float32 [ceil(N/128), K/128], K a
     multiple of 128, y = sum_kb (x_kb . w_kb^T) * sx[:, kb] * sw[n // 128, kb] + bias.
-    Raises ValueError for M > 16, or a block-scaled config whose BLOCK_K is not 128.
+    Raises ValueError for M > 16, or a block-scaled config whose BLOCK_K is not 128 or whose
+    BLOCK_N does not divide 128.
     """
     M, K = x.shape
     N = w.shape[0]
     if M > 16:
         raise ValueError(f"M must be <= 16 for the decode kernel, got {M}")
-    cfg = config or fp8_decode_config(M, N, K, sm_count(y.device))
-    if block_scaled and cfg.BLOCK_K != 128:
-        raise ValueError(f"block-scaled FP8 needs BLOCK_K == 128 (one scale per K step), got {cfg.BLOCK_K}")
+    # the tile tile_config reports (hopper_config) is the tile launched
+    cfg = config or hopper_config(M, N, K, y.device, block_scaled=block_scaled) or fp8_decode_config(M, N, K)
+    if block_scaled and (cfg.BLOCK_K != 128 or 128 % cfg.BLOCK_N):
+        raise ValueError(f"block-scaled FP8 needs BLOCK_K == 128 (one scale per K step) and BLOCK_N dividing 128, "
+                         f"got BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N}")
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
     s_strides = (*sx.stride(), *sw.stride()) if block_scaled else (0, 0, 0, 0)

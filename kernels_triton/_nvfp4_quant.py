@@ -36,7 +36,7 @@ import triton.language as tl
 
 from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
-from formats.validate import static_global_scale
+from formats.validate import nan_unless_positive, static_global_scale
 
 from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting,
                       nan_if_nonfinite)
@@ -192,7 +192,7 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
     g_in = None if dynamic else static_global_scale(global_scale, device)
     if M == 0:  # no launch; the oracle's g for an empty tensor is 2688 / AMAX_FLOOR
         g = (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
-             / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else g_in.clone()
+             / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else nan_unless_positive(g_in)
     else:
         interp = interpreting()
         block_m, block_k = _quantize_tiles(M, K, interp)

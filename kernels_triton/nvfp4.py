@@ -266,20 +266,6 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
                            out_dtype=out_dtype, gx=gx, gw=gw)
 
 
-_UNIT_GLOBAL_SCALE: dict = {}
-
-
-def _unit_global_scale(device) -> torch.Tensor:
-    """A float32 [1] tensor holding 1.0 on ``device``, made once: W4A16 has no activation global
-    scale, and a fresh torch.ones per call would be a non-PDL launch between the kernels (and an
-    allocation inside a captured graph)."""
-    key = torch.device(device)
-    t = _UNIT_GLOBAL_SCALE.get(key)
-    if t is None:
-        t = _UNIT_GLOBAL_SCALE[key] = torch.ones(1, dtype=torch.float32, device=key)
-    return t
-
-
 def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16), the portable
@@ -306,7 +292,7 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     bias = kernel_bias(bias)
-    one = _unit_global_scale(qweight.device)  # alpha = (1/1) * (1/g_w)
+    one = torch.ones(1, dtype=torch.float32, device=qweight.device)  # alpha = (1/1) * (1/g_w)
     return launch_fp4_gemm(
         x2d, None, qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
         M=x2d.shape[0], N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=bias, out_dtype=out_dtype,

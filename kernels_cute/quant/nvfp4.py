@@ -37,6 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
 from formats.constants import E2M1_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+from formats.validate import nan_unless_positive
 
 from . import _launch as L
 from ._codecs import (FLOOR, abs_or_inf, amax_or_nan, decode_e4m3, div_rn, encode_e2m1, encode_e4m3, fmax,
@@ -143,7 +144,7 @@ def quantize(x2: torch.Tensor, *, global_scale=None, swizzled: bool = False):
         if dynamic:
             g = torch.full((), NVFP4_GLOBAL_NUMERATOR / FLOOR, dtype=torch.float32, device=device)  # exact
         else:
-            g = global_scale.reshape(()).to(device=device, dtype=torch.float32).clone()
+            g = nan_unless_positive(global_scale.reshape(()).to(device=device, dtype=torch.float32))  # as the kernel
         return data, scale.view(torch.float8_e4m3fn), g
     arch = L.arch_of(device)
     stream = L.current_stream(device)

@@ -224,6 +224,7 @@ def test_bad_static_global_scale_tensor_becomes_nan_as_in_triton(g):
     q = cute_q(x, "nvfp4", global_scale=torch.tensor(g, device=DEVICE))
     assert bool(q.global_scale.isnan())
     assert_same_bits(q, triton_q(x, "nvfp4", global_scale=torch.tensor(g, device=DEVICE)), f"g={g}: cute vs triton")
+    assert bool(cute_q(x[:0], "nvfp4", global_scale=torch.tensor(g, device=DEVICE)).global_scale.isnan())  # no launch
 
 
 @pytest.mark.gpu

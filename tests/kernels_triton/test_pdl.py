@@ -117,3 +117,51 @@ def test_decode_linear_is_bit_identical_with_pdl_on_and_off(monkeypatch, name, f
     for graph in (False, True):
         y = _run(chain, monkeypatch, "1", graph)
         assert torch.equal(y, ref), f"{name} M={M} graph={graph}: max |diff| {(y.float() - ref.float()).abs().max()}"
+
+
+def _pdl_kernels():
+    """Every Triton kernel of kernels_triton that takes USE_PDL (what pdl_launch launches)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import kernels_triton
+
+    found = {}
+    for info in pkgutil.iter_modules(kernels_triton.__path__):
+        if info.name == "_pdl":  # the helpers themselves take USE_PDL
+            continue
+        mod = importlib.import_module(f"kernels_triton.{info.name}")
+        for name, obj in vars(mod).items():
+            # JITFunction on a GPU, InterpretedFunction under the interpreter: both KernelInterface
+            if isinstance(obj, triton.runtime.jit.KernelInterface) and "USE_PDL" in getattr(obj, "arg_names", ()) \
+                    and obj.fn.__module__ == mod.__name__:
+                found[f"{info.name}.{name}"] = obj
+    return found
+
+
+PDL_KERNELS = _pdl_kernels()
+
+
+def test_the_decode_chain_kernels_take_part():
+    names = set(PDL_KERNELS)
+    for k in ("_fp8_decode.fp8_decode_gemm_kernel", "_fp4_decode.fp4_decode_gemm_kernel",
+              "_twopass.splitk_reduce_kernel", "fp8_tensor._quantize_kernel", "_nvfp4_quant._quantize_kernel"):
+        assert k in names, (k, sorted(names))
+    assert len(names) >= 10, sorted(names)
+
+
+@pytest.mark.parametrize("name", sorted(PDL_KERNELS))
+def test_every_pdl_kernel_waits_before_its_first_global_access_in_the_source(name):
+    """Source order (the rule of kernels_triton/_pdl.py): the pdl_wait line comes before every
+    tl.load / tl.store / atomic in the kernel body, so no access overlaps the predecessor's writes.
+    (The PTX check above confirms the compiled order for one kernel.)"""
+    import inspect
+
+    src = inspect.getsource(PDL_KERNELS[name].fn).splitlines()
+    body = src[next(i for i, l in enumerate(src) if l.rstrip().endswith("):")) + 1:]
+    wait = next((i for i, l in enumerate(body) if "pdl_wait(USE_PDL)" in l), None)
+    assert wait is not None, f"{name} has no pdl_wait(USE_PDL)"
+    access = [i for i, l in enumerate(body) if any(w in l for w in ("tl.load(", "tl.store(", "tl.atomic_"))]
+    assert not access or wait < access[0], f"{name}: line {access[0]} accesses memory before pdl_wait (line {wait})"

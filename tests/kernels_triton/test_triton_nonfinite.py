@@ -132,6 +132,8 @@ def test_bad_tensor_global_scale_gives_nan_never_zeros(g):
     # 1 / g_x) cannot turn it into zeros either: for g = Inf, 1 / g would be 0
     xq = kt.quantize_activation(x, "nvfp4", global_scale=torch.tensor(g, device=DEVICE))
     assert bool(xq.global_scale.isnan())
+    empty = kt.quantize_activation(x[:0], "nvfp4", global_scale=torch.tensor(g, device=DEVICE))  # no launch
+    assert bool(empty.global_scale.isnan())
     # the same value as a Python number is refused on the host
     with pytest.raises(ValueError, match="global_scale must be one finite positive number"):
         kt.linear(x, w, global_scale=g)
