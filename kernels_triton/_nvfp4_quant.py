@@ -40,6 +40,7 @@ from formats.validate import nan_unless_positive, static_global_scale
 
 from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting,
                       nan_if_nonfinite)
+from ._e4m3_gemm import quant_config
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 FMT = "nvfp4"
@@ -158,13 +159,11 @@ def _quantize_kernel(
 # ---------------------------------------------------------------------------------------------
 def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the quantize kernels: whole small problems in the interpreter (each
-    program costs milliseconds there), 32 x 128 (256 blocks of 16 per program) on GPU, and one
-    row 1024 wide per program at decode (M <= 16), as _e4m3_gemm.quant_config says why."""
+    program costs milliseconds there); on GPU the tiles of every activation quantizer
+    (_e4m3_gemm.quant_config: 32 x 128, one row 1024 wide per program at decode)."""
     if interp:
         return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
-    if M <= 16:
-        return 1, 1024
-    return 32, 128
+    return quant_config(M, K, False, group=VEC_SIZE)
 
 
 def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None) -> QuantizedTensor:

@@ -23,39 +23,17 @@ import torch
 
 import formats
 import triton
-from kernels_triton import fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
+import kernels_triton as kt
+from dispatch.registry import VARIANTS
+from h200_decode_probe import capture  # same folder
 
 N = K = 8192
 SETS = 5
 ROUNDS = 3
 
-LINEARS = [
-    ("fp8_tensor", "fp8_tensor", fp8_tensor.linear),
-    ("fp8_block", "fp8_block", fp8_block.linear),
-    ("mxfp8", "mxfp8", mxfp8.linear),
-    ("nvfp4", "nvfp4", nvfp4.linear),
-    ("mxfp4", "mxfp4", mxfp4.linear),
-    ("mxfp4_w4a16", "mxfp4", lambda x, w: mxfp4.linear(x, w, a16=True)),
-    ("nvfp4_w4a16", "nvfp4", lambda x, w: nvfp4.linear(x, w, a16=True)),
-]
-
-
-def capture(fns):
-    """A CUDA graph of fns (each run once before, so nothing compiles inside the capture)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = [f() for f in fns]
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    return g, outs
+# (variant, format, linear(x, w)) for every variant of the registry
+LINEARS = [(v.name, v.fmt, (lambda x, w: kt.linear(x, w, a16=True)) if v.a16 else kt.linear)
+           for v in VARIANTS.values()]
 
 
 def replay_us(g, n_calls, reps=200):

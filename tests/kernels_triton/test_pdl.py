@@ -15,7 +15,9 @@ import torch
 
 import formats
 from conftest import device_name, make_input
-from kernels_triton import _pdl, fp8_block, fp8_tensor, interpreting, mxfp4, mxfp8, nvfp4
+import kernels_triton as kt
+from dispatch.registry import VARIANTS
+from kernels_triton import _pdl, interpreting
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,16 +73,9 @@ _CAP = torch.cuda.get_device_capability() if torch.cuda.is_available() and not i
 needs_pdl_gpu = pytest.mark.skipif(_CAP is None or _CAP[0] < 9,
                                    reason=f"PDL needs a CUDA GPU of sm_90 or later; found {device_name()}")
 
-# (name, format, linear(x, w)) for the whole decode linear of each format
-LINEARS = [
-    ("fp8_tensor", "fp8_tensor", fp8_tensor.linear),
-    ("fp8_block", "fp8_block", fp8_block.linear),
-    ("mxfp8", "mxfp8", mxfp8.linear),
-    ("nvfp4", "nvfp4", nvfp4.linear),
-    ("mxfp4", "mxfp4", mxfp4.linear),
-    ("mxfp4_w4a16", "mxfp4", lambda x, w: mxfp4.linear(x, w, a16=True)),
-    ("nvfp4_w4a16", "nvfp4", lambda x, w: nvfp4.linear(x, w, a16=True)),
-]
+# (variant, format, linear(x, w)): the whole decode linear of every variant of the registry
+LINEARS = [(v.name, v.fmt, (lambda x, w: kt.linear(x, w, a16=True)) if v.a16 else kt.linear)
+           for v in VARIANTS.values()]
 
 
 def _run(fn, monkeypatch, pdl: str, graph: bool) -> torch.Tensor:
