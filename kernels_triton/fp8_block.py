@@ -216,6 +216,7 @@ def _native_gemm_kernel(
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """fp32 scales (UE8M0=False): one 128-deep dot_scaled with unit E8M0 scales per K step (the
     full-rate MMA, see fp8_tensor), promoted into the fp32 accumulator times sx * sw, as the
@@ -238,6 +239,7 @@ def _native_gemm_kernel(
     bad_m = tl.zeros([BLOCK_M], dtype=tl.int32)
     bad_n = tl.zeros([BLOCK_N], dtype=tl.int32)
 
+    pdl_wait(USE_PDL)  # the quantized activation
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = tl.program_id(1) * K_PER
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
@@ -265,6 +267,7 @@ def _native_gemm_kernel(
     if UE8M0:
         acc = tl.where((bad_m[:, None] | bad_n[None, :]) != 0, float("nan"), acc)
 
+    pdl_launch_dependents(USE_PDL)
     if SPLIT:  # a partial sum of this K range; the bias comes in the reduction
         store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
         return
@@ -400,7 +403,7 @@ def _gemm_native(xq, qweight, bias, y, ue8m0: bool) -> torch.Tensor:
         UE8M0=ue8m0, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT=n_split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias)

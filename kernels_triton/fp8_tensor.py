@@ -269,6 +269,7 @@ def _native_gemm_kernel(
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """y = (qx . qw^T) * sx * sw + bias with every 32 codes scaled by 2^0 inside the MMA. Why:
     on SM120 a plain fp8 tl.dot lowers to mma.sync m16n8k32.f32.e4m3.e4m3.f32, which runs at half
@@ -284,6 +285,7 @@ def _native_gemm_kernel(
     unit_a = tl.full((BLOCK_M, BLOCK_K // 32), 127, tl.uint8)
     unit_b = tl.full((BLOCK_N, BLOCK_K // 32), 127, tl.uint8)
 
+    pdl_wait(USE_PDL)  # the quantized activation
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = tl.program_id(1) * K_PER
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
@@ -295,6 +297,7 @@ def _native_gemm_kernel(
                     mask=n_ok[:, None] & k_ok[None, :], other=0)
         acc = tl.dot_scaled(a, unit_a, "e4m3", b.T, unit_b, "e4m3", acc)
 
+    pdl_launch_dependents(USE_PDL)
     if SPLIT:  # a partial sum of this K range; the scales and bias come in the reduction
         store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
         return
@@ -434,7 +437,7 @@ def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
         HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT=n_split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=sx, s2=sw)

@@ -240,6 +240,7 @@ def _native_gemm_kernel(
     W_SWIZZLED: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """One [BLOCK_M, BLOCK_N] tile of y = sum_k (qx * 2^ex) (qw * 2^ew): on SM12x each
     tl.dot_scaled is mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, one
@@ -251,6 +252,7 @@ def _native_gemm_kernel(
     n_ok = offs_n < N
     n_scales = K // VEC_SIZE
 
+    pdl_wait(USE_PDL)  # the quantized activation
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = tl.program_id(1) * K_PER
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
@@ -270,6 +272,7 @@ def _native_gemm_kernel(
                      mask=n_ok[:, None] & g_ok[None, :], other=127)
         acc = tl.dot_scaled(a, sa, "e4m3", b.T, sb, "e4m3", acc)
 
+    pdl_launch_dependents(USE_PDL)
     if SPLIT:  # a partial sum of this K range; the bias comes in the reduction
         store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
         return
@@ -424,7 +427,7 @@ def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
         W_SWIZZLED=swizzled, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT=n_split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias)

@@ -73,6 +73,7 @@ from ._e4m3_gemm import grouped_tile
 from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm, portable_config
 from ._nvfp4_quant import quantize_activation
 from ._paths import check_native_weight, default_device, resolve_path, sm_count, weight_scale_bytes
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._tiles import sm12x_config
 from ._twopass import (
     ALPHA_GLOBAL_RECIP,
@@ -114,6 +115,7 @@ def fp4_dot_scaled_kernel(
     ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -126,6 +128,7 @@ def fp4_dot_scaled_kernel(
 
     # ----- K loop: acc [BLOCK_M, BLOCK_N] fp32 += (A . SA) [BLOCK_M, BLOCK_K] . (W . SW)^T
     k_lo = tl.program_id(1) * K_PER
+    pdl_wait(USE_PDL)  # the quantized activation
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         # packed bytes, two e2m1 codes each, low nibble first: [rows, BLOCK_K // 2]
@@ -148,6 +151,7 @@ def fp4_dot_scaled_kernel(
         # one block-scaled MMA per 64-deep slice; the scales never leave the instruction
         acc = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1", acc)
 
+    pdl_launch_dependents(USE_PDL)
     if SPLIT:  # a partial sum of this K range; splitk_reduce_kernel adds them, then the epilogue
         store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
         return
@@ -193,7 +197,7 @@ def launch_fp4_dot_scaled(a, a_scale, w, w_scale, *, M, N, K, vec_size, scale_e4
         ALPHA_MODE=alpha, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and out_dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT=n_split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias, alpha_mode=alpha, s1=gx, s2=gw)

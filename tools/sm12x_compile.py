@@ -15,6 +15,11 @@ mean nothing); strides equal to 1 are constants, as the launcher makes them.
 Per build: the mma.sync instructions in the PTX, registers, spill stores/loads, stack frame and
 shared memory (Triton's allocation, metadata.shared), and ``fits``: shared <= 101,376 B, no spills,
 registers * threads <= 65,536.
+
+A kernel that takes ``USE_PDL`` (kernels_triton._pdl) is compiled as SM12x launches it, with
+``USE_PDL=True`` and ``launch_pdl``, and its PTX must hold ``griddepcontrol.wait`` and
+``griddepcontrol.launch_dependents``. Besides the GEMMs, the rest of the decode chain is built the
+same way ("chain" rows): every activation quantizer at its decode tile and split-K's reduction.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ WANT = {
     "e4m3": ("kind::mxf8f6f4.block_scale.scale_vec::1X", "e4m3.e4m3.f32.ue8m0"),
     "bf16": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",),
 }
+PDL_WANT = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
 
 
 @dataclass
@@ -139,7 +145,49 @@ def builds() -> list[Build]:
                                      "portable", row, "_fp4_gemm:fp4_gemm_kernel", str(cfg), cfg.num_warps,
                                      cfg.num_stages, WANT["bf16"], (),
                                      {"a_ptr": f"*{act}", "gx_ptr": "*fp32", "gw_ptr": "*fp32"}, c))
-    return out
+    return out + chain_builds()
+
+
+def chain_builds() -> list[Build]:
+    """The decode chain's kernels other than the GEMMs, as launched at M = 16, K = 8192 (their tiles
+    from the functions the launchers call): only what PDL adds is checked there (PDL_WANT)."""
+    from kernels_triton import _nvfp4_quant, fp8_tensor, mxfp4
+    from kernels_triton._e4m3_gemm import quant_config
+    from kernels_triton._twopass import ALPHA_SCALES
+
+    M, K = 16, 8192
+    bm, bk = quant_config(M, K, False, group=32)
+    bm_blk, _ = quant_config(M, K, False, group=128)
+    nv_m, nv_k = _nvfp4_quant._quantize_tiles(M, K, False)
+    mx4_m, mx4_k = mxfp4._quantize_tiles(M, K, False)
+    f32 = "*fp32"
+    rows = [  # name, fmt, kernel, pointer types, constexprs
+        ("fp8_tensor amax", "fp8_tensor", "fp8_tensor:_amax_partials_kernel", {"x_ptr": "*bf16", "partials_ptr": f32},
+         dict(BLOCK_M=bm, BLOCK_K=bk)),
+        ("fp8_tensor quantize", "fp8_tensor", "fp8_tensor:_quantize_kernel",
+         {"x_ptr": "*bf16", "scale_ptr": f32, "partials_ptr": f32},
+         dict(STATIC_SCALE=False, BLOCK_M=bm, BLOCK_K=bk, PARTIALS_BLOCK=fp8_tensor.PARTIALS_BLOCK)),
+        ("fp8_block quantize", "fp8_block", "fp8_block:_quantize_kernel", {"x_ptr": "*bf16", "s_ptr": f32},
+         dict(UE8M0=False, BLOCK_M=bm_blk)),
+        ("mxfp8 quantize", "mxfp8", "mxfp8:_quantize_kernel", {"x_ptr": "*bf16"},
+         dict(FLOOR_RULE=False, BLOCK_M=bm, GROUPS=bk // 32)),
+        ("mxfp4 quantize", "mxfp4", "mxfp4:_quantize_kernel", {"x_ptr": "*bf16"},
+         dict(CEIL_RULE=True, BLOCK_M=mx4_m, BLOCK_K=mx4_k)),
+        ("nvfp4 amax", "nvfp4", "_nvfp4_quant:_amax_partial_kernel", {"x_ptr": "*bf16", "partial_ptr": f32},
+         dict(BLOCK_M=nv_m, BLOCK_K=nv_k)),
+        ("nvfp4 quantize", "nvfp4", "_nvfp4_quant:_quantize_kernel",
+         {"x_ptr": "*bf16", "partial_ptr": f32, "g_out_ptr": f32},
+         dict(DYNAMIC=True, BLOCK_P=_nvfp4_quant.MAX_PARTIALS, BLOCK_M=nv_m, BLOCK_K=nv_k)),
+        ("split-K reduce", "all", "_twopass:splitk_reduce_kernel",
+         {"y_ptr": "*bf16", "s1_ptr": f32, "s2_ptr": f32},
+         dict(SPLIT_K=2, ALPHA_MODE=ALPHA_SCALES, HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=16, BLOCK_N=256)),
+    ]
+    def tile(c):  # rows x columns of x per program (the reduction: of y)
+        cols = c.get("BLOCK_K") or 32 * c.get("GROUPS", 0) or (128 if "UE8M0" in c else c.get("BLOCK_N"))
+        return f"{c['BLOCK_M']}x{cols}"
+
+    return [Build(f"{name} chain decode", fmt, "chain", "decode", kernel, tile(c), 4, 3, PDL_WANT, (), types, c)
+            for name, fmt, kernel, types, c in rows]
 
 
 def _signature(fn, b: Build) -> tuple[dict, dict, dict]:
@@ -152,7 +200,11 @@ def _signature(fn, b: Build) -> tuple[dict, dict, dict]:
             const[name] = tl.bfloat16 if v == "bf16" else v
             sig[name] = "constexpr"
             continue
-        if fn.params[i].is_constexpr and fn.params[i].has_default:  # e.g. USE_PDL=False (_pdl)
+        if name == "USE_PDL":  # SM12x launches the chain kernels with PDL (_pdl.pdl_enabled)
+            const[name] = True
+            sig[name] = "constexpr"
+            continue
+        if fn.params[i].is_constexpr and fn.params[i].has_default:
             const[name] = fn.params[i].default
             sig[name] = "constexpr"
             continue
@@ -181,15 +233,18 @@ def compile_one(job: tuple[dict, int]) -> dict:
     mod, attr = b.kernel.split(":")
     fn = getattr(importlib.import_module(f"kernels_triton.{mod}"), attr)
     sig, const, attrs = _signature(fn, b)
+    pdl = "USE_PDL" in fn.arg_names
+    if pdl:
+        b.want = tuple(dict.fromkeys(b.want + PDL_WANT))
     knobs.nvidia.dump_ptxas_log = True
     log = io.StringIO()
-    rec = {**asdict(b), "arch": f"sm_{arch}a"}
+    rec = {**asdict(b), "arch": f"sm_{arch}a", "pdl": pdl}
     rec.pop("types")
     rec["constexprs"] = {k: str(v) for k, v in b.constexprs.items()}
     try:
         with contextlib.redirect_stdout(log):
             k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
-                               options=dict(num_warps=b.num_warps, num_stages=b.num_stages))
+                               options=dict(num_warps=b.num_warps, num_stages=b.num_stages, launch_pdl=pdl))
     except Exception as e:  # reported, and the test fails on it
         rec["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
         return rec
@@ -236,13 +291,14 @@ def run(arches=ARCHES, jobs: int = 2, only: str = "") -> list[dict]:
 
 
 def markdown(records: list[dict]) -> str:
-    """configuration -> registers / shared memory / spills, one column pair per arch."""
+    """configuration -> registers / shared memory / spills, one column pair per arch; the MMA in the
+    PTX; PDL "yes" where the kernel was built with USE_PDL and its PTX holds both griddepcontrol ops."""
     arches = sorted({r["arch"] for r in records})
     by = {}
     for r in records:
         by.setdefault((r["name"], r["tile"]), {})[r["arch"]] = r
-    head = "| configuration | tile | " + " | ".join(f"{a} regs / smem B / spills" for a in arches) + " | MMA |"
-    lines = [head, "|" + "---|" * (3 + len(arches))]
+    head = "| configuration | tile | " + " | ".join(f"{a} regs / smem B / spills" for a in arches) + " | MMA | PDL |"
+    lines = [head, "|" + "---|" * (4 + len(arches))]
     for (name, tile), per in by.items():
         cells = []
         for a in arches:
@@ -253,7 +309,8 @@ def markdown(records: list[dict]) -> str:
                 cells.append(f"{r['registers']} / {r['shared']} / {r['spill_stores']}" + ("" if r["fits"] else " (does not fit)"))
         any_r = next(iter(per.values()))
         mma = ", ".join(m.replace("mma.sync.aligned.", "") for m in any_r.get("mma", []))
-        lines.append(f"| {name} | {tile} | " + " | ".join(cells) + f" | `{mma}` |")
+        pdl = "yes" if any_r.get("pdl") and not any(w in any_r.get("missing", PDL_WANT) for w in PDL_WANT) else "-"
+        lines.append(f"| {name} | {tile} | " + " | ".join(cells) + (f" | `{mma}` |" if mma else " | - |") + f" {pdl} |")
     return "\n".join(lines)
 
 
