@@ -14,14 +14,15 @@ Three scale encodings share the kernel body (SCALE_K, constexpr: the K extent of
                               i.e. fp32 promotion per 128-K interval as fp8_block's lesson kernel.
     MX (mxfp8, SCALE_K = 32)  the same per 32-K scale block: each K step issues BLOCK_K / 32 dots of
                               32-deep [BLOCK_N, 32] / [16, 32] tiles, each into a fresh accumulator
-                              scaled by 2^ew[n, kb] * 2^ex[m, kb] (E8M0, decoded exactly:
-                              _common.decode_e8m0, 0xFF -> NaN). Products of e4m3 codes are exact,
+                              scaled by 2^ew[n, kb] * 2^ex[m, kb] (E8M0, decoded exactly by
+                              _e8m0_byte: 0x00 -> 2^-127, 0xFF -> NaN). Products of e4m3 codes are exact,
                               a power-of-two scale is exact, so what rounds is the fp8 wgmma's sum
                               inside one 32-deep partial and the fp32 accumulation: the lesson's
                               bf16 decode rounds only the latter.
 The scales meet first (sw * sx), then multiply the partial: part * sx alone overflows where the
-result does not (a 3e38 activation times a small weight). sw * sx itself overflows only when the
-two blocks' largest magnitudes multiply past 2^143, beyond fp32 unless they sit at different k.
+result does not (a 3e38 activation times a small weight). For scales our quantizers make, sw * sx
+overflows only when the two blocks' largest magnitudes multiply past 2^143, i.e. beyond fp32
+unless they sit at different k.
 Block and MX partials are already scaled, so the split-K reduction adds the bias only.
 """
 
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e8m0, interpreting
+from ._common import TileConfig, interpreting
 from ._paths import device_capability, sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan,
@@ -58,8 +59,9 @@ def _load_scales(sw_rows, sx_rows, kb, stride_swk, stride_sxk, n_mask, m_mask, S
 def _e8m0_byte(word, j: tl.constexpr):
     """E8M0 byte j of packed bytes -> 2^(b - 127) float32 (0x00 -> 2^-127, 0xFF -> NaN), as
     _common.decode_e8m0 but in fewer instructions (it runs per scale block): the byte goes straight
-    to fp32's exponent field; 2^-127, the subnormal 0x00400000, is the largest bit pattern below
-    2^-126's, so a max turns byte 0's zero into it."""
+    into fp32's exponent field. Bytes >= 1 give patterns >= 0x00800000 (2^-126), above 2^-127's
+    subnormal pattern 0x00400000, so a max turns only byte 0's zero into 2^-127; 0xFF lands on
+    Inf's pattern, which becomes NaN."""
     bits = tl.maximum(((word.to(tl.int32) >> (8 * j)) & 0xFF) << 23, 0x00400000)
     return tl.where(bits == 0x7F800000, float("nan"), bits.to(tl.float32, bitcast=True))
 
@@ -178,7 +180,9 @@ def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64,
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
 
 
-# mxfp8's decode tile (fp8_decode_config's knobs):
+# mxfp8's decode tile (fp8_decode_config's knobs): 128 weight rows, 4 stages, split-K to one program
+# per SM. H200, N = K = 8192: 64 rows with 6 stages ran the same; 256 rows, 8 warps, 2 programs per SM
+# and 32-wide K steps were slower (docs/perf_notes.md, row 16)
 MX_DECODE_TILE = dict(bn=128, stages=4)
 
 
@@ -216,7 +220,8 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
     MX_SCALE (mxfp8): sx uint8 E8M0 [M, K/32], sw uint8 [N, K/32], K a multiple of 32,
     y = sum_kb (x_kb . w_kb^T) * 2^(sx[:, kb] - 127) * 2^(sw[n, kb] - 127) + bias (OCP MX 1.0).
     Raises ValueError for M > 16, a block-scaled config whose BLOCK_K is not 128 or whose BLOCK_N
-    does not divide 128, or an MX config whose BLOCK_K (32, 64 or 128) does not divide K.
+    does not divide 128, an MX config whose BLOCK_K is not 32, 64 or 128, or (block and MX scales,
+    whose K loop has no K mask) a BLOCK_K that does not divide K.
     """
     M, K = x.shape
     N = w.shape[0]
@@ -227,9 +232,11 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
     if scale_k == FP8_BLOCK_SCALE and (cfg.BLOCK_K != 128 or 128 % cfg.BLOCK_N):
         raise ValueError(f"block-scaled FP8 needs BLOCK_K == 128 (one scale per K step) and BLOCK_N dividing 128, "
                          f"got BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N}")
+    if scale_k == MX_SCALE and cfg.BLOCK_K not in _MX_WORD:
+        raise ValueError(f"MX FP8 needs BLOCK_K in (32, 64, 128), got BLOCK_K={cfg.BLOCK_K}")
+    if scale_k and K % cfg.BLOCK_K:
+        raise ValueError(f"block-scaled FP8 needs BLOCK_K dividing K (no K mask), got BLOCK_K={cfg.BLOCK_K} K={K}")
     if scale_k == MX_SCALE:
-        if cfg.BLOCK_K not in _MX_WORD or K % cfg.BLOCK_K:
-            raise ValueError(f"MX FP8 needs BLOCK_K in (32, 64, 128) dividing K, got BLOCK_K={cfg.BLOCK_K} K={K}")
         sx, sw = (s.contiguous().view(_MX_WORD[cfg.BLOCK_K]) for s in (sx, sw))
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y

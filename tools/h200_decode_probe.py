@@ -229,10 +229,11 @@ def mxfp8_rows(M, w0, gen):
         print(rows[-1], flush=True)
 
     add(f"lesson {lesson_cfg}", lambda w: mxfp8._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
-    # (BLOCK_N, BLOCK_K, stages, programs per SM); programs_per_sm 0: no split-K
-    for bn, bk, st, ppsm in [(64, 128, 6, 1), (128, 128, 4, 1), (128, 128, 6, 1), (128, 128, 4, 2), (64, 128, 4, 2),
-                             (128, 128, 3, 1), (64, 32, 12, 1), (128, 32, 12, 1)]:
-        cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, bk=bk, stages=st, programs_per_sm=ppsm)
+    # (BLOCK_N, BLOCK_K, stages, programs per SM, warps); BLOCK_K 32 (s12), 6 stages at 128 rows and
+    # 2 programs per SM were slower still (docs/perf_notes.md, row 16)
+    for bn, bk, st, ppsm, wp in [(64, 128, 6, 1, 4), (128, 128, 4, 1, 4), (128, 128, 3, 1, 4), (256, 128, 3, 1, 4),
+                                 (256, 128, 2, 1, 4), (256, 128, 3, 1, 8), (128, 128, 4, 1, 8), (128, 128, 3, 1, 8)]:
+        cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, bk=bk, stages=st, warps=wp, programs_per_sm=ppsm)
         add(f"swap {cfg}", lambda w, cfg=cfg: _fp8_decode.launch_fp8_decode(
             xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=_fp8_decode.MX_SCALE, config=cfg))
     add(f"default {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.gemm(xq, w, None, torch.bfloat16))

@@ -26,7 +26,7 @@ from _e4m3_testlib import (
 )
 from conftest import device_name, make_input, rel_err
 from kernels_triton import mxfp8 as mod
-from kernels_triton._fp8_decode import MX_DECODE_TILE, fp8_decode_config
+from kernels_triton._fp8_decode import MX_DECODE_TILE, MX_SCALE, fp8_decode_config, launch_fp8_decode
 
 FMT = "mxfp8"
 BLOCK = 32
@@ -161,6 +161,19 @@ def test_argument_errors_name_the_argument(case):
     call, word = calls[case]
     with pytest.raises(ValueError, match=re.escape(word)):
         call()
+
+
+def test_decode_launch_refuses_tiles_it_cannot_run():
+    # host checks, made before any launch (so they run on the CPU too): the MX K loop reads one
+    # step's scale bytes as one integer and has no K mask
+    K = 320
+    xq = formats.quantize(make_input((4, K)), FMT, role="activation")
+    w = make_weight(FMT, 8, K, BLOCK)
+    y = torch.empty(4, 8, dtype=BF16, device=w.data.device)
+    for bk, word in ((128, "dividing K"), (256, "BLOCK_K in (32, 64, 128)")):
+        with pytest.raises(ValueError, match=re.escape(word)):
+            launch_fp8_decode(xq.data, w.data, xq.scale, w.scale, None, y, scale_k=MX_SCALE,
+                              config=fp8_decode_config(4, 8, K, bk=bk))
 
 
 @pytest.mark.gpu
