@@ -1,22 +1,34 @@
-"""Decode-sized FP8 GEMM (M <= 16) on sm_90: the performance path of fp8_tensor and fp8_block.
+"""Decode-sized FP8 GEMM (M <= 16) on sm_90: the performance path of fp8_tensor, fp8_block and mxfp8.
 
 The lesson kernels' 16-row tile is below wgmma's 64-row minimum, so at M <= 16 Triton lowers them
 to mma.sync. Swapping the operands (acc[n, m] = sum_k W[n, k] * X[m, k], the weight on the MMA's
 M side) gives wgmma m64n16k32 with both e4m3 operands K-major from shared memory, fed by the
 pipelined loads. Split-K partials go through _twopass's ordered reduction.
 
-Two scale encodings share the kernel body (BLOCK_SCALED, constexpr):
-    per-tensor (fp8_tensor)   acc = dot(w, x^T, acc), the wgmma accumulator promoted to fp32 every
-                              IMPRECISE_ACC products as in the lesson kernel; s_x * s_w and the
+Three scale encodings share the kernel body (SCALE_K, constexpr: the K extent of one scale):
+    per-tensor (fp8_tensor,   acc = dot(w, x^T, acc), the wgmma accumulator promoted to fp32 every
+    SCALE_K = 0)              IMPRECISE_ACC products as in the lesson kernel; s_x * s_w and the
                               bias applied once, in the epilogue or the split-K reduction.
-    block (fp8_block)         one 128-deep K step is one scale block: part = dot(w, x^T) into a
-                              fresh accumulator, then acc += part * (sw[n // 128, kb] * sx[m, kb]),
-                              i.e. fp32 promotion per 128-K interval as fp8_block's lesson kernel;
-                              partials are already scaled, so the reduction adds the bias only.
+    block (fp8_block,         one 128-deep K step is one scale block: part = dot(w, x^T) into a
+    SCALE_K = 128)            fresh accumulator, then acc += part * (sw[n // 128, kb] * sx[m, kb]),
+                              i.e. fp32 promotion per 128-K interval as fp8_block's lesson kernel.
+    MX (mxfp8, SCALE_K = 32)  the same per 32-K scale block: each K step issues BLOCK_K / 32 dots of
+                              32-deep [BLOCK_N, 32] / [16, 32] tiles, each into a fresh accumulator
+                              scaled by 2^ew[n, kb] * 2^ex[m, kb] (E8M0, decoded exactly by
+                              _e8m0_byte: 0x00 -> 2^-127, 0xFF -> NaN). Products of e4m3 codes are exact,
+                              a power-of-two scale is exact, so what rounds is the fp8 wgmma's sum
+                              inside one 32-deep partial and the fp32 accumulation: the lesson's
+                              bf16 decode rounds only the latter.
+The scales meet first (sw * sx), then multiply the partial: part * sx alone overflows where the
+result does not (a 3e38 activation times a small weight). For scales our quantizers make, sw * sx
+overflows only when the two blocks' largest magnitudes multiply past 2^143, i.e. beyond fp32
+unless they sit at different k.
+Block and MX partials are already scaled, so the split-K reduction adds the bias only.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -26,23 +38,61 @@ from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan,
                        splitk_workspace, store_splitk_partial)
 
+TENSOR_SCALE, FP8_BLOCK_SCALE, MX_SCALE = 0, 128, 32  # SCALE_K of fp8_tensor, fp8_block, mxfp8
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
-_SCALE_BLOCK = tl.constexpr(128)  # fp8_block: 1x128 activation groups, 128x128 weight blocks
+_FP8_BLOCK = tl.constexpr(FP8_BLOCK_SCALE)  # fp8_block: 1x128 activation groups, 128x128 weight blocks
+_MX = tl.constexpr(MX_SCALE)
+
+
+@triton.jit
+def _load_scales(sw_rows, sx_rows, kb, stride_swk, stride_sxk, n_mask, m_mask, SCALE_K: tl.constexpr):
+    """The scales of K step kb: fp8_block one fp32 sw (the tile's weight block) and sx [BLOCK_M];
+    mxfp8 the E8M0 bytes of the step's BLOCK_K / 32 blocks, packed into one integer per row (the
+    host views the uint8 scales as an integer BLOCK_K / 32 bytes wide), sw [BLOCK_N], sx [BLOCK_M].
+    Masked rows get 0 (fp32 0, or E8M0 2^-127): their partials are 0 or never stored."""
+    sw = tl.load(sw_rows + kb * stride_swk, mask=n_mask, other=0)
+    sx = tl.load(sx_rows + kb * stride_sxk, mask=m_mask, other=0)
+    return sw, sx
+
+
+@triton.jit
+def _e8m0_byte(word, j: tl.constexpr):
+    """E8M0 byte j of packed bytes -> 2^(b - 127) float32 (0x00 -> 2^-127, 0xFF -> NaN), as
+    _common.decode_e8m0 but in fewer instructions (it runs per scale block): the byte goes straight
+    into fp32's exponent field. Bytes >= 1 give patterns >= 0x00800000 (2^-126), above 2^-127's
+    subnormal pattern 0x00400000, so a max turns only byte 0's zero into 2^-127; 0xFF lands on
+    Inf's pattern, which becomes NaN."""
+    bits = tl.maximum(((word.to(tl.int32) >> (8 * j)) & 0xFF) << 23, 0x00400000)
+    return tl.where(bits == 0x7F800000, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _scale_of_block(sw, sx, j: tl.constexpr, SCALE_K: tl.constexpr):
+    """sw * sx of 32-block j of the step ([BLOCK_N, BLOCK_M]); fp8_block: its one block."""
+    if SCALE_K == _MX:  # byte j of the packed E8M0 bytes (little-endian)
+        s = _e8m0_byte(sw, j)[:, None] * _e8m0_byte(sx, j)[None, :]
+    else:
+        s = (sw * sx)[None, :]
+    return s
 
 
 @triton.jit
 def fp8_decode_gemm_kernel(
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr,
     M, N, K, K_PER, stride_xm, stride_wn, stride_ym,
-    stride_sxm, stride_sxk, stride_swn, stride_swk,  # BLOCK_SCALED only: sx [M, K/128], sw [N/128, K/128]
-    HAS_BIAS: tl.constexpr, IMPRECISE_ACC: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+    # SCALE_K > 0 only: fp8_block sx [M, K/128], sw [N/128, K/128] fp32; mxfp8 sx [M, K/BLOCK_K],
+    # sw [N, K/BLOCK_K] of BLOCK_K/32-byte integers (the E8M0 bytes of one K step)
+    stride_sxm, stride_sxk, stride_swn, stride_swk,
+    HAS_BIAS: tl.constexpr, IMPRECISE_ACC: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
 ):
-    if BLOCK_SCALED:
-        tl.static_assert(BLOCK_K == _SCALE_BLOCK, "block FP8 needs BLOCK_K == 128: one scale per K step")
+    if SCALE_K == _FP8_BLOCK:
+        tl.static_assert(BLOCK_K == _FP8_BLOCK, "block FP8 needs BLOCK_K == 128: one scale per K step")
         # a tile's weight rows then lie in one 128-row scale block: one scalar sw per K step
-        tl.static_assert(_SCALE_BLOCK % BLOCK_N == 0, "block FP8 needs BLOCK_N to divide 128")
+        tl.static_assert(_FP8_BLOCK % BLOCK_N == 0, "block FP8 needs BLOCK_N to divide 128")
+    if SCALE_K == _MX:
+        tl.static_assert(BLOCK_K % _MX == 0 and BLOCK_K <= 4 * _MX, "MX needs BLOCK_K in 32, 64, 128")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,39 +102,52 @@ def fp8_decode_gemm_kernel(
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
     pdl_wait(USE_PDL)  # the quantized activation and its scales
-    if BLOCK_SCALED:
-        sw_row = sw_ptr + ((pid_n * BLOCK_N) // _SCALE_BLOCK).to(tl.int64) * stride_swn
+    if SCALE_K > 0:
+        if SCALE_K == _MX:
+            sw_rows = sw_ptr + offs_n.to(tl.int64) * stride_swn
+            sw_mask = n_mask
+        else:
+            sw_rows = sw_ptr + ((pid_n * BLOCK_N) // _FP8_BLOCK).to(tl.int64) * stride_swn
+            sw_mask = True
         sx_rows = sx_ptr + offs_m.to(tl.int64) * stride_sxm
         # scales of K step kb are loaded one step ahead: the pipeliner does not prefetch these small
         # loads, and an HBM miss on them would otherwise stall every step after its MMA
-        kb = k_lo // _SCALE_BLOCK
-        sw_next = tl.load(sw_row + kb * stride_swk)
-        sx_next = tl.load(sx_rows + kb * stride_sxk, mask=m_mask, other=0.0)  # padded rows: part is 0 there
+        sw_next, sx_next = _load_scales(sw_rows, sx_rows, k_lo // BLOCK_K, stride_swk, stride_sxk, sw_mask, m_mask,
+                                        SCALE_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-                    mask=n_mask[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-        if BLOCK_SCALED:
-            sw, sx = sw_next, sx_next
-            kb = k0 // _SCALE_BLOCK + 1
-            more = kb * _SCALE_BLOCK < k_hi
-            sw_next = tl.load(sw_row + kb * stride_swk, mask=more, other=0.0)
-            sx_next = tl.load(sx_rows + kb * stride_sxk, mask=m_mask & more, other=0.0)
-            part = tl.dot(w, tl.trans(x), max_num_imprecise_acc=IMPRECISE_ACC)  # fresh 128-deep sum
-            acc += part * (sw * sx)[None, :]  # scales meet first: part * sw alone can overflow
-        else:
+        if SCALE_K == 0:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_mask[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE_ACC)
+        else:
+            sw, sx = sw_next, sx_next
+            kb = k0 // BLOCK_K + 1
+            more = kb * BLOCK_K < k_hi
+            sw_next, sx_next = _load_scales(sw_rows, sx_rows, kb, stride_swk, stride_sxk, sw_mask & more,
+                                            m_mask & more, SCALE_K)
+            # one [BLOCK_N, SCALE_K] / [BLOCK_M, SCALE_K] load pair per scale block, each its own
+            # pipelined shared-memory tile, so every dot is a wgmma straight from shared memory
+            # (no K mask: BLOCK_K divides K here)
+            for j in tl.static_range(BLOCK_K // SCALE_K):
+                offs_k = k0 + j * SCALE_K + tl.arange(0, SCALE_K)
+                w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                            mask=n_mask[:, None], other=0.0)
+                x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                            mask=m_mask[:, None], other=0.0)
+                part = tl.dot(w, tl.trans(x), max_num_imprecise_acc=IMPRECISE_ACC)  # a fresh sum
+                acc += part * _scale_of_block(sw, sx, j, SCALE_K)
     pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         store_splitk_partial(ws_ptr, out, pid_k, offs_m, offs_n, M, N, mask)
         return
-    if BLOCK_SCALED:
+    if SCALE_K > 0:
         out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, False)
     else:
         out = epilogue(out, offs_n, n_mask, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, False)
@@ -99,8 +162,8 @@ def _is_sm90(device) -> bool:
 
 
 def fp8_decode_applies(M: int, device) -> bool:
-    """fp8_tensor's and fp8_block's GEMMs take this kernel for 1 <= M <= 16 on sm_90 (not under
-    the interpreter)."""
+    """fp8_tensor's, fp8_block's and mxfp8's GEMMs take this kernel for 1 <= M <= 16 on sm_90 (not
+    under the interpreter)."""
     return 1 <= M <= 16 and _is_sm90(device)
 
 
@@ -117,51 +180,76 @@ def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64,
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
 
 
-def hopper_config(M: int, N: int, K: int, device, *, block_scaled: bool = False) -> TileConfig | None:
+# mxfp8's decode tile (fp8_decode_config's knobs): 128 weight rows, 4 stages, split-K to one program
+# per SM. H200, N = K = 8192: 64 rows with 6 stages ran the same; 256 rows, 8 warps, 2 programs per SM
+# and 32-wide K steps were slower (docs/perf_notes.md, row 16)
+MX_DECODE_TILE = dict(bn=128, stages=4)
+
+
+def mx_block_k(K: int) -> int:
+    """The widest K step (128, 64, 32) dividing K: one step's E8M0 bytes are read as one integer."""
+    return next(bk for bk in (128, 64, MX_SCALE) if K % bk == 0)
+
+
+def hopper_config(M: int, N: int, K: int, device, *, scale_k: int = TENSOR_SCALE) -> TileConfig | None:
     """The fp8 GEMM's tile on sm_90 where it differs from _e4m3_gemm.gemm_config (None elsewhere):
-    the decode kernel's for M <= 16; for fp8_tensor (not ``block_scaled``) also 4 stages instead
-    of 3 for the 128 x 128 x 128 prefill tile (H200, 8192^3: 1184 vs 1256 us)."""
+    the decode kernel's for M <= 16 (``scale_k`` as in launch_fp8_decode); for fp8_tensor also 4
+    stages instead of 3 for the 128 x 128 x 128 prefill tile (H200, 8192^3: 1184 vs 1256 us)."""
     if not _is_sm90(device):
         return None
     if 1 <= M <= 16:
+        if scale_k == MX_SCALE:
+            return fp8_decode_config(M, N, K, sm_count(device), bk=mx_block_k(K), **MX_DECODE_TILE)
         return fp8_decode_config(M, N, K, sm_count(device))
-    if M > 256 and not block_scaled:
+    if M > 256 and scale_k == TENSOR_SCALE:
         return TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4)
     return None
 
 
-def launch_fp8_decode(x, w, sx, sw, bias, y, *, block_scaled: bool = False, imprecise_acc: int = 128,
+_MX_WORD = {32: torch.uint8, 64: torch.int16, 128: torch.int32}  # one K step's E8M0 bytes
+
+
+def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imprecise_acc: int = 128,
                       config: TileConfig | None = None):
     """y [M, N] = x [M, K] e4m3 . w [N, K]^T e4m3, scaled, + bias, M <= 16, on a GPU; x and w
     K-contiguous.
 
-    Per-tensor scales (fp8_tensor): sx, sw float32 0-d, y = (x . w^T) * sx * sw + bias.
-    ``block_scaled`` (fp8_block): sx float32 [M, K/128], sw float32 [ceil(N/128), K/128], K a
+    ``scale_k`` TENSOR_SCALE (fp8_tensor): sx, sw float32 0-d, y = (x . w^T) * sx * sw + bias.
+    FP8_BLOCK_SCALE (fp8_block): sx float32 [M, K/128], sw float32 [ceil(N/128), K/128], K a
     multiple of 128, y = sum_kb (x_kb . w_kb^T) * sx[:, kb] * sw[n // 128, kb] + bias.
-    Raises ValueError for M > 16, or a block-scaled config whose BLOCK_K is not 128 or whose
-    BLOCK_N does not divide 128.
+    MX_SCALE (mxfp8): sx uint8 E8M0 [M, K/32], sw uint8 [N, K/32], K a multiple of 32,
+    y = sum_kb (x_kb . w_kb^T) * 2^(sx[:, kb] - 127) * 2^(sw[n, kb] - 127) + bias (OCP MX 1.0).
+    Raises ValueError for M > 16, a block-scaled config whose BLOCK_K is not 128 or whose BLOCK_N
+    does not divide 128, an MX config whose BLOCK_K is not 32, 64 or 128, or (block and MX scales,
+    whose K loop has no K mask) a BLOCK_K that does not divide K.
     """
     M, K = x.shape
     N = w.shape[0]
     if M > 16:
         raise ValueError(f"M must be <= 16 for the decode kernel, got {M}")
     # the tile tile_config reports (hopper_config) is the tile launched
-    cfg = config or hopper_config(M, N, K, y.device, block_scaled=block_scaled) or fp8_decode_config(M, N, K)
-    if block_scaled and (cfg.BLOCK_K != 128 or 128 % cfg.BLOCK_N):
+    cfg = config or hopper_config(M, N, K, y.device, scale_k=scale_k) or fp8_decode_config(M, N, K)
+    if scale_k == FP8_BLOCK_SCALE and (cfg.BLOCK_K != 128 or 128 % cfg.BLOCK_N):
         raise ValueError(f"block-scaled FP8 needs BLOCK_K == 128 (one scale per K step) and BLOCK_N dividing 128, "
                          f"got BLOCK_K={cfg.BLOCK_K} BLOCK_N={cfg.BLOCK_N}")
+    if scale_k == MX_SCALE and cfg.BLOCK_K not in _MX_WORD:
+        raise ValueError(f"MX FP8 needs BLOCK_K in (32, 64, 128), got BLOCK_K={cfg.BLOCK_K}")
+    if scale_k and K % cfg.BLOCK_K:
+        raise ValueError(f"block-scaled FP8 needs BLOCK_K dividing K (no K mask), got BLOCK_K={cfg.BLOCK_K} K={K}")
+    if scale_k == MX_SCALE:
+        sx, sw = (s.contiguous().view(_MX_WORD[cfg.BLOCK_K]) for s in (sx, sw))
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
-    s_strides = (*sx.stride(), *sw.stride()) if block_scaled else (0, 0, 0, 0)
+    s_strides = (*sx.stride(), *sw.stride()) if scale_k else (0, 0, 0, 0)
     fp8_decode_gemm_kernel[(triton.cdiv(N, cfg.BLOCK_N), n_split)](
         x, w, sx, sw, bias if bias is not None else y, y, ws,
         M, N, K, k_per, x.stride(0), w.stride(0), y.stride(0), *s_strides,
-        HAS_BIAS=bias is not None, IMPRECISE_ACC=min(imprecise_acc, cfg.BLOCK_K), BLOCK_SCALED=block_scaled,
+        HAS_BIAS=bias is not None, IMPRECISE_ACC=min(imprecise_acc, scale_k or cfg.BLOCK_K), SCALE_K=scale_k,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:
-        if block_scaled:  # every scale was applied in the K loop
+        if scale_k:  # every scale was applied in the K loop
             launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_NONE)
         else:
             launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=sx, s2=sw)

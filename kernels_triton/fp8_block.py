@@ -38,7 +38,7 @@ promoted as above; with ``ue8m0=True`` (power-of-two scales, DeepGEMM's UE8M0) e
 handed to the MMA as its E8M0 byte e + 127, repeated over its four 32-blocks, and no promotion
 step is needed (a scale that is not a power of two makes its rows/columns of y NaN).
 
-Decode on sm_90 (1 <= M <= 16, ``_fp8_decode`` with BLOCK_SCALED): the same sum with the operands
+Decode on sm_90 (1 <= M <= 16, ``_fp8_decode`` with SCALE_K = 128): the same sum with the operands
 swapped, so the weight is wgmma's 64-row M side and the 16 padded activation rows its N side; each
 128-deep partial is a fresh wgmma accumulator scaled by sw * sx before it joins the fp32 sum, and
 K is split over the SMs. ``ue8m0`` changes nothing there, as in the portable kernel.
@@ -81,7 +81,7 @@ from ._e4m3_gemm import (
     native_config,
     quant_config,
 )
-from ._fp8_decode import fp8_decode_applies, hopper_config, launch_fp8_decode
+from ._fp8_decode import FP8_BLOCK_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
 from ._paths import default_device, resolve_path
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
@@ -287,7 +287,7 @@ def tile_config(M: int, N: int, K: int, path=None):
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_config(M, N, K, dev, kind="fp8_block", block_k=FP8_BLOCK)
-    return (hopper_config(M, N, K, dev, block_scaled=True)
+    return (hopper_config(M, N, K, dev, scale_k=FP8_BLOCK_SCALE)
             or gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK))
 
 
@@ -354,7 +354,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return _gemm_native(xq, qweight, bias, y, bool(ue8m0))
     if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
         return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
-                                 block_scaled=True)
+                                 scale_k=FP8_BLOCK_SCALE)
     return _gemm_portable(xq, qweight, bias, y)
 
 

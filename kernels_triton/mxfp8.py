@@ -28,19 +28,26 @@ their product has 4 significant bits and an 8-bit exponent -- it is representabl
 (8 significant bits, fp32's exponent range) for every scale our quantizer produces (e in
 [-108, 120]). The tensor core then multiplies two such bf16 values exactly (8 significant bits
 in fp32) and accumulates in fp32. So the only rounding is fp32 accumulation, as in any fp32 GEMM;
-no scale is rounded. We chose this over per-32 sub-dots (dot the e4m3 codes 32 deep, multiply the
-partial by 2^(ex+ew)): that is also exact but needs one tl.dot per 32 elements of K, a [BLOCK_M,
-BLOCK_N] scale multiply per sub-dot and 32-deep fp8 dots, and is slower on Hopper
-(docs/results.md). On SM12x the native path below hands the codes and scales to the block-scaled
-MMA instead, which applies the scales inside the instruction.
+no scale is rounded. For this kernel's mma.sync tile we chose that over per-32 sub-dots (dot the
+e4m3 codes 32 deep, multiply the partial by 2^(ex+ew)): also exact per product, but one tl.dot per
+32 elements of K and a [BLOCK_M, BLOCK_N] scale multiply per sub-dot, which was slower there
+(docs/results.md). At decode M (1..16) on sm_90 gemm takes the sub-dots after all, in the swapped
+wgmma kernel of _fp8_decode (SCALE_K = 32): the weight is wgmma's 64-row side, each 128-wide K step
+issues four 32-deep e4m3 wgmmas into fresh accumulators, and each partial joins the fp32 sum times
+2^ew[n] * 2^ex[m] (the two scales meet first); nothing is decoded to bf16, so the K loop is a few
+instructions per weight byte instead of a decode per element. Its result differs from this kernel's
+by the summation order and the fp8 wgmma's sum inside each 32-deep partial (docs/perf_notes.md,
+"Bounded, not bit-identical"). On SM12x the native path below hands the codes and scales to the
+block-scaled MMA instead, which applies the scales inside the instruction.
 
 DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
 there). The scales are loaded once per 32-element block, [BLOCK_M, BLOCK_K / 32], and broadcast by a
 reshape to [BLOCK_M, BLOCK_K / 32, 32] (a per-element gather sx[offs_m, offs_k // 32] would hit
 the cache but cost one load instruction per element).
 
-Launch regimes (tile_config; _twopass explains both): decode-sized M splits K over several programs
-per output tile (split-K, fp32 workspace, ordered reduction); large M decodes each operand once
+Launch regimes of this kernel (tile_config; _twopass explains both): decode-sized M splits K over
+several programs per output tile (split-K, fp32 workspace, ordered reduction; on sm_90 the decode
+kernel above instead, split-K too); large M decodes each operand once
 into bf16 scratch (``_dequant_kernel``) and runs a plain bf16 GEMM, instead of re-decoding every
 weight tile M / BLOCK_M times.
 
@@ -83,6 +90,7 @@ from ._common import (
     scale_offsets,
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
+from ._fp8_decode import MX_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
 from ._paths import NATIVE_SCALE_LAYOUTS, check_native_weight, default_device, resolve_path, weight_scale_bytes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (
@@ -315,13 +323,15 @@ def _dequant(q, s) -> torch.Tensor:
 def tile_config(M: int, N: int, K: int, path=None):
     """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
     and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it). Native: the
-    SM12x table. Portable: fused with 64-deep K steps on GPU (the decoded tiles live in registers
-    before the dot), split-K for decode, the bf16 pre-pass for large M."""
+    SM12x table. Portable: on sm_90 at M <= 16 the swapped wgmma kernel's (_fp8_decode); else
+    fused with 64-deep K steps on GPU (the decoded tiles live in registers before the dot),
+    split-K for decode, the bf16 pre-pass for large M."""
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_config(M, N, K, dev)
     interp = interpreting()
-    return gemm_config(M, N, K, interp, block_k=None if interp else 64, prepass=True)
+    return (hopper_config(M, N, K, dev, scale_k=MX_SCALE)
+            or gemm_config(M, N, K, interp, block_k=None if interp else 64, prepass=True))
 
 
 def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
@@ -385,8 +395,19 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return y
     if resolve_path(path, FMT, qweight.device) == "native":
         return _gemm_native(xq, qweight, bias, y)
+    if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
+        return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
+                                 scale_k=MX_SCALE)
+    return _gemm_portable(xq, qweight, bias, y)
+
+
+def _gemm_portable(xq, qweight, bias, y, cfg=None) -> torch.Tensor:
+    """Launch the lesson kernel (or the pre-pass + bf16 GEMM) into y [M, N]; ``cfg`` None:
+    tile_config's (the decode probe passes the lesson's tile at M <= 16 on sm_90)."""
+    M, N = y.shape
+    K = qweight.k
     interp = interpreting()
-    cfg = tile_config(M, N, K, path="portable")
+    cfg = cfg or tile_config(M, N, K, path="portable")
     x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
     sx, sw = xq.scale, qweight.scale
     if cfg.PREPASS:  # large M: decode each operand once, then a plain bf16 GEMM (_twopass)
@@ -399,7 +420,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         M, N, K, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, DOT_BF16=not interp, RNE_BF16=interp and out_dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None, DOT_BF16=not interp, RNE_BF16=interp and y.dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),

@@ -1,13 +1,14 @@
 """Issue 13 knob probe on the H200 (one device call): the decode-sized FP4 kernel (_fp4_decode) and
-the swapped FP8 kernel (_fp8_decode, per-tensor and block scales) against the lesson kernels, and
-the fp8_tensor prefill knobs.
+the swapped FP8 kernel (_fp8_decode, per-tensor, block and MX scales) against the lesson kernels,
+and the fp8_tensor prefill knobs.
 
 GEMM alone on operands quantized beforehand, N = K = 8192, bf16 output. Decode rows: CUDA-graph
 replay over 5 distinct weights (from HBM, as the bench); prefill rows: do_bench with the L2
 flushed. Each variant is checked against the lesson kernel's output (max |diff| / max |lesson|).
-fp8_block also times the whole linear (quantization + GEMM) and bf16 cuBLAS on the same shapes.
+fp8_block and mxfp8 also time the whole linear (quantization + GEMM) and bf16 cuBLAS on the same
+shapes.
 
-    PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json [--only fp8_block]
+    PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json [--only fp8_block,mxfp8]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import torch
 
 import formats
-from kernels_triton import _fp4_decode, _fp4_gemm, _fp8_decode, fp8_block, fp8_tensor, mxfp4, nvfp4
+from kernels_triton import _fp4_decode, _fp4_gemm, _fp8_decode, fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
 from kernels_triton._common import TileConfig
 from kernels_triton._e4m3_gemm import gemm_config
 
@@ -190,7 +191,7 @@ def fp8_block_rows(M, w0, gen):
     for bn, st, ppsm in [(64, 6, 1), (64, 4, 2), (64, 6, 2), (128, 4, 1), (64, 6, 0), (64, 8, 0), (64, 8, 1)]:
         cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, stages=st, programs_per_sm=ppsm)
         add(f"swap {cfg}", lambda w, cfg=cfg: _fp8_decode.launch_fp8_decode(
-            xq.data, w.data, xq.scale, w.scale, None, out(), block_scaled=True, config=cfg))
+            xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=_fp8_decode.FP8_BLOCK_SCALE, config=cfg))
     add(f"default {fp8_block.tile_config(M, N, K)}", lambda w: fp8_block.gemm(xq, w, None, torch.bfloat16))
     add(f"lesson {lesson_cfg}", lambda w: fp8_block._gemm_portable(
         fp8_block.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
@@ -205,11 +206,55 @@ def fp8_block_rows(M, w0, gen):
     return rows
 
 
+def mxfp8_rows(M, w0, gen):
+    """mxfp8 at decode M: the lesson kernel, decode configs of the swapped kernel (SCALE_K = 32:
+    BLOCK_N, BLOCK_K 128 with four 32-deep dots per step or 32 with one, stages, programs per SM),
+    the default gemm, then the whole linear (lesson and default) and bf16 cuBLAS, over 5 weights."""
+    ws = [formats.quantize(w0 * (1 + 0.01 * i), "mxfp8", role="weight") for i in range(SETS)]
+    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    xq = formats.quantize(x, "mxfp8", role="activation")
+    lesson_cfg = gemm_config(M, N, K, False, block_k=64, prepass=True)
+    out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    ref = mxfp8._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
+    rows = []
+
+    def add(name, fn_of_w, what="gemm"):
+        try:
+            fns = [lambda w=w: fn_of_w(w) for w in ws]
+            y = fns[0]()
+            us = graph_us(fns)
+            rows.append({"fmt": f"mxfp8 {what}", "M": M, "variant": name, "us": us, "rel_vs_lesson": relerr(y, ref)})
+        except Exception as e:
+            rows.append({"fmt": f"mxfp8 {what}", "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(rows[-1], flush=True)
+
+    add(f"lesson {lesson_cfg}", lambda w: mxfp8._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
+    # (BLOCK_N, BLOCK_K, stages, programs per SM, warps); BLOCK_K 32 (s12), 6 stages at 128 rows and
+    # 2 programs per SM were slower still (docs/perf_notes.md, row 16)
+    for bn, bk, st, ppsm, wp in [(64, 128, 6, 1, 4), (128, 128, 4, 1, 4), (128, 128, 3, 1, 4), (256, 128, 3, 1, 4),
+                                 (256, 128, 2, 1, 4), (256, 128, 3, 1, 8), (128, 128, 4, 1, 8), (128, 128, 3, 1, 8)]:
+        cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, bk=bk, stages=st, warps=wp, programs_per_sm=ppsm)
+        add(f"swap {cfg}", lambda w, cfg=cfg: _fp8_decode.launch_fp8_decode(
+            xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=_fp8_decode.MX_SCALE, config=cfg))
+    add(f"default {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.gemm(xq, w, None, torch.bfloat16))
+    add(f"lesson {lesson_cfg}", lambda w: mxfp8._gemm_portable(
+        mxfp8.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
+    add(f"default {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.linear(x, w), "linear")
+    w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
+    try:
+        us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
+        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "torch.nn.functional.linear", "us": us})
+    except Exception as e:
+        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "F.linear", "error": f"{type(e).__name__}: {e}"[:200]})
+    print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
-    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block; "
+    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, mxfp8; "
                    "default: all)")
     args = p.parse_args()
     t0 = time.time()
@@ -218,7 +263,7 @@ def main():
     rows = []
     jobs = [("nvfp4", 16, False), ("mxfp4", 16, False), ("mxfp4", 16, True), ("nvfp4", 1, False),
             ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None),
-            ("fp8_block", 16, None), ("fp8_block", 1, None)]
+            ("fp8_block", 16, None), ("fp8_block", 1, None), ("mxfp8", 16, None), ("mxfp8", 1, None)]
     if args.only:
         sel = args.only.split(",")
         jobs = [j for j in jobs if j[0] in sel or f"{j[0]}:{j[1]}" in sel]
@@ -230,6 +275,8 @@ def main():
             rows += fp8_rows(M, w0, gen)
         elif fmt == "fp8_block":
             rows += fp8_block_rows(M, w0, gen)
+        elif fmt == "mxfp8":
+            rows += mxfp8_rows(M, w0, gen)
         else:
             rows += fp4_rows(fmt, M, a16, w0, gen)
         torch.cuda.empty_cache()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import formats
+from kernels_triton._fp8_decode import fp8_decode_applies
 from conftest import DEVICE, assert_within_bound, device_name, make_input, rel_err  # noqa: F401
 from conftest import gemm_bound as _gemm_bound
 
@@ -22,8 +23,17 @@ TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 1e-5}
 FP8_DIRECT_DOT_FP32_TOL = 5e-4
 
 
-def tolerance(out_dtype, fmt: str) -> float:
-    if out_dtype == torch.float32 and DEVICE == "cuda" and fmt in ("fp8_tensor", "fp8_block"):
+def fp8_mma(fmt: str, M: int) -> bool:
+    """Whether the GEMM dots the e4m3 codes on Hopper's fp8 MMA here: fp8_tensor / fp8_block on
+    a GPU, and mxfp8 where it takes the sm_90 decode kernel (1 <= M <= 16; its 32-deep partials
+    are fp8 wgmma sums)."""
+    if DEVICE != "cuda":
+        return False
+    return fmt in ("fp8_tensor", "fp8_block") or (fmt == "mxfp8" and fp8_decode_applies(M, torch.device(DEVICE)))
+
+
+def tolerance(out_dtype, fmt: str, M: int = 0) -> float:
+    if out_dtype == torch.float32 and fp8_mma(fmt, M):
         return FP8_DIRECT_DOT_FP32_TOL
     return TOL[out_dtype]
 
@@ -68,9 +78,8 @@ def make_bias(n: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def gemm_bound(xq, qweight, bias, out_dtype, ref):
-    """conftest.gemm_bound; fp8_tensor / fp8_block on a GPU dot the e4m3 codes on Hopper's fp8 MMA."""
-    return _gemm_bound(xq, qweight, bias, out_dtype, ref,
-                       fp8_mma=DEVICE == "cuda" and qweight.fmt in ("fp8_tensor", "fp8_block"))
+    """conftest.gemm_bound, with the fp8 MMA's accumulation where the kernel dots e4m3 codes (fp8_mma)."""
+    return _gemm_bound(xq, qweight, bias, out_dtype, ref, fp8_mma=fp8_mma(qweight.fmt, xq.rows))
 
 
 def check_gemm(mod, xq, qweight, bias, out_dtype):

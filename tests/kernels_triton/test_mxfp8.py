@@ -10,18 +10,23 @@ import torch
 
 import formats
 from _e4m3_testlib import (
+    assert_within_bound,
     check_gemm,
     check_linear,
     check_quantize,
     error_calls,
+    fp8_mma,
+    gemm_bound,
     make_bias,
     make_weight,
     require_gpu,
     special_values,
     strided_views,
+    tolerance,
 )
-from conftest import make_input, rel_err
+from conftest import device_name, make_input, rel_err
 from kernels_triton import mxfp8 as mod
+from kernels_triton._fp8_decode import MX_DECODE_TILE, MX_SCALE, fp8_decode_config, launch_fp8_decode
 
 FMT = "mxfp8"
 BLOCK = 32
@@ -61,11 +66,17 @@ def test_quantize_empty_rows():
 
 
 # (M, N, K, bias, out_dtype): each M and N of the issue; K = 96 and 544 are not multiples of the
-# interpreter's BLOCK_K, so the K mask is exercised
+# interpreter's BLOCK_K, so the K mask is exercised. On sm_90, M <= 16 runs the swapped decode
+# kernel (_fp8_decode, SCALE_K = 32) with its K step the widest of 128 / 64 / 32 dividing K:
+# K = 544 (32-wide steps) splits over 4 programs, 320 (64-wide) over none, 1024 and 2048 (128-wide)
+# over 2 and 4 (test_decode_tile_on_sm90).
 GEMM_CASES = [
     (1, 200, 32, True, BF16),
     (3, 40, 96, False, FP16),
     (16, 1, 544, True, FP16),
+    (5, 72, 320, True, FP16),
+    (7, 200, 1024, True, BF16),
+    (16, 128, 2048, False, torch.float32),
     (100, 200, 96, True, BF16),
     (257, 40, 256, False, BF16),
     (257, 200, 128, True, torch.float32),
@@ -104,6 +115,33 @@ def test_gemm_uses_each_e8m0_scale_where_it_belongs():
     assert rel_err(y, before) > 0.01
 
 
+def test_gemm_nan_and_extreme_scales_in_decode_rows():
+    # M = 9, K = 1024 with a bias: the sm_90 decode kernel with split-K (and the lesson elsewhere).
+    # Row 2's scale bytes are all 0x00 (2^-127) against a weight whose bytes are all 230 (2^103):
+    # products near 2^-24, right only if byte 0 decodes to 2^-127 exactly. Row 4 gets one 0xFF
+    # scale byte (NaN) over finite codes, weight row 7 one NaN code (0x7F), weight row 11 one 0xFF
+    # scale: exactly row 4 and columns 7 and 11 of y are NaN, the rest matches the oracle.
+    M, N, K = 9, 40, 1024
+    w = make_weight(FMT, N, K, BLOCK)
+    xq = formats.quantize(make_input((M, K), zero_blocks=False), FMT, role="activation")
+    sx, sw, wd = xq.scale.clone(), torch.full_like(w.scale, 230), w.data.clone()
+    sx[2] = 0
+    sx[4, 17] = 0xFF
+    wd.view(torch.uint8)[7, 300] = 0x7F
+    sw[11, 3] = 0xFF
+    xq, w = dataclasses.replace(xq, scale=sx), dataclasses.replace(w, data=wd, scale=sw)
+    bias = make_bias(N)
+    y = mod.gemm(xq, w, bias, out_dtype=torch.float32)
+    ref = formats.reference_linear(xq, w, bias, out_dtype=torch.float32)
+    nan = torch.zeros(M, N, dtype=torch.bool)
+    nan[4], nan[:, 7], nan[:, 11] = True, True, True
+    assert torch.equal(y.isnan().cpu(), nan) and torch.equal(ref.isnan().cpu(), nan)
+    rows, cols = [i for i in range(M) if i != 4], [j for j in range(N) if j not in (7, 11)]
+    keep = lambda t: t.cpu()[rows][:, cols]  # noqa: E731
+    assert keep(ref)[1].abs().max().item() > 0  # row 2 (the 2^-127 row) is not all zeros
+    assert_within_bound(keep(y), keep(ref), keep(gemm_bound(xq, w, bias, torch.float32, ref)), "gemm")
+
+
 @pytest.mark.parametrize("shape,dtype,has_bias", [((2, 3, 96), BF16, True), ((5, 256), FP16, False), ((0, 32), BF16, True)])
 def test_linear_matches_reference(shape, dtype, has_bias):
     w = make_weight(FMT, 40, shape[-1], BLOCK)
@@ -125,6 +163,34 @@ def test_argument_errors_name_the_argument(case):
         call()
 
 
+def test_decode_launch_refuses_tiles_it_cannot_run():
+    # host checks, made before any launch (so they run on the CPU too): the MX K loop reads one
+    # step's scale bytes as one integer and has no K mask
+    K = 320
+    xq = formats.quantize(make_input((4, K)), FMT, role="activation")
+    w = make_weight(FMT, 8, K, BLOCK)
+    y = torch.empty(4, 8, dtype=BF16, device=w.data.device)
+    for bk, word in ((128, "dividing K"), (256, "BLOCK_K in (32, 64, 128)")):
+        with pytest.raises(ValueError, match=re.escape(word)):
+            launch_fp8_decode(xq.data, w.data, xq.scale, w.scale, None, y, scale_k=MX_SCALE,
+                              config=fp8_decode_config(4, 8, K, bk=bk))
+
+
+@pytest.mark.gpu
+def test_decode_tile_on_sm90():
+    # the GEMM tests above at M <= 16 reach the swapped kernel on sm_90 with these tiles
+    require_gpu()
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        pytest.skip(f"the decode kernel is sm_90 only; found {device_name()} (sm_{cap[0]}{cap[1]})")
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (M, N, K), bk, split in (((16, 1, 544), 32, 4), ((5, 72, 320), 64, 1), ((7, 200, 1024), 128, 2),
+                                 ((16, 128, 2048), 128, 4)):
+        cfg = mod.tile_config(M, N, K)
+        assert cfg == fp8_decode_config(M, N, K, n_sms, **MX_DECODE_TILE, bk=bk)
+        assert (cfg.BLOCK_K, cfg.SPLIT_K) == (bk, split)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU only: the issue's large shapes
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +203,9 @@ def test_large_shapes_on_gpu(M, N, K):
     x = make_input((M, K), BF16, block=BLOCK)
     xq = check_quantize(mod, FMT, x)
     check_gemm(mod, xq, w, make_bias(N), BF16)
-    # fp32 output shows the accumulation error alone (the bf16 operands are exact)
+    # fp32 output shows the accumulation error alone (the bf16 operands are exact; the decode
+    # kernel's 32-deep partials are fp8 MMA sums: tolerance())
     y = mod.gemm(xq, w, out_dtype=torch.float32)
-    assert rel_err(y, formats.reference_linear(xq, w, out_dtype=torch.float32)) <= 1e-4
+    tol = tolerance(torch.float32, FMT, M) if fp8_mma(FMT, M) else 1e-4
+    assert rel_err(y, formats.reference_linear(xq, w, out_dtype=torch.float32)) <= tol
     check_linear(mod, x, w, None)
