@@ -168,7 +168,7 @@ def fp8_decode_applies(M: int, device) -> bool:
 
 
 def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64, bk: int = 128,
-                      stages: int = 6, warps: int = 4, programs_per_sm: int = 1) -> TileConfig:
+                      stages: int = 6, warps: int = 4, programs_per_sm: float = 1) -> TileConfig:
     """64 weight rows x 16 (padded) activation rows per program, 6 stages of 128-wide K; split-K
     until the grid covers every SM once (H200, N = K = 8192, M = 16: 16x64x128 s6 split 2 took
     21.8 us against 24.4 for s4 split 4 and 28.3 for the lesson's mma.sync tile; fp8_block 22.5
@@ -179,6 +179,12 @@ def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64,
         split *= 2
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
 
+
+# fp8_tensor's decode tile: per-tensor scales leave the wgmma chain unbroken, so one program per
+# 64-row tile with 8 stages keeps enough bytes in flight once the tiles fill half the SMs, and the
+# split-K reduction's launch is saved (H200, N = K = 8192, M = 16: 20.3 us against 21.7 for s6
+# split 2; docs/perf_notes.md, row 10)
+TENSOR_DECODE_TILE = dict(stages=8, programs_per_sm=0.5)
 
 # mxfp8's decode tile (fp8_decode_config's knobs): 128 weight rows, 4 stages, split-K to one program
 # per SM. H200, N = K = 8192: 64 rows with 6 stages ran the same; 256 rows, 8 warps, 2 programs per SM
@@ -200,6 +206,8 @@ def hopper_config(M: int, N: int, K: int, device, *, scale_k: int = TENSOR_SCALE
     if 1 <= M <= 16:
         if scale_k == MX_SCALE:
             return fp8_decode_config(M, N, K, sm_count(device), bk=mx_block_k(K), **MX_DECODE_TILE)
+        if scale_k == TENSOR_SCALE:
+            return fp8_decode_config(M, N, K, sm_count(device), **TENSOR_DECODE_TILE)
         return fp8_decode_config(M, N, K, sm_count(device))
     if M > 256 and scale_k == TENSOR_SCALE:
         return TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4)

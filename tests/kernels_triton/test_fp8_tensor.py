@@ -20,8 +20,9 @@ from _e4m3_testlib import (
     special_values,
     strided_views,
 )
-from conftest import DEVICE, make_input, rel_err
+from conftest import DEVICE, device_name, make_input, rel_err
 from kernels_triton import fp8_tensor as mod
+from kernels_triton._fp8_decode import TENSOR_DECODE_TILE, fp8_decode_config
 
 FMT = "fp8_tensor"
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -134,6 +135,24 @@ def test_argument_errors_name_the_argument(case):
 # ---------------------------------------------------------------------------------------------
 # GPU only: the issue's large shapes
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_decode_tile_on_sm90():
+    """The launched tile is fp8_decode_config's with TENSOR_DECODE_TILE: 8 stages, split-K only while
+    the 64-row tiles cover less than half the SMs (so the small-N GEMM tests above still split, and
+    test_large_shapes_on_gpu's N = 8192 rows run the unsplit kernel)."""
+    require_gpu()
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        pytest.skip(f"the decode kernel is sm_90 only; found {device_name()} (sm_{cap[0]}{cap[1]})")
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for M, N, K in ((7, 200, 1024), (16, 128, 2048), (1, 8192, 8192), (16, 8192, 8192)):
+        cfg = mod.tile_config(M, N, K)
+        assert cfg == fp8_decode_config(M, N, K, n_sms, **TENSOR_DECODE_TILE)
+        assert cfg.num_stages == 8
+        tiles = -(-N // cfg.BLOCK_N)
+        assert (cfg.SPLIT_K > 1) == (tiles < n_sms / 2), (M, N, K, cfg)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("M,N,K", [(4096, 4096, 4096), (1, 8192, 8192), (16, 8192, 8192)])
