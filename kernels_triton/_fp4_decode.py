@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e4m3, global_alpha, interpreting, round_to_bf16_rne
+from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_alpha, interpreting,
+                      round_to_bf16_rne)
 from ._fp4_gemm import dequant_e2m1_tile  # the lesson's exact fp32 decode (bf16 flavour)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
@@ -62,6 +63,21 @@ prmt.b32 x, $2, 0, 0x4140;
 and.b32 a, x, 0x00700070; shl.b32 a, a, 5; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 $0, a, s;
 prmt.b32 x, $2, 0, 0x4342;
 and.b32 a, x, 0x00700070; shl.b32 a, a, 5; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 $1, a, s;
+}""")
+
+
+# The planes' decode (fp4_planes): one byte-parallel pass builds the fp16 high bytes of four codes,
+# h = sign << 7 | magnitude << 1 (the low byte of every value is 0), then one prmt per output register
+# places two of them: byte selector 0x1404 makes [0, h0, 0, h1], 0x3424 makes [0, h2, 0, h3].
+_PLANE_LO_ASM = tl.constexpr("""{
+.reg .b32 m, s;
+and.b32 m, $2, 0x07070707; and.b32 s, $2, 0x08080808; shl.b32 m, m, 1; shl.b32 s, s, 4; or.b32 m, m, s;
+prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
+}""")
+_PLANE_HI_ASM = tl.constexpr("""{
+.reg .b32 m, s;
+shr.b32 m, $2, 3; and.b32 m, m, 0x0E0E0E0E; and.b32 s, $2, 0x80808080; or.b32 m, m, s;
+prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
 }""")
 
 
@@ -108,6 +124,64 @@ def nvfp4_tile_f16(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride
     return v.reshape(BLOCK_R, BLOCK_K)
 
 
+@triton.jit
+def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr,
+               F16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    """The even and odd K elements of rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed e2m1 matrix,
+    block scales applied: (lo, hi), each [BLOCK_R, BLOCK_K // 2], lo[:, j] = element k0 + 2j (the low
+    nibble of byte j), hi[:, j] = element k0 + 2j + 1. F16: fp16 value * 2^-14 (e4m3 scales only),
+    else float32 (exact; the caller rounds to bf16, also exact). Masked reads give 0.
+
+    Not joining the planes back into K order is the point: a dot over K is the dot over the even
+    elements plus the dot over the odd ones, and each asm output register (the low nibbles of two
+    neighbouring bytes) is then already a wgmma A-fragment pair, with nothing to re-pack."""
+    rows = offs_r.to(tl.int64)
+    # k0 is a multiple of BLOCK_K (splitk_plan), which lets the loads be 16 bytes wide
+    offs_kb = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    if EVEN_K:
+        b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :], mask=r_mask[:, None], other=0)
+    else:
+        b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :],
+                    mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
+    offs_ks = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
+                mask=r_mask[:, None] & (offs_ks[None, :] < K // GROUP), other=0)
+    if F16 and USE_ASM:
+        lo = tl.inline_asm_elementwise(_PLANE_LO_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_PLANE_HI_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        sv = s.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # cvt.rn.f16x2.e4m3x2: exact, NaN stays NaN
+    elif F16:
+        lo = e2m1_f16_scaled(b & 0xF)
+        hi = e2m1_f16_scaled(b >> 4)
+        sv = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
+    else:
+        lo = decode_e2m1(b & 0xF)
+        hi = decode_e2m1(b >> 4)
+        sv = decode_e4m3(s) if SCALE_E4M3 else decode_e8m0(s)
+    # a scale group of GROUP elements holds GROUP // 2 of each plane
+    lo = (lo.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP // 2) * sv[:, :, None]).reshape(BLOCK_R, BLOCK_K // 2)
+    hi = (hi.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP // 2) * sv[:, :, None]).reshape(BLOCK_R, BLOCK_K // 2)
+    return fragment_order(lo, BLOCK_R, BLOCK_K // 2), fragment_order(hi, BLOCK_R, BLOCK_K // 2)
+
+
+@triton.jit
+def fragment_order(x, BLOCK_R: tl.constexpr, KP: tl.constexpr):
+    """Columns of x [BLOCK_R, KP] reordered, p = 16q + 4c + 2h + e -> j = 16c + 8h + 2q + e (q < 4,
+    c < KP / 16, h, e < 2). A dot's sum over K does not depend on the order of K, so applying the
+    same order to both operands changes nothing but the fp32 summation order. It is the order of
+    the wgmma A fragment: lane q of a quad holds columns 16c + 8h + 2q + e, so in byte order it
+    holds KP / 4 consecutive bytes of each row (16-byte loads) instead of pairs 8 bytes apart."""
+    x = x.reshape(BLOCK_R, 4, KP // 16, 2, 2)
+    return tl.permute(x, (0, 2, 3, 1, 4)).reshape(BLOCK_R, KP)
+
+
+@triton.jit
+def planes_k(lo, hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_R, BLOCK_K]: lo's columns, then hi's."""
+    return tl.permute(tl.join(lo, hi), (0, 2, 1)).reshape(BLOCK_R, BLOCK_K)
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +193,7 @@ def fp4_decode_gemm_kernel(
     GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr, A16: tl.constexpr,
     HAS_BIAS: tl.constexpr, F16_DECODE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
+    PLANES: tl.constexpr,  # two dots over the even / odd K elements (fp4_planes) instead of one joined tile
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
 ):
@@ -134,22 +209,42 @@ def fp4_decode_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if F16_DECODE:
-            w = nvfp4_tile_f16(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                               BLOCK_N, BLOCK_K, GROUP, USE_ASM, EVEN_K)
-            a = nvfp4_tile_f16(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                               BLOCK_M, BLOCK_K, GROUP, USE_ASM, EVEN_K)
-        else:
-            w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                                  BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
+        if PLANES:
+            w_lo, w_hi = fp4_planes(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                    BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
             if A16:
+                # the activation's even / odd columns, to match the weight planes
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
-                            mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+                            mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+                a_lo, a_hi = a.reshape(BLOCK_M, BLOCK_K // 2, 2).split()
+                a_lo = fragment_order(a_lo, BLOCK_M, BLOCK_K // 2)
+                a_hi = fragment_order(a_hi, BLOCK_M, BLOCK_K // 2)
             else:
-                a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                                      BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
-        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc)
+                a_lo, a_hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                        BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+            # one dot over both planes (K order: the even elements, then the odd ones): the join
+            # only moves whole registers, and the MMAs of a step need a single wait
+            w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
+            a = planes_k(a_lo.to(DOT_DTYPE), a_hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            if F16_DECODE:
+                w = nvfp4_tile_f16(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                   BLOCK_N, BLOCK_K, GROUP, USE_ASM, EVEN_K)
+                a = nvfp4_tile_f16(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                   BLOCK_M, BLOCK_K, GROUP, USE_ASM, EVEN_K)
+            else:
+                w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                      BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
+                if A16:
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
+                                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+                else:
+                    a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                          BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
+            acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc)
 
     pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -201,7 +296,7 @@ def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype, scale_e4
 
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
-                      use_asm: bool | None = None) -> torch.Tensor:
+                      use_asm: bool | None = None, planes: bool = True) -> torch.Tensor:
     """y [M, N] of the FP4 GEMM (arguments as ``_fp4_gemm.launch_fp4_gemm``; M <= 16)."""
     if M > DECODE_MAX_M:
         raise ValueError(f"M must be <= {DECODE_MAX_M} for the decode kernel, got {M}")
@@ -227,7 +322,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         stride_am, stride_ak, stride_asm, w.stride(0), w_scale.stride(0), out.stride(0),
         GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, A16=a16, HAS_BIAS=bias is not None,
         F16_DECODE=f16, USE_ASM=(not interp) if use_asm is None else use_asm, DOT_DTYPE=dot,
-        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0,
+        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0, PLANES=planes,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
     )
