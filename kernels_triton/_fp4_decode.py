@@ -40,6 +40,7 @@ from ._fp4_gemm import dequant_e2m1_tile  # the lesson's exact fp32 decode (bf16
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
+PLANES = True  # the default of launch_fp4_decode(planes=): False is the joined tile (kept to compare)
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
 F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
 
@@ -78,6 +79,31 @@ _PLANE_HI_ASM = tl.constexpr("""{
 .reg .b32 m, s;
 shr.b32 m, $2, 3; and.b32 m, m, 0x0E0E0E0E; and.b32 s, $2, 0x80808080; or.b32 m, m, s;
 prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
+}""")
+
+
+# bf16 planes (W4A16, E8M0 scales): prmt spreads bytes (0, 1) / (2, 3) into the two 16-bit lanes, the
+# magnitude goes to bf16 bits 8..6 and the sign to bit 15 (value * 2^-126, the subnormal 0.5 too, as
+# for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value.
+_BF16_LO_ASM = tl.constexpr("""{
+.reg .b32 x, a, s, c;
+mov.b32 c, 0x7E807E80;
+prmt.b32 x, $2, 0, 0x4140;
+and.b32 a, x, 0x00070007; shl.b32 a, a, 6; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 a, a, s;
+mul.rn.bf16x2 $0, a, c;
+prmt.b32 x, $2, 0, 0x4342;
+and.b32 a, x, 0x00070007; shl.b32 a, a, 6; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 a, a, s;
+mul.rn.bf16x2 $1, a, c;
+}""")
+_BF16_HI_ASM = tl.constexpr("""{
+.reg .b32 x, a, s, c;
+mov.b32 c, 0x7E807E80;
+prmt.b32 x, $2, 0, 0x4140;
+and.b32 a, x, 0x00700070; shl.b32 a, a, 2; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 a, a, s;
+mul.rn.bf16x2 $0, a, c;
+prmt.b32 x, $2, 0, 0x4342;
+and.b32 a, x, 0x00700070; shl.b32 a, a, 2; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 a, a, s;
+mul.rn.bf16x2 $1, a, c;
 }""")
 
 
@@ -155,6 +181,10 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
         lo = e2m1_f16_scaled(b & 0xF)
         hi = e2m1_f16_scaled(b >> 4)
         sv = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
+    elif USE_ASM:
+        lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_BF16_HI_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        sv = (decode_e4m3(s) if SCALE_E4M3 else decode_e8m0(s)).to(tl.bfloat16)  # exact
     else:
         lo = decode_e2m1(b & 0xF)
         hi = decode_e2m1(b >> 4)
@@ -284,19 +314,18 @@ def decode_config(M: int, N: int, K: int, interp: bool, sm_count: int = 132) -> 
 
 def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype, scale_e4m3: bool) -> bool:
     """The decode kernel's domain: M <= 16 on sm_90 (no block-scaled MMA; SM12x has its own native
-    path and tables), for nvfp4 W4A4 (fp16 decode) and W4A16 with bf16 activations (fp16 ones keep
-    the lesson's exact hi/lo split). mxfp4 W4A4 keeps the lesson kernel: with two bf16 decodes the
-    swapped kernel was slower on the H200 (57.6 vs 50.8 us at M = 16, N = K = 8192)."""
+    path and tables), for W4A4 (nvfp4: fp16 planes; mxfp4: bf16 planes, E8M0 scales exceed fp16)
+    and W4A16 with bf16 activations (fp16 ones keep the lesson's exact hi/lo split)."""
     if M < 1 or M > DECODE_MAX_M or capability is None or capability[0] != 9:
         return False
     if a16:
         return a_dtype == torch.bfloat16
-    return scale_e4m3
+    return True
 
 
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
-                      use_asm: bool | None = None, planes: bool = True) -> torch.Tensor:
+                      use_asm: bool | None = None, planes: bool | None = None) -> torch.Tensor:
     """y [M, N] of the FP4 GEMM (arguments as ``_fp4_gemm.launch_fp4_gemm``; M <= 16)."""
     if M > DECODE_MAX_M:
         raise ValueError(f"M must be <= {DECODE_MAX_M} for the decode kernel, got {M}")
@@ -322,7 +351,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         stride_am, stride_ak, stride_asm, w.stride(0), w_scale.stride(0), out.stride(0),
         GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, A16=a16, HAS_BIAS=bias is not None,
         F16_DECODE=f16, USE_ASM=(not interp) if use_asm is None else use_asm, DOT_DTYPE=dot,
-        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0, PLANES=planes,
+        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0, PLANES=PLANES if planes is None else planes,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
     )

@@ -8,6 +8,7 @@ flushed. Each variant is checked against the lesson kernel's output (max |diff| 
 fp8_block also times the whole linear (quantization + GEMM) and bf16 cuBLAS on the same shapes.
 
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json [--only fp8_block]
+    PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/planes.json --only fp4
 """
 
 from __future__ import annotations
@@ -205,11 +206,77 @@ def fp8_block_rows(M, w0, gen):
     return rows
 
 
+def fp4_planes_rows(M, w0, gen):
+    """The FP4 decode kernel's nibble planes (PLANES) against its joined tile and the lesson kernel:
+    GEMM alone for nvfp4 / mxfp4, W4A4 / W4A16 (bf16 x), then the whole linear before (joined tile;
+    mxfp4 W4A4: the lesson kernel, its policy before) and after, and bf16 cuBLAS."""
+    rows = []
+    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    for fmt, a16 in [("nvfp4", False), ("mxfp4", False), ("mxfp4", True), ("nvfp4", True)]:
+        mod = nvfp4 if fmt == "nvfp4" else mxfp4
+        nv = fmt == "nvfp4"
+        name = fmt + ("_w4a16" if a16 else "")
+        ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
+        xq = None if a16 else formats.quantize(x, fmt, role="activation")
+        one = torch.ones(1, device="cuda")
+
+        def args(w):
+            gx = (one if a16 else xq.global_scale.reshape(1).float()) if nv else None
+            gw = w.global_scale.reshape(1).float() if nv else None
+            return ((x if a16 else xq.data, None if a16 else xq.scale.view(torch.uint8), w.data,
+                     w.scale.view(torch.uint8)),
+                    dict(M=M, N=N, K=K, group=16 if nv else 32, scale_e4m3=nv, bias=None, out_dtype=torch.bfloat16,
+                         gx=gx, gw=gw, a16=a16))
+
+        lesson_cfg = _fp4_gemm.fp4_gemm_config(M, N, K, False)
+        a0, k0 = args(ws[0])
+        ref = _fp4_gemm.launch_fp4_gemm(*a0, **k0, config=lesson_cfg)
+
+        def add(what, variant, fn_of_w):
+            try:
+                fns = [lambda w=w: fn_of_w(w) for w in ws]
+                y = fns[0]()
+                rows.append({"fmt": f"{name} {what}", "M": M, "variant": variant, "us": graph_us(fns),
+                             "rel_vs_lesson": relerr(y, ref)})
+            except Exception as e:
+                rows.append({"fmt": f"{name} {what}", "M": M, "variant": variant,
+                             "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(rows[-1], flush=True)
+
+        def gemm(w, **kw):
+            a, k = args(w)
+            return _fp4_decode.launch_fp4_decode(*a, **k, **kw)
+
+        add("gemm", f"lesson {lesson_cfg}", lambda w: _fp4_gemm.launch_fp4_gemm(*args(w)[0], **args(w)[1],
+                                                                                 config=lesson_cfg))
+        add("gemm", "swap joined", lambda w: gemm(w, planes=False))
+        add("gemm", "swap planes", lambda w: gemm(w, planes=True))
+        lin = (lambda w: mod.linear(x, w, a16=True)) if a16 else (lambda w: mod.linear(x, w))
+        applies = _fp4_decode.decode_applies
+        try:
+            _fp4_decode.PLANES = False
+            if fmt == "mxfp4" and not a16:  # before: mxfp4 W4A4 took the lesson kernel
+                _fp4_decode.decode_applies = lambda M, cap, a16, dt, e4m3: applies(M, cap, a16, dt, e4m3) and (a16 or e4m3)
+            add("linear", "before (joined / lesson)", lin)
+        finally:
+            _fp4_decode.PLANES, _fp4_decode.decode_applies = True, applies
+        add("linear", "planes (default)", lin)
+        torch.cuda.empty_cache()
+    w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
+    try:
+        us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
+        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "torch.nn.functional.linear", "us": us})
+    except Exception as e:
+        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "F.linear", "error": f"{type(e).__name__}: {e}"[:200]})
+    print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
-    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block; "
+    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, fp4 (planes vs joined); "
                    "default: all)")
     args = p.parse_args()
     t0 = time.time()
@@ -218,7 +285,7 @@ def main():
     rows = []
     jobs = [("nvfp4", 16, False), ("mxfp4", 16, False), ("mxfp4", 16, True), ("nvfp4", 1, False),
             ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None),
-            ("fp8_block", 16, None), ("fp8_block", 1, None)]
+            ("fp8_block", 16, None), ("fp8_block", 1, None), ("fp4", 16, None), ("fp4", 1, None)]
     if args.only:
         sel = args.only.split(",")
         jobs = [j for j in jobs if j[0] in sel or f"{j[0]}:{j[1]}" in sel]
@@ -230,6 +297,8 @@ def main():
             rows += fp8_rows(M, w0, gen)
         elif fmt == "fp8_block":
             rows += fp8_block_rows(M, w0, gen)
+        elif fmt == "fp4":
+            rows += fp4_planes_rows(M, w0, gen)
         else:
             rows += fp4_rows(fmt, M, a16, w0, gen)
         torch.cuda.empty_cache()
