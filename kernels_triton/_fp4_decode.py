@@ -170,9 +170,12 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
     else:
         b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :],
                     mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
-    offs_ks = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
-                mask=r_mask[:, None] & (offs_ks[None, :] < K // GROUP), other=0)
+    offs_ks = tl.multiple_of(k0 // GROUP, BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)  # wide scale loads
+    if EVEN_K:  # a row mask alone lets the scale bytes of a row load as one vector (and pipeline)
+        s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :], mask=r_mask[:, None], other=0)
+    else:
+        s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
+                    mask=r_mask[:, None] & (offs_ks[None, :] < K // GROUP), other=0)
     if F16 and USE_ASM:
         lo = tl.inline_asm_elementwise(_PLANE_LO_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
         hi = tl.inline_asm_elementwise(_PLANE_HI_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)

@@ -251,6 +251,13 @@ def fp4_planes_rows(M, w0, gen):
                                                                                  config=lesson_cfg))
         add("gemm", "swap joined", lambda w: gemm(w, planes=False))
         add("gemm", "swap planes", lambda w: gemm(w, planes=True))
+        # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages): the default is 64, 128, 4, 4, 3
+        tiles = [(128, 128, 8, 4, 3), (128, 128, 8, 8, 3)]
+        if fmt == "nvfp4" and not a16 and M == 16:
+            tiles += [(128, 128, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 8, 4, 3), (64, 128, 4, 4, 4), (128, 128, 8, 4, 4)]
+        for bn, bk, split, warps, stages in tiles:
+            cfg = TileConfig(16, bn, bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
+            add("gemm", f"swap planes {cfg}", lambda w, cfg=cfg: gemm(w, planes=True, config=cfg))
         lin = (lambda w: mod.linear(x, w, a16=True)) if a16 else (lambda w: mod.linear(x, w))
         applies = _fp4_decode.decode_applies
         try:
