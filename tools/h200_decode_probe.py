@@ -28,6 +28,7 @@ from kernels_triton._e4m3_gemm import gemm_config
 
 N = K = 8192
 SETS = 5
+DEADLINE = float("inf")  # time.time() after which the fp4 job skips its remaining rows (main sets it)
 
 
 def capture(fns):
@@ -233,6 +234,9 @@ def fp4_planes_rows(M, w0, gen):
         ref = _fp4_gemm.launch_fp4_gemm(*a0, **k0, config=lesson_cfg)
 
         def add(what, variant, fn_of_w):
+            if time.time() > DEADLINE:
+                rows.append({"fmt": f"{name} {what}", "M": M, "variant": variant, "error": "skipped: probe budget"})
+                return
             try:
                 fns = [lambda w=w: fn_of_w(w) for w in ws]
                 y = fns[0]()
@@ -287,6 +291,8 @@ def main():
                    "default: all)")
     args = p.parse_args()
     t0 = time.time()
+    global DEADLINE
+    DEADLINE = t0 + args.budget_s
     gen = torch.Generator(device="cuda").manual_seed(0)
     w0 = torch.randn(N, K, generator=gen, device="cuda") * 0.05
     rows = []
