@@ -256,7 +256,7 @@ def fp4_planes_rows(M, w0, gen):
         add("gemm", "swap joined", lambda w: gemm(w, planes=False))
         add("gemm", "swap planes", lambda w: gemm(w, planes=True))
         # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages): the default is 64, 128, 4, 4, 3
-        tiles = [(128, 128, 8, 4, 3), (128, 128, 8, 8, 3)]
+        tiles = [(128, 128, 8, 4, 3), (128, 128, 8, 8, 3)] if M > 1 else []
         if fmt == "nvfp4" and not a16 and M == 16:
             tiles += [(128, 128, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 8, 4, 3), (64, 128, 4, 4, 4), (128, 128, 8, 4, 4)]
         for bn, bk, split, warps, stages in tiles:
