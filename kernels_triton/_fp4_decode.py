@@ -108,6 +108,15 @@ mul.rn.bf16x2 $1, a, c;
 
 
 @triton.jit
+def e8m0_bf16(code):
+    """E8M0 byte b -> 2^(b - 127) as bf16, exactly, by bit placement: b << 7 is the value for b in
+    1..254; b = 0 (2^-127) is the bf16 subnormal 0x0040 and b = 255 the NaN 0x7FC0, both b << 7 plus
+    bit 6."""
+    c = code.to(tl.uint16)
+    return ((c << 7) | (((c == 0) | (c == 255)).to(tl.uint16) << 6)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def e2m1_f16_scaled(nibble):
     """4-bit e2m1 code (0..15) -> fp16 value * 2^-14, by bit placement (the plain-op form)."""
     c = nibble.to(tl.uint16)
@@ -187,26 +196,38 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
     elif USE_ASM:
         lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
         hi = tl.inline_asm_elementwise(_BF16_HI_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
-        sv = (decode_e4m3(s) if SCALE_E4M3 else decode_e8m0(s)).to(tl.bfloat16)  # exact
+        sv = decode_e4m3(s).to(tl.bfloat16) if SCALE_E4M3 else e8m0_bf16(s)  # exact
     else:
         lo = decode_e2m1(b & 0xF)
         hi = decode_e2m1(b >> 4)
         sv = decode_e4m3(s) if SCALE_E4M3 else decode_e8m0(s)
-    # a scale group of GROUP elements holds GROUP // 2 of each plane
-    lo = (lo.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP // 2) * sv[:, :, None]).reshape(BLOCK_R, BLOCK_K // 2)
-    hi = (hi.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP // 2) * sv[:, :, None]).reshape(BLOCK_R, BLOCK_K // 2)
-    return fragment_order(lo, BLOCK_R, BLOCK_K // 2), fragment_order(hi, BLOCK_R, BLOCK_K // 2)
+    lo = scale_planes(fragment_order(lo, BLOCK_R, BLOCK_K // 2), sv, BLOCK_R, BLOCK_K // 2, GROUP)
+    hi = scale_planes(fragment_order(hi, BLOCK_R, BLOCK_K // 2), sv, BLOCK_R, BLOCK_K // 2, GROUP)
+    return lo, hi
 
 
 @triton.jit
 def fragment_order(x, BLOCK_R: tl.constexpr, KP: tl.constexpr):
-    """Columns of x [BLOCK_R, KP] reordered, p = 16q + 4c + 2h + e -> j = 16c + 8h + 2q + e (q < 4,
-    c < KP / 16, h, e < 2). A dot's sum over K does not depend on the order of K, so applying the
-    same order to both operands changes nothing but the fp32 summation order. It is the order of
+    """Columns of x [BLOCK_R, KP] reordered, p = (KP / 4) q + 4c + 2h + e -> j = 16c + 8h + 2q + e
+    (q < 4, c < KP / 16, h, e < 2). A dot's sum over K does not depend on the order of K, so applying
+    the same order to both operands changes nothing but the fp32 summation order. It is the order of
     the wgmma A fragment: lane q of a quad holds columns 16c + 8h + 2q + e, so in byte order it
     holds KP / 4 consecutive bytes of each row (16-byte loads) instead of pairs 8 bytes apart."""
     x = x.reshape(BLOCK_R, 4, KP // 16, 2, 2)
     return tl.permute(x, (0, 2, 3, 1, 4)).reshape(BLOCK_R, KP)
+
+
+@triton.jit
+def scale_planes(v, sv, BLOCK_R: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr):
+    """v [BLOCK_R, KP] (a plane in fragment order) times its block scales sv [BLOCK_R, 2 KP / GROUP]
+    (K order). Byte p = (KP / 4) q + 4c + .. is in group p // (GROUP / 2) = q NG + c // (GROUP / 8),
+    NG = KP / (2 GROUP) groups per lane slot q; the broadcast is written in the fragment order itself,
+    so that the decoded registers keep their layout (scaling in byte order first made Triton move
+    the mxfp4 planes through shared memory)."""
+    NG: tl.constexpr = KP // (2 * GROUP)
+    sq = tl.permute(sv.reshape(BLOCK_R, 4, NG), (0, 2, 1))  # [BLOCK_R, NG, 4 (q)]
+    v = v.reshape(BLOCK_R, NG, GROUP // 8, 2, 4, 2) * sq[:, :, None, None, :, None]
+    return v.reshape(BLOCK_R, KP)
 
 
 @triton.jit

@@ -82,6 +82,22 @@ def test_decode_keeps_subnormal_scales(a16):
     assert ((fast.double() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("fmt,a16", [("nvfp4", False), ("mxfp4", False), ("nvfp4", True), ("mxfp4", True)])
+def test_nan_scale_makes_its_row_nan(fmt, a16):
+    """A weight block scale holding the NaN code (E8M0 0xFF, e4m3 0x7F) makes that output column NaN
+    (the non-finite rule: never a silent finite number); the other columns stay finite."""
+    M, N, K = 4, 64, 256
+    w, x, xq = _operands(fmt, M, N, K, a16)
+    scale = w.scale.clone()
+    raw = scale.view(torch.uint8)
+    raw[5, 3] = 0xFF if fmt == "mxfp4" else 0x7F
+    w = dataclasses.replace(w, scale=scale)
+    cfg = TileConfig(16, 64, 128, GROUP_M=1, num_warps=4, num_stages=1 if interpreting() else 3, SPLIT_K=1)
+    y = _launch(_fp4_decode.launch_fp4_decode, fmt, w, x, xq, None, a16, config=cfg)
+    assert torch.isnan(y[:, 5]).all()
+    assert torch.isfinite(torch.cat([y[:, :5], y[:, 6:]], dim=1)).all()
+
+
 def test_f16_decode_is_exact():
     """The fp16 decode's arithmetic: bit placement gives e2m1 * 2^-14 for all 16 codes, and times
     every finite e4m3 scale the fp16 product is exact (the kernel's claim, checked exhaustively)."""
