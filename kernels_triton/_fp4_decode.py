@@ -322,16 +322,18 @@ def fp4_decode_gemm_kernel(
 # Policy and launcher
 # ---------------------------------------------------------------------------------------------
 def decode_config(M: int, N: int, K: int, interp: bool, sm_count: int = 132) -> TileConfig:
-    """BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program; split-K
-    until the grid holds about four programs per SM while each keeps >= 4 K tiles."""
+    """BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program (128: the
+    activation's decode and the loop's fixed cost spread over twice the rows of 64); split-K while
+    the grid stays within four programs per SM and each program keeps >= 4 K tiles
+    (docs/perf_notes.md, issue 13 row 17)."""
     if interp:
         p = triton.next_power_of_2
         return TileConfig(BLOCK_M=16, BLOCK_N=min(256, max(16, p(N))), BLOCK_K=min(512, max(64, p(K))),
                           GROUP_M=1, num_warps=4, num_stages=1)
-    bn, bk = 64, 128
+    bn, bk = 128, 128
     tiles = triton.cdiv(N, bn)
     split = 1
-    while tiles * split < 4 * sm_count and triton.cdiv(K, bk) >= 8 * split:
+    while tiles * split * 2 <= 4 * sm_count and triton.cdiv(K, bk) >= 8 * split:
         split *= 2
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
 

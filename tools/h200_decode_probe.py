@@ -253,24 +253,26 @@ def fp4_planes_rows(M, w0, gen):
 
         add("gemm", f"lesson {lesson_cfg}", lambda w: _fp4_gemm.launch_fp4_gemm(*args(w)[0], **args(w)[1],
                                                                                  config=lesson_cfg))
-        add("gemm", "swap joined", lambda w: gemm(w, planes=False))
-        add("gemm", "swap planes", lambda w: gemm(w, planes=True))
-        # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages): the default is 64, 128, 4, 4, 3
-        tiles = [(128, 128, 8, 4, 3), (128, 128, 8, 8, 3)] if M > 1 else []
-        if fmt == "nvfp4" and not a16 and M == 16:
-            tiles += [(128, 128, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 8, 4, 3), (64, 128, 4, 4, 4), (128, 128, 8, 4, 4)]
+        old_cfg = TileConfig(16, 64, 128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=8)  # the tile before row 17
+        add("gemm", f"swap joined {old_cfg}", lambda w: gemm(w, planes=False, config=old_cfg))
+        add("gemm", f"swap planes {_fp4_decode.decode_config(M, N, K, False)} (default)", lambda w: gemm(w, planes=True))
+        # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
+        tiles = [(64, 128, 8, 4, 3), (128, 128, 16, 4, 3)]
+        if M > 1:
+            tiles += [(128, 128, 4, 4, 3), (128, 128, 8, 8, 3), (128, 128, 8, 4, 4), (64, 256, 8, 4, 3), (256, 128, 4, 8, 3)]
         for bn, bk, split, warps, stages in tiles:
             cfg = TileConfig(16, bn, bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
             add("gemm", f"swap planes {cfg}", lambda w, cfg=cfg: gemm(w, planes=True, config=cfg))
         lin = (lambda w: mod.linear(x, w, a16=True)) if a16 else (lambda w: mod.linear(x, w))
-        applies = _fp4_decode.decode_applies
-        try:
+        applies, config = _fp4_decode.decode_applies, _fp4_decode.decode_config
+        try:  # the state before row 17: joined tile, its tile, mxfp4 W4A4 on the lesson kernel
             _fp4_decode.PLANES = False
-            if fmt == "mxfp4" and not a16:  # before: mxfp4 W4A4 took the lesson kernel
+            _fp4_decode.decode_config = lambda *a, **k: old_cfg
+            if fmt == "mxfp4" and not a16:
                 _fp4_decode.decode_applies = lambda M, cap, a16, dt, e4m3: applies(M, cap, a16, dt, e4m3) and (a16 or e4m3)
             add("linear", "before (joined / lesson)", lin)
         finally:
-            _fp4_decode.PLANES, _fp4_decode.decode_applies = True, applies
+            _fp4_decode.PLANES, _fp4_decode.decode_applies, _fp4_decode.decode_config = True, applies, config
         add("linear", "planes (default)", lin)
         torch.cuda.empty_cache()
     w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
