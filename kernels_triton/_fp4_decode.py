@@ -12,17 +12,31 @@ so the decoded weight tile is the MMA's A operand and stays in registers (wgmma 
 registers); the activation tile (16 rows) is the small B operand. Split-K spreads the few
 N tiles over all SMs; the fp32 partials go through _twopass's ordered reduction (deterministic).
 
-fp16 decode (nvfp4 W4A4, ``F16_DECODE``): the 3 magnitude bits of an e2m1 code placed at fp16
-bits 11..9 and its sign at bit 15 are exactly value * 2^-14 for every code (the subnormal 0.5 too),
-so a code pair becomes an fp16 pair with a handful of 32-bit integer ops (``_e2m1x4_lo/hi_f16``:
-a byte ``prmt`` and and/shift/or over two 16-bit lanes at once). Times the e4m3 block scale, as
-fp16, the product is still exact: it is a multiple of 2^-24 (fp16's smallest subnormal) with at
-most 6 significant bits, below 6 * 448 * 2^-14. Both operands carry 2^-14, hence 2^28 in the
-epilogue; the fp16 products are exact in the fp32 accumulator, so the function equals the lesson
-kernel's up to the order of the fp32 additions.
+Nibble planes (``PLANES``, ``fp4_planes``): a packed byte holds elements 2j (low nibble) and
+2j + 1 (high nibble). Instead of interleaving the two decoded nibbles back into K order (a join
+that re-packs every MMA register), the K loop keeps them as two planes, the even and the odd
+elements, and dots [even plane, odd plane] of the weight with the same of the activation: the
+sum over K is the same sum in another order. Both operands' columns are also put in the wgmma
+A-fragment order (``fragment_order``), so a lane's bytes of a row are consecutive (16-byte loads)
+and each decoded register is a fragment register as it comes out of the asm. PLANES=False keeps
+the joined tile (``nvfp4_tile_f16`` / the lesson's ``dequant_e2m1_tile``) for comparison.
 
-bf16 decode (mxfp4, and W4A16 with bf16 activations): E8M0 scales exceed fp16's range, so the
-weight tile is the lesson's exact fp32 decode rounded to bf16 (exact), in the same swapped layout.
+fp16 decode (nvfp4 W4A4, ``F16_DECODE``): the 3 magnitude bits of an e2m1 code placed at fp16
+bits 11..9 and its sign at bit 15 are exactly value * 2^-14 for every code (the subnormal 0.5 too).
+Such an fp16 number has a zero low byte, so four codes become four high bytes with one pass of
+byte-parallel integer ops, and one ``prmt`` per register places two of them (``_PLANE_LO/HI_ASM``).
+The e4m3 block scales convert with ``cvt.rn.f16x2.e4m3x2`` (exact). Times the scale, as fp16, the
+product is still exact: it is a multiple of 2^-24 (fp16's smallest subnormal) with at most 6
+significant bits, below 6 * 448 * 2^-14. Both operands carry 2^-14, hence 2^28 in the epilogue;
+the fp16 products are exact in the fp32 accumulator, so the function equals the lesson kernel's
+up to the order of the fp32 additions.
+
+bf16 decode (mxfp4 W4A4, and W4A16 with bf16 activations): E8M0 scales exceed fp16's range. The
+magnitude bits at bf16 bits 8..6 and the sign at bit 15 are value * 2^-126 (as for fp32 in
+``_common.decode_e2m1``), and one ``mul.rn.bf16x2`` by 2^126 restores the value (``_BF16_LO/HI_ASM``;
+the multiply keeps the subnormal 0.5 * 2^-126); the scale, bf16 by bit placement (``e8m0_bf16``)
+or from the e4m3 decode, multiplies in bf16, exactly (e2m1 * scale has at most 6 significant bits
+and stays in bf16's range whenever the lesson's fp32 product does).
 
 Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
 and the integer decode runs as plain Triton ops instead of inline PTX.
@@ -46,9 +60,9 @@ F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand
 
 
 # ---------------------------------------------------------------------------------------------
-# e2m1 -> fp16 (value * 2^-14), four packed bytes at a time
+# e2m1 -> fp16 (value * 2^-14) / bf16, four packed bytes at a time
 # ---------------------------------------------------------------------------------------------
-# prmt 0x4140 / 0x4342 spreads bytes (0, 1) / (2, 3) of the word into the two 16-bit lanes; then the
+# The joined tile's decode (PLANES=False): prmt 0x4140 / 0x4342 spreads bytes (0, 1) / (2, 3) of the word into the two 16-bit lanes; then the
 # low nibble's magnitude goes to bits 11..9 and its sign to bit 15 of each lane. The high nibble is
 # the same after a 4-bit shift of the masks.
 _LO_ASM = tl.constexpr("""{
@@ -82,7 +96,7 @@ prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
 }""")
 
 
-# bf16 planes (W4A16, E8M0 scales): prmt spreads bytes (0, 1) / (2, 3) into the two 16-bit lanes, the
+# bf16 planes (mxfp4, W4A16): prmt spreads bytes (0, 1) / (2, 3) into the two 16-bit lanes, the
 # magnitude goes to bf16 bits 8..6 and the sign to bit 15 (value * 2^-126, the subnormal 0.5 too, as
 # for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value.
 _BF16_LO_ASM = tl.constexpr("""{
