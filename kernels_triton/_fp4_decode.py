@@ -12,17 +12,31 @@ so the decoded weight tile is the MMA's A operand and stays in registers (wgmma 
 registers); the activation tile (16 rows) is the small B operand. Split-K spreads the few
 N tiles over all SMs; the fp32 partials go through _twopass's ordered reduction (deterministic).
 
-fp16 decode (nvfp4 W4A4, ``F16_DECODE``): the 3 magnitude bits of an e2m1 code placed at fp16
-bits 11..9 and its sign at bit 15 are exactly value * 2^-14 for every code (the subnormal 0.5 too),
-so a code pair becomes an fp16 pair with a handful of 32-bit integer ops (``_e2m1x4_lo/hi_f16``:
-a byte ``prmt`` and and/shift/or over two 16-bit lanes at once). Times the e4m3 block scale, as
-fp16, the product is still exact: it is a multiple of 2^-24 (fp16's smallest subnormal) with at
-most 6 significant bits, below 6 * 448 * 2^-14. Both operands carry 2^-14, hence 2^28 in the
-epilogue; the fp16 products are exact in the fp32 accumulator, so the function equals the lesson
-kernel's up to the order of the fp32 additions.
+Nibble planes (``PLANES``, ``fp4_planes``): a packed byte holds elements 2j (low nibble) and
+2j + 1 (high nibble). Instead of interleaving the two decoded nibbles back into K order (a join
+that re-packs every MMA register), the K loop keeps them as two planes, the even and the odd
+elements, and dots [even plane, odd plane] of the weight with the same of the activation: the
+sum over K is the same sum in another order. Both operands' columns are also put in the wgmma
+A-fragment order (``fragment_order``), so a lane's bytes of a row are consecutive (16-byte loads)
+and each decoded register is a fragment register as it comes out of the asm. PLANES=False keeps
+the joined tile (``nvfp4_tile_f16`` / the lesson's ``dequant_e2m1_tile``) for comparison.
 
-bf16 decode (mxfp4, and W4A16 with bf16 activations): E8M0 scales exceed fp16's range, so the
-weight tile is the lesson's exact fp32 decode rounded to bf16 (exact), in the same swapped layout.
+fp16 decode (nvfp4 W4A4, ``F16_DECODE``): the 3 magnitude bits of an e2m1 code placed at fp16
+bits 11..9 and its sign at bit 15 are exactly value * 2^-14 for every code (the subnormal 0.5 too).
+Such an fp16 number has a zero low byte, so four codes become four high bytes with one pass of
+byte-parallel integer ops, and one ``prmt`` per register places two of them (``_PLANE_LO/HI_ASM``).
+The e4m3 block scales convert with ``cvt.rn.f16x2.e4m3x2`` (exact). Times the scale, as fp16, the
+product is still exact: it is a multiple of 2^-24 (fp16's smallest subnormal) with at most 6
+significant bits, below 6 * 448 * 2^-14. Both operands carry 2^-14, hence 2^28 in the epilogue;
+the fp16 products are exact in the fp32 accumulator, so the function equals the lesson kernel's
+up to the order of the fp32 additions.
+
+bf16 decode (mxfp4 W4A4, and W4A16 with bf16 activations): E8M0 scales exceed fp16's range. The
+magnitude bits at bf16 bits 8..6 and the sign at bit 15 are value * 2^-126 (as for fp32 in
+``_common.decode_e2m1``), and one ``mul.rn.bf16x2`` by 2^126 restores the value (``_BF16_LO/HI_ASM``;
+the multiply keeps the subnormal 0.5 * 2^-126); the scale, bf16 by bit placement (``e8m0_bf16``)
+or from the e4m3 decode, multiplies in bf16, exactly (e2m1 * scale has at most 6 significant bits
+and stays in bf16's range whenever the lesson's fp32 product does).
 
 Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
 and the integer decode runs as plain Triton ops instead of inline PTX.
@@ -34,19 +48,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e4m3, global_alpha, interpreting, round_to_bf16_rne
+from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_alpha, interpreting,
+                      round_to_bf16_rne)
 from ._fp4_gemm import dequant_e2m1_tile  # the lesson's exact fp32 decode (bf16 flavour)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
+PLANES = True  # the default of launch_fp4_decode(planes=): False is the joined tile (kept to compare)
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
 F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
 
 
 # ---------------------------------------------------------------------------------------------
-# e2m1 -> fp16 (value * 2^-14), four packed bytes at a time
+# e2m1 -> fp16 (value * 2^-14) / bf16, four packed bytes at a time
 # ---------------------------------------------------------------------------------------------
-# prmt 0x4140 / 0x4342 spreads bytes (0, 1) / (2, 3) of the word into the two 16-bit lanes; then the
+# The joined tile's decode (PLANES=False): prmt 0x4140 / 0x4342 spreads bytes (0, 1) / (2, 3) of the word into the two 16-bit lanes; then the
 # low nibble's magnitude goes to bits 11..9 and its sign to bit 15 of each lane. The high nibble is
 # the same after a 4-bit shift of the masks.
 _LO_ASM = tl.constexpr("""{
@@ -63,6 +79,55 @@ and.b32 a, x, 0x00700070; shl.b32 a, a, 5; and.b32 s, x, 0x00800080; shl.b32 s, 
 prmt.b32 x, $2, 0, 0x4342;
 and.b32 a, x, 0x00700070; shl.b32 a, a, 5; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 $1, a, s;
 }""")
+
+
+# The planes' decode (fp4_planes): one byte-parallel pass builds the fp16 high bytes of four codes,
+# h = sign << 7 | magnitude << 1 (the low byte of every value is 0), then one prmt per output register
+# places two of them: byte selector 0x1404 makes [0, h0, 0, h1], 0x3424 makes [0, h2, 0, h3].
+_PLANE_LO_ASM = tl.constexpr("""{
+.reg .b32 m, s;
+and.b32 m, $2, 0x07070707; and.b32 s, $2, 0x08080808; shl.b32 m, m, 1; shl.b32 s, s, 4; or.b32 m, m, s;
+prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
+}""")
+_PLANE_HI_ASM = tl.constexpr("""{
+.reg .b32 m, s;
+shr.b32 m, $2, 3; and.b32 m, m, 0x0E0E0E0E; and.b32 s, $2, 0x80808080; or.b32 m, m, s;
+prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
+}""")
+
+
+# bf16 planes (mxfp4, W4A16): prmt spreads bytes (0, 1) / (2, 3) into the two 16-bit lanes, the
+# magnitude goes to bf16 bits 8..6 and the sign to bit 15 (value * 2^-126, the subnormal 0.5 too, as
+# for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value.
+_BF16_LO_ASM = tl.constexpr("""{
+.reg .b32 x, a, s, c;
+mov.b32 c, 0x7E807E80;
+prmt.b32 x, $2, 0, 0x4140;
+and.b32 a, x, 0x00070007; shl.b32 a, a, 6; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 a, a, s;
+mul.rn.bf16x2 $0, a, c;
+prmt.b32 x, $2, 0, 0x4342;
+and.b32 a, x, 0x00070007; shl.b32 a, a, 6; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 a, a, s;
+mul.rn.bf16x2 $1, a, c;
+}""")
+_BF16_HI_ASM = tl.constexpr("""{
+.reg .b32 x, a, s, c;
+mov.b32 c, 0x7E807E80;
+prmt.b32 x, $2, 0, 0x4140;
+and.b32 a, x, 0x00700070; shl.b32 a, a, 2; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 a, a, s;
+mul.rn.bf16x2 $0, a, c;
+prmt.b32 x, $2, 0, 0x4342;
+and.b32 a, x, 0x00700070; shl.b32 a, a, 2; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 a, a, s;
+mul.rn.bf16x2 $1, a, c;
+}""")
+
+
+@triton.jit
+def e8m0_bf16(code):
+    """E8M0 byte b -> 2^(b - 127) as bf16, exactly, by bit placement: b << 7 is the value for b in
+    1..254; b = 0 (2^-127) is the bf16 subnormal 0x0040 and b = 255 the NaN 0x7FC0, both b << 7 plus
+    bit 6."""
+    c = code.to(tl.uint16)
+    return ((c << 7) | (((c == 0) | (c == 255)).to(tl.uint16) << 6)).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -108,6 +173,83 @@ def nvfp4_tile_f16(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride
     return v.reshape(BLOCK_R, BLOCK_K)
 
 
+@triton.jit
+def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr,
+               F16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr):
+    """The even and odd K elements of rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed e2m1 matrix,
+    block scales applied: (lo, hi), each [BLOCK_R, BLOCK_K // 2], lo[:, j] = element k0 + 2j (the low
+    nibble of byte j), hi[:, j] = element k0 + 2j + 1. F16: fp16 value * 2^-14 (e4m3 scales only),
+    else float32 (exact; the caller rounds to bf16, also exact). Masked reads give 0.
+
+    Not joining the planes back into K order is the point: a dot over K is the dot over the even
+    elements plus the dot over the odd ones, and each asm output register (the low nibbles of two
+    neighbouring bytes) is then already a wgmma A-fragment pair, with nothing to re-pack."""
+    rows = offs_r.to(tl.int64)
+    # k0 is a multiple of BLOCK_K (splitk_plan), which lets the loads be 16 bytes wide
+    offs_kb = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    if EVEN_K:
+        b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :], mask=r_mask[:, None], other=0)
+    else:
+        b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :],
+                    mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
+    offs_ks = tl.multiple_of(k0 // GROUP, BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)  # wide scale loads
+    if EVEN_K:  # a row mask alone lets the scale bytes of a row load as one vector (and pipeline)
+        s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :], mask=r_mask[:, None], other=0)
+    else:
+        s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
+                    mask=r_mask[:, None] & (offs_ks[None, :] < K // GROUP), other=0)
+    if F16 and USE_ASM:
+        lo = tl.inline_asm_elementwise(_PLANE_LO_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_PLANE_HI_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        sv = s.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # cvt.rn.f16x2.e4m3x2: exact, NaN stays NaN
+    elif F16:
+        lo = e2m1_f16_scaled(b & 0xF)
+        hi = e2m1_f16_scaled(b >> 4)
+        sv = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
+    elif USE_ASM:
+        lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_BF16_HI_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        sv = decode_e4m3(s).to(tl.bfloat16) if SCALE_E4M3 else e8m0_bf16(s)  # exact
+    else:
+        lo = decode_e2m1(b & 0xF)
+        hi = decode_e2m1(b >> 4)
+        sv = decode_e4m3(s) if SCALE_E4M3 else decode_e8m0(s)
+    lo = scale_planes(fragment_order(lo, BLOCK_R, BLOCK_K // 2), sv, BLOCK_R, BLOCK_K // 2, GROUP)
+    hi = scale_planes(fragment_order(hi, BLOCK_R, BLOCK_K // 2), sv, BLOCK_R, BLOCK_K // 2, GROUP)
+    return lo, hi
+
+
+@triton.jit
+def fragment_order(x, BLOCK_R: tl.constexpr, KP: tl.constexpr):
+    """Columns of x [BLOCK_R, KP] reordered, p = (KP / 4) q + 4c + 2h + e -> j = 16c + 8h + 2q + e
+    (q < 4, c < KP / 16, h, e < 2). A dot's sum over K does not depend on the order of K, so applying
+    the same order to both operands changes nothing but the fp32 summation order. It is the order of
+    the wgmma A fragment: lane q of a quad holds columns 16c + 8h + 2q + e, so in byte order it
+    holds KP / 4 consecutive bytes of each row (16-byte loads) instead of pairs 8 bytes apart."""
+    x = x.reshape(BLOCK_R, 4, KP // 16, 2, 2)
+    return tl.permute(x, (0, 2, 3, 1, 4)).reshape(BLOCK_R, KP)
+
+
+@triton.jit
+def scale_planes(v, sv, BLOCK_R: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr):
+    """v [BLOCK_R, KP] (a plane in fragment order) times its block scales sv [BLOCK_R, 2 KP / GROUP]
+    (K order). Byte p = (KP / 4) q + 4c + .. is in group p // (GROUP / 2) = q NG + c // (GROUP / 8),
+    NG = KP / (2 GROUP) groups per lane slot q; the broadcast is written in the fragment order itself,
+    so that the decoded registers keep their layout (scaling in byte order first made Triton move
+    the mxfp4 planes through shared memory)."""
+    NG: tl.constexpr = KP // (2 * GROUP)
+    sq = tl.permute(sv.reshape(BLOCK_R, 4, NG), (0, 2, 1))  # [BLOCK_R, NG, 4 (q)]
+    v = v.reshape(BLOCK_R, NG, GROUP // 8, 2, 4, 2) * sq[:, :, None, None, :, None]
+    return v.reshape(BLOCK_R, KP)
+
+
+@triton.jit
+def planes_k(lo, hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_R, BLOCK_K]: lo's columns, then hi's."""
+    return tl.permute(tl.join(lo, hi), (0, 2, 1)).reshape(BLOCK_R, BLOCK_K)
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +261,7 @@ def fp4_decode_gemm_kernel(
     GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr, A16: tl.constexpr,
     HAS_BIAS: tl.constexpr, F16_DECODE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
+    PLANES: tl.constexpr,  # two dots over the even / odd K elements (fp4_planes) instead of one joined tile
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
 ):
@@ -134,22 +277,42 @@ def fp4_decode_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if F16_DECODE:
-            w = nvfp4_tile_f16(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                               BLOCK_N, BLOCK_K, GROUP, USE_ASM, EVEN_K)
-            a = nvfp4_tile_f16(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                               BLOCK_M, BLOCK_K, GROUP, USE_ASM, EVEN_K)
-        else:
-            w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                                  BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
+        if PLANES:
+            w_lo, w_hi = fp4_planes(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                    BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
             if A16:
+                # the activation's even / odd columns, to match the weight planes
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
-                            mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+                            mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+                a_lo, a_hi = a.reshape(BLOCK_M, BLOCK_K // 2, 2).split()
+                a_lo = fragment_order(a_lo, BLOCK_M, BLOCK_K // 2)
+                a_hi = fragment_order(a_hi, BLOCK_M, BLOCK_K // 2)
             else:
-                a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                                      BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
-        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc)
+                a_lo, a_hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                        BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+            # one dot over both planes (K order: the even elements, then the odd ones): the join
+            # only moves whole registers, and the MMAs of a step need a single wait
+            w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
+            a = planes_k(a_lo.to(DOT_DTYPE), a_hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            if F16_DECODE:
+                w = nvfp4_tile_f16(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                   BLOCK_N, BLOCK_K, GROUP, USE_ASM, EVEN_K)
+                a = nvfp4_tile_f16(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                   BLOCK_M, BLOCK_K, GROUP, USE_ASM, EVEN_K)
+            else:
+                w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                      BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
+                if A16:
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
+                                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+                else:
+                    a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                          BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
+            acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc)
 
     pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -173,35 +336,36 @@ def fp4_decode_gemm_kernel(
 # Policy and launcher
 # ---------------------------------------------------------------------------------------------
 def decode_config(M: int, N: int, K: int, interp: bool, sm_count: int = 132) -> TileConfig:
-    """BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program; split-K
-    until the grid holds about four programs per SM while each keeps >= 4 K tiles."""
+    """BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program (128: the
+    activation's decode and the loop's fixed cost spread over twice the rows of 64); split-K while
+    the grid stays within four programs per SM and each program keeps >= 4 K tiles
+    (docs/perf_notes.md, issue 13 row 17)."""
     if interp:
         p = triton.next_power_of_2
         return TileConfig(BLOCK_M=16, BLOCK_N=min(256, max(16, p(N))), BLOCK_K=min(512, max(64, p(K))),
                           GROUP_M=1, num_warps=4, num_stages=1)
-    bn, bk = 64, 128
+    bn, bk = 128, 128
     tiles = triton.cdiv(N, bn)
     split = 1
-    while tiles * split < 4 * sm_count and triton.cdiv(K, bk) >= 8 * split:
+    while tiles * split * 2 <= 4 * sm_count and triton.cdiv(K, bk) >= 8 * split:
         split *= 2
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
 
 
 def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype, scale_e4m3: bool) -> bool:
     """The decode kernel's domain: M <= 16 on sm_90 (no block-scaled MMA; SM12x has its own native
-    path and tables), for nvfp4 W4A4 (fp16 decode) and W4A16 with bf16 activations (fp16 ones keep
-    the lesson's exact hi/lo split). mxfp4 W4A4 keeps the lesson kernel: with two bf16 decodes the
-    swapped kernel was slower on the H200 (57.6 vs 50.8 us at M = 16, N = K = 8192)."""
+    path and tables), for W4A4 (nvfp4: fp16 planes; mxfp4: bf16 planes, E8M0 scales exceed fp16)
+    and W4A16 with bf16 activations (fp16 ones keep the lesson's exact hi/lo split)."""
     if M < 1 or M > DECODE_MAX_M or capability is None or capability[0] != 9:
         return False
     if a16:
         return a_dtype == torch.bfloat16
-    return scale_e4m3
+    return True
 
 
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
-                      use_asm: bool | None = None) -> torch.Tensor:
+                      use_asm: bool | None = None, planes: bool | None = None) -> torch.Tensor:
     """y [M, N] of the FP4 GEMM (arguments as ``_fp4_gemm.launch_fp4_gemm``; M <= 16)."""
     if M > DECODE_MAX_M:
         raise ValueError(f"M must be <= {DECODE_MAX_M} for the decode kernel, got {M}")
@@ -227,7 +391,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         stride_am, stride_ak, stride_asm, w.stride(0), w_scale.stride(0), out.stride(0),
         GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, A16=a16, HAS_BIAS=bias is not None,
         F16_DECODE=f16, USE_ASM=(not interp) if use_asm is None else use_asm, DOT_DTYPE=dot,
-        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0,
+        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0, PLANES=PLANES if planes is None else planes,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
     )

@@ -195,7 +195,7 @@ def tile_config(M: int, N: int, K: int, path=None):
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_tile_config(M, N, K, dev)
-    return portable_config(M, N, K, dev)
+    return portable_config(M, N, K, dev, decode_kernel=True)
 
 
 def _check_out_dtype(out_dtype) -> None:

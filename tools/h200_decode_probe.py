@@ -9,6 +9,7 @@ fp8_block and mxfp8 also time the whole linear (quantization + GEMM) and bf16 cu
 shapes.
 
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json [--only fp8_block,mxfp8]
+    PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/planes.json --only fp4
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kernels_triton._e4m3_gemm import gemm_config
 
 N = K = 8192
 SETS = 5
+DEADLINE = float("inf")  # time.time() after which the fp4 job skips its remaining rows (main sets it)
 
 
 def capture(fns):
@@ -250,20 +252,101 @@ def mxfp8_rows(M, w0, gen):
     return rows
 
 
+def fp4_planes_rows(M, w0, gen):
+    """The FP4 decode kernel's nibble planes (PLANES) against its joined tile and the lesson kernel:
+    GEMM alone for nvfp4 / mxfp4, W4A4 / W4A16 (bf16 x), then the whole linear before (joined tile;
+    mxfp4 W4A4: the lesson kernel, its policy before) and after, and bf16 cuBLAS."""
+    rows = []
+    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    for fmt, a16 in [("nvfp4", False), ("mxfp4", False), ("mxfp4", True), ("nvfp4", True)]:
+        mod = nvfp4 if fmt == "nvfp4" else mxfp4
+        nv = fmt == "nvfp4"
+        name = fmt + ("_w4a16" if a16 else "")
+        ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
+        xq = None if a16 else formats.quantize(x, fmt, role="activation")
+        one = torch.ones(1, device="cuda")
+
+        def args(w):
+            gx = (one if a16 else xq.global_scale.reshape(1).float()) if nv else None
+            gw = w.global_scale.reshape(1).float() if nv else None
+            return ((x if a16 else xq.data, None if a16 else xq.scale.view(torch.uint8), w.data,
+                     w.scale.view(torch.uint8)),
+                    dict(M=M, N=N, K=K, group=16 if nv else 32, scale_e4m3=nv, bias=None, out_dtype=torch.bfloat16,
+                         gx=gx, gw=gw, a16=a16))
+
+        lesson_cfg = _fp4_gemm.fp4_gemm_config(M, N, K, False)
+        a0, k0 = args(ws[0])
+        ref = _fp4_gemm.launch_fp4_gemm(*a0, **k0, config=lesson_cfg)
+
+        def add(what, variant, fn_of_w):
+            if time.time() > DEADLINE:
+                rows.append({"fmt": f"{name} {what}", "M": M, "variant": variant, "error": "skipped: probe budget"})
+                return
+            try:
+                fns = [lambda w=w: fn_of_w(w) for w in ws]
+                y = fns[0]()
+                rows.append({"fmt": f"{name} {what}", "M": M, "variant": variant, "us": graph_us(fns),
+                             "rel_vs_lesson": relerr(y, ref)})
+            except Exception as e:
+                rows.append({"fmt": f"{name} {what}", "M": M, "variant": variant,
+                             "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(rows[-1], flush=True)
+
+        def gemm(w, **kw):
+            a, k = args(w)
+            return _fp4_decode.launch_fp4_decode(*a, **k, **kw)
+
+        add("gemm", f"lesson {lesson_cfg}", lambda w: _fp4_gemm.launch_fp4_gemm(*args(w)[0], **args(w)[1],
+                                                                                 config=lesson_cfg))
+        old_cfg = TileConfig(16, 64, 128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=8)  # the tile before row 17
+        add("gemm", f"swap joined {old_cfg}", lambda w: gemm(w, planes=False, config=old_cfg))
+        add("gemm", f"swap planes {_fp4_decode.decode_config(M, N, K, False)} (default)", lambda w: gemm(w, planes=True))
+        # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
+        tiles = [(64, 128, 8, 4, 3), (128, 128, 16, 4, 3)]
+        if M > 1:
+            tiles += [(128, 128, 4, 4, 3), (128, 128, 8, 8, 3), (128, 128, 8, 4, 4), (64, 256, 8, 4, 3), (256, 128, 4, 8, 3)]
+        for bn, bk, split, warps, stages in tiles:
+            cfg = TileConfig(16, bn, bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
+            add("gemm", f"swap planes {cfg}", lambda w, cfg=cfg: gemm(w, planes=True, config=cfg))
+        lin = (lambda w: mod.linear(x, w, a16=True)) if a16 else (lambda w: mod.linear(x, w))
+        applies, config = _fp4_decode.decode_applies, _fp4_decode.decode_config
+        try:  # the state before row 17: joined tile, its tile, mxfp4 W4A4 on the lesson kernel
+            _fp4_decode.PLANES = False
+            _fp4_decode.decode_config = lambda *a, **k: old_cfg
+            if fmt == "mxfp4" and not a16:
+                _fp4_decode.decode_applies = lambda M, cap, a16, dt, e4m3: applies(M, cap, a16, dt, e4m3) and (a16 or e4m3)
+            add("linear", "before (joined / lesson)", lin)
+        finally:
+            _fp4_decode.PLANES, _fp4_decode.decode_applies, _fp4_decode.decode_config = True, applies, config
+        add("linear", "planes (default)", lin)
+        torch.cuda.empty_cache()
+    w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
+    try:
+        us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
+        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "torch.nn.functional.linear", "us": us})
+    except Exception as e:
+        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "F.linear", "error": f"{type(e).__name__}: {e}"[:200]})
+    print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
-    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, mxfp8; "
+    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, mxfp8, fp4 (planes vs joined); "
                    "default: all)")
     args = p.parse_args()
     t0 = time.time()
+    global DEADLINE
+    DEADLINE = t0 + args.budget_s
     gen = torch.Generator(device="cuda").manual_seed(0)
     w0 = torch.randn(N, K, generator=gen, device="cuda") * 0.05
     rows = []
     jobs = [("nvfp4", 16, False), ("mxfp4", 16, False), ("mxfp4", 16, True), ("nvfp4", 1, False),
             ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None),
-            ("fp8_block", 16, None), ("fp8_block", 1, None), ("mxfp8", 16, None), ("mxfp8", 1, None)]
+            ("fp8_block", 16, None), ("fp8_block", 1, None), ("mxfp8", 16, None), ("mxfp8", 1, None),
+            ("fp4", 16, None), ("fp4", 1, None)]
     if args.only:
         sel = args.only.split(",")
         jobs = [j for j in jobs if j[0] in sel or f"{j[0]}:{j[1]}" in sel]
@@ -277,6 +360,8 @@ def main():
             rows += fp8_block_rows(M, w0, gen)
         elif fmt == "mxfp8":
             rows += mxfp8_rows(M, w0, gen)
+        elif fmt == "fp4":
+            rows += fp4_planes_rows(M, w0, gen)
         else:
             rows += fp4_rows(fmt, M, a16, w0, gen)
         torch.cuda.empty_cache()
