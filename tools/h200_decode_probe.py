@@ -75,6 +75,18 @@ def relerr(y, ref):
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
+def bf16_row(M, x, w0):
+    """bf16 cuBLAS (F.linear) on the same x and 5 bf16 weights, CUDA-graph replay: the baseline row."""
+    w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
+    try:
+        us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
+        row = {"fmt": "bf16 cuBLAS linear", "M": M, "variant": "torch.nn.functional.linear", "us": us}
+    except Exception as e:
+        row = {"fmt": "bf16 cuBLAS linear", "M": M, "variant": "F.linear", "error": f"{type(e).__name__}: {e}"[:200]}
+    print(row, flush=True)
+    return row
+
+
 def fp4_rows(fmt, M, a16, w0, gen):
     mod = nvfp4 if fmt == "nvfp4" else mxfp4
     group = 16 if fmt == "nvfp4" else 32
@@ -198,13 +210,7 @@ def fp8_block_rows(M, w0, gen):
     add(f"lesson {lesson_cfg}", lambda w: fp8_block._gemm_portable(
         fp8_block.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
     add(f"default {fp8_block.tile_config(M, N, K)}", lambda w: fp8_block.linear(x, w), "linear")
-    w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
-    try:
-        us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
-        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "torch.nn.functional.linear", "us": us})
-    except Exception as e:
-        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "F.linear", "error": f"{type(e).__name__}: {e}"[:200]})
-    print(rows[-1], flush=True)
+    rows.append(bf16_row(M, x, w0))
     return rows
 
 
@@ -242,13 +248,7 @@ def mxfp8_rows(M, w0, gen):
     add(f"lesson {lesson_cfg}", lambda w: mxfp8._gemm_portable(
         mxfp8.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
     add(f"default {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.linear(x, w), "linear")
-    w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
-    try:
-        us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
-        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "torch.nn.functional.linear", "us": us})
-    except Exception as e:
-        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "F.linear", "error": f"{type(e).__name__}: {e}"[:200]})
-    print(rows[-1], flush=True)
+    rows.append(bf16_row(M, x, w0))
     return rows
 
 
@@ -320,13 +320,7 @@ def fp4_planes_rows(M, w0, gen):
             _fp4_decode.PLANES, _fp4_decode.decode_applies, _fp4_decode.decode_config = True, applies, config
         add("linear", "planes (default)", lin)
         torch.cuda.empty_cache()
-    w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
-    try:
-        us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
-        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "torch.nn.functional.linear", "us": us})
-    except Exception as e:
-        rows.append({"fmt": "bf16 cuBLAS linear", "M": M, "variant": "F.linear", "error": f"{type(e).__name__}: {e}"[:200]})
-    print(rows[-1], flush=True)
+    rows.append(bf16_row(M, x, w0))
     return rows
 
 
