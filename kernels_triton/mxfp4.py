@@ -73,6 +73,7 @@ from ._common import (
     interpreting,
     kernel_bias,
 )
+from ._e4m3_gemm import quant_config
 from ._fp4_gemm import launch_fp4_gemm, portable_config
 from ._paths import check_native_weight, default_device, resolve_path, weight_scale_bytes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -151,10 +152,12 @@ def _quantize_kernel(
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
 def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K): whole small problems in the interpreter, 32 x 128 on GPU."""
+    """(BLOCK_M, BLOCK_K): whole small problems in the interpreter; on GPU the tiles of every
+    activation quantizer (_e4m3_gemm.quant_config: one row 1024 wide per program at decode, 32 x 128
+    above)."""
     if interp:
         return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
-    return 32, 128
+    return quant_config(M, K, False, group=VEC_SIZE)
 
 
 def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:

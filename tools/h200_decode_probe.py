@@ -75,6 +75,21 @@ def relerr(y, ref):
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
+def row_adder(rows, fmt, M, ws, ref):
+    """add(name, fn_of_w, what="gemm"): time fn_of_w over the weights ws (CUDA-graph replay), check
+    its first output against ref, append the row (or the error) to rows and print it."""
+    def add(name, fn_of_w, what="gemm"):
+        try:
+            fns = [lambda w=w: fn_of_w(w) for w in ws]
+            y = fns[0]()
+            us = graph_us(fns)
+            rows.append({"fmt": f"{fmt} {what}", "M": M, "variant": name, "us": us, "rel_vs_lesson": relerr(y, ref)})
+        except Exception as e:
+            rows.append({"fmt": f"{fmt} {what}", "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(rows[-1], flush=True)
+    return add
+
+
 def bf16_row(M, x, w0):
     """bf16 cuBLAS (F.linear) on the same x and 5 bf16 weights, CUDA-graph replay: the baseline row."""
     w16 = [(w0 * (1 + 0.01 * i)).to(torch.bfloat16) for i in range(SETS)]
@@ -189,16 +204,7 @@ def fp8_block_rows(M, w0, gen):
     out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     ref = fp8_block._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
     rows = []
-
-    def add(name, fn_of_w, what="gemm"):
-        try:
-            fns = [lambda w=w: fn_of_w(w) for w in ws]
-            y = fns[0]()
-            us = graph_us(fns)
-            rows.append({"fmt": f"fp8_block {what}", "M": M, "variant": name, "us": us, "rel_vs_lesson": relerr(y, ref)})
-        except Exception as e:
-            rows.append({"fmt": f"fp8_block {what}", "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        print(rows[-1], flush=True)
+    add = row_adder(rows, "fp8_block", M, ws, ref)
 
     add(f"lesson {lesson_cfg}", lambda w: fp8_block._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
     # programs_per_sm 0: no split-K (one program per 64-row tile walks all of K, no reduction launch)
@@ -225,16 +231,7 @@ def mxfp8_rows(M, w0, gen):
     out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     ref = mxfp8._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
     rows = []
-
-    def add(name, fn_of_w, what="gemm"):
-        try:
-            fns = [lambda w=w: fn_of_w(w) for w in ws]
-            y = fns[0]()
-            us = graph_us(fns)
-            rows.append({"fmt": f"mxfp8 {what}", "M": M, "variant": name, "us": us, "rel_vs_lesson": relerr(y, ref)})
-        except Exception as e:
-            rows.append({"fmt": f"mxfp8 {what}", "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        print(rows[-1], flush=True)
+    add = row_adder(rows, "mxfp8", M, ws, ref)
 
     add(f"lesson {lesson_cfg}", lambda w: mxfp8._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
     # (BLOCK_N, BLOCK_K, stages, programs per SM, warps); BLOCK_K 32 (s12), 6 stages at 128 rows and

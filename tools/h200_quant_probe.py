@@ -2,10 +2,11 @@
 
 For each W8A8/W4A4 format at M = 1 and 16, N = K = 8192, bf16 x: the activation quantizer alone,
 the GEMM alone on a quantized x, and the whole linear, each as CUDA-graph replays over 5 distinct
-inputs/weights (tools/h200_decode_probe.graph_us), PDL on and off; for fp8_tensor, nvfp4 and mxfp8
-also other quantization tiles (BLOCK_M, BLOCK_K) in place of _e4m3_gemm.quant_config's (32, 128).
+inputs/weights (tools/h200_decode_probe.graph_us), PDL on and off; for fp8_tensor, nvfp4, mxfp8 and
+mxfp4 also other quantization tiles (BLOCK_M, BLOCK_K) in place of _e4m3_gemm.quant_config's (which
+the nvfp4 and mxfp4 quantizers take too), with a check that the codes stay the same.
 
-    PYTHONPATH=. python3 tools/h200_quant_probe.py --json $OUT/quant.json
+    PYTHONPATH=. python3 tools/h200_quant_probe.py --json $OUT/quant.json [--formats mxfp4 --m 1,16]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from h200_decode_probe import SETS, graph_us  # noqa: E402  (same folder)
 N = K = 8192
 FORMATS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4")
 TILES = {"fp8_tensor": [(32, 128), (1, 512), (1, 2048)], "mxfp8": [(32, 128)],
-         "nvfp4": [(32, 128), (1, 512), (1, 2048)]}
+         "nvfp4": [(32, 128), (1, 512), (1, 2048)], "mxfp4": [(32, 128), (1, 512)]}
 
 
 def rows(fmt, M, gen):
@@ -69,10 +70,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--m", default="1,16")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma list from " + ",".join(FORMATS))
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {}
-    for fmt in FORMATS:
+    for fmt in args.formats.split(","):
         for M in (int(m) for m in args.m.split(",")):
             try:
                 res[f"{fmt} M={M}"] = rows(fmt, M, gen)

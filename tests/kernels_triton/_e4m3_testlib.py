@@ -43,6 +43,16 @@ def require_gpu():
         pytest.skip(f"needs a CUDA GPU; found {device_name()}")
 
 
+def sm90_sm_count() -> int:
+    """The SM count of the sm_90 GPU that the swapped decode kernel's tile tests need; skips,
+    naming the device found, anywhere else."""
+    require_gpu()
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        pytest.skip(f"the decode kernel is sm_90 only; found {device_name()} (sm_{cap[0]}{cap[1]})")
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a tensor (float scales compared bit for bit, not by value)."""
     return t.contiguous().reshape(-1).view(torch.uint8)

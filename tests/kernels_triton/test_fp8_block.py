@@ -10,15 +10,15 @@ import torch
 
 import formats
 from _e4m3_testlib import (
-    FP8_DIRECT_DOT_FP32_TOL,
     check_gemm,
     check_linear,
     check_quantize,
-    device_name,
     error_calls,
+    FP8_DIRECT_DOT_FP32_TOL,
     make_bias,
     make_weight,
     require_gpu,
+    sm90_sm_count,
     special_values,
     strided_views,
 )
@@ -136,11 +136,7 @@ def test_argument_errors_name_the_argument(case):
 @pytest.mark.gpu
 def test_decode_tile_on_sm90():
     # the GEMM tests above at M <= 16, K >= 1024 reach the swapped kernel with split-K on sm_90
-    require_gpu()
-    cap = torch.cuda.get_device_capability()
-    if cap[0] != 9:
-        pytest.skip(f"the decode kernel is sm_90 only; found {device_name()} (sm_{cap[0]}{cap[1]})")
-    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n_sms = sm90_sm_count()
     for (M, N, K), split in (((7, 200, 1024), 2), ((16, 128, 2048), 4), ((1, 200, 1024), 2)):
         assert mod.tile_config(M, N, K) == fp8_decode_config(M, N, K, n_sms)
         assert mod.tile_config(M, N, K).SPLIT_K == split

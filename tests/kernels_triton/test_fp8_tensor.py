@@ -9,18 +9,19 @@ import torch
 
 import formats
 from _e4m3_testlib import (
-    FP8_DIRECT_DOT_FP32_TOL,
     check_gemm,
     check_linear,
     check_quantize,
     error_calls,
+    FP8_DIRECT_DOT_FP32_TOL,
     make_bias,
     make_weight,
     require_gpu,
+    sm90_sm_count,
     special_values,
     strided_views,
 )
-from conftest import DEVICE, device_name, make_input, rel_err
+from conftest import DEVICE, make_input, rel_err
 from kernels_triton import fp8_tensor as mod
 from kernels_triton._fp8_decode import TENSOR_DECODE_TILE, fp8_decode_config
 
@@ -140,11 +141,7 @@ def test_decode_tile_on_sm90():
     """The launched tile is fp8_decode_config's with TENSOR_DECODE_TILE: 8 stages, split-K only while
     the 64-row tiles cover less than half the SMs (so the small-N GEMM tests above still split, and
     test_large_shapes_on_gpu's N = 8192 rows run the unsplit kernel)."""
-    require_gpu()
-    cap = torch.cuda.get_device_capability()
-    if cap[0] != 9:
-        pytest.skip(f"the decode kernel is sm_90 only; found {device_name()} (sm_{cap[0]}{cap[1]})")
-    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n_sms = sm90_sm_count()
     for M, N, K in ((7, 200, 1024), (16, 128, 2048), (1, 8192, 8192), (16, 8192, 8192)):
         cfg = mod.tile_config(M, N, K)
         assert cfg == fp8_decode_config(M, N, K, n_sms, **TENSOR_DECODE_TILE)

@@ -20,11 +20,12 @@ from _e4m3_testlib import (
     make_bias,
     make_weight,
     require_gpu,
+    sm90_sm_count,
     special_values,
     strided_views,
     tolerance,
 )
-from conftest import device_name, make_input, rel_err
+from conftest import make_input, rel_err
 from kernels_triton import mxfp8 as mod
 from kernels_triton._fp8_decode import MX_DECODE_TILE, MX_SCALE, fp8_decode_config, launch_fp8_decode
 
@@ -179,11 +180,7 @@ def test_decode_launch_refuses_tiles_it_cannot_run():
 @pytest.mark.gpu
 def test_decode_tile_on_sm90():
     # the GEMM tests above at M <= 16 reach the swapped kernel on sm_90 with these tiles
-    require_gpu()
-    cap = torch.cuda.get_device_capability()
-    if cap[0] != 9:
-        pytest.skip(f"the decode kernel is sm_90 only; found {device_name()} (sm_{cap[0]}{cap[1]})")
-    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n_sms = sm90_sm_count()
     for (M, N, K), bk, split in (((16, 1, 544), 32, 4), ((5, 72, 320), 64, 1), ((7, 200, 1024), 128, 2),
                                  ((16, 128, 2048), 128, 4)):
         cfg = mod.tile_config(M, N, K)
