@@ -92,8 +92,10 @@ def device() -> str:
 # scales are exact in fp32 or bf16, and so are the products of two of them), so a kernel's errors
 # against formats.reference_linear on the same quantized operands are:
 #   * its K-term summation: |acc - exact| <= K * u_acc * sum_k |a_k b_k| (Higham's gamma_K), u_acc =
-#     2^-24 for an fp32 accumulator; 2^-12 for Hopper's fp8 MMA (fp8_tensor / fp8_block on a GPU
-#     keep ~13 accumulator mantissa bits between promotions);
+#     2^-24 for an fp32 accumulator. Hopper's fp8 MMA keeps ~13 accumulator mantissa bits (2^-12
+#     per addition) within a promotion interval of L products, and the kernels add the interval
+#     sums in fp32: (L * 2^-12 + K * 2^-24) * sum_k |a_k b_k| (fp8_tensor / fp8_block on a GPU,
+#     L = 128; mxfp8's sm_90 decode kernel, L = 32);
 #   * the epilogue: the scales or nvfp4's alpha (two reciprocals and a product) and the bias, at
 #     most 6 fp32 roundings: 6 * 2^-24 * (|y| + |bias|);
 #   * y and ref are each rounded once to the output dtype, so they may sit one spacing apart:
@@ -102,20 +104,23 @@ def device() -> str:
 OUT_P = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 
 
-def gemm_bound(x, qweight, bias, out_dtype, ref, *, fp8_mma: bool = False):
+def gemm_bound(x, qweight, bias, out_dtype, ref, *, fp8_interval: int = 0):
     """The bound above, float64 [M, N] on the CPU. x: the activation as the kernel multiplies it, a
-    QuantizedTensor (W4A4 / W8A8) or a float tensor [M, K] (W4A16)."""
+    QuantizedTensor (W4A4 / W8A8) or a float tensor [M, K] (W4A16). ``fp8_interval`` L > 0: the
+    products are summed on Hopper's fp8 MMA in runs of L (its promotion interval: 128 for fp8_tensor /
+    fp8_block, 32 for mxfp8's decode kernel), each run with 2^-12 per addition, and the runs in fp32:
+    (L 2^-12 + K 2^-24) |x| . |w|^T in place of K 2^-24 |x| . |w|^T."""
     import formats
 
     a = (formats.dequantize(x.to("cpu"), torch.float64) if isinstance(x, formats.QuantizedTensor)
          else x.reshape(-1, x.shape[-1]).double().cpu()).abs()
     b = formats.dequantize(qweight.to("cpu"), torch.float64).abs()
-    u_acc = 2.0 ** -12 if fp8_mma else 2.0 ** -24
+    acc = qweight.k * 2.0 ** -24 + min(fp8_interval, qweight.k) * 2.0 ** -12
     r = ref.reshape(a.shape[0], -1).double().abs().cpu()
     bias_abs = 0.0 if bias is None else bias.double().abs().cpu()[None, :]
     spacing = 2.0 ** (1 - OUT_P[out_dtype])
     tiny = torch.finfo(out_dtype).smallest_normal * spacing
-    return qweight.k * u_acc * (a @ b.T) + 6 * 2.0 ** -24 * (r + bias_abs) + spacing * r + tiny
+    return acc * (a @ b.T) + 6 * 2.0 ** -24 * (r + bias_abs) + spacing * r + tiny
 
 
 def assert_within_bound(y, ref, bound, what=""):

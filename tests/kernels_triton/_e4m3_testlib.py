@@ -23,13 +23,21 @@ TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3, torch.float32: 1e-5}
 FP8_DIRECT_DOT_FP32_TOL = 5e-4
 
 
-def fp8_mma(fmt: str, M: int) -> bool:
-    """Whether the GEMM dots the e4m3 codes on Hopper's fp8 MMA here: fp8_tensor / fp8_block on
-    a GPU, and mxfp8 where it takes the sm_90 decode kernel (1 <= M <= 16; its 32-deep partials
-    are fp8 wgmma sums)."""
+def fp8_interval(fmt: str, M: int) -> int:
+    """How many products the GEMM sums on Hopper's fp8 MMA before an fp32 addition here (0: none,
+    fp32 accumulation throughout): 128 for fp8_tensor / fp8_block on a GPU (their promotion
+    interval), 32 for mxfp8 where it takes the sm_90 decode kernel (1 <= M <= 16: one 32-deep fp8
+    wgmma partial per scale block)."""
     if DEVICE != "cuda":
-        return False
-    return fmt in ("fp8_tensor", "fp8_block") or (fmt == "mxfp8" and fp8_decode_applies(M, torch.device(DEVICE)))
+        return 0
+    if fmt in ("fp8_tensor", "fp8_block"):
+        return 128
+    return 32 if fmt == "mxfp8" and fp8_decode_applies(M, torch.device(DEVICE)) else 0
+
+
+def fp8_mma(fmt: str, M: int) -> bool:
+    """Whether the GEMM dots the e4m3 codes on Hopper's fp8 MMA here (fp8_interval above)."""
+    return fp8_interval(fmt, M) > 0
 
 
 def tolerance(out_dtype, fmt: str, M: int = 0) -> float:
@@ -89,7 +97,7 @@ def make_bias(n: int, dtype=torch.float32) -> torch.Tensor:
 
 def gemm_bound(xq, qweight, bias, out_dtype, ref):
     """conftest.gemm_bound, with the fp8 MMA's accumulation where the kernel dots e4m3 codes (fp8_mma)."""
-    return _gemm_bound(xq, qweight, bias, out_dtype, ref, fp8_mma=fp8_mma(qweight.fmt, xq.rows))
+    return _gemm_bound(xq, qweight, bias, out_dtype, ref, fp8_interval=fp8_interval(qweight.fmt, xq.rows))
 
 
 def check_gemm(mod, xq, qweight, bias, out_dtype):

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _e4m3_testlib import fp8_interval
 from conftest import DEVICE, device_name, make_input
 from kernels_triton import interpreting
 
@@ -48,15 +49,16 @@ def _opts(fmt: str, ue8m0: bool):
     return {"ue8m0": True} if ue8m0 else {}
 
 
-def _bound(xq, qw, bias, k, u=U):
-    """Elementwise bound on |y - ref| for fp32 output: (K + 3) * u * (|x| . |w|^T + |bias|), u the
-    accumulator's unit roundoff (2^-24 for fp32)."""
+def _bound(xq, qw, bias, k, u=U, fp8_interval=0):
+    """Elementwise bound on |y - ref| for fp32 output: ((K + 3) u + L 2^-12) (|x| . |w|^T + |bias|),
+    u the accumulator's unit roundoff (2^-24 for fp32), L > 0 the fp8 MMA's promotion interval where
+    the kernel sums L products on Hopper's fp8 MMA first (conftest.gemm_bound)."""
     xa = formats.dequantize(xq.to("cpu"), torch.float64).abs()
     wa = formats.dequantize(qw.to("cpu"), torch.float64).abs()
     mag = xa @ wa.T
     if bias is not None:
         mag = mag + bias.cpu().double().abs()
-    return (k + 3) * u * mag + 1e-30
+    return ((k + 3) * u + fp8_interval * 2.0 ** -12) * mag + 1e-30
 
 
 CASES = [(f, False) for f in FORMAT_NAMES] + [("fp8_block", True)]
@@ -99,10 +101,10 @@ def test_native_split_k_and_bf16_output_match_portable(fmt, monkeypatch):
     p32 = mod.gemm(xq, qw, bias, out_dtype=FP32, path="portable").cpu().double()
     # On a GPU the portable fp8_tensor / fp8_block kernels dot the e4m3 tiles directly, and so does
     # mxfp8's sm_90 decode kernel at this M (32-deep partials): Hopper's fp8 MMA accumulates with
-    # fewer bits inside a promotion interval (2^-12 relative per addition, conftest.gemm_bound's
-    # fp8_mma term) instead of fp32's 2^-24.
-    u_portable = 2.0 ** -12 if DEVICE == "cuda" and fmt in ("fp8_tensor", "fp8_block", "mxfp8") else U
-    assert bool(((y32 - p32).abs() <= _bound(xq, qw, bias, k) + _bound(xq, qw, bias, k, u_portable)).all())
+    # 2^-12 per addition inside a promotion interval of L products (conftest.gemm_bound), so the
+    # portable side's bound is ((K + 3) 2^-24 + L 2^-12) |x| . |w|^T.
+    portable = _bound(xq, qw, bias, k, fp8_interval=fp8_interval(fmt, m))
+    assert bool(((y32 - p32).abs() <= _bound(xq, qw, bias, k) + portable).all())
     yb = mod.gemm(xq, qw, bias, out_dtype=BF16, path="native").cpu().double()
     # bf16 RNE of a value within the fp32 bound: half a bf16 ulp (2^-9 relative) plus the bound
     assert bool(((yb - y32).abs() <= y32.abs() * 2.0 ** -8 + 2 * _bound(xq, qw, bias, k)).all())
