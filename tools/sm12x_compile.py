@@ -18,7 +18,8 @@ registers * threads <= 65,536.
 
 A kernel that takes ``USE_PDL`` (kernels_triton._pdl) is compiled as SM12x launches it, with
 ``USE_PDL=True`` and ``launch_pdl``, and its PTX must hold ``griddepcontrol.wait`` and
-``griddepcontrol.launch_dependents``. Besides the GEMMs, the rest of the decode chain is built the
+``griddepcontrol.launch_dependents``, the wait before the first global load, store or
+``cp.async`` (``pdl_wait_first``). Besides the GEMMs, the rest of the decode chain is built the
 same way ("chain" rows): every activation quantizer at its decode tile and split-K's reduction.
 """
 
@@ -265,6 +266,12 @@ def compile_one(job: tuple[dict, int]) -> dict:
         threads=32 * b.num_warps,
     )
     rec["missing"] = [w for w in b.want if w not in ptx]
+    if pdl:  # PDL's rule (kernels_triton._pdl): the wait comes before the first global access
+        lines = ptx.splitlines()
+        first = lambda pred: next((i for i, l in enumerate(lines) if pred(l.strip())), None)  # noqa: E731
+        rec["pdl_wait_first"] = (first(lambda l: l.startswith("griddepcontrol.wait")) or 10**9) < (
+            first(lambda l: re.match(r"(@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", l))
+            or 10**9)
     rec["forbidden"] = [a for a in b.avoid if a in ptx]
     rec["fits"] = bool(rec["shared"] <= SMEM_LIMIT and rec["spill_stores"] == 0 and rec["spill_loads"] == 0
                        and rec["registers"] is not None and rec["registers"] * rec["threads"] <= REGS_PER_SM)
@@ -326,7 +333,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
     print(markdown(records))
-    bad = [r["name"] + " " + r["arch"] for r in records if "error" in r or r["missing"] or r["forbidden"] or not r["fits"]]
+    bad = [r["name"] + " " + r["arch"] for r in records if "error" in r or r["missing"] or r["forbidden"] or not r["fits"]
+           or not r.get("pdl_wait_first", True)]
     if bad:
         print(f"\n{len(bad)} builds failed a check: " + "; ".join(bad), file=sys.stderr)
     return 1 if bad else 0

@@ -79,6 +79,7 @@ def test_build_compiles_to_the_native_mma_and_fits(records, name, arch):
     assert r["target"] == arch, f"PTX .target is {r['target']}, expected {arch}"
     assert not r["missing"], f"PTX lacks {r['missing']}; it has {r['mma']}"
     assert not r["forbidden"], f"PTX falls back to {r['forbidden']}"
+    assert r.get("pdl_wait_first", True), "griddepcontrol.wait comes after a global access in the PTX"
     assert r["shared"] <= sm12x_compile.SMEM_LIMIT, f"{r['shared']} B of shared memory per block"
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, \
         f"{r['spill_stores']} B spill stores / {r['spill_loads']} B spill loads at {r['registers']} registers"
