@@ -108,7 +108,7 @@ def fp8_decode_gemm_kernel(
     RNE_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
     USE_PDL: tl.constexpr = False,  # _pdl
 ):
-    # literal 128 / 32 on the left of %: the interpreter has no int % constexpr
+    # literals, not the constexpr globals, beside %: the interpreter has no int % constexpr
     if SCALE_K == _FP8_BLOCK:
         tl.static_assert(BLOCK_K == _FP8_BLOCK, "block FP8 needs BLOCK_K == 128: one scale per K step")
         # a tile's weight rows then lie in one 128-row scale block: one scalar sw per K step
