@@ -25,9 +25,11 @@ from _e4m3_testlib import (
     strided_views,
     tolerance,
 )
-from conftest import make_input, rel_err
+from conftest import DEVICE, make_input, rel_err
 from kernels_triton import mxfp8 as mod
-from kernels_triton._fp8_decode import MX_DECODE_TILE, MX_SCALE, fp8_decode_config, launch_fp8_decode
+from kernels_triton._common import interpreting
+from kernels_triton._fp8_decode import (MX_DECODE_TILE, MX_SCALE, fp8_decode_applies, fp8_decode_config,
+                                        launch_fp8_decode)
 
 FMT = "mxfp8"
 BLOCK = 32
@@ -117,11 +119,19 @@ def test_gemm_uses_each_e8m0_scale_where_it_belongs():
 
 
 def test_gemm_nan_and_extreme_scales_in_decode_rows():
-    # M = 9, K = 1024 with a bias: the sm_90 decode kernel with split-K (and the lesson elsewhere).
+    # M = 9, K = 1024 with a bias, through gemm (on sm_90 the decode kernel, split-K; the lesson on
+    # the CPU, native on SM12x) and through launch_fp8_decode directly (the decode kernel, split 2,
+    # on the CPU too; skipped only on non-sm_90 GPUs, where gemm never launches it).
     # Row 2's scale bytes are all 0x00 (2^-127) against a weight whose bytes are all 230 (2^103):
-    # products near 2^-24, right only if byte 0 decodes to 2^-127 exactly. Row 4 gets one 0xFF
-    # scale byte (NaN) over finite codes, weight row 7 one NaN code (0x7F), weight row 11 one 0xFF
-    # scale: exactly row 4 and columns 7 and 11 of y are NaN, the rest matches the oracle.
+    # each product is code_x * code_w * 2^-24. Row 4 gets one 0xFF scale byte (NaN) over finite
+    # codes, weight row 7 one NaN code (0x7F), weight row 11 one 0xFF scale: exactly row 4 and
+    # columns 7 and 11 of y are NaN, the rest matches the oracle within the bound.
+    # Row 2 must also equal, bit for bit, row 2 of a twin GEMM with sx[2] = 1 (2^-126) and every
+    # finite weight byte one lower (229, 2^102): 2^-127 * 2^103 and 2^-126 * 2^102 are the same 2^-24,
+    # exact in fp32 either way (the decode kernel multiplies the two scales first: one exact product;
+    # the lesson decodes code * 2^-127, a multiple of 2^-149 with 4 significant bits, exact in fp32,
+    # and multiplies exact values), so every product, partial and sum is the same number in the same
+    # order. Decoding 0x00 as 0 (y = bias) or as 2^-126 (twice the GEMM) changes row 2.
     M, N, K = 9, 40, 1024
     w = make_weight(FMT, N, K, BLOCK)
     xq = formats.quantize(make_input((M, K), zero_blocks=False), FMT, role="activation")
@@ -130,17 +140,36 @@ def test_gemm_nan_and_extreme_scales_in_decode_rows():
     sx[4, 17] = 0xFF
     wd.view(torch.uint8)[7, 300] = 0x7F
     sw[11, 3] = 0xFF
+    sx_twin, sw_twin = sx.clone(), torch.where(sw == 0xFF, sw, sw - 1)
+    sx_twin[2] = 1
     xq, w = dataclasses.replace(xq, scale=sx), dataclasses.replace(w, data=wd, scale=sw)
+    xq_twin, w_twin = dataclasses.replace(xq, scale=sx_twin), dataclasses.replace(w, scale=sw_twin)
     bias = make_bias(N)
-    y = mod.gemm(xq, w, bias, out_dtype=torch.float32)
     ref = formats.reference_linear(xq, w, bias, out_dtype=torch.float32)
     nan = torch.zeros(M, N, dtype=torch.bool)
     nan[4], nan[:, 7], nan[:, 11] = True, True, True
-    assert torch.equal(y.isnan().cpu(), nan) and torch.equal(ref.isnan().cpu(), nan)
+    assert torch.equal(ref.isnan().cpu(), nan)
     rows, cols = [i for i in range(M) if i != 4], [j for j in range(N) if j not in (7, 11)]
+    # row 2's GEMM part is far above the fp32 spacing of y (~2^-21 here), so the twin check can fail
+    assert formats.reference_linear(xq, w, out_dtype=torch.float32)[2, cols].abs().max().item() > 2.0 ** -16
     keep = lambda t: t.cpu()[rows][:, cols]  # noqa: E731
-    assert keep(ref)[1].abs().max().item() > 0  # row 2 (the 2^-127 row) is not all zeros
-    assert_within_bound(keep(y), keep(ref), keep(gemm_bound(xq, w, bias, torch.float32, ref)), "gemm")
+    bound = keep(gemm_bound(xq, w, bias, torch.float32, ref))
+
+    def gemm(a, b):
+        return mod.gemm(a, b, bias, out_dtype=torch.float32)
+
+    def decode(a, b):
+        y = torch.empty(M, N, dtype=torch.float32, device=b.data.device)
+        cfg = dataclasses.replace(fp8_decode_config(M, N, K, **MX_DECODE_TILE), SPLIT_K=2,
+                                  num_stages=1 if interpreting() else 4)
+        return launch_fp8_decode(a.data, b.data, a.scale, b.scale, bias, y, scale_k=MX_SCALE, config=cfg)
+
+    runs = [gemm] + ([decode] if DEVICE == "cpu" or fp8_decode_applies(M, torch.device(DEVICE)) else [])
+    for run in runs:
+        y, twin = run(xq, w).cpu(), run(xq_twin, w_twin).cpu()
+        assert torch.equal(y.isnan(), nan), run.__name__
+        assert torch.equal(y[2, cols].view(torch.int32), twin[2, cols].view(torch.int32)), run.__name__
+        assert_within_bound(keep(y), keep(ref), bound, run.__name__)
 
 
 @pytest.mark.parametrize("shape,dtype,has_bias", [((2, 3, 96), BF16, True), ((5, 256), FP16, False), ((0, 32), BF16, True)])
