@@ -291,7 +291,7 @@ def min_block_k(group: int) -> int:
 
 def decode_config(M: int, N: int, K: int, device, group: int = 32) -> TileConfig:
     """The tile launch_fp4_decode launches on ``device`` and tile_config reports: decode_tile with the
-    device's SM count; under the interpreter one program per output (widest tiles, few steps) with
+    device's SM count; under the interpreter wide tiles (few programs and K steps) with
     BLOCK_K >= min_block_k(group) (group: 16 nvfp4, 32 mxfp4, the default)."""
     if interpreting():
         p = triton.next_power_of_2
@@ -326,7 +326,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
             K stride 1 in both.
         M, N, K: the problem (M <= 16; K a multiple of group). group: 16 (nvfp4) or 32 (mxfp4).
         scale_e4m3: True for e4m3 block scales (nvfp4), False for E8M0 (mxfp4).
-        bias: None or float32 [N] (contiguous), added in fp32 after alpha.
+        bias: None or a float tensor [N] (contiguous), read as fp32 and added after alpha.
         out_dtype: torch.bfloat16, torch.float16 or torch.float32.
         gx, gw: nvfp4's global scales, float32 one-element device tensors (alpha = 1 / (gx gw),
             NaN for a bad one), or None (no alpha).
