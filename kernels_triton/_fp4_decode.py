@@ -12,14 +12,13 @@ so the decoded weight tile is the MMA's A operand and stays in registers (wgmma 
 registers); the activation tile (16 rows) is the small B operand. Split-K spreads the few
 N tiles over all SMs; the fp32 partials go through _twopass's ordered reduction (deterministic).
 
-Nibble planes (``PLANES``, ``fp4_planes``): a packed byte holds elements 2j (low nibble) and
+Nibble planes (``fp4_planes``): a packed byte holds elements 2j (low nibble) and
 2j + 1 (high nibble). Instead of interleaving the two decoded nibbles back into K order (a join
 that re-packs every MMA register), the K loop keeps them as two planes, the even and the odd
 elements, and dots [even plane, odd plane] of the weight with the same of the activation: the
 sum over K is the same sum in another order. Both operands' columns are also put in the wgmma
 A-fragment order (``fragment_order``), so a lane's bytes of a row are consecutive (16-byte loads)
-and each decoded register is a fragment register as it comes out of the asm. PLANES=False keeps
-the joined tile (``nvfp4_tile_f16`` / the lesson's ``dequant_e2m1_tile``) for comparison.
+and each decoded register is a fragment register as it comes out of the asm.
 
 fp16 decode (nvfp4 W4A4, ``F16_DECODE``): the 3 magnitude bits of an e2m1 code placed at fp16
 bits 11..9 and its sign at bit 15 are exactly value * 2^-14 for every code (the subnormal 0.5 too).
@@ -50,11 +49,11 @@ import triton.language as tl
 
 from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_alpha, interpreting,
                       round_to_bf16_rne)
-from ._fp4_gemm import dequant_e2m1_tile  # the lesson's exact fp32 decode (bf16 flavour)
+from ._paths import sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+from ._twopass import (ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace,
+                       store_splitk_partial)
 
-PLANES = True  # the default of launch_fp4_decode(planes=): False is the joined tile (kept to compare)
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
 F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
 
@@ -62,25 +61,6 @@ F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand
 # ---------------------------------------------------------------------------------------------
 # e2m1 -> fp16 (value * 2^-14) / bf16, four packed bytes at a time
 # ---------------------------------------------------------------------------------------------
-# The joined tile's decode (PLANES=False): prmt 0x4140 / 0x4342 spreads bytes (0, 1) / (2, 3) of the word into the two 16-bit lanes; then the
-# low nibble's magnitude goes to bits 11..9 and its sign to bit 15 of each lane. The high nibble is
-# the same after a 4-bit shift of the masks.
-_LO_ASM = tl.constexpr("""{
-.reg .b32 x, a, s;
-prmt.b32 x, $2, 0, 0x4140;
-and.b32 a, x, 0x00070007; shl.b32 a, a, 9; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 $0, a, s;
-prmt.b32 x, $2, 0, 0x4342;
-and.b32 a, x, 0x00070007; shl.b32 a, a, 9; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 $1, a, s;
-}""")
-_HI_ASM = tl.constexpr("""{
-.reg .b32 x, a, s;
-prmt.b32 x, $2, 0, 0x4140;
-and.b32 a, x, 0x00700070; shl.b32 a, a, 5; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 $0, a, s;
-prmt.b32 x, $2, 0, 0x4342;
-and.b32 a, x, 0x00700070; shl.b32 a, a, 5; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 $1, a, s;
-}""")
-
-
 # The planes' decode (fp4_planes): one byte-parallel pass builds the fp16 high bytes of four codes,
 # h = sign << 7 | magnitude << 1 (the low byte of every value is 0), then one prmt per output register
 # places two of them: byte selector 0x1404 makes [0, h0, 0, h1], 0x3424 makes [0, h2, 0, h3].
@@ -138,49 +118,14 @@ def e2m1_f16_scaled(nibble):
 
 
 @triton.jit
-def e2m1_pairs_f16(b, USE_ASM: tl.constexpr):
-    """Packed bytes (uint8) -> (low-nibble, high-nibble) fp16 tensors of value * 2^-14."""
-    if USE_ASM:
-        lo = tl.inline_asm_elementwise(_LO_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-        hi = tl.inline_asm_elementwise(_HI_ASM, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        lo = e2m1_f16_scaled(b & 0xF)
-        hi = e2m1_f16_scaled(b >> 4)
-    return lo, hi
-
-
-@triton.jit
-def nvfp4_tile_f16(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, USE_ASM: tl.constexpr,
-                   EVEN_K: tl.constexpr):
-    """Rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed e2m1 matrix with e4m3 block scales, as
-    fp16 [BLOCK_R, BLOCK_K] = value * 2^-14 (exact; see the module docstring). Masked reads give 0."""
-    rows = offs_r.to(tl.int64)
-    # k0 is a multiple of BLOCK_K (splitk_plan), which lets the loads be 16 bytes wide
-    offs_kb = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    if EVEN_K:
-        b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :], mask=r_mask[:, None], other=0)
-    else:
-        b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :],
-                    mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
-    lo, hi = e2m1_pairs_f16(b, USE_ASM)
-    v = tl.join(lo, hi).reshape(BLOCK_R, BLOCK_K)  # element 2j from the low nibble, as stored
-    offs_ks = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
-                mask=r_mask[:, None] & (offs_ks[None, :] < K // GROUP), other=0)
-    s16 = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
-    v = v.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * s16[:, :, None]
-    return v.reshape(BLOCK_R, BLOCK_K)
-
-
-@triton.jit
 def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr,
                F16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr):
     """The even and odd K elements of rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed e2m1 matrix,
     block scales applied: (lo, hi), each [BLOCK_R, BLOCK_K // 2], lo[:, j] = element k0 + 2j (the low
-    nibble of byte j), hi[:, j] = element k0 + 2j + 1. F16: fp16 value * 2^-14 (e4m3 scales only),
-    else float32 (exact; the caller rounds to bf16, also exact). Masked reads give 0.
+    nibble of byte j), hi[:, j] = element k0 + 2j + 1, both in fragment order (``fragment_order``).
+    F16 (e4m3 scales only): fp16, value * 2^-14. Else bf16 with USE_ASM, float32 without; all exact
+    (the caller's cast to its dot dtype is exact too). Masked reads give 0.
 
     Not joining the planes back into K order is the point: a dot over K is the dot over the even
     elements plus the dot over the odd ones, and each asm output register (the low nibbles of two
@@ -193,7 +138,7 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
     else:
         b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :],
                     mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
-    offs_ks = tl.multiple_of(k0 // GROUP, BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)  # wide scale loads
+    offs_ks = tl.multiple_of(k0 // GROUP, BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)  # wide loads
     if EVEN_K:  # a row mask alone lets the scale bytes of a row load as one vector (and pipeline)
         s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :], mask=r_mask[:, None], other=0)
     else:
@@ -208,8 +153,10 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
         hi = e2m1_f16_scaled(b >> 4)
         sv = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
     elif USE_ASM:
-        lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
-        hi = tl.inline_asm_elementwise(_BF16_HI_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True,
+                                       pack=4)
+        hi = tl.inline_asm_elementwise(_BF16_HI_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True,
+                                       pack=4)
         sv = decode_e4m3(s).to(tl.bfloat16) if SCALE_E4M3 else e8m0_bf16(s)  # exact
     else:
         lo = decode_e2m1(b & 0xF)
@@ -250,6 +197,17 @@ def planes_k(lo, hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.permute(tl.join(lo, hi), (0, 2, 1)).reshape(BLOCK_R, BLOCK_K)
 
 
+@triton.jit
+def a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The even and odd K columns of the 16-bit activation rows ``offs_m`` x K [k0, k0 + BLOCK_K), in
+    fragment order to match the weight planes (fp4_planes); masked reads give 0."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
+                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    lo, hi = a.reshape(BLOCK_M, BLOCK_K // 2, 2).split()
+    return fragment_order(lo, BLOCK_M, BLOCK_K // 2), fragment_order(hi, BLOCK_M, BLOCK_K // 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
@@ -261,11 +219,12 @@ def fp4_decode_gemm_kernel(
     GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr, A16: tl.constexpr,
     HAS_BIAS: tl.constexpr, F16_DECODE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
-    PLANES: tl.constexpr,  # two dots over the even / odd K elements (fp4_planes) instead of one joined tile
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
 ):
     """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module docstring)."""
+    # scale_planes: each of a lane quad's 4 slots of a plane (BLOCK_K / 8 bytes) holds whole blocks
+    tl.static_assert(BLOCK_K >= 4 * GROUP, "BLOCK_K must be >= 4 * GROUP (min_block_k)")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -277,42 +236,18 @@ def fp4_decode_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if PLANES:
-            w_lo, w_hi = fp4_planes(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                                    BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
-            if A16:
-                # the activation's even / odd columns, to match the weight planes
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
-                            mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-                a_lo, a_hi = a.reshape(BLOCK_M, BLOCK_K // 2, 2).split()
-                a_lo = fragment_order(a_lo, BLOCK_M, BLOCK_K // 2)
-                a_hi = fragment_order(a_hi, BLOCK_M, BLOCK_K // 2)
-            else:
-                a_lo, a_hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                                        BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
-            # one dot over both planes (K order: the even elements, then the odd ones): the join
-            # only moves whole registers, and the MMAs of a step need a single wait
-            w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
-            a = planes_k(a_lo.to(DOT_DTYPE), a_hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
-            acc = tl.dot(w, tl.trans(a), acc)
+        w_lo, w_hi = fp4_planes(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+        if A16:
+            a_lo, a_hi = a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
         else:
-            if F16_DECODE:
-                w = nvfp4_tile_f16(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                                   BLOCK_N, BLOCK_K, GROUP, USE_ASM, EVEN_K)
-                a = nvfp4_tile_f16(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                                   BLOCK_M, BLOCK_K, GROUP, USE_ASM, EVEN_K)
-            else:
-                w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                                      BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3)
-                if A16:
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
-                                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-                else:
-                    a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                                          BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
-            acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc)
+            a_lo, a_hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                                    BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+        # one dot over both planes (K order: the even elements, then the odd ones): the join
+        # only moves whole registers, and the MMAs of a step need a single wait
+        w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
+        a = planes_k(a_lo.to(DOT_DTYPE), a_hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
+        acc = tl.dot(w, tl.trans(a), acc)
 
     pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -335,24 +270,37 @@ def fp4_decode_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Policy and launcher
 # ---------------------------------------------------------------------------------------------
-def decode_config(M: int, N: int, K: int, interp: bool, sm_count: int = 132) -> TileConfig:
-    """BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program (128: the
-    activation's decode and the loop's fixed cost spread over twice the rows of 64); split-K while
-    the grid stays within four programs per SM and each program keeps >= 4 K tiles
-    (docs/perf_notes.md, issue 13 row 17)."""
-    if interp:
-        p = triton.next_power_of_2
-        return TileConfig(BLOCK_M=16, BLOCK_N=min(256, max(16, p(N))), BLOCK_K=min(512, max(64, p(K))),
-                          GROUP_M=1, num_warps=4, num_stages=1)
+def decode_tile(M: int, N: int, K: int, n_sms: int) -> TileConfig:
+    """The GPU tile on a device of ``n_sms`` SMs. BLOCK_M is the padded activation side (16), BLOCK_N
+    the weight rows per program (128: the activation's decode and the loop's fixed cost spread over
+    twice the rows of 64); split-K while the grid stays within four programs per SM and each program
+    keeps >= 4 K tiles (docs/perf_notes.md, issue 13 row 17)."""
     bn, bk = 128, 128
     tiles = triton.cdiv(N, bn)
     split = 1
-    while tiles * split * 2 <= 4 * sm_count and triton.cdiv(K, bk) >= 8 * split:
+    while tiles * split * 2 <= 4 * n_sms and triton.cdiv(K, bk) >= 8 * split:
         split *= 2
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
 
 
-def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype, scale_e4m3: bool) -> bool:
+def min_block_k(group: int) -> int:
+    """The smallest BLOCK_K the planes take: 4 * group (scale_planes: each of a lane quad's 4 slots
+    of a plane, BLOCK_K / 8 bytes, must hold whole blocks of ``group`` elements)."""
+    return 4 * group
+
+
+def decode_config(M: int, N: int, K: int, device, group: int = 32) -> TileConfig:
+    """The tile launch_fp4_decode launches on ``device`` and tile_config reports: decode_tile with the
+    device's SM count; under the interpreter wide tiles (few programs and K steps) with
+    BLOCK_K >= min_block_k(group) (group: 16 nvfp4, 32 mxfp4, the default)."""
+    if interpreting():
+        p = triton.next_power_of_2
+        return TileConfig(BLOCK_M=16, BLOCK_N=min(256, max(16, p(N))),
+                          BLOCK_K=min(512, max(64, min_block_k(group), p(K))), GROUP_M=1, num_warps=4, num_stages=1)
+    return decode_tile(M, N, K, sm_count(device))
+
+
+def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
     """The decode kernel's domain: M <= 16 on sm_90 (no block-scaled MMA; SM12x has its own native
     path and tables), for W4A4 (nvfp4: fp16 planes; mxfp4: bf16 planes, E8M0 scales exceed fp16)
     and W4A16 with bf16 activations (fp16 ones keep the lesson's exact hi/lo split)."""
@@ -365,15 +313,46 @@ def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype, scale_e4
 
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
-                      use_asm: bool | None = None, planes: bool | None = None) -> torch.Tensor:
-    """y [M, N] of the FP4 GEMM (arguments as ``_fp4_gemm.launch_fp4_gemm``; M <= 16)."""
+                      use_asm: bool | None = None) -> torch.Tensor:
+    """y [M, N] = dequant(a) . dequant(w)^T (* alpha) (+ bias) for M <= 16, as
+    ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions).
+
+    Args:
+        a: W4A4: packed e2m1 uint8 [M, K/2] (element 2j in the low nibble of byte j; row stride
+            free, K stride 1), with a_scale: block-scale bytes uint8 [M, K/group] (e4m3 for
+            nvfp4, E8M0 for mxfp4; row stride free). a16: the bf16 activation [M, K] (any
+            strides; fp16 is for the lesson kernel, decode_applies), a_scale ignored.
+        w, w_scale: the weight, packed uint8 [N, K/2] and its block-scale bytes uint8 [N, K/group],
+            K stride 1 in both.
+        M, N, K: the problem (M <= 16; K a multiple of group). group: 16 (nvfp4) or 32 (mxfp4).
+        scale_e4m3: True for e4m3 block scales (nvfp4), False for E8M0 (mxfp4).
+        bias: None or a float tensor [N] (contiguous), read as fp32 and added after alpha.
+        out_dtype: torch.bfloat16, torch.float16 or torch.float32.
+        gx, gw: nvfp4's global scales, float32 one-element device tensors (alpha = 1 / (gx gw),
+            NaN for a bad one), or None (no alpha).
+        config: the tile; None: decode_config's for w's device. BLOCK_M >= M, BLOCK_K a power of
+            two >= 4 * group (min_block_k).
+        use_asm: the inline-PTX decode (True; a GPU only) or plain Triton ops (False); None: PTX on
+            a GPU, plain ops under the interpreter.
+    Returns:
+        [M, N] tensor of out_dtype on w's device.
+    Raises:
+        ValueError: M > 16, config.BLOCK_M < M, or config.BLOCK_K not a power of two >= 4 * group.
+    Follows the NVFP4 recipe / OCP MX 1.0 block scaling as the oracle (formats/) does.
+    """
     if M > DECODE_MAX_M:
         raise ValueError(f"M must be <= {DECODE_MAX_M} for the decode kernel, got {M}")
     out = torch.empty((M, N), dtype=out_dtype, device=w.device)
     if M == 0 or N == 0:
         return out
     interp = interpreting()
-    cfg = config or decode_config(M, N, K, interp)
+    cfg = config or decode_config(M, N, K, w.device, group)  # the tile tile_config reports
+    if cfg.BLOCK_M < M:
+        raise ValueError(f"BLOCK_M must be >= M = {M} (one program holds every row), got BLOCK_M={cfg.BLOCK_M}")
+    bk = cfg.BLOCK_K
+    if bk < min_block_k(group) or bk & (bk - 1):
+        raise ValueError(f"BLOCK_K must be a power of two >= 4 * group = {min_block_k(group)} for the decode "
+                         f"kernel's planes, got BLOCK_K={bk}")
     f16 = bool(scale_e4m3 and not a16)  # nvfp4 W4A4: both operands fit fp16 exactly
     dot = tl.float32 if interp else (tl.float16 if f16 else tl.bfloat16)
     if a16:
@@ -391,7 +370,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         stride_am, stride_ak, stride_asm, w.stride(0), w_scale.stride(0), out.stride(0),
         GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, A16=a16, HAS_BIAS=bias is not None,
         F16_DECODE=f16, USE_ASM=(not interp) if use_asm is None else use_asm, DOT_DTYPE=dot,
-        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0, PLANES=PLANES if planes is None else planes,
+        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
     )

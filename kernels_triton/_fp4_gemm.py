@@ -46,6 +46,7 @@ import triton.language as tl
 
 from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e4m3_finite, decode_e8m0, global_alpha, interpreting,
                       round_to_bf16_rne)
+from ._fp4_decode import decode_applies, decode_config, launch_fp4_decode
 from ._paths import device_capability, sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._tiles import sm12x_config
@@ -111,18 +112,6 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
 PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
 
 
-def decode_applies(M, cap, a16, a_dtype, scale_e4m3) -> bool:
-    from ._fp4_decode import decode_applies as f
-
-    return f(M, cap, a16, a_dtype, scale_e4m3)
-
-
-def decode_config(M, N, K, interp, n_sms) -> TileConfig:
-    from ._fp4_decode import decode_config as f
-
-    return f(M, N, K, interp, n_sms)
-
-
 def portable_config(M: int, N: int, K: int, device, *, decode_kernel: bool = False) -> TileConfig:
     """The portable kernel's tile on ``device``: the SM12x table on SM120/SM121 (101,376 B of shared
     memory per block), fp4_gemm_config elsewhere and under the interpreter; with ``decode_kernel``
@@ -131,7 +120,7 @@ def portable_config(M: int, N: int, K: int, device, *, decode_kernel: bool = Fal
     if cap is not None and cap[0] == 12:
         return sm12x_config("e2m1_portable", M, N, K, sm_count(device))
     if decode_kernel and not interpreting() and cap is not None and cap[0] == 9 and 1 <= M <= 16:
-        return decode_config(M, N, K, False, sm_count(device))  # _fp4_decode's swapped kernel
+        return decode_config(M, N, K, device)  # _fp4_decode's swapped kernel, the tile it launches
     return fp4_gemm_config(M, N, K, interpreting())
 
 
@@ -329,10 +318,8 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
     if M == 0 or N == 0:
         return out
     interp = interpreting()
-    if config is None and not interp and decode_applies(M, device_capability(w.device), a16, a.dtype, scale_e4m3):
+    if config is None and not interp and decode_applies(M, device_capability(w.device), a16, a.dtype):
         # M <= 16 on sm_90: the swapped decode kernel of the performance module
-        from ._fp4_decode import launch_fp4_decode
-
         return launch_fp4_decode(a, a_scale, w, w_scale, M=M, N=N, K=K, group=group, scale_e4m3=scale_e4m3,
                                  bias=bias, out_dtype=out_dtype, gx=gx, gw=gw, a16=a16)
     split = bool(a16 and a.dtype == torch.float16 and not interp)

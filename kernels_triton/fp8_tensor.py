@@ -398,9 +398,16 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return _gemm_native(xq, qweight, bias, y)
     if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
         return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y)
+    return _gemm_portable(xq, qweight, bias, y)
+
+
+def _gemm_portable(xq, qweight, bias, y, cfg=None) -> torch.Tensor:
+    """Launch _gemm_kernel (the lesson kernel) into y [M, N]; ``cfg`` None: tile_config's."""
+    M, N = y.shape
+    K = qweight.k
     interp = interpreting()
     dot_fp8 = not interp
-    cfg = tile_config(M, N, K, path="portable")
+    cfg = cfg or tile_config(M, N, K, path="portable")
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
     n_split, k_per = splitk_plan(K, cfg)
@@ -410,7 +417,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         x, w, xq.scale, qweight.scale, bias if bias is not None else y, y, ws,
         M, N, K, k_per,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and out_dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and y.dtype == torch.bfloat16,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         SPLIT_K=n_split, IMPRECISE_ACC=min(IMPRECISE_ACC, cfg.BLOCK_K),  # Triton needs it <= BLOCK_K
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -250,9 +250,10 @@ def mxfp8_rows(M, w0, gen):
 
 
 def fp4_planes_rows(M, w0, gen):
-    """The FP4 decode kernel's nibble planes (PLANES) against its joined tile and the lesson kernel:
-    GEMM alone for nvfp4 / mxfp4, W4A4 / W4A16 (bf16 x), then the whole linear before (joined tile;
-    mxfp4 W4A4: the lesson kernel, its policy before) and after, and bf16 cuBLAS."""
+    """The FP4 decode kernel (nibble planes) against the lesson kernel: GEMM alone for nvfp4 / mxfp4,
+    W4A4 / W4A16 (bf16 x), with the default tile and other tiles, then the whole linear, and bf16
+    cuBLAS. perf_notes row 17's "before" figures (the joined tile, mxfp4 W4A4 on the lesson kernel)
+    came from the tree before the joined path was removed: 09c449d, commit 78f5d39's (first) parent."""
     rows = []
     x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
     for fmt, a16 in [("nvfp4", False), ("mxfp4", False), ("mxfp4", True), ("nvfp4", True)]:
@@ -295,26 +296,15 @@ def fp4_planes_rows(M, w0, gen):
 
         add("gemm", f"lesson {lesson_cfg}", lambda w: _fp4_gemm.launch_fp4_gemm(*args(w)[0], **args(w)[1],
                                                                                  config=lesson_cfg))
-        old_cfg = TileConfig(16, 64, 128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=8)  # the tile before row 17
-        add("gemm", f"swap joined {old_cfg}", lambda w: gemm(w, planes=False, config=old_cfg))
-        add("gemm", f"swap planes {_fp4_decode.decode_config(M, N, K, False)} (default)", lambda w: gemm(w, planes=True))
+        add("gemm", f"swap planes {_fp4_decode.decode_config(M, N, K, ws[0].data.device)} (default)", gemm)
         # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
         tiles = [(64, 128, 8, 4, 3), (128, 128, 16, 4, 3)]
         if M > 1:
             tiles += [(128, 128, 4, 4, 3), (128, 128, 8, 8, 3), (128, 128, 8, 4, 4), (64, 256, 8, 4, 3), (256, 128, 4, 8, 3)]
         for bn, bk, split, warps, stages in tiles:
             cfg = TileConfig(16, bn, bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
-            add("gemm", f"swap planes {cfg}", lambda w, cfg=cfg: gemm(w, planes=True, config=cfg))
+            add("gemm", f"swap planes {cfg}", lambda w, cfg=cfg: gemm(w, config=cfg))
         lin = (lambda w: mod.linear(x, w, a16=True)) if a16 else (lambda w: mod.linear(x, w))
-        applies, config = _fp4_decode.decode_applies, _fp4_decode.decode_config
-        try:  # the state before row 17: joined tile, its tile, mxfp4 W4A4 on the lesson kernel
-            _fp4_decode.PLANES = False
-            _fp4_decode.decode_config = lambda *a, **k: old_cfg
-            if fmt == "mxfp4" and not a16:
-                _fp4_decode.decode_applies = lambda M, cap, a16, dt, e4m3: applies(M, cap, a16, dt, e4m3) and (a16 or e4m3)
-            add("linear", "before (joined / lesson)", lin)
-        finally:
-            _fp4_decode.PLANES, _fp4_decode.decode_applies, _fp4_decode.decode_config = True, applies, config
         add("linear", "planes (default)", lin)
         torch.cuda.empty_cache()
     rows.append(bf16_row(M, x, w0))
@@ -325,8 +315,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
-    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, mxfp8, fp4 (planes vs joined); "
-                   "default: all)")
+    p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, mxfp8, fp4 (planes "
+                   "vs lesson); default: all)")
     args = p.parse_args()
     t0 = time.time()
     global DEADLINE

@@ -5,7 +5,8 @@ Both kernels sum exact products (every decoded value and every product is exact 
 see the modules' docstrings) in fp32, so with fp32 output they may differ only by the order of the
 fp32 additions: |y_fast - y_lesson| <= 2 * K * 2^-24 * (|x| . |w|^T) (two summations of K terms,
 each within K * 2^-24 of the exact sum). On a GPU the policy picks the kernel for M <= 16 on sm_90;
-here it is called directly, with a K tail, a partial N tile, a bias and split-K."""
+here it is called directly, with a K tail, a partial N tile, a bias and split-K. The tile policy is
+tested with the device described by its SM count."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+from triton.runtime.errors import InterpreterError
 
 import formats
+from _e4m3_testlib import sm90_sm_count
 from conftest import DEVICE, make_input
-from kernels_triton import _fp4_decode, _fp4_gemm
+from kernels_triton import _fp4_decode, _fp4_gemm, mxfp4, nvfp4
 from kernels_triton._common import TileConfig, interpreting
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -58,6 +62,52 @@ def test_decode_kernel_matches_lesson(fmt, a16, split):
     assert torch.isfinite(fast).all()
     assert ((fast.double() - slow.double()).abs() <= bound).all()
     assert ((fast.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt,a16", [("nvfp4", False), ("mxfp4", False), ("nvfp4", True), ("mxfp4", True)])
+@pytest.mark.parametrize("K", [32, 64])
+def test_short_k_takes_the_default_tile(fmt, a16, K):
+    """K below one 4-block step (mxfp4: 4 * 32 = 128) with the default tile: decode_config's BLOCK_K
+    is at least 4 * group (scale_planes), the K tail masked. Bound as above."""
+    M, N = 3, 48
+    w, x, xq = _operands(fmt, M, N, K, a16)
+    assert _fp4_decode.decode_config(M, N, K, w.data.device, GROUP[fmt]).BLOCK_K >= 4 * GROUP[fmt]
+    y = _launch(_fp4_decode.launch_fp4_decode, fmt, w, x, xq, None, a16)
+    xd = x.double() if a16 else formats.dequantize(xq, torch.float64)
+    wd = formats.dequantize(w, torch.float64)
+    bound = 2 * K * 2.0**-24 * (xd.abs() @ wd.abs().T)  # module docstring
+    assert torch.isfinite(y).all() and (y != 0).any()
+    assert ((y.double() - xd @ wd.T).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt,tile,word", [
+    ("mxfp4", TileConfig(16, 64, 64, GROUP_M=1), "BLOCK_K=64"),  # below 4 * 32
+    ("nvfp4", TileConfig(16, 64, 32, GROUP_M=1), "BLOCK_K=32"),  # below 4 * 16
+    ("nvfp4", TileConfig(16, 64, 96, GROUP_M=1), "BLOCK_K=96"),  # not a power of two
+    ("nvfp4", TileConfig(8, 64, 128, GROUP_M=1), "BLOCK_M=8"),  # fewer rows than M = 9
+])
+def test_bad_tile_is_rejected_on_the_host(fmt, tile, word):
+    w, x, xq = _operands(fmt, 9, 64, 256, False)
+    with pytest.raises(ValueError, match=word):
+        _launch(_fp4_decode.launch_fp4_decode, fmt, w, x, xq, None, False, config=tile)
+
+
+def test_kernel_asserts_block_k_of_four_blocks():
+    """The kernel's own guard (tl.static_assert) for a caller that skips launch_fp4_decode's check:
+    mxfp4 with BLOCK_K = 64 fails at trace time, naming BLOCK_K, not inside scale_planes' reshape."""
+    M, N, K = 2, 64, 256
+    w, _, xq = _operands("mxfp4", M, N, K, False)
+    a, sa = xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8)
+    wd, sw = w.data.contiguous(), w.scale.contiguous().view(torch.uint8)
+    out = torch.empty((M, N), dtype=torch.float32, device=DEVICE)
+    # the interpreter wraps the AssertionError; a GPU compile raises a CompilationError
+    with pytest.raises((InterpreterError, triton.CompilationError), match=r"BLOCK_K must be >= 4 \* GROUP"):
+        _fp4_decode.fp4_decode_gemm_kernel[(1, 1)](
+            a, sa, wd, sw, sw, sw, out, out, out, M, N, K, K,
+            a.stride(0), 1, sa.stride(0), wd.stride(0), sw.stride(0), out.stride(0),
+            GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, A16=False, HAS_BIAS=False, F16_DECODE=False,
+            USE_ASM=False, DOT_DTYPE=triton.language.float32, ROUND_BF16=False, EVEN_K=True,
+            BLOCK_N=64, BLOCK_M=16, BLOCK_K=64, SPLIT_K=1)
 
 
 @pytest.mark.parametrize("a16", [True, False])
@@ -114,10 +164,45 @@ def test_f16_decode_is_exact():
 
 def test_policy_domain():
     f = _fp4_decode.decode_applies
-    assert f(16, (9, 0), False, torch.bfloat16, True)  # nvfp4 W4A4 on sm_90
-    assert f(1, (9, 0), True, torch.bfloat16, False)  # W4A16, bf16 activations
-    assert f(16, (9, 0), False, torch.bfloat16, False)  # mxfp4 W4A4 (bf16 planes)
-    assert not f(17, (9, 0), False, torch.bfloat16, True)
-    assert not f(1, (12, 0), False, torch.bfloat16, True)  # SM12x: native path and its tables
-    assert not f(1, (9, 0), True, torch.float16, True)  # fp16 W4A16: the exact hi/lo split
-    assert not f(1, None, False, torch.bfloat16, True)  # CPU / interpreter
+    assert f(16, (9, 0), False, torch.bfloat16)  # W4A4 on sm_90 (nvfp4: fp16 planes, mxfp4: bf16)
+    assert f(1, (9, 0), True, torch.bfloat16)  # W4A16, bf16 activations
+    assert not f(17, (9, 0), False, torch.bfloat16)
+    assert not f(0, (9, 0), False, torch.bfloat16)
+    assert not f(1, (12, 0), False, torch.bfloat16)  # SM12x: native path and its tables
+    assert not f(1, (9, 0), True, torch.float16)  # fp16 W4A16: the exact hi/lo split
+    assert not f(1, None, False, torch.bfloat16)  # CPU / interpreter
+
+
+@pytest.mark.parametrize("n_sms", [132, 114, 78, 16, 1])  # H200/H100 SXM, H100 PCIe, H20, small parts
+@pytest.mark.parametrize("M,N,K", [(16, 8192, 8192), (1, 8192, 8192), (5, 1024, 2048), (16, 40, 320),
+                                   (4, 28672, 4096), (16, 4096, 14336)])
+def test_tile_policy_of_an_sm_count(n_sms, M, N, K):
+    """decode_tile for a device given by its SM count (the value tile_config and the launcher both
+    pass): 128 x 16 x 128 w4 s3, SPLIT_K the largest power of two that keeps the grid within four
+    programs per SM and each program >= 4 K tiles (docs/perf_notes.md row 17)."""
+    cfg = _fp4_decode.decode_tile(M, N, K, n_sms)
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages) == (16, 128, 128, 4, 3)
+    tiles, k_tiles, s = -(-N // 128), -(-K // 128), cfg.SPLIT_K
+
+    def fits(split):
+        return split == 1 or (tiles * split <= 4 * n_sms and k_tiles >= 4 * split)
+
+    assert s >= 1 and s & (s - 1) == 0 and fits(s) and not fits(2 * s), (n_sms, M, N, K, s)
+
+
+def test_tile_policy_follows_the_sm_count():
+    """The case the review found: N = K = 8192 splits 8 ways on 132 SMs but 4 on an H100's 114."""
+    assert _fp4_decode.decode_tile(16, 8192, 8192, 132).SPLIT_K == 8
+    assert _fp4_decode.decode_tile(16, 8192, 8192, 114).SPLIT_K == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mod", [nvfp4, mxfp4], ids=["nvfp4", "mxfp4"])
+def test_reported_tile_is_the_launched_tile_on_sm90(mod):
+    """tile_config (what the bench reports) and launch_fp4_decode (config=None) both take
+    decode_config: decode_tile with this GPU's SM count."""
+    n_sms = sm90_sm_count()
+    dev = torch.device(DEVICE)
+    for M, N, K in ((1, 8192, 8192), (16, 8192, 8192), (5, 1024, 2048)):
+        assert mod.tile_config(M, N, K) == _fp4_decode.decode_config(M, N, K, dev) \
+            == _fp4_decode.decode_tile(M, N, K, n_sms)
