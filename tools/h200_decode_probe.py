@@ -194,57 +194,44 @@ def fp8_rows(M, w0, gen):
     return rows
 
 
-def fp8_block_rows(M, w0, gen):
-    """fp8_block at decode M: the lesson kernel, decode configs (BLOCK_N, stages, programs per SM),
-    then the whole linear (lesson and default path) and bf16 cuBLAS, all over the same 5 weights."""
-    ws = [formats.quantize(w0 * (1 + 0.01 * i), "fp8_block", role="weight") for i in range(SETS)]
+# decode configs of the swapped kernel tried per format (fp8_decode_config's keywords).
+# fp8_block: programs_per_sm 0 is no split-K (one program per 64-row tile walks all of K, no
+# reduction launch). mxfp8: BLOCK_K 32 (s12), 6 stages at 128 rows and 2 programs per SM were
+# slower still (docs/perf_notes.md, row 16)
+SWAP_CONFIGS = {
+    "fp8_block": [dict(bn=bn, stages=st, programs_per_sm=ppsm) for bn, st, ppsm in
+                  [(64, 6, 1), (64, 4, 2), (64, 6, 2), (128, 4, 1), (64, 6, 0), (64, 8, 0), (64, 8, 1)]],
+    "mxfp8": [dict(bn=bn, bk=bk, stages=st, programs_per_sm=ppsm, warps=wp) for bn, bk, st, ppsm, wp in
+              [(64, 128, 6, 1, 4), (128, 128, 4, 1, 4), (128, 128, 3, 1, 4), (256, 128, 3, 1, 4),
+               (256, 128, 2, 1, 4), (256, 128, 3, 1, 8), (128, 128, 4, 1, 8), (128, 128, 3, 1, 8)]],
+}
+
+
+def scaled_fp8_rows(fmt, M, w0, gen):
+    """fp8_block or mxfp8 at decode M: the lesson kernel, the decode configs of the swapped kernel
+    (SWAP_CONFIGS; SCALE_K 128 / 32), the default gemm, then the whole linear (lesson and default)
+    and bf16 cuBLAS, over 5 weights."""
+    mod = fp8_block if fmt == "fp8_block" else mxfp8
+    scale_k = _fp8_decode.FP8_BLOCK_SCALE if fmt == "fp8_block" else _fp8_decode.MX_SCALE
+    ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
     x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
-    xq = formats.quantize(x, "fp8_block", role="activation")
-    lesson_cfg = gemm_config(M, N, K, False, block_k=128)
+    xq = formats.quantize(x, fmt, role="activation")
+    lesson_cfg = (gemm_config(M, N, K, False, block_k=128) if fmt == "fp8_block"
+                  else gemm_config(M, N, K, False, block_k=64, prepass=True))
     out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    ref = fp8_block._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
+    ref = mod._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
     rows = []
-    add = row_adder(rows, "fp8_block", M, ws, ref)
+    add = row_adder(rows, fmt, M, ws, ref)
 
-    add(f"lesson {lesson_cfg}", lambda w: fp8_block._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
-    # programs_per_sm 0: no split-K (one program per 64-row tile walks all of K, no reduction launch)
-    for bn, st, ppsm in [(64, 6, 1), (64, 4, 2), (64, 6, 2), (128, 4, 1), (64, 6, 0), (64, 8, 0), (64, 8, 1)]:
-        cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, stages=st, programs_per_sm=ppsm)
+    add(f"lesson {lesson_cfg}", lambda w: mod._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
+    for kw in SWAP_CONFIGS[fmt]:
+        cfg = _fp8_decode.fp8_decode_config(M, N, K, **kw)
         add(f"swap {cfg}", lambda w, cfg=cfg: _fp8_decode.launch_fp8_decode(
-            xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=_fp8_decode.FP8_BLOCK_SCALE, config=cfg))
-    add(f"default {fp8_block.tile_config(M, N, K)}", lambda w: fp8_block.gemm(xq, w, None, torch.bfloat16))
-    add(f"lesson {lesson_cfg}", lambda w: fp8_block._gemm_portable(
-        fp8_block.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
-    add(f"default {fp8_block.tile_config(M, N, K)}", lambda w: fp8_block.linear(x, w), "linear")
-    rows.append(bf16_row(M, x, w0))
-    return rows
-
-
-def mxfp8_rows(M, w0, gen):
-    """mxfp8 at decode M: the lesson kernel, decode configs of the swapped kernel (SCALE_K = 32:
-    BLOCK_N, BLOCK_K 128 with four 32-deep dots per step or 32 with one, stages, programs per SM),
-    the default gemm, then the whole linear (lesson and default) and bf16 cuBLAS, over 5 weights."""
-    ws = [formats.quantize(w0 * (1 + 0.01 * i), "mxfp8", role="weight") for i in range(SETS)]
-    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
-    xq = formats.quantize(x, "mxfp8", role="activation")
-    lesson_cfg = gemm_config(M, N, K, False, block_k=64, prepass=True)
-    out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    ref = mxfp8._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
-    rows = []
-    add = row_adder(rows, "mxfp8", M, ws, ref)
-
-    add(f"lesson {lesson_cfg}", lambda w: mxfp8._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
-    # (BLOCK_N, BLOCK_K, stages, programs per SM, warps); BLOCK_K 32 (s12), 6 stages at 128 rows and
-    # 2 programs per SM were slower still (docs/perf_notes.md, row 16)
-    for bn, bk, st, ppsm, wp in [(64, 128, 6, 1, 4), (128, 128, 4, 1, 4), (128, 128, 3, 1, 4), (256, 128, 3, 1, 4),
-                                 (256, 128, 2, 1, 4), (256, 128, 3, 1, 8), (128, 128, 4, 1, 8), (128, 128, 3, 1, 8)]:
-        cfg = _fp8_decode.fp8_decode_config(M, N, K, bn=bn, bk=bk, stages=st, warps=wp, programs_per_sm=ppsm)
-        add(f"swap {cfg}", lambda w, cfg=cfg: _fp8_decode.launch_fp8_decode(
-            xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=_fp8_decode.MX_SCALE, config=cfg))
-    add(f"default {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.gemm(xq, w, None, torch.bfloat16))
-    add(f"lesson {lesson_cfg}", lambda w: mxfp8._gemm_portable(
-        mxfp8.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
-    add(f"default {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.linear(x, w), "linear")
+            xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=scale_k, config=cfg))
+    add(f"default {mod.tile_config(M, N, K)}", lambda w: mod.gemm(xq, w, None, torch.bfloat16))
+    add(f"lesson {lesson_cfg}", lambda w: mod._gemm_portable(
+        mod.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
+    add(f"default {mod.tile_config(M, N, K)}", lambda w: mod.linear(x, w), "linear")
     rows.append(bf16_row(M, x, w0))
     return rows
 
@@ -337,10 +324,8 @@ def main():
             continue
         if fmt == "fp8":
             rows += fp8_rows(M, w0, gen)
-        elif fmt == "fp8_block":
-            rows += fp8_block_rows(M, w0, gen)
-        elif fmt == "mxfp8":
-            rows += mxfp8_rows(M, w0, gen)
+        elif fmt in SWAP_CONFIGS:
+            rows += scaled_fp8_rows(fmt, M, w0, gen)
         elif fmt == "fp4":
             rows += fp4_planes_rows(M, w0, gen)
         else:
