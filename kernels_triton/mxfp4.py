@@ -46,8 +46,10 @@ dotted twice into the same fp32 accumulator; in the interpreter both operands ar
 rounded except the fp32 accumulation.
 
 Constraints: K % 32 == 0; x bf16/fp16 [..., K], any leading dims and strides; weights with
-linear-layout scales (formats.quantize(w, "mxfp4")). E8M0 byte 0xFF (NaN) is never produced and not
-special-cased. W4A16 takes the portable kernel on every device (gemm_path says why).
+linear-layout scales (formats.quantize(w, "mxfp4")). E8M0 byte 0xFF (NaN) marks a block with NaN/Inf
+input (docs/formats.md) and decodes to NaN. At M <= 16 on sm_90, W4A4 and bf16 W4A16 take
+_fp4_decode's swapped kernel; otherwise W4A16 takes the portable kernel on every device (gemm_path
+says why).
 """
 
 from __future__ import annotations

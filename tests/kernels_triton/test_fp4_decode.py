@@ -1,5 +1,6 @@
 """The decode-sized FP4 kernel of the performance module (kernels_triton/_fp4_decode.py: swapped
-operands, fp16 bit-placement decode for nvfp4, split-K), against the lesson kernel and the oracle.
+operands, fp16 bit-placement decode for nvfp4, bf16 planes for mxfp4 / W4A16, split-K), against the
+lesson kernel and the oracle.
 
 Both kernels sum exact products (every decoded value and every product is exact in the dot dtype,
 see the modules' docstrings) in fp32, so with fp32 output they may differ only by the order of the
