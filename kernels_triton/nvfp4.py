@@ -51,8 +51,8 @@ no block-scaled MMA, and Triton 3.6 cannot compile dot_scaled with e4m3 scales o
 CPU interpreter the portable path too (its dot_scaled decodes e4m3 scales as E8M0). ``path=``
 forces one. W4A16 (``a16=True``) always takes the portable kernel: bf16 x decoded weight (see
 gemm_path's reason). At M <= 16 on sm_90 the portable path is _fp4_decode's swapped kernel (the
-weight as wgmma's register operand), for W4A4 and bf16 W4A16. Split-K, the decode pre-pass and the tile tables are performance machinery:
-_twopass, _fp4_gemm and _tiles.
+weight as wgmma's register operand), for W4A4 and bf16 W4A16. Split-K, the decode pre-pass and the
+tile tables are performance machinery: _twopass, _fp4_gemm and _tiles.
 
 Constraints: K % 16 == 0 (the K tail of a tile is masked; BLOCK_K >= 64, triton#11776); x bf16/fp16
 [..., K], any leading dims and strides.

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import formats
+from _e4m3_testlib import fp8_interval
 from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
 from kernels_triton._common import TileConfig, interpreting
 from kernels_triton._fp8_decode import (FP8_BLOCK_SCALE, MX_SCALE, TENSOR_SCALE, hopper_config, launch_fp8_decode,
@@ -48,9 +49,9 @@ def _launch(xq, w, bias, cfg, scale_k, out_dtype=torch.float32):
                              scale_k=scale_k, config=cfg)
 
 
-def _bound(xq, w, bias, out_dtype, ref, scale_k, cfg):
-    interval = 0 if interpreting() else min(128, scale_k or cfg.BLOCK_K)  # module docstring
-    return gemm_bound(xq, w, bias, out_dtype, ref, fp8_interval=interval)
+def _bound(xq, w, bias, out_dtype, ref, scale_k):
+    # the tiles here have BLOCK_K = 128 for per-tensor scales, so the runs are those of fp8_interval
+    return gemm_bound(xq, w, bias, out_dtype, ref, fp8_interval=fp8_interval(FMT[scale_k], xq.rows))
 
 
 # (scale_k, M, N, K, BLOCK_N, BLOCK_K, split, out_dtype). Per-tensor: K = 320 is 2.5 steps (the K
@@ -81,7 +82,7 @@ def test_decode_kernel_matches_oracle(scale_k, M, N, K, bn, bk, split, out_dtype
     assert y.dtype == out_dtype and y.shape == (M, N)
     # without the bias the GEMM itself must be far from zero, or a kernel adding the bias alone passes
     assert formats.reference_linear(xq, w, out_dtype=torch.float32).abs().max().item() > 1.0
-    assert_within_bound(y, ref, _bound(xq, w, bias, out_dtype, ref, scale_k, cfg), "decode")
+    assert_within_bound(y, ref, _bound(xq, w, bias, out_dtype, ref, scale_k), "decode")
 
 
 @pytest.mark.parametrize("scale_k,bk", [(TENSOR_SCALE, 128), (FP8_BLOCK_SCALE, 128), (MX_SCALE, 64)])
@@ -100,7 +101,7 @@ def test_decode_kernel_e4m3_nan_codes(scale_k, bk):
     assert torch.equal(y.isnan().cpu(), nan) and torch.equal(ref.isnan().cpu(), nan)
     rows, cols = [i for i in range(M) if i != 2], [j for j in range(N) if j != 7]
     keep = lambda t: t.cpu()[rows][:, cols]  # noqa: E731
-    assert_within_bound(keep(y), keep(ref), keep(_bound(xq, w, None, torch.float32, ref, scale_k, cfg)), "decode")
+    assert_within_bound(keep(y), keep(ref), keep(_bound(xq, w, None, torch.float32, ref, scale_k)), "decode")
 
 
 def test_decode_launch_refuses_an_unknown_scale_kind():
