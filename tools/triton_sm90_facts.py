@@ -10,8 +10,8 @@
    acc += part_{k-1} * s_{k-1}), the form that would overlap fp8_block's scale FMA with the next
    wgmma. Reported: the largest ``wgmma.wait_group`` pending count in the PTX (0 = every wgmma is
    waited for before the next one is issued).
-3. ``--time`` (sm_90 GPU): the descriptor kernel of 1 at M = N = K = 8192, fp32 promotion every
-   128 products as fp8_tensor's kernel does, with and without warp_specialize, against
+3. ``--time`` (sm_90 GPU): the descriptor kernel of 1 at M = N = K = 8192 (tiles of 128 or 64 rows),
+   fp32 promotion every 128 products as fp8_tensor's kernel does, with and without warp_specialize, against
    torch._scaled_mm (use_fast_accum=False) in the same process; do_bench medians (L2 flushed).
 
     python3 tools/triton_sm90_facts.py [--time]
@@ -135,13 +135,16 @@ def timings(n: int = 8192):
 
     yield row("torch._scaled_mm, use_fast_accum=False", lambda: torch._scaled_mm(
         a, b.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=False))
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    # a 128 x 128 fp32 accumulator and its promotion buffer are 256 registers per thread of one
+    # warpgroup, so the 4-warp rows also try 64 rows per tile
     for ws in (False, True):
-        for nw, st in ((4, 3), (4, 4), (8, 3)):
-            c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-            grid = ((n // TILE["BM"]) * (n // TILE["BN"]),)
-            yield row(f"descriptor kernel 128x128x128, warp_specialize={ws}, {nw} warps, {st} stages",
-                lambda c=c, ws=ws, nw=nw, st=st: (_descriptor_kernel[grid](a, b, c, n, n, n, **TILE, WS=ws,
-                                                                          num_warps=nw, num_stages=st), c)[1])
+        for bm, nw, st in ((128, 4, 3), (128, 4, 4), (128, 8, 3), (64, 4, 4), (64, 4, 6)):
+            tile = dict(TILE, BM=bm)
+            grid = ((n // bm) * (n // tile["BN"]),)
+            yield row(f"descriptor kernel {bm}x128x128, warp_specialize={ws}, {nw} warps, {st} stages",
+                      lambda ws=ws, nw=nw, st=st, tile=tile, grid=grid: (_descriptor_kernel[grid](
+                          a, b, c, n, n, n, **tile, WS=ws, num_warps=nw, num_stages=st), c)[1])
 
 
 def main() -> None:
