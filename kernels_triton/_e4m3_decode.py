@@ -205,7 +205,7 @@ def decode_config(M: int, N: int, K: int, device) -> TileConfig:
 
 
 def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = None,
-                       use_asm: bool | None = None) -> torch.Tensor:
+                       use_asm: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """y = dequant(x) . dequant(w)^T + bias for M <= 16 rows of mxfp8 operands (OCP MX 1.0: e4m3
     elements, one E8M0 scale per 32 along K), as ``mxfp8._gemm_kernel`` computes it up to the order
     of the fp32 additions (module docstring; any GPU compiles it, the interpreter runs it in fp32).
@@ -220,6 +220,7 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
             two >= 128 (MIN_BLOCK_K).
         use_asm: the inline-PTX decode (True; a GPU only) or plain Triton ops (False); None: PTX
             on a GPU, plain ops under the interpreter.
+        maxnreg: None, or a cap on the registers per thread (ptxas .maxnreg; GPU only), a probe knob.
     Returns:
         y.
     Raises:
@@ -245,13 +246,14 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
     x, w = x.view(torch.uint8), w.view(torch.uint8)
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
+    regs = {} if maxnreg is None or interp else {"maxnreg": maxnreg}
     e4m3_decode_gemm_kernel[(triton.cdiv(N, cfg.BLOCK_N), n_split)](
         x, sx, w, sw, bias if bias is not None else y, y, ws,
         M, N, K, k_per, x.stride(0), sx.stride(0), w.stride(0), sw.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, USE_ASM=(not interp) if use_asm is None else use_asm,
         DOT_DTYPE=tl.float32 if interp else tl.bfloat16, ROUND_BF16=interp and y.dtype == torch.bfloat16,
         EVEN_K=K % bk == 0, BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **regs, **pdl_launch(y.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias)

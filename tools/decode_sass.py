@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 
-def compile_kernel(fn, constexprs: dict, warps: int, stages: int, types: dict | None = None):
+def compile_kernel(fn, constexprs: dict, warps: int, stages: int, types: dict | None = None, maxnreg=None):
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -44,7 +44,7 @@ def compile_kernel(fn, constexprs: dict, warps: int, stages: int, types: dict | 
             if name != "M":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
 
 
 def cuobjdump(kernel, flag: str) -> str:
@@ -56,8 +56,11 @@ def cuobjdump(kernel, flag: str) -> str:
 
 
 def registers(kernel) -> str:
-    m = re.search(r"REG:(\d+)", cuobjdump(kernel, "-res-usage"))
-    return m.group(1) if m else "?"
+    """Registers per thread and, when ptxas spilled, the local memory per thread."""
+    text = cuobjdump(kernel, "-res-usage")
+    reg, local = re.search(r"REG:(\d+)", text), re.search(r"LOCAL:(\d+)", text)
+    spill = f" (LOCAL {local.group(1)} B: spills)" if local and int(local.group(1)) else ""
+    return (reg.group(1) if reg else "?") + spill
 
 
 def loop_sass(kernel) -> list[str]:
@@ -88,6 +91,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--bn", type=int, default=128)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--maxnreg", type=int)
     p.add_argument("--dump")
     args = p.parse_args()
     from kernels_triton import _e4m3_decode, _fp8_decode
@@ -95,8 +100,9 @@ def main():
     rows = []
     k = compile_kernel(_e4m3_decode.e4m3_decode_gemm_kernel,
                        dict(HAS_BIAS=False, USE_ASM=True, DOT_DTYPE=tl.bfloat16, ROUND_BF16=False, EVEN_K=True,
-                            BLOCK_N=args.bn, BLOCK_M=16, BLOCK_K=128, SPLIT_K=8), 4, args.stages)
-    rows.append(("bf16 planes (_e4m3_decode)", k, args.bn))
+                            BLOCK_N=args.bn, BLOCK_M=16, BLOCK_K=128, SPLIT_K=8), args.warps, args.stages,
+                       maxnreg=args.maxnreg)
+    rows.append((f"bf16 operands (_e4m3_decode, {args.warps} warps)", k, args.bn * 4 // args.warps))
     k2 = compile_kernel(_fp8_decode.fp8_decode_gemm_kernel,
                         dict(HAS_BIAS=False, IMPRECISE_ACC=32, SCALE_K=32, BLOCK_N=128, BLOCK_M=16, BLOCK_K=128,
                              SPLIT_K=4, DOT_FP8=True, RNE_BF16=False),
@@ -113,7 +119,7 @@ def main():
         n = collections.Counter(opcode(x) for x in body)
         regs = registers(kern)
         print(f"{name}: {len(body)} loop instructions per 128-K step per thread, {len(body) / bn:.2f} per weight "
-              f"element (BLOCK_N {bn}, 4 warps), {regs} registers, {kern.metadata.shared} B shared")
+              f"element ({bn} weight rows per 4 warps), {regs} registers, {kern.metadata.shared} B shared")
         print("   ", ", ".join(f"{op} {c}" for op, c in n.most_common()))
         if args.dump and kern is rows[0][1]:
             with open(args.dump, "w") as f:

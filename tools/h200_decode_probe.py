@@ -237,8 +237,11 @@ def scaled_fp8_rows(fmt, M, w0, gen):
     return rows
 
 
-# the bf16 decode kernel's tiles tried (BLOCK_N, stages, split); the first is decode_tile's at 132 SMs
-BF16_TILES = [(128, 3, 8), (128, 4, 8), (64, 3, 8), (128, 3, 4), (128, 3, 16), (64, 4, 16)]
+# the bf16 decode kernel's tiles tried (BLOCK_N, warps, stages, split, maxnreg); the first is
+# decode_tile's at 132 SMs. The first device call (row 21) also ran 128 s4 split 8, 64 s3 split 8,
+# 128 s3 split 16 and 64 s4 split 16, all slower
+BF16_TILES = [(128, 4, 3, 8, None), (128, 4, 3, 4, None), (128, 8, 3, 8, None), (128, 8, 3, 4, None),
+              (128, 8, 4, 8, None), (128, 8, 2, 8, None), (128, 4, 3, 8, 128), (128, 4, 2, 8, None), (64, 4, 3, 4, None)]
 
 
 def mxfp8_bf16_rows(M, w0, gen):
@@ -257,10 +260,10 @@ def mxfp8_bf16_rows(M, w0, gen):
     fp8_cfg = _fp8_decode.hopper_config(M, N, K, ws[0].data.device, scale_k=_fp8_decode.MX_SCALE)
     add(f"fp8 partials {fp8_cfg}", lambda w: _fp8_decode.launch_fp8_decode(
         xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=_fp8_decode.MX_SCALE))
-    for bn, stages, split in BF16_TILES:
-        cfg = TileConfig(16, bn, 128, GROUP_M=1, num_warps=4, num_stages=stages, SPLIT_K=split)
-        add(f"bf16 decode {cfg}", lambda w, cfg=cfg: _e4m3_decode.launch_e4m3_decode(
-            xq.data, xq.scale, w.data, w.scale, None, out(), config=cfg))
+    for bn, warps, stages, split, regs in BF16_TILES:
+        cfg = TileConfig(16, bn, 128, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
+        add(f"bf16 decode {cfg}{f' maxnreg={regs}' if regs else ''}", lambda w, cfg=cfg, regs=regs:
+            _e4m3_decode.launch_e4m3_decode(xq.data, xq.scale, w.data, w.scale, None, out(), config=cfg, maxnreg=regs))
     before = mxfp8.DECODE_KERNEL
     for kern in ("fp8", "bf16"):
         mxfp8.DECODE_KERNEL = kern
