@@ -181,11 +181,13 @@ def e4m3_decode_gemm_kernel(
 # Policy and launcher
 # ---------------------------------------------------------------------------------------------
 def decode_tile(M: int, N: int, K: int, n_sms: int, *, bn: int = 128, stages: int = 3,
-                programs_per_sm: int = 4) -> TileConfig:
+                programs_per_sm: int = 2) -> TileConfig:
     """The GPU tile on a device of ``n_sms`` SMs: BLOCK_N weight rows per program (128: the
     activation's decode and the loop's fixed cost over twice the rows of 64), 16 padded activation
-    rows, 128-wide K steps; split-K while the grid stays within ``programs_per_sm`` programs per
-    SM and each program keeps >= 4 K steps (as _fp4_decode.decode_tile; docs/perf_notes.md row 21)."""
+    rows, 128-wide K steps, 3 stages; split-K while the grid stays within ``programs_per_sm``
+    programs per SM (2: one wave at the 3 CTAs per SM that 160 registers leave, where 4 per SM ran
+    1.3 waves) and every split keeps >= 4 K steps (docs/perf_notes.md row 21: split 4 at
+    N = K = 8192)."""
     bk = MIN_BLOCK_K
     tiles = triton.cdiv(N, bn)
     split = 1
