@@ -17,7 +17,8 @@ Fragment order (``_fp4_decode.fragment_order`` on bytes): both operands' K is pe
 q of a quad holds BLOCK_K / 4 consecutive bytes of a row (two 16-byte loads at BLOCK_K = 128, and
 one whole 32-element scale block: one scale per lane and row), and each 4-byte word decodes to two
 bf16x2 registers that are already A-fragment registers (columns 16c + 2q + {0, 1} and
-16c + 8 + 2q + {0, 1}). A dot's sum does not depend on the order of K.
+16c + 8 + 2q + {0, 1}). A dot's sum does not depend on the order of K, so the activation (whose
+B tile goes through shared memory) takes the same order only to match.
 
 e4m3 -> bf16 by bit placement (``_E4M3_BF16_ASM``, four codes per call): ``prmt`` with the
 sign-replicating selector spreads bytes (0, 1) / (2, 3) into 16-bit lanes, sign in bits 15..8;
@@ -26,18 +27,20 @@ eeee mmm at bf16 bits 10..4 (the low exponent bits and the top mantissa bits). T
 value * 2^-120 for every code, the subnormals (eeee = 0) included, as for fp32 in
 ``_common.decode_e4m3``; ``mul.rn.bf16x2`` by 2^120 restores it. The NaN codes 0x7F / 0xFF would
 read as +-480: per word, t = (w & 0x7F7F7F7F) + 0x01010101 has bit 7 of a byte set exactly for a
-NaN code, and a second sign-replicating ``prmt`` of t selects the NaN pattern 0x7FFF (with the
-sign) for those lanes, so a NaN weight code makes y[:, n] NaN and a NaN activation code y[m, :].
+NaN code, and a second sign-replicating ``prmt`` of t spreads it into a lane of ones that is OR'd
+over the placed bits (0xFFFF is a bf16 NaN), so a NaN weight code makes y[:, n] NaN and a NaN
+activation code y[m, :].
 
 Block scales: E8M0 -> bf16 by ``_fp4_decode.e8m0_bf16`` (0x00 is 2^-127, 0xFF NaN), multiplied in
 bf16 after the 2^120 (the two cannot be folded: 2^(e + 120) leaves bf16's range for e > 7). A code
 has 4 significant bits, so code * 2^e is a bf16 number, and the multiply exact, whenever
 e is in [-124, 119] (its lowest bit, >= 2^-9 * 2^e, is on bf16's subnormal grid of 2^-133, and
-448 * 2^119 < bf16's max), and for e = 120 with |code| <= 240: every scale our quantizer writes
-(e in [-108, 120], and e = 120 only for |x| <= 240 * 2^120 before a code 256 would overflow fp32 in
-the oracle too). Scale bytes 0..2 (e < -124) round the decoded value to bf16's subnormal grid
-(|error| <= 2^-134), as the lesson kernel's bf16 cast does on a GPU. Products of two such bf16
-numbers are exact in the fp32 accumulator, so the result equals the lesson kernel's
+448 * 2^119 < bf16's max), and for e = 120 with |code| <= 240. That covers every scale our
+quantizer writes (e in [-108, 120]; at e = 120 the code 256 needs |x| > 248 * 2^120, and its value
+2^128 is Inf in the oracle's fp32 dequantize as in this multiply). Scale bytes 0..2 (e < -124) round
+the decoded value to bf16's subnormal grid (|error| <= 2^-134), as the lesson kernel's bf16 cast does
+on a GPU. A product of two such bf16 numbers has at most 8 significant bits, exact in the fp32
+accumulator unless it leaves fp32's range, so the result equals the lesson kernel's
 (``mxfp8._gemm_kernel``) up to the order of the fp32 additions.
 
 Under TRITON_INTERPRET=1 the same placement runs as plain Triton integer ops (``e4m3_bf16_bits``),

@@ -256,3 +256,11 @@ def test_large_shapes_on_gpu(M, N, K):
     tol = tolerance(torch.float32, FMT, M) if fp8_mma(FMT, M) else 1e-4
     assert rel_err(y, formats.reference_linear(xq, w, out_dtype=torch.float32)) <= tol
     check_linear(mod, x, w, None)
+
+
+def test_decode_kernel_knob_is_checked(monkeypatch):
+    # the sm_90 decode GEMM reads the knob through _decode_kernel (every device: the check is host-only)
+    assert mod._decode_kernel() in mod.DECODE_KERNELS
+    monkeypatch.setattr(mod, "DECODE_KERNEL", "fast")
+    with pytest.raises(ValueError, match=re.escape("mxfp8.DECODE_KERNEL must be one of ('bf16', 'fp8'), got 'fast'")):
+        mod._decode_kernel()
