@@ -31,14 +31,15 @@ in fp32) and accumulates in fp32. So the only rounding is fp32 accumulation, as 
 no scale is rounded. For this kernel's mma.sync tile we chose that over per-32 sub-dots (dot the
 e4m3 codes 32 deep, multiply the partial by 2^(ex+ew)): also exact per product, but one tl.dot per
 32 elements of K and a [BLOCK_M, BLOCK_N] scale multiply per sub-dot, which was slower there
-(docs/results.md). At decode M (1..16) on sm_90 gemm takes the sub-dots after all, in the swapped
-wgmma kernel of _fp8_decode (SCALE_K = 32): the weight is wgmma's 64-row side, each 128-wide K step
-issues four 32-deep e4m3 wgmmas into fresh accumulators, and each partial joins the fp32 sum times
-2^ew[n] * 2^ex[m] (the two scales meet first); nothing is decoded to bf16, so the K loop is a few
-instructions per weight byte instead of a decode per element. Its result differs from this kernel's
-by the summation order and the fp8 wgmma's sum inside each 32-deep partial (docs/perf_notes.md,
-"Bounded, not bit-identical"). On SM12x the native path below hands the codes and scales to the
-block-scaled MMA instead, which applies the scales inside the instruction.
+(docs/results.md). At decode M (1..16) on sm_90 gemm takes one of two swapped kernels, the weight
+on wgmma's 64-row side (DECODE_KERNEL): "bf16", _e4m3_decode, this kernel's own arithmetic with
+the weight decoded in registers (bit placement, the scale multiplied in bf16) as wgmma's register
+A operand, one bf16 dot per K step; or "fp8", _fp8_decode's SCALE_K = 32 kernel, four 32-deep
+e4m3 wgmmas per 128-K step into fresh accumulators, each partial times 2^ew[n] * 2^ex[m], whose
+result differs from this kernel's by the fp8 wgmma's sum inside each partial (docs/perf_notes.md,
+"Bounded, not bit-identical"; the choice between the two: row 21 there). On SM12x the native path
+below hands the codes and scales to the block-scaled MMA instead, which applies the scales inside
+the instruction.
 
 DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
 there). The scales are loaded once per 32-element block, [BLOCK_M, BLOCK_K / 32], and broadcast by a
@@ -90,6 +91,8 @@ from ._common import (
     scale_offsets,
 )
 from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
+from ._e4m3_decode import decode_config as bf16_decode_config
+from ._e4m3_decode import launch_e4m3_decode
 from ._fp8_decode import MX_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
 from ._paths import NATIVE_SCALE_LAYOUTS, check_native_weight, default_device, resolve_path, weight_scale_bytes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -111,6 +114,9 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_EMAX = tl.constexpr(E4M3_EMAX)
 _E8M0_BIAS = tl.constexpr(E8M0_BIAS)
+# sm_90 at M <= 16: "bf16" (_e4m3_decode) or "fp8" (_fp8_decode, SCALE_K = 32), the module docstring
+DECODE_KERNEL = "bf16"
+DECODE_KERNELS = ("bf16", "fp8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,12 +329,14 @@ def _dequant(q, s) -> torch.Tensor:
 def tile_config(M: int, N: int, K: int, path=None):
     """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
     and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it). Native: the
-    SM12x table. Portable: on sm_90 at M <= 16 the swapped wgmma kernel's (_fp8_decode); else
+    SM12x table. Portable: on sm_90 at M <= 16 the decode kernel DECODE_KERNEL names; else
     fused with 64-deep K steps on GPU (the decoded tiles live in registers before the dot),
     split-K for decode, the bf16 pre-pass for large M."""
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_config(M, N, K, dev)
+    if fp8_decode_applies(M, dev) and _decode_kernel() == "bf16":
+        return bf16_decode_config(M, N, K, dev)
     interp = interpreting()
     return (hopper_config(M, N, K, dev, scale_k=MX_SCALE)
             or gemm_config(M, N, K, interp, block_k=None if interp else 64, prepass=True))
@@ -395,10 +403,20 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return y
     if resolve_path(path, FMT, qweight.device) == "native":
         return _gemm_native(xq, qweight, bias, y)
-    if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
+    if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: a swapped wgmma kernel
+        if _decode_kernel() == "bf16":
+            return launch_e4m3_decode(xq.data.contiguous(), xq.scale.contiguous(), qweight.data.contiguous(),
+                                      qweight.scale.contiguous(), bias, y)
         return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
                                  scale_k=MX_SCALE)
     return _gemm_portable(xq, qweight, bias, y)
+
+
+def _decode_kernel() -> str:
+    """DECODE_KERNEL, checked (a module knob: the decode probe sets it to time both kernels)."""
+    if DECODE_KERNEL not in DECODE_KERNELS:
+        raise ValueError(f"mxfp8.DECODE_KERNEL must be one of {DECODE_KERNELS}, got {DECODE_KERNEL!r}")
+    return DECODE_KERNEL
 
 
 def _gemm_portable(xq, qweight, bias, y, cfg=None) -> torch.Tensor:

@@ -10,6 +10,7 @@ shapes.
 
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json [--only fp8_block,mxfp8]
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/planes.json --only fp4
+    PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/mx8.json --only mxfp8_bf16
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 import torch
 
 import formats
-from kernels_triton import _fp4_decode, _fp4_gemm, _fp8_decode, fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
+from kernels_triton import _e4m3_decode, _fp4_decode, _fp4_gemm, _fp8_decode, fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
 from kernels_triton._common import TileConfig
 from kernels_triton._e4m3_gemm import gemm_config
 
@@ -236,6 +237,43 @@ def scaled_fp8_rows(fmt, M, w0, gen):
     return rows
 
 
+# the bf16 decode kernel's tiles tried (BLOCK_N, warps, stages, split, maxnreg); the first is
+# decode_tile's at 132 SMs. The first device call (row 21) also ran 128 s4 split 8, 64 s3 split 8,
+# 128 s3 split 16 and 64 s4 split 16, all slower
+BF16_TILES = [(128, 4, 3, 8, None), (128, 4, 3, 4, None), (128, 8, 3, 8, None), (128, 8, 3, 4, None),
+              (128, 8, 4, 8, None), (128, 8, 2, 8, None), (128, 4, 3, 8, 128), (128, 4, 2, 8, None), (64, 4, 3, 4, None)]
+
+
+def mxfp8_bf16_rows(M, w0, gen):
+    """mxfp8 at decode M, the two sm_90 decode kernels: _fp8_decode's 32-deep fp8 partials (its
+    default tile) against _e4m3_decode's bf16 register operands (BF16_TILES), GEMM alone, checked
+    against the lesson kernel; then the whole linear with mxfp8.DECODE_KERNEL "fp8" and "bf16", and
+    bf16 cuBLAS, over 5 weights."""
+    ws = [formats.quantize(w0 * (1 + 0.01 * i), "mxfp8", role="weight") for i in range(SETS)]
+    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    xq = formats.quantize(x, "mxfp8", role="activation")
+    lesson_cfg = gemm_config(M, N, K, False, block_k=64, prepass=True)
+    out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    ref = mxfp8._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
+    rows = []
+    add = row_adder(rows, "mxfp8", M, ws, ref)
+    fp8_cfg = _fp8_decode.hopper_config(M, N, K, ws[0].data.device, scale_k=_fp8_decode.MX_SCALE)
+    add(f"fp8 partials {fp8_cfg}", lambda w: _fp8_decode.launch_fp8_decode(
+        xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=_fp8_decode.MX_SCALE))
+    for bn, warps, stages, split, regs in BF16_TILES:
+        cfg = TileConfig(16, bn, 128, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
+        add(f"bf16 decode {cfg}{f' maxnreg={regs}' if regs else ''}", lambda w, cfg=cfg, regs=regs:
+            _e4m3_decode.launch_e4m3_decode(xq.data, xq.scale, w.data, w.scale, None, out(), config=cfg, maxnreg=regs))
+    before = mxfp8.DECODE_KERNEL
+    for kern in ("fp8", "bf16"):
+        mxfp8.DECODE_KERNEL = kern
+        add(f"DECODE_KERNEL={kern} {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.gemm(xq, w, None, torch.bfloat16))
+        add(f"DECODE_KERNEL={kern} {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.linear(x, w), "linear")
+    mxfp8.DECODE_KERNEL = before
+    rows.append(bf16_row(M, x, w0))
+    return rows
+
+
 def fp4_planes_rows(M, w0, gen):
     """The FP4 decode kernel (nibble planes) against the lesson kernel: GEMM alone for nvfp4 / mxfp4,
     W4A4 / W4A16 (bf16 x), with the default tile and other tiles, then the whole linear, and bf16
@@ -303,7 +341,7 @@ def main():
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
     p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, mxfp8, fp4 (planes "
-                   "vs lesson); default: all)")
+                   "vs lesson), mxfp8_bf16 (the two mxfp8 decode kernels); default: all)")
     args = p.parse_args()
     t0 = time.time()
     global DEADLINE
@@ -314,7 +352,7 @@ def main():
     jobs = [("nvfp4", 16, False), ("mxfp4", 16, False), ("mxfp4", 16, True), ("nvfp4", 1, False),
             ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None),
             ("fp8_block", 16, None), ("fp8_block", 1, None), ("mxfp8", 16, None), ("mxfp8", 1, None),
-            ("fp4", 16, None), ("fp4", 1, None)]
+            ("fp4", 16, None), ("fp4", 1, None), ("mxfp8_bf16", 16, None), ("mxfp8_bf16", 1, None)]
     if args.only:
         sel = args.only.split(",")
         jobs = [j for j in jobs if j[0] in sel or f"{j[0]}:{j[1]}" in sel]
@@ -328,6 +366,8 @@ def main():
             rows += scaled_fp8_rows(fmt, M, w0, gen)
         elif fmt == "fp4":
             rows += fp4_planes_rows(M, w0, gen)
+        elif fmt == "mxfp8_bf16":
+            rows += mxfp8_bf16_rows(M, w0, gen)
         else:
             rows += fp4_rows(fmt, M, a16, w0, gen)
         torch.cuda.empty_cache()

@@ -26,13 +26,25 @@ FP8_DIRECT_DOT_FP32_TOL = 5e-4
 def fp8_interval(fmt: str, M: int) -> int:
     """How many products the GEMM sums on Hopper's fp8 MMA before an fp32 addition here (0: none,
     fp32 accumulation throughout): 128 for fp8_tensor / fp8_block on a GPU (their promotion
-    interval), 32 for mxfp8 where it takes the sm_90 decode kernel (1 <= M <= 16: one 32-deep fp8
-    wgmma partial per scale block)."""
+    interval), 32 for mxfp8 where it takes the sm_90 fp8 decode kernel (1 <= M <= 16 with
+    mxfp8.DECODE_KERNEL "fp8": one 32-deep fp8 wgmma partial per scale block; the "bf16" decode kernel
+    sums exact bf16 products in fp32)."""
     if DEVICE != "cuda":
         return 0
     if fmt in ("fp8_tensor", "fp8_block"):
         return 128
-    return 32 if fmt == "mxfp8" and fp8_decode_applies(M, torch.device(DEVICE)) else 0
+    from kernels_triton import mxfp8
+
+    fp8_decode = fp8_decode_applies(M, torch.device(DEVICE)) and mxfp8.DECODE_KERNEL == "fp8"
+    return fp8_decode_interval(fmt) if fmt == "mxfp8" and fp8_decode else 0
+
+
+def fp8_decode_interval(fmt: str) -> int:
+    """fp8_interval of _fp8_decode.launch_fp8_decode called directly (test_fp8_decode): 0 under the
+    interpreter (fp32 decode), on a GPU 32 for MX scales (one partial per scale block), else 128."""
+    if DEVICE != "cuda":
+        return 0
+    return 32 if fmt == "mxfp8" else 128
 
 
 def fp8_mma(fmt: str, M: int) -> bool:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import formats
-from _e4m3_testlib import fp8_interval
+from _e4m3_testlib import fp8_decode_interval
 from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
 from kernels_triton._common import TileConfig, interpreting
 from kernels_triton._fp8_decode import (FP8_BLOCK_SCALE, MX_SCALE, TENSOR_SCALE, hopper_config, launch_fp8_decode,
@@ -51,7 +51,7 @@ def _launch(xq, w, bias, cfg, scale_k, out_dtype=torch.float32):
 
 def _bound(xq, w, bias, out_dtype, ref, scale_k):
     # the tiles here have BLOCK_K = 128 for per-tensor scales, so the runs are those of fp8_interval
-    return gemm_bound(xq, w, bias, out_dtype, ref, fp8_interval=fp8_interval(FMT[scale_k], xq.rows))
+    return gemm_bound(xq, w, bias, out_dtype, ref, fp8_interval=fp8_decode_interval(FMT[scale_k]))
 
 
 # (scale_k, M, N, K, BLOCK_N, BLOCK_K, split, out_dtype). Per-tensor: K = 320 is 2.5 steps (the K

@@ -28,6 +28,8 @@ from _e4m3_testlib import (
 from conftest import DEVICE, make_input, rel_err
 from kernels_triton import mxfp8 as mod
 from kernels_triton._common import interpreting
+from kernels_triton._e4m3_decode import decode_config as bf16_decode_config
+from kernels_triton._e4m3_decode import launch_e4m3_decode
 from kernels_triton._fp8_decode import (MX_DECODE_TILE, MX_SCALE, fp8_decode_applies, fp8_decode_config,
                                         launch_fp8_decode)
 
@@ -119,11 +121,16 @@ def test_gemm_uses_each_e8m0_scale_where_it_belongs():
 
 
 def test_gemm_nan_and_extreme_scales_in_decode_rows():
-    # M = 9, K = 1024 with a bias, through gemm (on sm_90 the decode kernel, split-K; the lesson on
-    # the CPU, native on SM12x) and through launch_fp8_decode directly (the decode kernel, split 2,
-    # on the CPU too; skipped only on non-sm_90 GPUs, where gemm never launches it).
+    # M = 9, K = 1024 with a bias, through gemm (on sm_90 a decode kernel, split-K; the lesson on
+    # the CPU, native on SM12x) and through both sm_90 decode kernels directly (launch_fp8_decode
+    # split 2, launch_e4m3_decode split 3; on the CPU too, skipped only on other GPUs, where gemm
+    # never launches them).
     # Row 2's scale bytes are all 0x00 (2^-127) against a weight whose bytes are all 230 (2^103):
-    # each product is code_x * code_w * 2^-24. Row 4 gets one 0xFF scale byte (NaN) over finite
+    # each product is code_x * code_w * 2^-24. Row 2's codes have magnitudes in [0.5, 1) (exponent
+    # field 6), so code * 2^-127 and code * 2^-126 are multiples of 2^-131 with 4 significant bits:
+    # exact in bf16 too (the bf16 decode kernel's operands; its subnormal grid is 2^-133, and
+    # smaller codes would round there, as the lesson's bf16 cast does on a GPU: _e4m3_decode).
+    # Row 4 gets one 0xFF scale byte (NaN) over finite
     # codes, weight row 7 one NaN code (0x7F), weight row 11 one 0xFF scale: exactly row 4 and
     # columns 7 and 11 of y are NaN, the rest matches the oracle within the bound.
     # Row 2 must also equal, bit for bit, row 2 of a twin GEMM with sx[2] = 1 (2^-126) and every
@@ -136,6 +143,9 @@ def test_gemm_nan_and_extreme_scales_in_decode_rows():
     w = make_weight(FMT, N, K, BLOCK)
     xq = formats.quantize(make_input((M, K), zero_blocks=False), FMT, role="activation")
     sx, sw, wd = xq.scale.clone(), torch.full_like(w.scale, 230), w.data.clone()
+    xd = xq.data.clone()
+    xd.view(torch.uint8)[2] = (xd.view(torch.uint8)[2] & 0x87) | 0x30  # sign and mantissa kept
+    xq = dataclasses.replace(xq, data=xd)
     sx[2] = 0
     sx[4, 17] = 0xFF
     wd.view(torch.uint8)[7, 300] = 0x7F
@@ -164,7 +174,13 @@ def test_gemm_nan_and_extreme_scales_in_decode_rows():
                                   num_stages=1 if interpreting() else 4)
         return launch_fp8_decode(a.data, b.data, a.scale, b.scale, bias, y, scale_k=MX_SCALE, config=cfg)
 
-    runs = [gemm] + ([decode] if DEVICE == "cpu" or fp8_decode_applies(M, torch.device(DEVICE)) else [])
+    def bf16_decode(a, b):
+        y = torch.empty(M, N, dtype=torch.float32, device=b.data.device)
+        cfg = dataclasses.replace(bf16_decode_config(M, N, K, b.data.device), SPLIT_K=3)
+        return launch_e4m3_decode(a.data, a.scale, b.data, b.scale, bias, y, config=cfg)
+
+    decoders = [decode, bf16_decode] if DEVICE == "cpu" or fp8_decode_applies(M, torch.device(DEVICE)) else []
+    runs = [gemm] + decoders
     for run in runs:
         y, twin = run(xq, w).cpu(), run(xq_twin, w_twin).cpu()
         assert torch.equal(y.isnan(), nan), run.__name__
@@ -208,12 +224,17 @@ def test_decode_launch_refuses_tiles_it_cannot_run():
 
 @pytest.mark.gpu
 def test_decode_tile_on_sm90():
-    # the GEMM tests above at M <= 16 reach the swapped kernel on sm_90 with these tiles
+    # the GEMM tests above at M <= 16 reach a swapped kernel on sm_90 with these tiles: the fp8
+    # kernel's K step is the widest of 128 / 64 / 32 dividing K, the bf16 kernel's always 128 (a K
+    # mask for the rest), split-K while every split keeps >= 4 steps (_e4m3_decode.decode_tile)
     n_sms = sm90_sm_count()
-    for (M, N, K), bk, split in (((16, 1, 544), 32, 4), ((5, 72, 320), 64, 1), ((7, 200, 1024), 128, 2),
-                                 ((16, 128, 2048), 128, 4)):
+    fp8 = (((16, 1, 544), 32, 4), ((5, 72, 320), 64, 1), ((7, 200, 1024), 128, 2), ((16, 128, 2048), 128, 4))
+    bf16 = (((16, 1, 544), 128, 1), ((5, 72, 320), 128, 1), ((7, 200, 1024), 128, 2), ((16, 128, 2048), 128, 4))
+    for (M, N, K), bk, split in (bf16 if mod.DECODE_KERNEL == "bf16" else fp8):
         cfg = mod.tile_config(M, N, K)
-        assert cfg == fp8_decode_config(M, N, K, n_sms, **MX_DECODE_TILE, bk=bk)
+        want = (bf16_decode_config(M, N, K, torch.device(DEVICE)) if mod.DECODE_KERNEL == "bf16"
+                else fp8_decode_config(M, N, K, n_sms, **MX_DECODE_TILE, bk=bk))
+        assert cfg == want
         assert (cfg.BLOCK_K, cfg.SPLIT_K) == (bk, split)
 
 
@@ -235,3 +256,11 @@ def test_large_shapes_on_gpu(M, N, K):
     tol = tolerance(torch.float32, FMT, M) if fp8_mma(FMT, M) else 1e-4
     assert rel_err(y, formats.reference_linear(xq, w, out_dtype=torch.float32)) <= tol
     check_linear(mod, x, w, None)
+
+
+def test_decode_kernel_knob_is_checked(monkeypatch):
+    # the sm_90 decode GEMM reads the knob through _decode_kernel (every device: the check is host-only)
+    assert mod._decode_kernel() in mod.DECODE_KERNELS
+    monkeypatch.setattr(mod, "DECODE_KERNEL", "fast")
+    with pytest.raises(ValueError, match=re.escape("mxfp8.DECODE_KERNEL must be one of ('bf16', 'fp8'), got 'fast'")):
+        mod._decode_kernel()
