@@ -55,6 +55,7 @@ from ._twopass import (ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, spl
                        store_splitk_partial)
 
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
+_TORCH_DTYPE = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
 F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
 
 
@@ -212,17 +213,43 @@ def a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M: tl.c
 # The kernel
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def act_planes_kernel(
+    a_ptr, a_scale_ptr, p_ptr, M, K, stride_am, stride_ak, stride_asm, stride_pm,
+    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, A16: tl.constexpr, F16_DECODE: tl.constexpr,
+    USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,  # _pdl
+):
+    """p [M, K_pad] (DOT_DTYPE, K_pad a multiple of BLOCK_K): the activation decoded, each BLOCK_K
+    tile in the order the GEMM's K loop dots it, [even plane, odd plane] in fragment order (zeros
+    past K). One program per K tile, all rows."""
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    pdl_wait(USE_PDL)  # the quantized activation
+    if A16:
+        lo, hi = a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
+    else:
+        lo, hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                            BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+    pdl_launch_dependents(USE_PDL)
+    p = planes_k(lo.to(DOT_DTYPE), hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
+    tl.store(p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + (k0 + tl.arange(0, BLOCK_K))[None, :], p,
+             mask=m_mask[:, None])
+
+
+@triton.jit
 def fp4_decode_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, gx_ptr, gw_ptr, bias_ptr, c_ptr, ws_ptr,
+    a_ptr, w_ptr, w_scale_ptr, gx_ptr, gw_ptr, bias_ptr, c_ptr, ws_ptr,
     M, N, K, K_PER,
-    stride_am, stride_ak, stride_asm, stride_wn, stride_wsn, stride_cm,
-    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr, A16: tl.constexpr,
+    stride_am, stride_wn, stride_wsn, stride_cm,
+    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, F16_DECODE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
 ):
-    """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module docstring)."""
+    """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module
+    docstring). a_ptr: the activation as act_planes_kernel wrote it (DOT_DTYPE, K padded)."""
     # scale_planes: each of a lane quad's 4 slots of a plane (BLOCK_K / 8 bytes) holds whole blocks
     tl.static_assert(BLOCK_K >= 4 * GROUP, "BLOCK_K must be >= 4 * GROUP (min_block_k)")
     pid_n = tl.program_id(0)
@@ -231,22 +258,21 @@ def fp4_decode_gemm_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    pdl_wait(USE_PDL)  # the quantized activation
+    pdl_wait(USE_PDL)  # the decoded activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w_lo, w_hi = fp4_planes(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
                                 BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
-        if A16:
-            a_lo, a_hi = a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
-        else:
-            a_lo, a_hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                                    BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
         # one dot over both planes (K order: the even elements, then the odd ones): the join
-        # only moves whole registers, and the MMAs of a step need a single wait
+        # only moves whole registers
         w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
-        a = planes_k(a_lo.to(DOT_DTYPE), a_hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
+        # the activation tile arrives decoded, by a load the pipeliner copies into its shared-memory
+        # ring: with no dot operand stored to shared memory inside the loop, the wgmmas are async
+        # (split per 16 K, WGMMAPipeline) and the weight decode runs while they execute
+        a = tl.load(a_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(a), acc)
 
     pdl_launch_dependents(USE_PDL)
@@ -355,22 +381,31 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
                          f"kernel's planes, got BLOCK_K={bk}")
     f16 = bool(scale_e4m3 and not a16)  # nvfp4 W4A4: both operands fit fp16 exactly
     dot = tl.float32 if interp else (tl.float16 if f16 else tl.bfloat16)
+    asm = (not interp) if use_asm is None else use_asm
+    even_k = K % bk == 0
     if a16:
         stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
     else:
         stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
+    k_tiles = triton.cdiv(K, bk)
+    planes = torch.empty((M, k_tiles * bk), dtype=_TORCH_DTYPE[dot], device=w.device)
+    act_planes_kernel[(k_tiles,)](
+        a, a_scale, planes, M, K, stride_am, stride_ak, stride_asm, planes.stride(0),
+        GROUP=group, SCALE_E4M3=scale_e4m3, A16=a16, F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot, EVEN_K=even_k,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(w.device),
+    )
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
     has_global = gx is not None
     grid = (triton.cdiv(N, cfg.BLOCK_N), n_split)
     fp4_decode_gemm_kernel[grid](
-        a, a_scale, w, w_scale, gx if has_global else w_scale, gw if has_global else w_scale,
+        planes, w, w_scale, gx if has_global else w_scale, gw if has_global else w_scale,
         bias if bias is not None else out, out, ws,
         M, N, K, k_per,
-        stride_am, stride_ak, stride_asm, w.stride(0), w_scale.stride(0), out.stride(0),
-        GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, A16=a16, HAS_BIAS=bias is not None,
-        F16_DECODE=f16, USE_ASM=(not interp) if use_asm is None else use_asm, DOT_DTYPE=dot,
-        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0,
+        planes.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
+        F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot,
+        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=even_k,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
     )

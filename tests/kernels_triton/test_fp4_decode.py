@@ -97,16 +97,16 @@ def test_kernel_asserts_block_k_of_four_blocks():
     """The kernel's own guard (tl.static_assert) for a caller that skips launch_fp4_decode's check:
     mxfp4 with BLOCK_K = 64 fails at trace time, naming BLOCK_K, not inside scale_planes' reshape."""
     M, N, K = 2, 64, 256
-    w, _, xq = _operands("mxfp4", M, N, K, False)
-    a, sa = xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8)
+    w, _, _ = _operands("mxfp4", M, N, K, False)
+    a = torch.zeros((M, K), dtype=torch.float32, device=DEVICE)  # the decoded activation (act_planes_kernel)
     wd, sw = w.data.contiguous(), w.scale.contiguous().view(torch.uint8)
     out = torch.empty((M, N), dtype=torch.float32, device=DEVICE)
     # the interpreter wraps the AssertionError; a GPU compile raises a CompilationError
     with pytest.raises((InterpreterError, triton.CompilationError), match=r"BLOCK_K must be >= 4 \* GROUP"):
         _fp4_decode.fp4_decode_gemm_kernel[(1, 1)](
-            a, sa, wd, sw, sw, sw, out, out, out, M, N, K, K,
-            a.stride(0), 1, sa.stride(0), wd.stride(0), sw.stride(0), out.stride(0),
-            GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, A16=False, HAS_BIAS=False, F16_DECODE=False,
+            a, wd, sw, sw, sw, out, out, out, M, N, K, K,
+            a.stride(0), wd.stride(0), sw.stride(0), out.stride(0),
+            GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DECODE=False,
             USE_ASM=False, DOT_DTYPE=triton.language.float32, ROUND_BF16=False, EVEN_K=True,
             BLOCK_N=64, BLOCK_M=16, BLOCK_K=64, SPLIT_K=1)
 
