@@ -79,27 +79,24 @@ prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
 
 # bf16 planes (mxfp4, W4A16): prmt spreads bytes (0, 1) / (2, 3) into the two 16-bit lanes, the
 # magnitude goes to bf16 bits 8..6 and the sign to bit 15 (value * 2^-126, the subnormal 0.5 too, as
-# for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value.
-_BF16_LO_ASM = tl.constexpr("""{
-.reg .b32 x, a, s, c;
-mov.b32 c, 0x7E807E80;
-prmt.b32 x, $2, 0, 0x4140;
-and.b32 a, x, 0x00070007; shl.b32 a, a, 6; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 a, a, s;
-mul.rn.bf16x2 $0, a, c;
-prmt.b32 x, $2, 0, 0x4342;
-and.b32 a, x, 0x00070007; shl.b32 a, a, 6; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 a, a, s;
-mul.rn.bf16x2 $1, a, c;
-}""")
-_BF16_HI_ASM = tl.constexpr("""{
-.reg .b32 x, a, s, c;
-mov.b32 c, 0x7E807E80;
-prmt.b32 x, $2, 0, 0x4140;
-and.b32 a, x, 0x00700070; shl.b32 a, a, 2; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 a, a, s;
-mul.rn.bf16x2 $0, a, c;
-prmt.b32 x, $2, 0, 0x4342;
-and.b32 a, x, 0x00700070; shl.b32 a, a, 2; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 a, a, s;
-mul.rn.bf16x2 $1, a, c;
-}""")
+# for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value;
+# without it (``restore`` False) the planes stay value * 2^-126 (FOLD_E4M3 in fp4_planes).
+def _bf16_plane_asm(high: bool, restore: bool) -> str:
+    mag, mag_shl, sgn, sgn_shl = ("0x00700070", 2, "0x00800080", 8) if high else ("0x00070007", 6, "0x00080008", 12)
+    out = ["a", "a"] if restore else ["$0", "$1"]
+    half = [f"prmt.b32 x, $2, 0, {sel};\n"
+            f"and.b32 a, x, {mag}; shl.b32 a, a, {mag_shl}; and.b32 s, x, {sgn}; shl.b32 s, s, {sgn_shl}; "
+            f"or.b32 {dst}, a, s;\n" + (f"mul.rn.bf16x2 ${i}, a, c;\n" if restore else "")
+            for i, (sel, dst) in enumerate(zip(("0x4140", "0x4342"), out))]
+    return "{\n.reg .b32 x, a, s, c;\n" + ("mov.b32 c, 0x7E807E80;\n" if restore else "") + "".join(half) + "}"
+
+
+_BF16_LO_ASM = tl.constexpr(_bf16_plane_asm(False, True))
+_BF16_HI_ASM = tl.constexpr(_bf16_plane_asm(True, True))
+_BF16_LO_RAW_ASM = tl.constexpr(_bf16_plane_asm(False, False))
+_BF16_HI_RAW_ASM = tl.constexpr(_bf16_plane_asm(True, False))
+E4M3_FOLD = tl.constexpr(2.0**118)  # 2^118: the share of 2^126 an e4m3 scale (<= 448) carries
+FOLD_SCALE_BACK = tl.constexpr(256.0)  # 2^8: the rest, in the epilogue
 
 
 @triton.jit
@@ -121,12 +118,17 @@ def e2m1_f16_scaled(nibble):
 @triton.jit
 def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr,
-               F16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr):
+               F16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, FOLD_E4M3: tl.constexpr = False):
     """The even and odd K elements of rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed e2m1 matrix,
     block scales applied: (lo, hi), each [BLOCK_R, BLOCK_K // 2], lo[:, j] = element k0 + 2j (the low
     nibble of byte j), hi[:, j] = element k0 + 2j + 1, both in fragment order (``fragment_order``).
     F16 (e4m3 scales only): fp16, value * 2^-14. Else bf16 with USE_ASM, float32 without; all exact
-    (the caller's cast to its dot dtype is exact too). Masked reads give 0.
+    (the caller's cast to its dot dtype is exact too). Masked reads give 0. FOLD_E4M3 (bf16 with
+    USE_ASM and e4m3 scales): value * 2^-8, the planes' 2^-126 left in and the scale times 2^118
+    instead of a multiply by 2^126 per register; the caller multiplies by 2^8 (FOLD_SCALE_BACK).
+    Exact: e2m1 * 2^-126 (2^-127 for the subnormal 0.5, a bf16 subnormal the multiply keeps) times
+    e4m3 * 2^118 (2^109 .. 448 * 2^118 < 2^127, bf16 normals) has at most 2 + 4 significant bits
+    and lies in [2^-18, 2688 * 2^-8]: a bf16 normal, no rounding; a NaN scale stays NaN.
 
     Not joining the planes back into K order is the point: a dot over K is the dot over the even
     elements plus the dot over the odd ones, and each asm output register (the low nibbles of two
@@ -153,6 +155,10 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
         lo = e2m1_f16_scaled(b & 0xF)
         hi = e2m1_f16_scaled(b >> 4)
         sv = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
+    elif USE_ASM and FOLD_E4M3:
+        lo = tl.inline_asm_elementwise(_BF16_LO_RAW_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_BF16_HI_RAW_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        sv = (decode_e4m3(s) * E4M3_FOLD).to(tl.bfloat16)  # exact: a power of two, no overflow
     elif USE_ASM:
         lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True,
                                        pack=4)
@@ -247,6 +253,7 @@ def fp4_decode_gemm_kernel(
     ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
+    FOLD_E4M3: tl.constexpr = False,  # fp4_planes: the weight's 2^126 restore folded into its scale
 ):
     """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module
     docstring). a_ptr: the activation as act_planes_kernel wrote it (DOT_DTYPE, K padded)."""
@@ -265,7 +272,7 @@ def fp4_decode_gemm_kernel(
     pdl_wait(USE_PDL)  # the decoded activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w_lo, w_hi = fp4_planes(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                                BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+                                BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K, FOLD_E4M3)
         # one dot over both planes (K order: the even elements, then the odd ones): the join
         # only moves whole registers
         w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
@@ -279,6 +286,8 @@ def fp4_decode_gemm_kernel(
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if F16_DECODE:
         out = out * F16_SCALE_BACK
+    if FOLD_E4M3:
+        out = out * FOLD_SCALE_BACK
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         store_splitk_partial(ws_ptr, out, pid_k, offs_m, offs_n, M, N, mask)
@@ -339,7 +348,7 @@ def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
 
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
-                      use_asm: bool | None = None) -> torch.Tensor:
+                      use_asm: bool | None = None, fold_scale: bool | None = None) -> torch.Tensor:
     """y [M, N] = dequant(a) . dequant(w)^T (* alpha) (+ bias) for M <= 16, as
     ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions).
 
@@ -360,6 +369,9 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
             two >= 4 * group (min_block_k).
         use_asm: the inline-PTX decode (True; a GPU only) or plain Triton ops (False); None: PTX on
             a GPU, plain ops under the interpreter.
+        fold_scale: nvfp4 W4A16 with the PTX decode only: the bf16 planes' 2^126 restore folded into
+            the e4m3 scale (2^118) and the epilogue (2^8), one multiply per register less
+            (fp4_planes, FOLD_E4M3); None: on where it applies. Ignored elsewhere.
     Returns:
         [M, N] tensor of out_dtype on w's device.
     Raises:
@@ -382,6 +394,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
     f16 = bool(scale_e4m3 and not a16)  # nvfp4 W4A4: both operands fit fp16 exactly
     dot = tl.float32 if interp else (tl.float16 if f16 else tl.bfloat16)
     asm = (not interp) if use_asm is None else use_asm
+    fold = asm and scale_e4m3 and a16 and (fold_scale is None or fold_scale)
     even_k = K % bk == 0
     if a16:
         stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
@@ -407,7 +420,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot,
         ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=even_k,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, FOLD_E4M3=fold, **pdl_launch(w.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE,

@@ -40,7 +40,8 @@ FORMATS = {
     "nvfp4": dict(GROUP=16, SCALE_E4M3=True, A16=False, F16_DECODE=True, DOT_DTYPE=tl.float16),
     "mxfp4": dict(GROUP=32, SCALE_E4M3=False, A16=False, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
     "mxfp4_w4a16": dict(GROUP=32, SCALE_E4M3=False, A16=True, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
-    "nvfp4_w4a16": dict(GROUP=16, SCALE_E4M3=True, A16=True, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
+    "nvfp4_w4a16": dict(GROUP=16, SCALE_E4M3=True, A16=True, F16_DECODE=False, DOT_DTYPE=tl.bfloat16,
+                        FOLD_E4M3=True),
 }
 KEY_OPS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC", "LDG", "LDGSTS", "LDS", "LDSM", "STS",
            "STSM", "PRMT", "LOP3", "HMUL2", "IMAD", "SHF", "F2FP", "HADD2", "FMUL")
@@ -49,7 +50,8 @@ KEY_OPS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC", "LDG", "
 def compile_kernel(fmt: str, bn: int, bk: int, split: int, warps: int, stages: int, extra: dict | None = None):
     fn = _fp4_decode.fp4_decode_gemm_kernel
     const = dict(HAS_GLOBAL=fmt == "nvfp4", HAS_BIAS=False, USE_ASM=True, ROUND_BF16=False, EVEN_K=True,
-                 BLOCK_N=bn, BLOCK_M=16, BLOCK_K=bk, SPLIT_K=split, USE_PDL=True, **FORMATS[fmt], **(extra or {}))
+                 BLOCK_N=bn, BLOCK_M=16, BLOCK_K=bk, SPLIT_K=split, USE_PDL=True)
+    const.update({**FORMATS[fmt], **(extra or {})})
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

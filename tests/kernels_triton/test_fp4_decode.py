@@ -163,6 +163,27 @@ def test_f16_decode_is_exact():
     assert torch.equal(prod16, e2m1[:, None] * 2.0**-14 * s[None, :])
 
 
+def test_folded_e4m3_scale_is_exact():
+    """nvfp4 W4A16's fold (fp4_planes FOLD_E4M3): the bf16 plane value e2m1 * 2^-126 (bits 8..6 and
+    15; the code 0.5 is the bf16 subnormal 2^-127) times the scale as bf16 e4m3 * 2^118 is exactly
+    e2m1 * e4m3 * 2^-8 for all 16 codes and every finite e4m3 scale (checked exhaustively), so the
+    epilogue's 2^8 gives the unfolded product; a NaN scale stays NaN."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    e2m1 = formats.codecs.decode_e2m1(codes).double()
+    bits = ((codes.int() & 7) << 6) | ((codes.int() & 8) << 12)
+    raw = bits.to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(raw.double(), e2m1 * 2.0**-126)
+    s = formats.codecs.decode_e4m3(torch.arange(256, dtype=torch.uint8)).double()
+    sv = (s.float() * _fp4_decode.E4M3_FOLD.value).to(torch.bfloat16)  # the kernel's scale, via fp32
+    fin = torch.isfinite(s)
+    assert torch.equal(sv[fin].double(), s[fin] * 2.0**118) and torch.isnan(sv[~fin]).all()
+    prod = (raw[:, None] * sv[None, fin]).double()  # bf16 product, rounded once
+    assert torch.equal(prod, e2m1[:, None] * s[None, fin] * 2.0**-8)
+    nz = prod[e2m1 != 0][:, s[fin] != 0].abs()
+    assert (nz >= 2.0**-18).all() and (nz <= 2688 * 2.0**-8).all()  # bf16 normals: nothing flushed or rounded
+    assert _fp4_decode.FOLD_SCALE_BACK.value == 2.0**8
+
+
 def test_policy_domain():
     f = _fp4_decode.decode_applies
     assert f(16, (9, 0), False, torch.bfloat16)  # W4A4 on sm_90 (nvfp4: fp16 planes, mxfp4: bf16)
