@@ -25,7 +25,6 @@ import sys
 import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # real JITFunctions (kernels_triton respects a set value)
-os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # so that ptxas runs and reports registers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
@@ -72,6 +71,7 @@ def compile_kernel(fmt: str, bn: int, bk: int, split: int, warps: int, stages: i
     from triton import knobs
 
     knobs.nvidia.dump_ptxas_log = True
+    knobs.cache.dir = tempfile.mkdtemp()  # a fresh cache per build, so that ptxas runs and reports
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
