@@ -352,7 +352,7 @@ def fp4_overlap_rows(M, w0, gen, before):
         add(f"before {before['_fp4_decode'].decode_config(M, N, K, ws[0].data.device)}",
             lambda w: gemm(w, before["_fp4_decode"].launch_fp4_decode))
         add(f"after {cfg0} (default)", gemm)
-        tiles = [(128, 4, 3), (128, 8, 3), (128, 16, 3), (128, 8, 4)] + ([(256, 4, 3), (256, 8, 3)] if M > 1 else [])
+        tiles = [(128, 4, 3), (128, 8, 3), (128, 16, 3)] + ([(128, 8, 4), (256, 4, 3)] if M > 1 else [])
         for bk, split, stages in tiles:
             cfg = TileConfig(16, 128, bk, GROUP_M=1, num_warps=4, num_stages=stages, SPLIT_K=split)
             if cfg != cfg0:
