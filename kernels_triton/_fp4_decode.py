@@ -305,15 +305,19 @@ def fp4_decode_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Policy and launcher
 # ---------------------------------------------------------------------------------------------
-def decode_tile(M: int, N: int, K: int, n_sms: int) -> TileConfig:
-    """The GPU tile on a device of ``n_sms`` SMs. BLOCK_M is the padded activation side (16), BLOCK_N
-    the weight rows per program (128: the activation's decode and the loop's fixed cost spread over
-    twice the rows of 64); split-K while the grid stays within four programs per SM and each program
-    keeps >= 4 K tiles (docs/perf_notes.md, issue 13 row 17)."""
-    bn, bk = 128, 128
+def decode_tile(M: int, N: int, K: int, n_sms: int, fmt: str = "mxfp4", a16: bool = False) -> TileConfig:
+    """The GPU tile for format ``fmt`` ("nvfp4" or "mxfp4"; ``a16``: W4A16) on a device of ``n_sms``
+    SMs. BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program (128: the
+    loop's fixed cost spread over twice the rows of 64). BLOCK_K 256 for nvfp4 W4A4 (the fp16
+    planes' decode is the cheapest; twice the MMAs per step to hide it under, 204 registers, two
+    programs per SM still fit), 128 for the bf16 planes. Split-K while the grid stays within two
+    programs per SM and each program keeps >= 4 K steps (docs/perf_notes.md, issue 13 rows 17, 22:
+    with async MMAs split 4 beat split 8 for every format at M = 16)."""
+    bn = 128
+    bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
     tiles = triton.cdiv(N, bn)
     split = 1
-    while tiles * split * 2 <= 4 * n_sms and triton.cdiv(K, bk) >= 8 * split:
+    while tiles * split * 2 <= 2 * n_sms and triton.cdiv(K, bk) >= 8 * split:
         split *= 2
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
 
@@ -324,15 +328,17 @@ def min_block_k(group: int) -> int:
     return 4 * group
 
 
-def decode_config(M: int, N: int, K: int, device, group: int = 32) -> TileConfig:
-    """The tile launch_fp4_decode launches on ``device`` and tile_config reports: decode_tile with the
-    device's SM count; under the interpreter wide tiles (few programs and K steps) with
-    BLOCK_K >= min_block_k(group) (group: 16 nvfp4, 32 mxfp4, the default)."""
+def decode_config(M: int, N: int, K: int, device, fmt: str = "mxfp4", a16: bool = False) -> TileConfig:
+    """The tile launch_fp4_decode launches on ``device`` for ``fmt`` ("nvfp4" / "mxfp4", ``a16``:
+    W4A16) and tile_config reports: decode_tile with the device's SM count; under the interpreter
+    wide tiles (few programs and K steps) with BLOCK_K >= min_block_k of the format's group (16
+    nvfp4, 32 mxfp4)."""
     if interpreting():
         p = triton.next_power_of_2
+        group = 16 if fmt == "nvfp4" else 32
         return TileConfig(BLOCK_M=16, BLOCK_N=min(256, max(16, p(N))),
                           BLOCK_K=min(512, max(64, min_block_k(group), p(K))), GROUP_M=1, num_warps=4, num_stages=1)
-    return decode_tile(M, N, K, sm_count(device))
+    return decode_tile(M, N, K, sm_count(device), fmt, a16)
 
 
 def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
@@ -384,7 +390,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
     if M == 0 or N == 0:
         return out
     interp = interpreting()
-    cfg = config or decode_config(M, N, K, w.device, group)  # the tile tile_config reports
+    cfg = config or decode_config(M, N, K, w.device, "nvfp4" if scale_e4m3 else "mxfp4", a16)  # as tile_config
     if cfg.BLOCK_M < M:
         raise ValueError(f"BLOCK_M must be >= M = {M} (one program holds every row), got BLOCK_M={cfg.BLOCK_M}")
     bk = cfg.BLOCK_K

@@ -291,7 +291,7 @@ def fp4_planes_rows(M, w0, gen):
 
         add("gemm", f"lesson {lesson_cfg}", lambda w: _fp4_gemm.launch_fp4_gemm(*args(w)[0], **args(w)[1],
                                                                                  config=lesson_cfg))
-        add("gemm", f"swap planes {_fp4_decode.decode_config(M, N, K, ws[0].data.device)} (default)", gemm)
+        add("gemm", f"swap planes {_fp4_decode.decode_config(M, N, K, ws[0].data.device, fmt, a16)} (default)", gemm)
         # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
         tiles = [(64, 128, 8, 4, 3), (128, 128, 16, 4, 3)]
         if M > 1:
@@ -343,7 +343,7 @@ def fp4_overlap_rows(M, w0, gen, before):
         a0, k0 = args(ws[0])
         ref = _fp4_gemm.launch_fp4_gemm(*a0, **k0, config=_fp4_gemm.fp4_gemm_config(M, N, K, False))
         add = row_adder(rows, name, M, ws, ref)
-        cfg0 = _fp4_decode.decode_config(M, N, K, ws[0].data.device, 16 if nv else 32)
+        cfg0 = _fp4_decode.decode_config(M, N, K, ws[0].data.device, fmt, a16)
 
         def gemm(w, launch=_fp4_decode.launch_fp4_decode, **kw):
             a, k = args(w)
@@ -352,7 +352,7 @@ def fp4_overlap_rows(M, w0, gen, before):
         add(f"before {before['_fp4_decode'].decode_config(M, N, K, ws[0].data.device)}",
             lambda w: gemm(w, before["_fp4_decode"].launch_fp4_decode))
         add(f"after {cfg0} (default)", gemm)
-        tiles = [(128, 4, 3), (128, 8, 3), (128, 16, 3)] + ([(128, 8, 4), (256, 4, 3)] if M > 1 else [])
+        tiles = [(128, 4, 3), (128, 8, 3), (256, 4, 3), (256, 8, 3)]
         for bk, split, stages in tiles:
             cfg = TileConfig(16, 128, bk, GROUP_M=1, num_warps=4, num_stages=stages, SPLIT_K=split)
             if cfg != cfg0:

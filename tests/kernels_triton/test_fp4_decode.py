@@ -72,7 +72,7 @@ def test_short_k_takes_the_default_tile(fmt, a16, K):
     is at least 4 * group (scale_planes), the K tail masked. Bound as above."""
     M, N = 3, 48
     w, x, xq = _operands(fmt, M, N, K, a16)
-    assert _fp4_decode.decode_config(M, N, K, w.data.device, GROUP[fmt]).BLOCK_K >= 4 * GROUP[fmt]
+    assert _fp4_decode.decode_config(M, N, K, w.data.device, fmt, a16).BLOCK_K >= 4 * GROUP[fmt]
     y = _launch(_fp4_decode.launch_fp4_decode, fmt, w, x, xq, None, a16)
     xd = x.double() if a16 else formats.dequantize(xq, torch.float64)
     wd = formats.dequantize(w, torch.float64)
@@ -195,27 +195,34 @@ def test_policy_domain():
     assert not f(1, None, False, torch.bfloat16)  # CPU / interpreter
 
 
+@pytest.mark.parametrize("fmt,a16", [("nvfp4", False), ("mxfp4", False), ("nvfp4", True), ("mxfp4", True)])
 @pytest.mark.parametrize("n_sms", [132, 114, 78, 16, 1])  # H200/H100 SXM, H100 PCIe, H20, small parts
 @pytest.mark.parametrize("M,N,K", [(16, 8192, 8192), (1, 8192, 8192), (5, 1024, 2048), (16, 40, 320),
                                    (4, 28672, 4096), (16, 4096, 14336)])
-def test_tile_policy_of_an_sm_count(n_sms, M, N, K):
+def test_tile_policy_of_an_sm_count(fmt, a16, n_sms, M, N, K):
     """decode_tile for a device given by its SM count (the value tile_config and the launcher both
-    pass): 128 x 16 x 128 w4 s3, SPLIT_K the largest power of two that keeps the grid within four
-    programs per SM and each program >= 4 K tiles (docs/perf_notes.md row 17)."""
-    cfg = _fp4_decode.decode_tile(M, N, K, n_sms)
-    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages) == (16, 128, 128, 4, 3)
-    tiles, k_tiles, s = -(-N // 128), -(-K // 128), cfg.SPLIT_K
+    pass): 128 x 16 x BLOCK_K w4 s3, BLOCK_K 256 for nvfp4 W4A4 with K >= 1024 and 128 otherwise,
+    SPLIT_K the largest power of two that keeps the grid within two programs per SM and each
+    program >= 4 K steps (docs/perf_notes.md rows 17 and 22)."""
+    cfg = _fp4_decode.decode_tile(M, N, K, n_sms, fmt, a16)
+    bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages) == (16, 128, bk, 4, 3)
+    tiles, k_tiles, s = -(-N // 128), -(-K // bk), cfg.SPLIT_K
 
     def fits(split):
-        return split == 1 or (tiles * split <= 4 * n_sms and k_tiles >= 4 * split)
+        return split == 1 or (tiles * split <= 2 * n_sms and k_tiles >= 4 * split)
 
     assert s >= 1 and s & (s - 1) == 0 and fits(s) and not fits(2 * s), (n_sms, M, N, K, s)
 
 
 def test_tile_policy_follows_the_sm_count():
-    """The case the review found: N = K = 8192 splits 8 ways on 132 SMs but 4 on an H100's 114."""
-    assert _fp4_decode.decode_tile(16, 8192, 8192, 132).SPLIT_K == 8
-    assert _fp4_decode.decode_tile(16, 8192, 8192, 114).SPLIT_K == 4
+    """N = K = 8192 splits 4 ways on 132 SMs (256 programs) but 2 on an H100 PCIe's 114, for every
+    format (nvfp4 W4A4 over BLOCK_K 256, the rest over 128)."""
+    for fmt, a16 in (("nvfp4", False), ("mxfp4", False), ("nvfp4", True), ("mxfp4", True)):
+        assert _fp4_decode.decode_tile(16, 8192, 8192, 132, fmt, a16).SPLIT_K == 4
+        assert _fp4_decode.decode_tile(16, 8192, 8192, 114, fmt, a16).SPLIT_K == 2
+    assert _fp4_decode.decode_tile(16, 8192, 8192, 132, "nvfp4").BLOCK_K == 256
+    assert _fp4_decode.decode_tile(16, 8192, 8192, 132, "nvfp4", a16=True).BLOCK_K == 128
 
 
 @pytest.mark.gpu
@@ -226,5 +233,5 @@ def test_reported_tile_is_the_launched_tile_on_sm90(mod):
     n_sms = sm90_sm_count()
     dev = torch.device(DEVICE)
     for M, N, K in ((1, 8192, 8192), (16, 8192, 8192), (5, 1024, 2048)):
-        assert mod.tile_config(M, N, K) == _fp4_decode.decode_config(M, N, K, dev) \
-            == _fp4_decode.decode_tile(M, N, K, n_sms)
+        assert mod.tile_config(M, N, K) == _fp4_decode.decode_config(M, N, K, dev, mod.FMT) \
+            == _fp4_decode.decode_tile(M, N, K, n_sms, mod.FMT)
