@@ -37,6 +37,14 @@ the multiply keeps the subnormal 0.5 * 2^-126); the scale, bf16 by bit placement
 or from the e4m3 decode, multiplies in bf16, exactly (e2m1 * scale has at most 6 significant bits
 and stays in bf16's range whenever the lesson's fp32 product does).
 
+The activation is decoded once per call (``act_planes_kernel``) into a 16-bit [M, K] tensor in the
+K loop's dot order, and the GEMM loads it with a plain pipelined load: then no dot operand is
+stored to shared memory inside the loop, which is what Triton's WGMMA pipeliner needs to make the
+wgmmas asynchronous (split per 16 K), so the weight decode of later slices runs while earlier
+slices' MMAs execute (docs/perf_notes.md row 22). With the activation decoded in the loop, its
+tile went through shared memory each step and the loop waited for all its MMAs before the next
+decode.
+
 Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
 and the integer decode runs as plain Triton ops instead of inline PTX.
 """
