@@ -40,7 +40,7 @@ and stays in bf16's range whenever the lesson's fp32 product does).
 The activation is decoded once per call (``act_planes_kernel``) into a 16-bit [M, K] tensor in the
 K loop's dot order, and the GEMM loads it with a plain pipelined load: then no dot operand is
 stored to shared memory inside the loop, which is what Triton's WGMMA pipeliner needs to make the
-wgmmas asynchronous (split per 16 K), so the weight decode of later slices runs while earlier
+wgmmas asynchronous (the dot split along K), so the weight decode of later slices runs while earlier
 slices' MMAs execute (docs/perf_notes.md row 22). With the activation decoded in the loop, its
 tile went through shared memory each step and the loop waited for all its MMAs before the next
 decode.
@@ -286,7 +286,8 @@ def fp4_decode_gemm_kernel(
         w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
         # the activation tile arrives decoded, by a load the pipeliner copies into its shared-memory
         # ring: with no dot operand stored to shared memory inside the loop, the wgmmas are async
-        # (split per 16 K, WGMMAPipeline) and the weight decode runs while they execute
+        # (the pipeliner splits the dot along K; Triton 3.6: per 16 K) and the weight decode of
+        # later slices runs while earlier slices' MMAs execute
         a = tl.load(a_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(a), acc)
 
@@ -320,7 +321,8 @@ def decode_tile(M: int, N: int, K: int, n_sms: int, fmt: str = "mxfp4", a16: boo
     planes' decode is the cheapest; twice the MMAs per step to hide it under, 204 registers, two
     programs per SM still fit), 128 for the bf16 planes. Split-K while the grid stays within two
     programs per SM and each program keeps >= 4 K steps (docs/perf_notes.md, issue 13 rows 17, 22:
-    with async MMAs split 4 beat split 8 for every format at M = 16)."""
+    with async MMAs, split 4 was 1-1.3 us faster than split 8 for the bf16 planes at M = 16 and
+    level for nvfp4, whose BLOCK_K 256 split 4 was 3 us faster)."""
     bn = 128
     bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
     tiles = triton.cdiv(N, bn)
@@ -364,7 +366,10 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
                       use_asm: bool | None = None, fold_scale: bool | None = None) -> torch.Tensor:
     """y [M, N] = dequant(a) . dequant(w)^T (* alpha) (+ bias) for M <= 16, as
-    ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions).
+    ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions). Launches
+    act_planes_kernel (the activation decoded into an [M, K rounded up to BLOCK_K] scratch of the
+    dot dtype: fp16 for nvfp4 W4A4, bf16 otherwise, fp32 under the interpreter), the GEMM, and
+    with split-K the ordered reduction, all with PDL where it applies (_pdl).
 
     Args:
         a: W4A4: packed e2m1 uint8 [M, K/2] (element 2j in the low nibble of byte j; row stride
@@ -379,7 +384,8 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         out_dtype: torch.bfloat16, torch.float16 or torch.float32.
         gx, gw: nvfp4's global scales, float32 one-element device tensors (alpha = 1 / (gx gw),
             NaN for a bad one), or None (no alpha).
-        config: the tile; None: decode_config's for w's device. BLOCK_M >= M, BLOCK_K a power of
+        config: the tile; None: decode_config's for w's device and the format (nvfp4 when
+            scale_e4m3, else mxfp4; W4A16 with a16). BLOCK_M >= M, BLOCK_K a power of
             two >= 4 * group (min_block_k).
         use_asm: the inline-PTX decode (True; a GPU only) or plain Triton ops (False); None: PTX on
             a GPU, plain ops under the interpreter.
