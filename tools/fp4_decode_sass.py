@@ -1,6 +1,6 @@
 """The K loop of the FP4 decode kernel (_fp4_decode) in sm_90 SASS, compiled here without a GPU.
 
-    python tools/fp4_decode_sass.py                       # every format, the default tile
+    python tools/fp4_decode_sass.py                       # every format, its default tile
     python tools/fp4_decode_sass.py --fmt nvfp4 --dump    # one format, the loop's SASS printed
     PYTHONPATH=/path/to/triton-3.6 python tools/fp4_decode_sass.py   # as the H200 compiles it
 
@@ -30,23 +30,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels_triton import _fp4_decode  # noqa: E402
 
-# format -> the kernel's constexprs that launch_fp4_decode derives from it
+# format -> the GEMM kernel's constexprs that launch_fp4_decode derives from it (the activation
+# arrives decoded, so mxfp4 W4A4 and W4A16 compile to the same GEMM)
 FORMATS = {
-    "nvfp4": dict(GROUP=16, SCALE_E4M3=True, A16=False, F16_DECODE=True, DOT_DTYPE=tl.float16),
-    "mxfp4": dict(GROUP=32, SCALE_E4M3=False, A16=False, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
-    "mxfp4_w4a16": dict(GROUP=32, SCALE_E4M3=False, A16=True, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
-    "nvfp4_w4a16": dict(GROUP=16, SCALE_E4M3=True, A16=True, F16_DECODE=False, DOT_DTYPE=tl.bfloat16,
-                        FOLD_E4M3=True),
+    "nvfp4": dict(GROUP=16, SCALE_E4M3=True, F16_DECODE=True, DOT_DTYPE=tl.float16),
+    "mxfp4": dict(GROUP=32, SCALE_E4M3=False, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
+    "mxfp4_w4a16": dict(GROUP=32, SCALE_E4M3=False, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
+    "nvfp4_w4a16": dict(GROUP=16, SCALE_E4M3=True, F16_DECODE=False, DOT_DTYPE=tl.bfloat16, FOLD_E4M3=True),
 }
 KEY_OPS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC", "LDG", "LDGSTS", "LDS", "LDSM", "STS",
            "STSM", "PRMT", "LOP3", "HMUL2", "IMAD", "SHF", "F2FP", "HADD2", "FMUL")
 
 
 def compile_kernel(fmt: str, bn: int, bk: int, split: int, warps: int, stages: int, extra: dict | None = None):
+    """(the compiled fp4_decode_gemm_kernel for sm_90, its registers, its spill-store bytes)."""
     fn = _fp4_decode.fp4_decode_gemm_kernel
     const = dict(HAS_GLOBAL=fmt == "nvfp4", HAS_BIAS=False, USE_ASM=True, ROUND_BF16=False, EVEN_K=True,
                  BLOCK_N=bn, BLOCK_M=16, BLOCK_K=bk, SPLIT_K=split, USE_PDL=True)
@@ -68,7 +70,6 @@ def compile_kernel(fmt: str, bn: int, bk: int, split: int, warps: int, stages: i
             if name != "M":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     const = {k: v for k, v in const.items() if k in fn.arg_names}
-    from triton import knobs
 
     knobs.nvidia.dump_ptxas_log = True
     knobs.cache.dir = tempfile.mkdtemp()  # a fresh cache per build, so that ptxas runs and reports
@@ -126,23 +127,28 @@ def report(fmt: str, body: list[str]) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fmt", default=",".join(FORMATS))
-    p.add_argument("--tile", default="128,128,8,4,3", help="BLOCK_N,BLOCK_K,SPLIT_K,warps,stages")
+    p.add_argument("--tile", help="BLOCK_N,BLOCK_K,SPLIT_K,warps,stages (default: decode_tile's for M = 16, "
+                   "N = K = 8192 on 132 SMs, per format)")
     p.add_argument("--dump", action="store_true", help="print the loop's SASS")
     p.add_argument("--const", default="", help="extra constexprs, NAME=int,...")
     args = p.parse_args()
-    bn, bk, split, warps, stages = (int(v) for v in args.tile.split(","))
-    print(f"triton {triton.__version__}, sm_90, tile {bn} x 16 x {bk} split {split} w{warps} s{stages}")
+    print(f"triton {triton.__version__}, sm_90")
+    extra = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.const.split(",") if kv}
     for fmt in args.fmt.split(","):
-        extra = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.const.split(",") if kv}
+        if args.tile:
+            bn, bk, split, warps, stages = (int(v) for v in args.tile.split(","))
+        else:
+            c = _fp4_decode.decode_tile(16, 8192, 8192, 132, fmt.split("_")[0], fmt.endswith("w4a16"))
+            bn, bk, split, warps, stages = c.BLOCK_N, c.BLOCK_K, c.SPLIT_K, c.num_warps, c.num_stages
         k, regs, spills = compile_kernel(fmt, bn, bk, split, warps, stages, extra)
-        body = loop_body(k.asm["sass"])
-        r = report(fmt, body)
+        r = report(fmt, loop_body(k.asm["sass"]))
         keys = " ".join(f"{o} {r['ops'][o]}" for o in KEY_OPS if r["ops"][o])
-        print(f"{fmt}: loop {r['loop']} instructions, regs {regs}, spill stores {spills}; {keys}")
+        print(f"{fmt} ({bn} x 16 x {bk} split {split} w{warps} s{stages}): loop {r['loop']} instructions, "
+              f"regs {regs}, spill stores {spills}; {keys}")
         for w in r["waits"]:
             print(f"    wait {w}")
         if args.dump:
-            print("\n".join(body))
+            print("\n".join(loop_body(k.asm["sass"])))
     return 0
 
 
