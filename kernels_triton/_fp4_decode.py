@@ -317,12 +317,16 @@ def fp4_decode_gemm_kernel(
 def decode_tile(M: int, N: int, K: int, n_sms: int, fmt: str = "mxfp4", a16: bool = False) -> TileConfig:
     """The GPU tile for format ``fmt`` ("nvfp4" or "mxfp4"; ``a16``: W4A16) on a device of ``n_sms``
     SMs. BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program (128: the
-    loop's fixed cost spread over twice the rows of 64). BLOCK_K 256 for nvfp4 W4A4 (the fp16
-    planes' decode is the cheapest; twice the MMAs per step to hide it under, 204 registers, two
+    loop's fixed cost spread over twice the rows of 64). BLOCK_K 256 for nvfp4 W4A4 with K >= 1024
+    (its fp16 decode is the cheapest, so the per-step fixed cost weighs most; 204 registers, two
     programs per SM still fit), 128 for the bf16 planes. Split-K while the grid stays within two
     programs per SM and each program keeps >= 4 K steps (docs/perf_notes.md, issue 13 rows 17, 22:
     with async MMAs, split 4 was 1-1.3 us faster than split 8 for the bf16 planes at M = 16 and
-    level for nvfp4, whose BLOCK_K 256 split 4 was 3 us faster)."""
+    level for nvfp4, whose BLOCK_K 256 split 4 was 3 us faster).
+
+    Raises ValueError for a ``fmt`` other than "nvfp4" / "mxfp4"."""
+    if fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4' for the FP4 decode tile, got {fmt!r}")
     bn = 128
     bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
     tiles = triton.cdiv(N, bn)

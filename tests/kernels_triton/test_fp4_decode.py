@@ -223,6 +223,8 @@ def test_tile_policy_follows_the_sm_count():
         assert _fp4_decode.decode_tile(16, 8192, 8192, 114, fmt, a16).SPLIT_K == 2
     assert _fp4_decode.decode_tile(16, 8192, 8192, 132, "nvfp4").BLOCK_K == 256
     assert _fp4_decode.decode_tile(16, 8192, 8192, 132, "nvfp4", a16=True).BLOCK_K == 128
+    with pytest.raises(ValueError, match="fmt must be 'nvfp4' or 'mxfp4'.*'mxfp8'"):
+        _fp4_decode.decode_tile(16, 8192, 8192, 132, "mxfp8")
 
 
 @pytest.mark.gpu
