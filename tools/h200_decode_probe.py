@@ -291,7 +291,8 @@ def fp4_planes_rows(M, w0, gen):
 
         add("gemm", f"lesson {lesson_cfg}", lambda w: _fp4_gemm.launch_fp4_gemm(*args(w)[0], **args(w)[1],
                                                                                  config=lesson_cfg))
-        add("gemm", f"swap planes {_fp4_decode.decode_config(M, N, K, ws[0].data.device, fmt, a16)} (default)", gemm)
+        cfg0 = _fp4_decode.decode_config(M, N, K, ws[0].data.device, fmt, a16)
+        add("gemm", f"swap planes {cfg0} (default)", gemm)
         # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
         tiles = [(64, 128, 8, 4, 3), (128, 128, 16, 4, 3)]
         if M > 1:
