@@ -37,6 +37,14 @@ the multiply keeps the subnormal 0.5 * 2^-126); the scale, bf16 by bit placement
 or from the e4m3 decode, multiplies in bf16, exactly (e2m1 * scale has at most 6 significant bits
 and stays in bf16's range whenever the lesson's fp32 product does).
 
+The activation is decoded once per call (``act_planes_kernel``) into a 16-bit [M, K] tensor in the
+K loop's dot order, and the GEMM loads it with a plain pipelined load: then no dot operand is
+stored to shared memory inside the loop, which is what Triton's WGMMA pipeliner needs to make the
+wgmmas asynchronous (the dot split along K), so the weight decode of later slices runs while earlier
+slices' MMAs execute (docs/perf_notes.md row 22). With the activation decoded in the loop, its
+tile went through shared memory each step and the loop waited for all its MMAs before the next
+decode.
+
 Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
 and the integer decode runs as plain Triton ops instead of inline PTX.
 """
@@ -55,6 +63,7 @@ from ._twopass import (ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, spl
                        store_splitk_partial)
 
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
+_TORCH_DTYPE = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
 F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
 
 
@@ -78,27 +87,24 @@ prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
 
 # bf16 planes (mxfp4, W4A16): prmt spreads bytes (0, 1) / (2, 3) into the two 16-bit lanes, the
 # magnitude goes to bf16 bits 8..6 and the sign to bit 15 (value * 2^-126, the subnormal 0.5 too, as
-# for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value.
-_BF16_LO_ASM = tl.constexpr("""{
-.reg .b32 x, a, s, c;
-mov.b32 c, 0x7E807E80;
-prmt.b32 x, $2, 0, 0x4140;
-and.b32 a, x, 0x00070007; shl.b32 a, a, 6; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 a, a, s;
-mul.rn.bf16x2 $0, a, c;
-prmt.b32 x, $2, 0, 0x4342;
-and.b32 a, x, 0x00070007; shl.b32 a, a, 6; and.b32 s, x, 0x00080008; shl.b32 s, s, 12; or.b32 a, a, s;
-mul.rn.bf16x2 $1, a, c;
-}""")
-_BF16_HI_ASM = tl.constexpr("""{
-.reg .b32 x, a, s, c;
-mov.b32 c, 0x7E807E80;
-prmt.b32 x, $2, 0, 0x4140;
-and.b32 a, x, 0x00700070; shl.b32 a, a, 2; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 a, a, s;
-mul.rn.bf16x2 $0, a, c;
-prmt.b32 x, $2, 0, 0x4342;
-and.b32 a, x, 0x00700070; shl.b32 a, a, 2; and.b32 s, x, 0x00800080; shl.b32 s, s, 8; or.b32 a, a, s;
-mul.rn.bf16x2 $1, a, c;
-}""")
+# for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value;
+# without it (``restore`` False) the planes stay value * 2^-126 (FOLD_E4M3 in fp4_planes).
+def _bf16_plane_asm(high: bool, restore: bool) -> str:
+    mag, mag_shl, sgn, sgn_shl = ("0x00700070", 2, "0x00800080", 8) if high else ("0x00070007", 6, "0x00080008", 12)
+    out = ["a", "a"] if restore else ["$0", "$1"]
+    half = [f"prmt.b32 x, $2, 0, {sel};\n"
+            f"and.b32 a, x, {mag}; shl.b32 a, a, {mag_shl}; and.b32 s, x, {sgn}; shl.b32 s, s, {sgn_shl}; "
+            f"or.b32 {dst}, a, s;\n" + (f"mul.rn.bf16x2 ${i}, a, c;\n" if restore else "")
+            for i, (sel, dst) in enumerate(zip(("0x4140", "0x4342"), out))]
+    return "{\n.reg .b32 x, a, s, c;\n" + ("mov.b32 c, 0x7E807E80;\n" if restore else "") + "".join(half) + "}"
+
+
+_BF16_LO_ASM = tl.constexpr(_bf16_plane_asm(False, True))
+_BF16_HI_ASM = tl.constexpr(_bf16_plane_asm(True, True))
+_BF16_LO_RAW_ASM = tl.constexpr(_bf16_plane_asm(False, False))
+_BF16_HI_RAW_ASM = tl.constexpr(_bf16_plane_asm(True, False))
+E4M3_FOLD = tl.constexpr(2.0**118)  # 2^118: the share of 2^126 an e4m3 scale (<= 448) carries
+FOLD_SCALE_BACK = tl.constexpr(256.0)  # 2^8: the rest, in the epilogue
 
 
 @triton.jit
@@ -120,12 +126,17 @@ def e2m1_f16_scaled(nibble):
 @triton.jit
 def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr,
-               F16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr):
+               F16: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, FOLD_E4M3: tl.constexpr = False):
     """The even and odd K elements of rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed e2m1 matrix,
     block scales applied: (lo, hi), each [BLOCK_R, BLOCK_K // 2], lo[:, j] = element k0 + 2j (the low
     nibble of byte j), hi[:, j] = element k0 + 2j + 1, both in fragment order (``fragment_order``).
     F16 (e4m3 scales only): fp16, value * 2^-14. Else bf16 with USE_ASM, float32 without; all exact
-    (the caller's cast to its dot dtype is exact too). Masked reads give 0.
+    (the caller's cast to its dot dtype is exact too). Masked reads give 0. FOLD_E4M3 (bf16 with
+    USE_ASM and e4m3 scales): value * 2^-8, the planes' 2^-126 left in and the scale times 2^118
+    instead of a multiply by 2^126 per register; the caller multiplies by 2^8 (FOLD_SCALE_BACK).
+    Exact: e2m1 * 2^-126 (2^-127 for the subnormal 0.5, a bf16 subnormal the multiply keeps) times
+    e4m3 * 2^118 (2^109 .. 448 * 2^118 < 2^127, bf16 normals) has at most 2 + 4 significant bits
+    and lies in [2^-18, 2688 * 2^-8]: a bf16 normal, no rounding; a NaN scale stays NaN.
 
     Not joining the planes back into K order is the point: a dot over K is the dot over the even
     elements plus the dot over the odd ones, and each asm output register (the low nibbles of two
@@ -152,6 +163,10 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
         lo = e2m1_f16_scaled(b & 0xF)
         hi = e2m1_f16_scaled(b >> 4)
         sv = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
+    elif USE_ASM and FOLD_E4M3:
+        lo = tl.inline_asm_elementwise(_BF16_LO_RAW_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_BF16_HI_RAW_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+        sv = (decode_e4m3(s) * E4M3_FOLD).to(tl.bfloat16)  # exact: a power of two, no overflow
     elif USE_ASM:
         lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True,
                                        pack=4)
@@ -212,17 +227,44 @@ def a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M: tl.c
 # The kernel
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def act_planes_kernel(
+    a_ptr, a_scale_ptr, p_ptr, M, K, stride_am, stride_ak, stride_asm, stride_pm,
+    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, A16: tl.constexpr, F16_DECODE: tl.constexpr,
+    USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,  # _pdl
+):
+    """p [M, K_pad] (DOT_DTYPE, K_pad a multiple of BLOCK_K): the activation decoded, each BLOCK_K
+    tile in the order the GEMM's K loop dots it, [even plane, odd plane] in fragment order (zeros
+    past K). One program per K tile, all rows."""
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    pdl_wait(USE_PDL)  # the quantized activation
+    if A16:
+        lo, hi = a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
+    else:
+        lo, hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+                            BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+    pdl_launch_dependents(USE_PDL)
+    p = planes_k(lo.to(DOT_DTYPE), hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
+    tl.store(p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + (k0 + tl.arange(0, BLOCK_K))[None, :], p,
+             mask=m_mask[:, None])
+
+
+@triton.jit
 def fp4_decode_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, gx_ptr, gw_ptr, bias_ptr, c_ptr, ws_ptr,
+    a_ptr, w_ptr, w_scale_ptr, gx_ptr, gw_ptr, bias_ptr, c_ptr, ws_ptr,
     M, N, K, K_PER,
-    stride_am, stride_ak, stride_asm, stride_wn, stride_wsn, stride_cm,
-    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr, A16: tl.constexpr,
+    stride_am, stride_wn, stride_wsn, stride_cm,
+    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, F16_DECODE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
+    FOLD_E4M3: tl.constexpr = False,  # fp4_planes: the weight's 2^126 restore folded into its scale
 ):
-    """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module docstring)."""
+    """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module
+    docstring). a_ptr: the activation as act_planes_kernel wrote it (DOT_DTYPE, K padded)."""
     # scale_planes: each of a lane quad's 4 slots of a plane (BLOCK_K / 8 bytes) holds whole blocks
     tl.static_assert(BLOCK_K >= 4 * GROUP, "BLOCK_K must be >= 4 * GROUP (min_block_k)")
     pid_n = tl.program_id(0)
@@ -231,28 +273,30 @@ def fp4_decode_gemm_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    pdl_wait(USE_PDL)  # the quantized activation
+    pdl_wait(USE_PDL)  # the decoded activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w_lo, w_hi = fp4_planes(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                                BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
-        if A16:
-            a_lo, a_hi = a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
-        else:
-            a_lo, a_hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                                    BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+                                BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K, FOLD_E4M3)
         # one dot over both planes (K order: the even elements, then the odd ones): the join
-        # only moves whole registers, and the MMAs of a step need a single wait
+        # only moves whole registers
         w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
-        a = planes_k(a_lo.to(DOT_DTYPE), a_hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
+        # the activation tile arrives decoded, by a load the pipeliner copies into its shared-memory
+        # ring: with no dot operand stored to shared memory inside the loop, the wgmmas are async
+        # (the pipeliner splits the dot along K; Triton 3.6: per 16 K) and the weight decode of
+        # later slices runs while earlier slices' MMAs execute
+        a = tl.load(a_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(a), acc)
 
     pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if F16_DECODE:
         out = out * F16_SCALE_BACK
+    if FOLD_E4M3:
+        out = out * FOLD_SCALE_BACK
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         store_splitk_partial(ws_ptr, out, pid_k, offs_m, offs_n, M, N, mask)
@@ -270,15 +314,24 @@ def fp4_decode_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Policy and launcher
 # ---------------------------------------------------------------------------------------------
-def decode_tile(M: int, N: int, K: int, n_sms: int) -> TileConfig:
-    """The GPU tile on a device of ``n_sms`` SMs. BLOCK_M is the padded activation side (16), BLOCK_N
-    the weight rows per program (128: the activation's decode and the loop's fixed cost spread over
-    twice the rows of 64); split-K while the grid stays within four programs per SM and each program
-    keeps >= 4 K tiles (docs/perf_notes.md, issue 13 row 17)."""
-    bn, bk = 128, 128
+def decode_tile(M: int, N: int, K: int, n_sms: int, fmt: str = "mxfp4", a16: bool = False) -> TileConfig:
+    """The GPU tile for format ``fmt`` ("nvfp4" or "mxfp4"; ``a16``: W4A16) on a device of ``n_sms``
+    SMs. BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program (128: the
+    loop's fixed cost spread over twice the rows of 64). BLOCK_K 256 for nvfp4 W4A4 with K >= 1024
+    (its fp16 decode is the cheapest, so the per-step fixed cost weighs most; 204 registers, two
+    programs per SM still fit), 128 for the bf16 planes. Split-K while the grid stays within two
+    programs per SM and each program keeps >= 4 K steps (docs/perf_notes.md, issue 13 rows 17, 22:
+    with async MMAs, split 4 was 1-1.3 us faster than split 8 for the bf16 planes at M = 16 and
+    level for nvfp4, whose BLOCK_K 256 split 4 was 3 us faster).
+
+    Raises ValueError for a ``fmt`` other than "nvfp4" / "mxfp4"."""
+    if fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4' for the FP4 decode tile, got {fmt!r}")
+    bn = 128
+    bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
     tiles = triton.cdiv(N, bn)
     split = 1
-    while tiles * split * 2 <= 4 * n_sms and triton.cdiv(K, bk) >= 8 * split:
+    while tiles * split * 2 <= 2 * n_sms and triton.cdiv(K, bk) >= 8 * split:
         split *= 2
     return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
 
@@ -289,15 +342,17 @@ def min_block_k(group: int) -> int:
     return 4 * group
 
 
-def decode_config(M: int, N: int, K: int, device, group: int = 32) -> TileConfig:
-    """The tile launch_fp4_decode launches on ``device`` and tile_config reports: decode_tile with the
-    device's SM count; under the interpreter wide tiles (few programs and K steps) with
-    BLOCK_K >= min_block_k(group) (group: 16 nvfp4, 32 mxfp4, the default)."""
+def decode_config(M: int, N: int, K: int, device, fmt: str = "mxfp4", a16: bool = False) -> TileConfig:
+    """The tile launch_fp4_decode launches on ``device`` for ``fmt`` ("nvfp4" / "mxfp4", ``a16``:
+    W4A16) and tile_config reports: decode_tile with the device's SM count; under the interpreter
+    wide tiles (few programs and K steps) with BLOCK_K >= min_block_k of the format's group (16
+    nvfp4, 32 mxfp4)."""
     if interpreting():
         p = triton.next_power_of_2
+        group = 16 if fmt == "nvfp4" else 32
         return TileConfig(BLOCK_M=16, BLOCK_N=min(256, max(16, p(N))),
                           BLOCK_K=min(512, max(64, min_block_k(group), p(K))), GROUP_M=1, num_warps=4, num_stages=1)
-    return decode_tile(M, N, K, sm_count(device))
+    return decode_tile(M, N, K, sm_count(device), fmt, a16)
 
 
 def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
@@ -313,9 +368,12 @@ def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
 
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
-                      use_asm: bool | None = None) -> torch.Tensor:
+                      use_asm: bool | None = None, fold_scale: bool | None = None) -> torch.Tensor:
     """y [M, N] = dequant(a) . dequant(w)^T (* alpha) (+ bias) for M <= 16, as
-    ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions).
+    ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions). Launches
+    act_planes_kernel (the activation decoded into an [M, K rounded up to BLOCK_K] scratch of the
+    dot dtype: fp16 for nvfp4 W4A4, bf16 otherwise, fp32 under the interpreter), the GEMM, and
+    with split-K the ordered reduction, all with PDL where it applies (_pdl).
 
     Args:
         a: W4A4: packed e2m1 uint8 [M, K/2] (element 2j in the low nibble of byte j; row stride
@@ -330,10 +388,14 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         out_dtype: torch.bfloat16, torch.float16 or torch.float32.
         gx, gw: nvfp4's global scales, float32 one-element device tensors (alpha = 1 / (gx gw),
             NaN for a bad one), or None (no alpha).
-        config: the tile; None: decode_config's for w's device. BLOCK_M >= M, BLOCK_K a power of
+        config: the tile; None: decode_config's for w's device and the format (nvfp4 when
+            scale_e4m3, else mxfp4; W4A16 with a16). BLOCK_M >= M, BLOCK_K a power of
             two >= 4 * group (min_block_k).
         use_asm: the inline-PTX decode (True; a GPU only) or plain Triton ops (False); None: PTX on
             a GPU, plain ops under the interpreter.
+        fold_scale: nvfp4 W4A16 with the PTX decode only: the bf16 planes' 2^126 restore folded into
+            the e4m3 scale (2^118) and the epilogue (2^8), one multiply per register less
+            (fp4_planes, FOLD_E4M3); None: on where it applies. Ignored elsewhere.
     Returns:
         [M, N] tensor of out_dtype on w's device.
     Raises:
@@ -346,7 +408,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
     if M == 0 or N == 0:
         return out
     interp = interpreting()
-    cfg = config or decode_config(M, N, K, w.device, group)  # the tile tile_config reports
+    cfg = config or decode_config(M, N, K, w.device, "nvfp4" if scale_e4m3 else "mxfp4", a16)  # as tile_config
     if cfg.BLOCK_M < M:
         raise ValueError(f"BLOCK_M must be >= M = {M} (one program holds every row), got BLOCK_M={cfg.BLOCK_M}")
     bk = cfg.BLOCK_K
@@ -355,24 +417,34 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
                          f"kernel's planes, got BLOCK_K={bk}")
     f16 = bool(scale_e4m3 and not a16)  # nvfp4 W4A4: both operands fit fp16 exactly
     dot = tl.float32 if interp else (tl.float16 if f16 else tl.bfloat16)
+    asm = (not interp) if use_asm is None else use_asm
+    fold = asm and scale_e4m3 and a16 and (fold_scale is None or fold_scale)
+    even_k = K % bk == 0
     if a16:
         stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
     else:
         stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
+    k_tiles = triton.cdiv(K, bk)
+    planes = torch.empty((M, k_tiles * bk), dtype=_TORCH_DTYPE[dot], device=w.device)
+    act_planes_kernel[(k_tiles,)](
+        a, a_scale, planes, M, K, stride_am, stride_ak, stride_asm, planes.stride(0),
+        GROUP=group, SCALE_E4M3=scale_e4m3, A16=a16, F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot, EVEN_K=even_k,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(w.device),
+    )
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
     has_global = gx is not None
     grid = (triton.cdiv(N, cfg.BLOCK_N), n_split)
     fp4_decode_gemm_kernel[grid](
-        a, a_scale, w, w_scale, gx if has_global else w_scale, gw if has_global else w_scale,
+        planes, w, w_scale, gx if has_global else w_scale, gw if has_global else w_scale,
         bias if bias is not None else out, out, ws,
         M, N, K, k_per,
-        stride_am, stride_ak, stride_asm, w.stride(0), w_scale.stride(0), out.stride(0),
-        GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, A16=a16, HAS_BIAS=bias is not None,
-        F16_DECODE=f16, USE_ASM=(not interp) if use_asm is None else use_asm, DOT_DTYPE=dot,
-        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=K % cfg.BLOCK_K == 0,
+        planes.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
+        F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot,
+        ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=even_k,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, FOLD_E4M3=fold, **pdl_launch(w.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE,

@@ -112,15 +112,16 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
 PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
 
 
-def portable_config(M: int, N: int, K: int, device, *, decode_kernel: bool = False) -> TileConfig:
+def portable_config(M: int, N: int, K: int, device, *, decode_kernel: bool = False, fmt: str = "mxfp4") -> TileConfig:
     """The portable kernel's tile on ``device``: the SM12x table on SM120/SM121 (101,376 B of shared
     memory per block), fp4_gemm_config elsewhere and under the interpreter; with ``decode_kernel``
-    (a caller whose GEMM takes _fp4_decode at M <= 16 on sm_90) that kernel's tile."""
+    (a W4A4 caller of format ``fmt`` whose GEMM takes _fp4_decode at M <= 16 on sm_90) that
+    kernel's tile."""
     cap = device_capability(device)
     if cap is not None and cap[0] == 12:
         return sm12x_config("e2m1_portable", M, N, K, sm_count(device))
     if decode_kernel and not interpreting() and cap is not None and cap[0] == 9 and 1 <= M <= 16:
-        return decode_config(M, N, K, device)  # _fp4_decode's swapped kernel, the tile it launches
+        return decode_config(M, N, K, device, fmt)  # _fp4_decode's swapped kernel, the tile it launches
     return fp4_gemm_config(M, N, K, interpreting())
 
 

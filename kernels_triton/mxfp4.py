@@ -200,7 +200,7 @@ def tile_config(M: int, N: int, K: int, path=None):
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_tile_config(M, N, K, dev)
-    return portable_config(M, N, K, dev, decode_kernel=True)
+    return portable_config(M, N, K, dev, decode_kernel=True, fmt=FMT)
 
 
 def _check_out_dtype(out_dtype) -> None:

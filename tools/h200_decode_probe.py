@@ -11,12 +11,20 @@ shapes.
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/probe.json [--only fp8_block,mxfp8]
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/planes.json --only fp4
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/mx8.json --only mxfp8_bf16
+    PYTHONPATH=. python3 tools/h200_decode_probe.py --only fp4ovl --before /path/to/older/kernels_triton
+
+The fp4ovl job (perf_notes row 22) times the FP4 decode GEMM and linear of this tree against an
+older copy of the kernels_triton package (``--before``, imported as ``kt_before`` in the same
+process), plus tiles and the nvfp4 W4A16 scale fold of this tree.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -104,7 +112,6 @@ def bf16_row(M, x, w0):
 
 
 def fp4_rows(fmt, M, a16, w0, gen):
-    mod = nvfp4 if fmt == "nvfp4" else mxfp4
     group = 16 if fmt == "nvfp4" else 32
     ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
     x = (torch.randn(M, K, generator=gen, device="cuda") ).to(torch.bfloat16)
@@ -321,7 +328,8 @@ def fp4_planes_rows(M, w0, gen):
 
         add("gemm", f"lesson {lesson_cfg}", lambda w: _fp4_gemm.launch_fp4_gemm(*args(w)[0], **args(w)[1],
                                                                                  config=lesson_cfg))
-        add("gemm", f"swap planes {_fp4_decode.decode_config(M, N, K, ws[0].data.device)} (default)", gemm)
+        cfg0 = _fp4_decode.decode_config(M, N, K, ws[0].data.device, fmt, a16)
+        add("gemm", f"swap planes {cfg0} (default)", gemm)
         # planes with other tiles (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
         tiles = [(64, 128, 8, 4, 3), (128, 128, 16, 4, 3)]
         if M > 1:
@@ -336,13 +344,77 @@ def fp4_planes_rows(M, w0, gen):
     return rows
 
 
+def load_before(path):
+    """The kernels_triton package at ``path`` (an older tree), imported as ``kt_before``: its
+    modules import each other relatively, so both versions live in one process."""
+    spec = importlib.util.spec_from_file_location("kt_before", os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["kt_before"] = pkg
+    spec.loader.exec_module(pkg)
+    return {m: importlib.import_module(f"kt_before.{m}") for m in ("_fp4_decode", "nvfp4", "mxfp4")}
+
+
+def fp4_overlap_rows(M, w0, gen, before):
+    """perf_notes row 22: the FP4 decode GEMM (launch_fp4_decode, default tile) and whole linear of
+    this tree against ``before`` (load_before), then this tree's GEMM with split 4 / 8 / 16, 4
+    stages, BLOCK_K 256, and nvfp4 W4A16 without the scale fold; bf16 cuBLAS last. Every output is
+    checked against the lesson kernel."""
+    rows = []
+    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    for fmt, a16 in [("nvfp4", False), ("mxfp4", False), ("mxfp4", True), ("nvfp4", True)]:
+        mod = nvfp4 if fmt == "nvfp4" else mxfp4
+        nv = fmt == "nvfp4"
+        name = fmt + ("_w4a16" if a16 else "")
+        ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
+        xq = None if a16 else formats.quantize(x, fmt, role="activation")
+        one = torch.ones(1, device="cuda")
+
+        def args(w):
+            gx = (one if a16 else xq.global_scale.reshape(1).float()) if nv else None
+            gw = w.global_scale.reshape(1).float() if nv else None
+            return ((x if a16 else xq.data, None if a16 else xq.scale.view(torch.uint8), w.data,
+                     w.scale.view(torch.uint8)),
+                    dict(M=M, N=N, K=K, group=16 if nv else 32, scale_e4m3=nv, bias=None, out_dtype=torch.bfloat16,
+                         gx=gx, gw=gw, a16=a16))
+
+        a0, k0 = args(ws[0])
+        ref = _fp4_gemm.launch_fp4_gemm(*a0, **k0, config=_fp4_gemm.fp4_gemm_config(M, N, K, False))
+        add = row_adder(rows, name, M, ws, ref)
+        cfg0 = _fp4_decode.decode_config(M, N, K, ws[0].data.device, fmt, a16)
+
+        def gemm(w, launch=_fp4_decode.launch_fp4_decode, **kw):
+            a, k = args(w)
+            return launch(*a, **k, **kw)
+
+        add(f"before {before['_fp4_decode'].decode_config(M, N, K, ws[0].data.device)}",
+            lambda w: gemm(w, before["_fp4_decode"].launch_fp4_decode))
+        add(f"after {cfg0} (default)", gemm)
+        tiles = [(128, 4, 3), (128, 8, 3), (256, 4, 3), (256, 8, 3)]
+        for bk, split, stages in tiles:
+            cfg = TileConfig(16, 128, bk, GROUP_M=1, num_warps=4, num_stages=stages, SPLIT_K=split)
+            if cfg != cfg0:
+                add(f"after {cfg}", lambda w, cfg=cfg: gemm(w, config=cfg))
+        if nv and a16:
+            add(f"after {cfg0} fold_scale=False", lambda w: gemm(w, fold_scale=False))
+        lin, lin0 = ((lambda w: mod.linear(x, w, a16=True)), (lambda w: before[fmt].linear(x, w, a16=True))) if a16 \
+            else ((lambda w: mod.linear(x, w)), (lambda w: before[fmt].linear(x, w)))
+        add("before", lin0, "linear")
+        add("after (default)", lin, "linear")
+        torch.cuda.empty_cache()
+    rows.append(bf16_row(M, x, w0))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
     p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, mxfp8, fp4 (planes "
-                   "vs lesson), mxfp8_bf16 (the two mxfp8 decode kernels); default: all)")
+                   "vs lesson), mxfp8_bf16 (the two mxfp8 decode kernels), fp4ovl (needs --before); default: all)")
+    p.add_argument("--before", help="fp4ovl: the older kernels_triton package directory to compare with")
     args = p.parse_args()
+    before = load_before(args.before) if args.before else None
     t0 = time.time()
     global DEADLINE
     DEADLINE = t0 + args.budget_s
@@ -352,7 +424,8 @@ def main():
     jobs = [("nvfp4", 16, False), ("mxfp4", 16, False), ("mxfp4", 16, True), ("nvfp4", 1, False),
             ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None),
             ("fp8_block", 16, None), ("fp8_block", 1, None), ("mxfp8", 16, None), ("mxfp8", 1, None),
-            ("fp4", 16, None), ("fp4", 1, None), ("mxfp8_bf16", 16, None), ("mxfp8_bf16", 1, None)]
+            ("fp4", 16, None), ("fp4", 1, None), ("mxfp8_bf16", 16, None), ("mxfp8_bf16", 1, None),
+            ("fp4ovl", 16, None), ("fp4ovl", 1, None)]
     if args.only:
         sel = args.only.split(",")
         jobs = [j for j in jobs if j[0] in sel or f"{j[0]}:{j[1]}" in sel]
@@ -368,6 +441,11 @@ def main():
             rows += fp4_planes_rows(M, w0, gen)
         elif fmt == "mxfp8_bf16":
             rows += mxfp8_bf16_rows(M, w0, gen)
+        elif fmt == "fp4ovl":
+            if before is None:
+                print("fp4ovl needs --before, skipped", flush=True)
+                continue
+            rows += fp4_overlap_rows(M, w0, gen, before)
         else:
             rows += fp4_rows(fmt, M, a16, w0, gen)
         torch.cuda.empty_cache()

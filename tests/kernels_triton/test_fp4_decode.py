@@ -72,7 +72,7 @@ def test_short_k_takes_the_default_tile(fmt, a16, K):
     is at least 4 * group (scale_planes), the K tail masked. Bound as above."""
     M, N = 3, 48
     w, x, xq = _operands(fmt, M, N, K, a16)
-    assert _fp4_decode.decode_config(M, N, K, w.data.device, GROUP[fmt]).BLOCK_K >= 4 * GROUP[fmt]
+    assert _fp4_decode.decode_config(M, N, K, w.data.device, fmt, a16).BLOCK_K >= 4 * GROUP[fmt]
     y = _launch(_fp4_decode.launch_fp4_decode, fmt, w, x, xq, None, a16)
     xd = x.double() if a16 else formats.dequantize(xq, torch.float64)
     wd = formats.dequantize(w, torch.float64)
@@ -97,16 +97,16 @@ def test_kernel_asserts_block_k_of_four_blocks():
     """The kernel's own guard (tl.static_assert) for a caller that skips launch_fp4_decode's check:
     mxfp4 with BLOCK_K = 64 fails at trace time, naming BLOCK_K, not inside scale_planes' reshape."""
     M, N, K = 2, 64, 256
-    w, _, xq = _operands("mxfp4", M, N, K, False)
-    a, sa = xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8)
+    w, _, _ = _operands("mxfp4", M, N, K, False)
+    a = torch.zeros((M, K), dtype=torch.float32, device=DEVICE)  # the decoded activation (act_planes_kernel)
     wd, sw = w.data.contiguous(), w.scale.contiguous().view(torch.uint8)
     out = torch.empty((M, N), dtype=torch.float32, device=DEVICE)
     # the interpreter wraps the AssertionError; a GPU compile raises a CompilationError
     with pytest.raises((InterpreterError, triton.CompilationError), match=r"BLOCK_K must be >= 4 \* GROUP"):
         _fp4_decode.fp4_decode_gemm_kernel[(1, 1)](
-            a, sa, wd, sw, sw, sw, out, out, out, M, N, K, K,
-            a.stride(0), 1, sa.stride(0), wd.stride(0), sw.stride(0), out.stride(0),
-            GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, A16=False, HAS_BIAS=False, F16_DECODE=False,
+            a, wd, sw, sw, sw, out, out, out, M, N, K, K,
+            a.stride(0), wd.stride(0), sw.stride(0), out.stride(0),
+            GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DECODE=False,
             USE_ASM=False, DOT_DTYPE=triton.language.float32, ROUND_BF16=False, EVEN_K=True,
             BLOCK_N=64, BLOCK_M=16, BLOCK_K=64, SPLIT_K=1)
 
@@ -163,6 +163,27 @@ def test_f16_decode_is_exact():
     assert torch.equal(prod16, e2m1[:, None] * 2.0**-14 * s[None, :])
 
 
+def test_folded_e4m3_scale_is_exact():
+    """nvfp4 W4A16's fold (fp4_planes FOLD_E4M3): the bf16 plane value e2m1 * 2^-126 (bits 8..6 and
+    15; the code 0.5 is the bf16 subnormal 2^-127) times the scale as bf16 e4m3 * 2^118 is exactly
+    e2m1 * e4m3 * 2^-8 for all 16 codes and every finite e4m3 scale (checked exhaustively), so the
+    epilogue's 2^8 gives the unfolded product; a NaN scale stays NaN."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    e2m1 = formats.codecs.decode_e2m1(codes).double()
+    bits = ((codes.int() & 7) << 6) | ((codes.int() & 8) << 12)
+    raw = bits.to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(raw.double(), e2m1 * 2.0**-126)
+    s = formats.codecs.decode_e4m3(torch.arange(256, dtype=torch.uint8)).double()
+    sv = (s.float() * _fp4_decode.E4M3_FOLD.value).to(torch.bfloat16)  # the kernel's scale, via fp32
+    fin = torch.isfinite(s)
+    assert torch.equal(sv[fin].double(), s[fin] * 2.0**118) and torch.isnan(sv[~fin]).all()
+    prod = (raw[:, None] * sv[None, fin]).double()  # bf16 product, rounded once
+    assert torch.equal(prod, e2m1[:, None] * s[None, fin] * 2.0**-8)
+    nz = prod[e2m1 != 0][:, s[fin] != 0].abs()
+    assert (nz >= 2.0**-18).all() and (nz <= 2688 * 2.0**-8).all()  # bf16 normals: nothing flushed or rounded
+    assert _fp4_decode.FOLD_SCALE_BACK.value == 2.0**8
+
+
 def test_policy_domain():
     f = _fp4_decode.decode_applies
     assert f(16, (9, 0), False, torch.bfloat16)  # W4A4 on sm_90 (nvfp4: fp16 planes, mxfp4: bf16)
@@ -174,27 +195,36 @@ def test_policy_domain():
     assert not f(1, None, False, torch.bfloat16)  # CPU / interpreter
 
 
+@pytest.mark.parametrize("fmt,a16", [("nvfp4", False), ("mxfp4", False), ("nvfp4", True), ("mxfp4", True)])
 @pytest.mark.parametrize("n_sms", [132, 114, 78, 16, 1])  # H200/H100 SXM, H100 PCIe, H20, small parts
 @pytest.mark.parametrize("M,N,K", [(16, 8192, 8192), (1, 8192, 8192), (5, 1024, 2048), (16, 40, 320),
                                    (4, 28672, 4096), (16, 4096, 14336)])
-def test_tile_policy_of_an_sm_count(n_sms, M, N, K):
+def test_tile_policy_of_an_sm_count(fmt, a16, n_sms, M, N, K):
     """decode_tile for a device given by its SM count (the value tile_config and the launcher both
-    pass): 128 x 16 x 128 w4 s3, SPLIT_K the largest power of two that keeps the grid within four
-    programs per SM and each program >= 4 K tiles (docs/perf_notes.md row 17)."""
-    cfg = _fp4_decode.decode_tile(M, N, K, n_sms)
-    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages) == (16, 128, 128, 4, 3)
-    tiles, k_tiles, s = -(-N // 128), -(-K // 128), cfg.SPLIT_K
+    pass): 128 x 16 x BLOCK_K w4 s3, BLOCK_K 256 for nvfp4 W4A4 with K >= 1024 and 128 otherwise,
+    SPLIT_K the largest power of two that keeps the grid within two programs per SM and each
+    program >= 4 K steps (docs/perf_notes.md rows 17 and 22)."""
+    cfg = _fp4_decode.decode_tile(M, N, K, n_sms, fmt, a16)
+    bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages) == (16, 128, bk, 4, 3)
+    tiles, k_tiles, s = -(-N // 128), -(-K // bk), cfg.SPLIT_K
 
     def fits(split):
-        return split == 1 or (tiles * split <= 4 * n_sms and k_tiles >= 4 * split)
+        return split == 1 or (tiles * split <= 2 * n_sms and k_tiles >= 4 * split)
 
     assert s >= 1 and s & (s - 1) == 0 and fits(s) and not fits(2 * s), (n_sms, M, N, K, s)
 
 
 def test_tile_policy_follows_the_sm_count():
-    """The case the review found: N = K = 8192 splits 8 ways on 132 SMs but 4 on an H100's 114."""
-    assert _fp4_decode.decode_tile(16, 8192, 8192, 132).SPLIT_K == 8
-    assert _fp4_decode.decode_tile(16, 8192, 8192, 114).SPLIT_K == 4
+    """N = K = 8192 splits 4 ways on 132 SMs (256 programs) but 2 on an H100 PCIe's 114, for every
+    format (nvfp4 W4A4 over BLOCK_K 256, the rest over 128)."""
+    for fmt, a16 in (("nvfp4", False), ("mxfp4", False), ("nvfp4", True), ("mxfp4", True)):
+        assert _fp4_decode.decode_tile(16, 8192, 8192, 132, fmt, a16).SPLIT_K == 4
+        assert _fp4_decode.decode_tile(16, 8192, 8192, 114, fmt, a16).SPLIT_K == 2
+    assert _fp4_decode.decode_tile(16, 8192, 8192, 132, "nvfp4").BLOCK_K == 256
+    assert _fp4_decode.decode_tile(16, 8192, 8192, 132, "nvfp4", a16=True).BLOCK_K == 128
+    with pytest.raises(ValueError, match="fmt must be 'nvfp4' or 'mxfp4'.*'mxfp8'"):
+        _fp4_decode.decode_tile(16, 8192, 8192, 132, "mxfp8")
 
 
 @pytest.mark.gpu
@@ -205,5 +235,5 @@ def test_reported_tile_is_the_launched_tile_on_sm90(mod):
     n_sms = sm90_sm_count()
     dev = torch.device(DEVICE)
     for M, N, K in ((1, 8192, 8192), (16, 8192, 8192), (5, 1024, 2048)):
-        assert mod.tile_config(M, N, K) == _fp4_decode.decode_config(M, N, K, dev) \
-            == _fp4_decode.decode_tile(M, N, K, n_sms)
+        assert mod.tile_config(M, N, K) == _fp4_decode.decode_config(M, N, K, dev, mod.FMT) \
+            == _fp4_decode.decode_tile(M, N, K, n_sms, mod.FMT)
