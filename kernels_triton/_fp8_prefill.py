@@ -2,7 +2,7 @@
 
 The same sums as the lesson kernels (fp8_tensor._gemm_kernel, fp8_block._gemm_kernel), with the
 operand tiles fetched by TMA (host-side tensor descriptors, ``triton.tools.tensor_descriptor``)
-instead of pointer loads, at 4 warps (one warpgroup) and 3 stages of 32 KB:
+instead of pointer loads, at 4 warps (one warpgroup), with 96 KB or less of shared memory:
 
     per-tensor (fp8_tensor,   acc = dot(x, w^T, acc), the wgmma accumulator promoted into fp32
     SCALE_K = 0)              every IMPRECISE_ACC (128) products; sx * sw and the bias once, in
@@ -13,9 +13,10 @@ instead of pointer loads, at 4 warps (one warpgroup) and 3 stages of 32 KB:
                               tile's weight rows share one scale per step (a scalar).
 
 Why this shape: the fp32 promotion serializes each step's wgmma and its FMAs inside one
-warpgroup. A 4-warp CTA with 3 stages uses ~96 KB of shared memory, so two CTAs share an SM (228
-KB) and one's promotion overlaps the other's MMAs (tools/triton_sm90_facts.py --time: 1100 us at
-8192^3 against 1184 for the pointer kernel at 8 warps, 4 stages; docs/perf_notes.md, row 23).
+warpgroup. A 4-warp CTA with 3 stages of 32 KB (fp8_tensor's 128 x 128 tile) or 4 of 24 KB
+(fp8_block's 64 x 128) uses ~96 KB of shared memory, so two CTAs share an SM (228 KB) and one's
+promotion overlaps the other's MMAs (H200, M = 4096, N = K = 8192: fp8_tensor 584 -> 516 us,
+fp8_block 995 -> 626 us against the pointer kernels; docs/perf_notes.md, row 23).
 Triton's warp_specialize would be the other way, but it gives wrong sums on this loop in 3.6.
 
 TMA reads outside the tensor as zeros, so M, N and K tails need no load masks (the K tail of
@@ -46,10 +47,12 @@ _BLOCK = tl.constexpr(FP8_BLOCK)
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
 SCALE_KS = (0, FP8_BLOCK)  # SCALE_K of fp8_tensor (per-tensor) and fp8_block (128-wide blocks)
 
-# The launched tiles (docs/perf_notes.md, row 23). fp8_block: a 128 x 128 tile would hold the
-# accumulator and the fresh partial, 2 x 128 fp32 registers per thread at 4 warps, and spill.
+# The launched tiles, the fastest of the H200 probe (docs/perf_notes.md, row 23): fp8_tensor at 4
+# stages or 8 warps no longer fits two CTAs per SM. fp8_block: a 128 x 128 tile holds the
+# accumulator and the fresh partial, 2 x 128 fp32 registers per thread at 4 warps, and spills;
+# 64 x 128 at 4 stages (96 KB, two CTAs per SM) beat 3 stages (74 KB, where three fit).
 TENSOR_PREFILL_TILE = TileConfig(128, 128, 128, GROUP_M=8, num_warps=4, num_stages=3)
-BLOCK_PREFILL_TILE = TileConfig(64, 128, 128, GROUP_M=8, num_warps=4, num_stages=3)
+BLOCK_PREFILL_TILE = TileConfig(64, 128, 128, GROUP_M=8, num_warps=4, num_stages=4)
 
 
 @triton.jit

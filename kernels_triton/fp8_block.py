@@ -43,7 +43,7 @@ swapped, so the weight is wgmma's 64-row M side and the 16 padded activation row
 128-deep partial is a fresh wgmma accumulator scaled by sw * sx before it joins the fp32 sum, and
 K is split over the SMs. ``ue8m0`` changes nothing there, as in the portable kernel.
 Prefill on sm_90 (M > 256, ``_fp8_prefill`` with SCALE_K = 128): this loop with the tiles fetched by
-TMA at 4 warps, 64 x 128 tiles; the lesson kernel where an operand is misaligned for TMA.
+TMA at 4 warps, 64 x 128 tiles, 4 stages; the lesson kernel where an operand is misaligned for TMA.
 
 Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
 fp8_block QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md: the
