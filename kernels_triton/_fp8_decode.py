@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ._common import TileConfig, decode_e4m3, interpreting
 from ._e4m3_gemm import e4m3_operand
+from ._fp8_prefill import prefill_config
 from ._paths import device_capability, sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan,
@@ -233,14 +234,21 @@ def decode_config(M: int, N: int, K: int, scale_k: int = TENSOR_SCALE, n_sms: in
 
 def hopper_config(M: int, N: int, K: int, device, *, scale_k: int = TENSOR_SCALE) -> TileConfig | None:
     """The fp8 GEMM's tile on sm_90 where it differs from _e4m3_gemm.gemm_config (None elsewhere):
-    the decode kernel's for M <= 16 (decode_config); for fp8_tensor also 4 stages instead of 3 for
-    the 128 x 128 x 128 prefill tile (docs/perf_notes.md, row 6). Raises ValueError for a bad
-    scale_k (check_scale_k) and, at M <= 16 with MX scales, K not a positive multiple of 32."""
+    the decode kernel's for M <= 16 (decode_config); for M > 256 with fp8_tensor or fp8_block
+    scales the TMA prefill kernel's (_fp8_prefill.prefill_config, K a multiple of 16; an operand
+    whose base is misaligned for TMA runs this tile on the lesson kernel), and for fp8_tensor with
+    another K 4 stages instead of 3 for the 128 x 128 x 128 tile (docs/perf_notes.md, row 6).
+    Raises ValueError for a bad scale_k (check_scale_k) and, at M <= 16 with MX scales, K not a
+    positive multiple of 32."""
     check_scale_k(scale_k)
     if not _is_sm90(device):
         return None
     if 1 <= M <= 16:
         return decode_config(M, N, K, scale_k, sm_count(device))
+    if M > 256 and scale_k in (TENSOR_SCALE, FP8_BLOCK_SCALE):
+        cfg = prefill_config(M, N, K, device, scale_k=scale_k)
+        if cfg is not None:
+            return cfg
     if M > 256 and scale_k == TENSOR_SCALE:
         return TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4)
     return None

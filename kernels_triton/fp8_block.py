@@ -42,6 +42,8 @@ Decode on sm_90 (1 <= M <= 16, ``_fp8_decode`` with SCALE_K = 128): the same sum
 swapped, so the weight is wgmma's 64-row M side and the 16 padded activation rows its N side; each
 128-deep partial is a fresh wgmma accumulator scaled by sw * sx before it joins the fp32 sum, and
 K is split over the SMs. ``ue8m0`` changes nothing there, as in the portable kernel.
+Prefill on sm_90 (M > 256, ``_fp8_prefill`` with SCALE_K = 128): this loop with the tiles fetched by
+TMA at 4 warps, 64 x 128 tiles, 4 stages; the lesson kernel where an operand is misaligned for TMA.
 
 Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
 fp8_block QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md: the
@@ -82,6 +84,7 @@ from ._e4m3_gemm import (
     quant_config,
 )
 from ._fp8_decode import FP8_BLOCK_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
+from ._fp8_prefill import fp8_prefill_applies, launch_fp8_prefill
 from ._paths import default_device, resolve_path
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
@@ -283,7 +286,8 @@ def _native_gemm_kernel(
 def tile_config(M: int, N: int, K: int, path=None):
     """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
     and ``path`` (None: gemm_path's choice; native with fp32 scales), as gemm uses it (the bench);
-    on sm_90 at M <= 16 the swapped decode kernel's (_fp8_decode)."""
+    on sm_90 at M <= 16 the swapped decode kernel's (_fp8_decode), at M > 256 the TMA prefill
+    kernel's (_fp8_prefill)."""
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_config(M, N, K, dev, kind="fp8_block", block_k=FP8_BLOCK)
@@ -329,7 +333,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     fp32 promotion; ``ue8m0=True`` declares both operands' scales powers of two (DeepGEMM UE8M0)
     and hands them to the MMA as E8M0 bytes. Portable path: fp8 tl.dot partials (ue8m0 is then
     only a statement: the same kernel serves both); on sm_90 at M <= 16 the swapped wgmma kernel
-    of _fp8_decode, the same sum and scales.
+    of _fp8_decode and at M > 256 the TMA kernel of _fp8_prefill, the same sum and scales.
 
     Args:
         xq: fp8_block activation QuantizedTensor [M, K] (scale float32 [M, K/128]).
@@ -355,6 +359,9 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
         return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
                                  scale_k=FP8_BLOCK_SCALE)
+    if fp8_prefill_applies(xq.data, qweight.data, qweight.device):  # M > 256 on sm_90: the TMA kernel
+        return launch_fp8_prefill(xq.data, qweight.data, xq.scale, qweight.scale, bias, y, scale_k=FP8_BLOCK_SCALE,
+                                  config=tile_config(M, N, K, path="portable"))
     return _gemm_portable(xq, qweight, bias, y)
 
 

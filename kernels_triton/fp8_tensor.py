@@ -44,7 +44,8 @@ Two paths (kernels_triton._paths.gemm_path picks by device; ``path=`` forces one
 kernel above (``_gemm_kernel``, a plain fp8 tl.dot), and on SM12x ``_native_gemm_kernel``: the
 same codes through tl.dot_scaled with every E8M0 scale 127 (2^0), because there the plain fp8 MMA
 runs at half the 8-bit rate and the block-scaled one at full rate (triton#11320); the two scales
-stay in the epilogue either way.
+stay in the epilogue either way. On sm_90 gemm routes M <= 16 to _fp8_decode's swapped kernel and
+M > 256 to _fp8_prefill's TMA kernel (this loop, 4 warps, 3 stages; K a multiple of 16).
 
 Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
 fp8_tensor QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md:
@@ -87,6 +88,7 @@ from ._e4m3_gemm import (
     quant_config,
 )
 from ._fp8_decode import fp8_decode_applies, hopper_config, launch_fp8_decode
+from ._fp8_prefill import fp8_prefill_applies, launch_fp8_prefill
 from ._paths import default_device, resolve_path
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (
@@ -398,6 +400,9 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return _gemm_native(xq, qweight, bias, y)
     if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
         return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y)
+    if fp8_prefill_applies(xq.data, qweight.data, qweight.device):  # M > 256 on sm_90: the TMA kernel
+        return launch_fp8_prefill(xq.data, qweight.data, xq.scale, qweight.scale, bias, y,
+                                  config=tile_config(M, N, K, path="portable"))
     return _gemm_portable(xq, qweight, bias, y)
 
 
