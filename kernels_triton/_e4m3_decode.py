@@ -13,6 +13,14 @@ decoded in registers to bf16 with its block scale applied, and one bf16 dot chai
 The decoded weight tile is wgmma's A operand and stays in registers; the 16-row activation tile is
 the B operand. Split-K partials go through _twopass's ordered reduction (deterministic).
 
+Two sources of X~: the codes and scales (``launch_e4m3_decode``, as ``mxfp8.gemm`` has them), decoded
+by every program in the loop and stored to shared memory as the B tile, so the loop waits for all
+its wgmmas each step; or (``launch_e4m3_decode_linear``, X_DECODED) the activation quantized and
+dequantized once by ``act_decoded_kernel`` into a bf16 [M, K] scratch in the loop's dot order, which
+the GEMM loads with a plain pipelined load: no dot operand is stored to shared memory inside the
+loop, so Triton's WGMMA pipeliner makes the dot async (``tools/decode_sass.py``: the wait-for-all
+becomes ``DEPBAR.LE gsb0, 0x1``) and the next weight decode overlaps the MMAs (as in _fp4_decode).
+
 Fragment order (``_fp4_decode.fragment_order`` on bytes): both operands' K is permuted so that lane
 q of a quad holds BLOCK_K / 4 consecutive bytes of a row (two 16-byte loads at BLOCK_K = 128, and
 one whole 32-element scale block: one scale per lane and row), and each 4-byte word decodes to two

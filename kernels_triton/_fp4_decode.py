@@ -43,7 +43,9 @@ stored to shared memory inside the loop, which is what Triton's WGMMA pipeliner 
 wgmmas asynchronous (the dot split along K), so the weight decode of later slices runs while earlier
 slices' MMAs execute (docs/perf_notes.md row 22). With the activation decoded in the loop, its
 tile went through shared memory each step and the loop waited for all its MMAs before the next
-decode.
+decode. The W4A4 decode linears (nvfp4.linear, mxfp4.linear) skip that launch: their activation
+quantizers, which hold the values, write the same planes themselves (``store_planes``,
+``plane_layout``; perf_notes row 24) and pass them as ``planes``.
 
 Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
 and the integer decode runs as plain Triton ops instead of inline PTX.

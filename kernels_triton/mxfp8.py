@@ -109,6 +109,10 @@ VEC_SIZE = tl.constexpr(MX_BLOCK)  # elements per E8M0 scale
 # sm_90 at M <= 16: "bf16" (_e4m3_decode) or "fp8" (_fp8_decode, SCALE_K = 32), the module docstring
 DECODE_KERNEL = "bf16"
 DECODE_KERNELS = ("bf16", "fp8")
+# linear on sm_90 with the "bf16" kernel, M <= this: the quantizer writes the dequantized activation
+# (_e4m3_decode.launch_e4m3_decode_linear); above, codes and scales as gemm. H200, N = K = 8192
+# (docs/perf_notes.md row 24): 30.2 -> 27.3 us at M = 1, but 30.0 -> 33.8 at M = 16 (2..15 not measured)
+DECODED_ACT_MAX_M = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,7 +461,9 @@ def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly.
+    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly (quantize_activation then gemm; on
+    sm_90 at M <= DECODED_ACT_MAX_M, the same quantization written dequantized for the decode GEMM,
+    _e4m3_decode.launch_e4m3_decode_linear, with the same dot operands).
 
     Args:
         x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
@@ -479,8 +485,8 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     x2 = flatten_rows(x)
-    if (fp8_decode_applies(x2.shape[0], qweight.device) and _decode_kernel() == "bf16"
-            and resolve_path(path, FMT, qweight.device) == "portable"):
+    if (x2.shape[0] <= DECODED_ACT_MAX_M and fp8_decode_applies(x2.shape[0], qweight.device)
+            and _decode_kernel() == "bf16" and resolve_path(path, FMT, qweight.device) == "portable"):
         # sm_90 decode: the quantizer writes the dequantized activation the GEMM dots (_e4m3_decode)
         y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
         launch_e4m3_decode_linear(x2, qweight.data.contiguous(), qweight.scale.contiguous(), kernel_bias(bias), y,
