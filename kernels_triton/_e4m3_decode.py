@@ -13,6 +13,14 @@ decoded in registers to bf16 with its block scale applied, and one bf16 dot chai
 The decoded weight tile is wgmma's A operand and stays in registers; the 16-row activation tile is
 the B operand. Split-K partials go through _twopass's ordered reduction (deterministic).
 
+Two sources of X~: the codes and scales (``launch_e4m3_decode``, as ``mxfp8.gemm`` has them), decoded
+by every program in the loop and stored to shared memory as the B tile, so the loop waits for all
+its wgmmas each step; or (``launch_e4m3_decode_linear``, X_DECODED) the activation quantized and
+dequantized once by ``act_decoded_kernel`` into a bf16 [M, K] scratch in the loop's dot order, which
+the GEMM loads with a plain pipelined load: no dot operand is stored to shared memory inside the
+loop, so Triton's WGMMA pipeliner makes the dot async (``tools/decode_sass.py``: the wait-for-all
+becomes ``DEPBAR.LE gsb0, 0x1``) and the next weight decode overlaps the MMAs (as in _fp4_decode).
+
 Fragment order (``_fp4_decode.fragment_order`` on bytes): both operands' K is permuted so that lane
 q of a quad holds BLOCK_K / 4 consecutive bytes of a row (two 16-byte loads at BLOCK_K = 128, and
 one whole 32-element scale block: one scale per lane and row), and each 4-byte word decodes to two
@@ -53,7 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e8m0, interpreting
+from ._common import TileConfig, decode_e4m3, decode_e8m0, interpreting
+from ._e4m3_gemm import mx_e4m3_quantize
 from ._fp4_decode import e8m0_bf16, fragment_order, scale_planes
 from ._paths import sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -135,6 +144,32 @@ def e4m3_tile(data_ptr, s, rows, r_mask, k0, K, stride_dr,
 
 
 @triton.jit
+def act_decoded_kernel(
+    x_ptr, p_ptr, M, K, stride_xm, stride_xk, stride_pm,
+    FLOOR_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # _pdl
+):
+    """p [M, K_pad] (K_pad a multiple of BLOCK_K): x quantized to mxfp8 by mxfp8's rule
+    (mx_e4m3_quantize, the codes and scales of mxfp8.quantize_activation) and dequantized,
+    code * 2^e, each BLOCK_K tile in fragment order, the order the decode GEMM dots it (zeros past
+    K). Exact in bf16 for the scales the rule writes (module docstring); a non-finite block is NaN.
+    One program per K tile, all rows."""
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    pdl_wait(USE_PDL)  # x is the previous kernel's output
+    x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
+                mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+    q, s = mx_e4m3_quantize(x.reshape(BLOCK_M, BLOCK_K // _GROUP, _GROUP), FLOOR_RULE)
+    v = (decode_e4m3(q) * decode_e8m0(s)[:, :, None]).reshape(BLOCK_M, BLOCK_K)  # fp32, exact
+    pdl_launch_dependents(USE_PDL)
+    v = fragment_order(v, BLOCK_M, BLOCK_K)
+    tl.store(p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_k[None, :], v.to(p_ptr.dtype.element_ty),
+             mask=m_mask[:, None])
+
+
+@triton.jit
 def e4m3_decode_gemm_kernel(
     x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr,
     M, N, K, K_PER, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
@@ -142,6 +177,7 @@ def e4m3_decode_gemm_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
+    X_DECODED: tl.constexpr = False,  # x_ptr: act_decoded_kernel's [M, K_pad] of DOT_DTYPE; sx_ptr unused
 ):
     """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module docstring)."""
     tl.static_assert(BLOCK_K >= 4 * _GROUP, "BLOCK_K must be >= 128 (MIN_BLOCK_K)")
@@ -156,19 +192,30 @@ def e4m3_decode_gemm_kernel(
     rows_w = offs_n.to(tl.int64)
     rows_x = offs_m.to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    pdl_wait(USE_PDL)  # the quantized activation
-    # the activation's scale bytes are loaded a step ahead: the pipeliner leaves a load this small
-    # (one byte per thread) in the loop, where its latency would stall every step
-    sx_next = scale_bytes(sx_ptr, rows_x, m_mask, k_lo, K, stride_sxm, BLOCK_K, EVEN_K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        sx = sx_next
-        # the next step's, inside this split (tl.where: the interpreter refuses a bare scalar mask)
-        more = tl.where(k0 + BLOCK_K < k_hi, True, False)
-        sx_next = scale_bytes(sx_ptr, rows_x, m_mask & more, k0 + BLOCK_K, K, stride_sxm, BLOCK_K, EVEN_K)
-        sw = scale_bytes(sw_ptr, rows_w, n_mask, k0, K, stride_swn, BLOCK_K, EVEN_K)
-        w = e4m3_tile(w_ptr, sw, rows_w, n_mask, k0, K, stride_wn, BLOCK_N, BLOCK_K, USE_ASM, EVEN_K)
-        x = e4m3_tile(x_ptr, sx, rows_x, m_mask, k0, K, stride_xm, BLOCK_M, BLOCK_K, USE_ASM, EVEN_K)
-        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
+    pdl_wait(USE_PDL)  # the quantized (X_DECODED: dequantized) activation
+    if X_DECODED:
+        # the activation arrives decoded (act_decoded_kernel), by a plain load the pipeliner copies
+        # into its shared-memory ring: with no dot operand stored to shared memory inside the loop
+        # the wgmmas can be async, the weight decode of the next step overlapping this step's MMAs
+        x_rows = x_ptr + rows_x[:, None] * stride_xm
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            sw = scale_bytes(sw_ptr, rows_w, n_mask, k0, K, stride_swn, BLOCK_K, EVEN_K)
+            w = e4m3_tile(w_ptr, sw, rows_w, n_mask, k0, K, stride_wn, BLOCK_N, BLOCK_K, USE_ASM, EVEN_K)
+            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
+            acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x), acc)
+    else:
+        # the activation's scale bytes are loaded a step ahead: the pipeliner leaves a load this small
+        # (one byte per thread) in the loop, where its latency would stall every step
+        sx_next = scale_bytes(sx_ptr, rows_x, m_mask, k_lo, K, stride_sxm, BLOCK_K, EVEN_K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            sx = sx_next
+            # the next step's, inside this split (tl.where: the interpreter refuses a bare scalar mask)
+            more = tl.where(k0 + BLOCK_K < k_hi, True, False)
+            sx_next = scale_bytes(sx_ptr, rows_x, m_mask & more, k0 + BLOCK_K, K, stride_sxm, BLOCK_K, EVEN_K)
+            sw = scale_bytes(sw_ptr, rows_w, n_mask, k0, K, stride_swn, BLOCK_K, EVEN_K)
+            w = e4m3_tile(w_ptr, sw, rows_w, n_mask, k0, K, stride_wn, BLOCK_N, BLOCK_K, USE_ASM, EVEN_K)
+            x = e4m3_tile(x_ptr, sx, rows_x, m_mask, k0, K, stride_xm, BLOCK_M, BLOCK_K, USE_ASM, EVEN_K)
+            acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc)
     pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -233,7 +280,52 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
             not a power of two >= 128.
     """
     M, K = x.shape
+    cfg = _checked_config(M, w.shape[0], K, y, config)
+    if M == 0 or w.shape[0] == 0:
+        return y
+    return _launch_gemm(x.view(torch.uint8), sx, w, sw, bias, y, cfg, use_asm, maxnreg, x_decoded=False)
+
+
+def launch_e4m3_decode_linear(x, w, sw, bias, y, *, floor_rule: bool = False, config: TileConfig | None = None,
+                              use_asm: bool | None = None) -> torch.Tensor:
+    """y = dequant(q(x)) . dequant(w)^T + bias for M <= 16 rows of a bf16 / fp16 activation x, q the
+    mxfp8 activation quantizer (mxfp8.quantize_activation: formats.quantize's codes and scales): the
+    decode linear in two launches (plus split-K's reduction). act_decoded_kernel quantizes x and
+    writes code * 2^e (bf16 on a GPU, exact; fp32 under the interpreter) into an [M, K rounded up to
+    BLOCK_K] scratch in the GEMM's dot order, which the GEMM loads as is (X_DECODED). The dot
+    operands are those of launch_e4m3_decode on quantize_activation(x), so the result is too, up
+    to the order of the fp32 additions (the same dot: bit for bit under the interpreter).
+
+    Args:
+        x: bfloat16 / float16 [M, K], any strides; M <= 16, K a positive multiple of 32.
+        w, sw: the weight's e4m3 codes [N, K] (float8_e4m3fn or uint8) and E8M0 bytes uint8
+            [N, K/32], K stride 1 in both.
+        bias: None or float32 [N] (kernel_bias's), added in fp32.
+        y: the output, bfloat16 / float16 / float32 [M, N], unit column stride; written, returned.
+        floor_rule: the activation's scale rule, False for "ceil", True for "floor" (OCP MX 6.3).
+        config, use_asm: as launch_e4m3_decode (the weight decode).
+    Returns:
+        y.
+    Raises:
+        ValueError: as launch_e4m3_decode (M > 16, K not a positive multiple of 32, a bad config).
+    """
+    M, K = x.shape
     N = w.shape[0]
+    cfg = _checked_config(M, N, K, y, config)
+    if M == 0 or N == 0:
+        return y
+    bk = cfg.BLOCK_K
+    k_tiles = triton.cdiv(K, bk)
+    xd = torch.empty((M, k_tiles * bk), dtype=torch.float32 if interpreting() else torch.bfloat16, device=y.device)
+    act_decoded_kernel[(k_tiles,)](
+        x, xd, M, K, x.stride(0), x.stride(1), xd.stride(0),
+        FLOOR_RULE=floor_rule, BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(y.device),
+    )
+    return _launch_gemm(xd, sw, w, sw, bias, y, cfg, use_asm, None, x_decoded=True)  # sx unused
+
+
+def _checked_config(M: int, N: int, K: int, y, config) -> TileConfig:
+    """config (None: decode_config's for y's device), checked against the problem (the launchers' Raises)."""
     if M > DECODE_MAX_M:
         raise ValueError(f"M must be <= {DECODE_MAX_M} for the decode kernel, got {M}")
     if K <= 0 or K % MX_GROUP:
@@ -245,10 +337,16 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
     if bk < MIN_BLOCK_K or bk & (bk - 1):
         raise ValueError(f"BLOCK_K must be a power of two >= {MIN_BLOCK_K} (4 scale blocks per lane quad), "
                          f"got BLOCK_K={bk}")
-    if M == 0 or N == 0:
-        return y
+    return cfg
+
+
+def _launch_gemm(x, sx, w, sw, bias, y, cfg, use_asm, maxnreg, *, x_decoded: bool) -> torch.Tensor:
+    """e4m3_decode_gemm_kernel (and split-K's reduction) into y; x: codes uint8, or with x_decoded
+    act_decoded_kernel's scratch (sx then unused)."""
+    M, N, K = y.shape[0], y.shape[1], w.shape[1]
+    bk = cfg.BLOCK_K
     interp = interpreting()
-    x, w = x.view(torch.uint8), w.view(torch.uint8)
+    w = w.view(torch.uint8)
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
     regs = {} if maxnreg is None or interp else {"maxnreg": maxnreg}
@@ -258,7 +356,7 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
         HAS_BIAS=bias is not None, USE_ASM=(not interp) if use_asm is None else use_asm,
         DOT_DTYPE=tl.float32 if interp else tl.bfloat16, ROUND_BF16=interp and y.dtype == torch.bfloat16,
         EVEN_K=K % bk == 0, BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **regs, **pdl_launch(y.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, X_DECODED=x_decoded, **regs, **pdl_launch(y.device),
     )
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias)

@@ -7,6 +7,9 @@ Device helpers:
     grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M) -> (pid_m, pid_n)
         the "grouped ordering" of Triton's matmul tutorial: GROUP_M row tiles are walked together
         so that consecutive programs reuse the same weight columns from L2.
+    mx_e4m3_quantize(x, FLOOR_RULE) -> (codes, E8M0 bytes)
+        mxfp8's per-block quantization rule (mxfp8's module docstring), shared by its quantizer and
+        the sm_90 decode linear's quantizer that writes the dequantized activation (_e4m3_decode).
 (``round_to_bf16_rne``, the interpreter's bf16 rounding fix, and the split-K epilogue live in
 _common and _twopass.)
 """
@@ -18,8 +21,9 @@ import triton
 import triton.language as tl
 
 from formats import QuantizedTensor
+from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS
 
-from ._common import TileConfig, check_bias, check_weight
+from ._common import TileConfig, abs_or_inf, ceil_log2, check_bias, check_weight, encode_e4m3, exp2_int, floor_log2
 from ._common import interpreting as _interpreting
 from ._paths import sm_count
 from ._tiles import sm12x_config
@@ -27,6 +31,32 @@ from ._twopass import split_k_for
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_E4M3_EMAX = tl.constexpr(E4M3_EMAX)
+_E8M0_BIAS = tl.constexpr(E8M0_BIAS)
+
+
+# ---------------------------------------------------------------------------------------------
+# mxfp8's block quantization (formats/mxfp8.py, formats/_mx.py: the oracle)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def mx_e4m3_quantize(x, FLOOR_RULE: tl.constexpr):
+    """x fp32 [R, G, 32], one 1x32 block per last axis -> (codes uint8 [R, G, 32], E8M0 bytes uint8
+    [R, G]): e from the block amax (ceil or floor rule), code = e4m3(x * 2^-e), byte = e + 127; a
+    block holding a NaN/Inf gets codes 0x7F and the NaN byte 0xFF (the non-finite rule)."""
+    amax = tl.max(abs_or_inf(x), axis=2)  # [R, G]; +Inf marks a NaN/Inf in the block
+    bad = amax > 3.4028234663852886e38
+    amax = tl.maximum(amax, _AMAX_FLOOR)
+    if FLOOR_RULE:
+        e = floor_log2(amax) - _E4M3_EMAX
+    else:
+        e = ceil_log2(tl.math.div_rn(amax, _E4M3_MAX))
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    # x * 2^-e is exact (a power of two), like the oracle's ldexp; a bad block's codes are all 0x7F
+    # (times NaN)
+    q = encode_e4m3(x * tl.where(bad, float("nan"), exp2_int(-e))[:, :, None])
+    return q, tl.where(bad, 0xFF, e + _E8M0_BIAS).to(tl.uint8)
 
 
 # ---------------------------------------------------------------------------------------------

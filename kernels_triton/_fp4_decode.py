@@ -43,7 +43,9 @@ stored to shared memory inside the loop, which is what Triton's WGMMA pipeliner 
 wgmmas asynchronous (the dot split along K), so the weight decode of later slices runs while earlier
 slices' MMAs execute (docs/perf_notes.md row 22). With the activation decoded in the loop, its
 tile went through shared memory each step and the loop waited for all its MMAs before the next
-decode.
+decode. The W4A4 decode linears (nvfp4.linear, mxfp4.linear) skip that launch: their activation
+quantizers, which hold the values, write the same planes themselves (``store_planes``,
+``plane_layout``; perf_notes row 24) and pass them as ``planes``.
 
 Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
 and the integer decode runs as plain Triton ops instead of inline PTX.
@@ -223,6 +225,26 @@ def a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M: tl.c
     return fragment_order(lo, BLOCK_M, BLOCK_K // 2), fragment_order(hi, BLOCK_M, BLOCK_K // 2)
 
 
+@triton.jit
+def store_planes(p_ptr, v, offs_m, m_mask, k0, K, K_PAD, stride_pm,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PLANE_K: tl.constexpr):
+    """Store v [BLOCK_M, BLOCK_K] (the decoded activation of K [k0, k0 + BLOCK_K) in K order, fp32
+    values exact in p's dtype; k0 and BLOCK_K multiples of PLANE_K) into p [M, K_PAD] as
+    act_planes_kernel writes it: each PLANE_K tile [even plane, odd plane], both in fragment order,
+    zeros past K (whatever v holds there: a NaN global scale must not reach the padding). An
+    activation quantizer that holds the values calls it instead of storing codes (the decode
+    linear's quantizer; a launch less)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    v = tl.where((offs_k < K)[None, :], v, 0.0)
+    R: tl.constexpr = BLOCK_M * (BLOCK_K // PLANE_K)  # row-major: each PLANE_K tile of a row is a row here
+    lo, hi = v.reshape(R, PLANE_K // 2, 2).split()
+    lo = fragment_order(lo, R, PLANE_K // 2).to(p_ptr.dtype.element_ty)
+    hi = fragment_order(hi, R, PLANE_K // 2).to(p_ptr.dtype.element_ty)
+    p = planes_k(lo, hi, R, PLANE_K).reshape(BLOCK_M, BLOCK_K)
+    tl.store(p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_k[None, :], p,
+             mask=m_mask[:, None] & (offs_k < K_PAD)[None, :])
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
@@ -366,9 +388,19 @@ def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
     return True
 
 
+def plane_layout(M: int, N: int, K: int, device, fmt: str) -> tuple[int, int, torch.dtype]:
+    """(PLANE_K, K_pad, dtype) of the decoded W4A4 activation that launch_fp4_decode dots for ``fmt``
+    ("nvfp4" / "mxfp4") with decode_config's tile: its BLOCK_K, K rounded up to it, and the dot dtype
+    (fp16, value * 2^-14, for nvfp4; bf16 for mxfp4; float32 under the interpreter)."""
+    bk = decode_config(M, N, K, device, fmt).BLOCK_K
+    dt = torch.float32 if interpreting() else (torch.float16 if fmt == "nvfp4" else torch.bfloat16)
+    return bk, triton.cdiv(K, bk) * bk, dt
+
+
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
-                      use_asm: bool | None = None, fold_scale: bool | None = None) -> torch.Tensor:
+                      use_asm: bool | None = None, fold_scale: bool | None = None,
+                      planes: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = dequant(a) . dequant(w)^T (* alpha) (+ bias) for M <= 16, as
     ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions). Launches
     act_planes_kernel (the activation decoded into an [M, K rounded up to BLOCK_K] scratch of the
@@ -396,10 +428,14 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         fold_scale: nvfp4 W4A16 with the PTX decode only: the bf16 planes' 2^126 restore folded into
             the e4m3 scale (2^118) and the epilogue (2^8), one multiply per register less
             (fp4_planes, FOLD_E4M3); None: on where it applies. Ignored elsewhere.
+        planes: None, or the activation already decoded by its quantizer (W4A4: ``plane_layout``'s
+            [M, K_pad] of its dtype, written by store_planes for the same config): act_planes_kernel
+            is skipped and a, a_scale are ignored.
     Returns:
         [M, N] tensor of out_dtype on w's device.
     Raises:
-        ValueError: M > 16, config.BLOCK_M < M, or config.BLOCK_K not a power of two >= 4 * group.
+        ValueError: M > 16, config.BLOCK_M < M, config.BLOCK_K not a power of two >= 4 * group, or
+            planes not of plane_layout's shape and dtype.
     Follows the NVFP4 recipe / OCP MX 1.0 block scaling as the oracle (formats/) does.
     """
     if M > DECODE_MAX_M:
@@ -420,17 +456,21 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
     asm = (not interp) if use_asm is None else use_asm
     fold = asm and scale_e4m3 and a16 and (fold_scale is None or fold_scale)
     even_k = K % bk == 0
-    if a16:
-        stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
-    else:
-        stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
     k_tiles = triton.cdiv(K, bk)
-    planes = torch.empty((M, k_tiles * bk), dtype=_TORCH_DTYPE[dot], device=w.device)
-    act_planes_kernel[(k_tiles,)](
-        a, a_scale, planes, M, K, stride_am, stride_ak, stride_asm, planes.stride(0),
-        GROUP=group, SCALE_E4M3=scale_e4m3, A16=a16, F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot, EVEN_K=even_k,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(w.device),
-    )
+    if planes is None:
+        if a16:
+            stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
+        else:
+            stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
+        planes = torch.empty((M, k_tiles * bk), dtype=_TORCH_DTYPE[dot], device=w.device)
+        act_planes_kernel[(k_tiles,)](
+            a, a_scale, planes, M, K, stride_am, stride_ak, stride_asm, planes.stride(0),
+            GROUP=group, SCALE_E4M3=scale_e4m3, A16=a16, F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot, EVEN_K=even_k,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(w.device),
+        )
+    elif planes.shape != (M, k_tiles * bk) or planes.dtype != _TORCH_DTYPE[dot] or planes.stride(1) != 1:
+        raise ValueError(f"planes must be a K-contiguous {_TORCH_DTYPE[dot]} [{M}, {k_tiles * bk}] tensor "
+                         f"(plane_layout), got {planes.dtype} {tuple(planes.shape)}")
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
     has_global = gx is not None

@@ -38,8 +38,9 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 from formats.validate import nan_unless_positive, static_global_scale
 
-from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e4m3, encode_e2m1, encode_e4m3, interpreting,
-                      nan_if_nonfinite)
+from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3,
+                      interpreting, nan_if_nonfinite)
+from ._fp4_decode import store_planes
 from ._e4m3_gemm import quant_config
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -49,6 +50,7 @@ MAX_PARTIALS = 256  # programs of the amax reduction (the quantize kernel reads 
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
+_TWO_POW_M14 = tl.constexpr(2.0**-14)  # the fp16 planes' factor (_fp4_decode, F16_DECODE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,14 +98,16 @@ def _quantize_kernel(
     partial_ptr,  # float32 [num_partials] (dynamic) or the static g (float32 [1])
     q_ptr, s_ptr,  # out: packed uint8 [M, K/2], e4m3 scale bytes uint8 [M, K/16]
     g_out_ptr,  # out: float32 [1], the global scale used
+    p_ptr,  # PLANE_K > 0, out instead of q and s: the decode GEMM's activation planes [M, K_PAD] (store_planes)
     # dimensions
-    M, K, num_partials,
+    M, K, num_partials, K_PAD,
     # strides
-    stride_xm, stride_xk, stride_qm, stride_sm,
+    stride_xm, stride_xk, stride_qm, stride_sm, stride_pm,
     # meta-parameters
     DYNAMIC: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
+    PLANE_K: tl.constexpr = 0,  # 0: codes and scales; else the planes of the sm_90 decode GEMM's BLOCK_K
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -141,6 +145,13 @@ def _quantize_kernel(
     safe_s = tl.where(s_val > 0, s_val, 1.0)
     codes = encode_e2m1(tl.math.div_rn(xb * g, safe_s))
     codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
+
+    if PLANE_K:  # the decode linear: e2m1 * s * 2^-14, exact in fp16 (_fp4_decode's docstring)
+        v = decode_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 16, 16) * s_val * _TWO_POW_M14
+        pdl_launch_dependents(USE_PDL)
+        store_planes(p_ptr, v.reshape(BLOCK_M, BLOCK_K), offs_m, m_mask, pid_k * BLOCK_K, K, K_PAD, stride_pm,
+                     BLOCK_M, BLOCK_K, PLANE_K)
+        return
 
     # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
     even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
@@ -184,33 +195,65 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
     K = x.shape[-1]
     x2 = x.reshape(-1, K)  # a view when the strides allow; the kernels take both strides
     M = x2.shape[0]
-    device = x.device
-    data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
-    scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=device)
+    data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=x.device)
+    g = _launch(x2, global_scale, data, scale, None, 0)
+    return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
+                           (1, VEC_SIZE), (M, K))
+
+
+def quantize_planes(x2: torch.Tensor, planes: torch.Tensor, plane_k: int, *,
+                    global_scale: Union[None, float, torch.Tensor] = None) -> torch.Tensor:
+    """The sm_90 decode linear's activation quantizer: x2 quantized as quantize_activation does (the
+    same codes, scales and g), but written as the decode GEMM's fp16 planes (value * 2^-14, exact;
+    float32 under the interpreter) instead of codes and scales: a launch less than quantize then
+    _fp4_decode.act_planes_kernel.
+
+    Args:
+        x2: bfloat16/float16 [M, K] (any strides), K a positive multiple of 16, M >= 1.
+        planes: out, _fp4_decode.plane_layout's [M, K_pad] tensor (fp16 / float32, K-contiguous).
+        plane_k: plane_layout's PLANE_K (the GEMM's BLOCK_K), a power of two >= 64.
+        global_scale: as quantize_activation.
+    Returns:
+        g, float32 [1] on x2's device (the global scale used; the GEMM's gx).
+    Raises:
+        ValueError: as quantize_activation; plane_k not a power of two >= 64.
+    """
+    check_activation(x2, None, VEC_SIZE, FMT)
+    if plane_k < 64 or plane_k & (plane_k - 1):
+        raise ValueError(f"plane_k must be a power of two >= 64 (the decode GEMM's BLOCK_K), got {plane_k}")
+    return _launch(x2, global_scale, planes, planes, planes, plane_k)
+
+
+def _launch(x2, global_scale, data, scale, planes, plane_k: int) -> torch.Tensor:
+    """The amax and quantize kernels over x2 [M, K] into data and scale (plane_k 0) or planes; the g
+    tensor (float32 [1], or 0-d without a launch)."""
+    M, K = x2.shape
+    device = x2.device
     dynamic = global_scale is None
     g_in = None if dynamic else static_global_scale(global_scale, device)
     if M == 0:  # no launch; the oracle's g for an empty tensor is 2688 / AMAX_FLOOR
-        g = (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
-             / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else nan_unless_positive(g_in)
-    else:
-        interp = interpreting()
-        block_m, block_k = _quantize_tiles(M, K, interp)
-        g = torch.empty((1,), dtype=torch.float32, device=device)
-        num_partials = 1
-        if dynamic:
-            pm = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
-            pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
-            num_partials = pm * pk
-            g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
-            _amax_partial_kernel[(pm, pk)](
-                x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device))
-        grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-        _quantize_kernel[grid](
-            x2, g_in, data, scale, g,
-            M, K, num_partials,
-            x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
-            DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)),
-            BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device),
-        )
-    return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
-                           (1, VEC_SIZE), (M, K))
+        return (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
+                / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else nan_unless_positive(g_in)
+    interp = interpreting()
+    block_m, block_k = _quantize_tiles(M, K, interp)
+    block_k = max(block_k, plane_k)  # whole plane tiles per program (both powers of two)
+    g = torch.empty((1,), dtype=torch.float32, device=device)
+    num_partials = 1
+    if dynamic:
+        pm = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
+        pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
+        num_partials = pm * pk
+        g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
+        _amax_partial_kernel[(pm, pk)](
+            x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device))
+    p = planes if plane_k else g
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    _quantize_kernel[grid](
+        x2, g_in, data, scale, g, p,
+        M, K, num_partials, planes.shape[1] if plane_k else 0,
+        x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0), planes.stride(0) if plane_k else 0,
+        DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)),
+        BLOCK_M=block_m, BLOCK_K=block_k, PLANE_K=plane_k, **pdl_launch(device),
+    )
+    return g

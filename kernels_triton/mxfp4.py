@@ -69,6 +69,8 @@ from ._common import (
     check_activation,
     check_bias,
     check_weight,
+    decode_e2m1,
+    decode_e8m0,
     encode_e2m1,
     exp2_int,
     floor_log2,
@@ -76,8 +78,9 @@ from ._common import (
     kernel_bias,
 )
 from ._e4m3_gemm import quant_config
+from ._fp4_decode import decode_applies, launch_fp4_decode, plane_layout, store_planes
 from ._fp4_gemm import launch_fp4_gemm, portable_config
-from ._paths import check_native_weight, default_device, resolve_path, weight_scale_bytes
+from ._paths import check_native_weight, default_device, device_capability, resolve_path, weight_scale_bytes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from .nvfp4 import launch_fp4_dot_scaled, native_tile_config
 
@@ -99,14 +102,16 @@ def _quantize_kernel(
     # pointers
     x_ptr,  # bf16/fp16 [M, K], any strides
     q_ptr, s_ptr,  # out: packed uint8 [M, K/2], E8M0 bytes uint8 [M, K/32]
+    p_ptr,  # PLANE_K > 0, out instead of q and s: the decode GEMM's activation planes [M, K_PAD] (store_planes)
     # dimensions
-    M, K,
+    M, K, K_PAD,
     # strides
-    stride_xm, stride_xk, stride_qm, stride_sm,
+    stride_xm, stride_xk, stride_qm, stride_sm, stride_pm,
     # meta-parameters
     CEIL_RULE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
+    PLANE_K: tl.constexpr = 0,  # 0: codes and scales; else the planes of the sm_90 decode GEMM's BLOCK_K
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -137,6 +142,13 @@ def _quantize_kernel(
     # (a bad block: NaN byte 0xFF, all codes 0; e2m1 has no NaN code)
     codes = encode_e2m1(xb * exp2_int(-e)[:, :, None])
     codes = tl.where(bad[:, :, None], 0, codes).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
+    s_bytes = tl.where(bad, 0xFF, e + 127).to(tl.uint8)
+    if PLANE_K:  # the decode linear: e2m1 * 2^e, exact in bf16 (_fp4_decode's docstring); NaN for a bad block
+        v = decode_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 32, 32) * decode_e8m0(s_bytes)[:, :, None]
+        pdl_launch_dependents(USE_PDL)
+        store_planes(p_ptr, v.reshape(BLOCK_M, BLOCK_K), offs_m, m_mask, pid_k * BLOCK_K, K, K_PAD, stride_pm,
+                     BLOCK_M, BLOCK_K, PLANE_K)
+        return
 
     # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
     even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
@@ -146,7 +158,7 @@ def _quantize_kernel(
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
              mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
     offs_ks = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-    tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], tl.where(bad, 0xFF, e + 127).to(tl.uint8),
+    tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], s_bytes,
              mask=m_mask[:, None] & (offs_ks[None, :] < K // 32))
 
 
@@ -184,14 +196,43 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=x.device)
     if M > 0:
-        block_m, block_k = _quantize_tiles(M, K, interpreting())
-        grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-        _quantize_kernel[grid](
-            x2, data, scale, M, K,
-            x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
-            CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(x.device),
-        )
+        _launch_quantize(x2, scale_rule, data, scale, None, 0)
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, VEC_SIZE), (M, K))
+
+
+def quantize_planes(x2: torch.Tensor, planes: torch.Tensor, plane_k: int, *, scale_rule: str = "ceil") -> None:
+    """The sm_90 decode linear's activation quantizer: x2 quantized as quantize_activation does (the
+    same codes and scales), but written as the decode GEMM's bf16 planes (e2m1 * 2^e, exact; float32
+    under the interpreter) instead of codes and scales: a launch less than quantize then
+    _fp4_decode.act_planes_kernel.
+
+    Args:
+        x2: bfloat16/float16 [M, K] (any strides), K a positive multiple of 32, M >= 1.
+        planes: out, _fp4_decode.plane_layout's [M, K_pad] tensor (bf16 / float32, K-contiguous).
+        plane_k: plane_layout's PLANE_K (the GEMM's BLOCK_K), a power of two >= 128.
+        scale_rule: "ceil" or "floor", as quantize_activation.
+    Raises:
+        ValueError: as quantize_activation; plane_k not a power of two >= 128.
+    """
+    check_activation(x2, None, VEC_SIZE, FMT)
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    if plane_k < 4 * VEC_SIZE or plane_k & (plane_k - 1):
+        raise ValueError(f"plane_k must be a power of two >= {4 * VEC_SIZE} (the decode GEMM's BLOCK_K), got {plane_k}")
+    _launch_quantize(x2, scale_rule, planes, planes, planes, plane_k)
+
+
+def _launch_quantize(x2, scale_rule, data, scale, planes, plane_k: int) -> None:
+    """_quantize_kernel over x2 [M >= 1, K] into data and scale (plane_k 0) or planes."""
+    M, K = x2.shape
+    block_m, block_k = _quantize_tiles(M, K, interpreting())
+    block_k = max(block_k, plane_k)  # whole plane tiles per program (both powers of two)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    _quantize_kernel[grid](
+        x2, data, scale, planes if plane_k else data, M, K, planes.shape[1] if plane_k else 0,
+        x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0), planes.stride(0) if plane_k else 0,
+        CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k, PLANE_K=plane_k, **pdl_launch(x2.device),
+    )
 
 
 def tile_config(M: int, N: int, K: int, path=None):
@@ -309,6 +350,18 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     if a16:
         resolve_path(path, FMT, qweight.device, a16=True)  # rejects path="native"
         y = gemm_w4a16(x.reshape(-1, x.shape[-1]), qweight, bias, out_dtype=x.dtype)
+    elif (decode_applies(x.numel() // x.shape[-1], device_capability(qweight.device), False, x.dtype)
+          and resolve_path(path, FMT, qweight.device) == "portable"):
+        # M <= 16 on sm_90: the quantizer writes the decode GEMM's planes (quantize_planes), a launch
+        # less than quantize -> act_planes_kernel -> GEMM
+        x2 = x.reshape(-1, x.shape[-1])
+        M, K = x2.shape
+        plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT)
+        planes = torch.empty((M, k_pad), dtype=dt, device=x.device)
+        quantize_planes(x2, planes, plane_k, scale_rule=scale_rule)
+        y = launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous(), M=M, N=N, K=K,
+                              group=VEC_SIZE, scale_e4m3=False, bias=kernel_bias(bias), out_dtype=x.dtype,
+                              planes=planes)
     else:
         y = gemm(quantize_activation(x, scale_rule=scale_rule), qweight, bias, out_dtype=x.dtype, path=path)
     return y.reshape(*x.shape[:-1], N)

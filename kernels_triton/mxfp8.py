@@ -74,25 +74,21 @@ import triton.language as tl
 
 from formats import QuantizedTensor
 from formats._mx import SCALE_RULES
-from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS, MX_BLOCK
+from formats.constants import MX_BLOCK
 
 from ._common import (
-    abs_or_inf,
-    ceil_log2,
     check_activation,
     check_bias,
     decode_e4m3,
     decode_e8m0,
-    encode_e4m3,
-    exp2_int,
-    floor_log2,
     interpreting,
     kernel_bias,
     scale_offsets,
 )
-from ._e4m3_gemm import check_gemm_operands, flatten_rows, gemm_config, grouped_tile, native_config, quant_config
+from ._e4m3_gemm import (check_gemm_operands, flatten_rows, gemm_config, grouped_tile, mx_e4m3_quantize, native_config,
+                         quant_config)
 from ._e4m3_decode import decode_config as bf16_decode_config
-from ._e4m3_decode import launch_e4m3_decode
+from ._e4m3_decode import launch_e4m3_decode, launch_e4m3_decode_linear
 from ._fp8_decode import MX_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
 from ._paths import NATIVE_SCALE_LAYOUTS, check_native_weight, default_device, resolve_path, weight_scale_bytes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -110,13 +106,13 @@ from ._twopass import (
 FMT = "mxfp8"
 K_MULTIPLE = MX_BLOCK  # 32
 VEC_SIZE = tl.constexpr(MX_BLOCK)  # elements per E8M0 scale
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
-_E4M3_EMAX = tl.constexpr(E4M3_EMAX)
-_E8M0_BIAS = tl.constexpr(E8M0_BIAS)
 # sm_90 at M <= 16: "bf16" (_e4m3_decode) or "fp8" (_fp8_decode, SCALE_K = 32), the module docstring
 DECODE_KERNEL = "bf16"
 DECODE_KERNELS = ("bf16", "fp8")
+# linear on sm_90 with the "bf16" kernel, M <= this: the quantizer writes the dequantized activation
+# (_e4m3_decode.launch_e4m3_decode_linear); above, codes and scales as gemm. H200, N = K = 8192
+# (docs/perf_notes.md row 24): 30.2 -> 27.3 us at M = 1, but 30.0 -> 33.8 at M = 16 (2..15 not measured)
+DECODED_ACT_MAX_M = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,22 +141,12 @@ def _quantize_kernel(
     # x tile [BLOCK_M, GROUPS, 32]: the last axis is one scale block, so its amax is one reduction
     x_off = offs_m[:, None, None].to(tl.int64) * stride_xm + offs_k[None, :, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(abs_or_inf(x), axis=2)  # [BLOCK_M, GROUPS]; +Inf marks a NaN/Inf in the block
-    bad = amax > 3.4028234663852886e38
-    amax = tl.maximum(amax, _AMAX_FLOOR)
-    if FLOOR_RULE:
-        e = floor_log2(amax) - _E4M3_EMAX
-    else:
-        e = ceil_log2(tl.math.div_rn(amax, _E4M3_MAX))
-    e = tl.minimum(tl.maximum(e, -127), 127)
-    # x * 2^-e is exact (a power of two), like the oracle's ldexp; a bad block's codes are all 0x7F
-    # (times NaN) and its scale the NaN byte 0xFF (the non-finite rule)
-    q = encode_e4m3(x * tl.where(bad, float("nan"), exp2_int(-e))[:, :, None])
+    q, s = mx_e4m3_quantize(x, FLOOR_RULE)  # codes [BLOCK_M, GROUPS, 32], E8M0 bytes [BLOCK_M, GROUPS]
     pdl_launch_dependents(USE_PDL)
     q_off = offs_m[:, None, None].to(tl.int64) * stride_qm + offs_k[None, :, :].to(tl.int64) * stride_qk
     tl.store(q_ptr + q_off, q, mask=mask)
     s_off = offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
-    tl.store(s_ptr + s_off, tl.where(bad, 0xFF, e + _E8M0_BIAS).to(tl.uint8), mask=(offs_m < M)[:, None] & (offs_g < num_groups)[None, :])
+    tl.store(s_ptr + s_off, s, mask=(offs_m < M)[:, None] & (offs_g < num_groups)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,7 +461,9 @@ def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly.
+    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly (quantize_activation then gemm; on
+    sm_90 at M <= DECODED_ACT_MAX_M, the same quantization written dequantized for the decode GEMM,
+    _e4m3_decode.launch_e4m3_decode_linear, with the same dot operands).
 
     Args:
         x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
@@ -494,5 +482,15 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    x2 = flatten_rows(x)
+    if (x2.shape[0] <= DECODED_ACT_MAX_M and fp8_decode_applies(x2.shape[0], qweight.device)
+            and _decode_kernel() == "bf16" and resolve_path(path, FMT, qweight.device) == "portable"):
+        # sm_90 decode: the quantizer writes the dequantized activation the GEMM dots (_e4m3_decode)
+        y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
+        launch_e4m3_decode_linear(x2, qweight.data.contiguous(), qweight.scale.contiguous(), kernel_bias(bias), y,
+                                  floor_rule=scale_rule == "floor")
+        return y.reshape(*x.shape[:-1], N)
     xq = quantize_activation(x, scale_rule=scale_rule)
     return gemm(xq, qweight, bias, out_dtype=x.dtype, path=path).reshape(*x.shape[:-1], N)

@@ -72,8 +72,9 @@ from formats.constants import NVFP4_BLOCK
 from ._common import TileConfig, check_activation, check_bias, check_weight, interpreting, kernel_bias, scale_offsets
 from ._e4m3_gemm import grouped_tile
 from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm, portable_config
-from ._nvfp4_quant import quantize_activation
-from ._paths import check_native_weight, default_device, resolve_path, sm_count, weight_scale_bytes
+from ._fp4_decode import decode_applies, launch_fp4_decode, plane_layout
+from ._nvfp4_quant import quantize_activation, quantize_planes
+from ._paths import check_native_weight, default_device, device_capability, resolve_path, sm_count, weight_scale_bytes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._tiles import sm12x_config
 from ._twopass import (
@@ -334,6 +335,24 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     if a16:
         resolve_path(path, FMT, qweight.device, a16=True)  # rejects path="native"
         y = gemm_w4a16(x.reshape(-1, x.shape[-1]), qweight, bias, out_dtype=x.dtype)
+    elif (decode_applies(x.numel() // x.shape[-1], device_capability(qweight.device), False, x.dtype)
+          and resolve_path(path, FMT, qweight.device) == "portable"):
+        y = _linear_decode(x.reshape(-1, x.shape[-1]), qweight, bias, global_scale)
     else:
         y = gemm(quantize_activation(x, global_scale=global_scale), qweight, bias, out_dtype=x.dtype, path=path)
     return y.reshape(*x.shape[:-1], N)
+
+
+def _linear_decode(x2, qweight, bias, global_scale) -> torch.Tensor:
+    """W4A4 at M <= 16 on sm_90: the quantizer writes the decode GEMM's activation planes
+    (quantize_planes: the codes, scales and g of quantize_activation, decoded) and
+    _fp4_decode's GEMM dots them, a launch less than quantize -> act_planes_kernel -> GEMM."""
+    M, K = x2.shape
+    N = qweight.shape[0]
+    plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT)
+    planes = torch.empty((M, k_pad), dtype=dt, device=x2.device)
+    gx = quantize_planes(x2, planes, plane_k, global_scale=global_scale)
+    return launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
+                             M=M, N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=kernel_bias(bias),
+                             out_dtype=x2.dtype, gx=gx, gw=qweight.global_scale.reshape(1).to(torch.float32),
+                             planes=planes)

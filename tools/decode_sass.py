@@ -103,6 +103,12 @@ def main():
                             BLOCK_N=args.bn, BLOCK_M=16, BLOCK_K=128, SPLIT_K=8), args.warps, args.stages,
                        maxnreg=args.maxnreg)
     rows.append((f"bf16 operands (_e4m3_decode, {args.warps} warps)", k, args.bn * 4 // args.warps))
+    kd = compile_kernel(_e4m3_decode.e4m3_decode_gemm_kernel,
+                        dict(HAS_BIAS=False, USE_ASM=True, DOT_DTYPE=tl.bfloat16, ROUND_BF16=False, EVEN_K=True,
+                             BLOCK_N=args.bn, BLOCK_M=16, BLOCK_K=128, SPLIT_K=8, X_DECODED=True), args.warps,
+                        args.stages, types={"x_ptr": "*bf16"}, maxnreg=args.maxnreg)
+    rows.append((f"bf16 operands, activation dequantized by its quantizer (X_DECODED, {args.warps} warps)", kd,
+                 args.bn * 4 // args.warps))
     k2 = compile_kernel(_fp8_decode.fp8_decode_gemm_kernel,
                         dict(HAS_BIAS=False, IMPRECISE_ACC=32, SCALE_K=32, BLOCK_N=128, BLOCK_M=16, BLOCK_K=128,
                              SPLIT_K=4, DOT_FP8=True, RNE_BF16=False),
@@ -110,7 +116,7 @@ def main():
     rows.append(("fp8 partials (_fp8_decode, MX)", k2, 128))
     from kernels_triton import _fp4_decode
     k3 = compile_kernel(_fp4_decode.fp4_decode_gemm_kernel,
-                        dict(GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, A16=True, HAS_BIAS=False, F16_DECODE=False,
+                        dict(GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DECODE=False,
                              USE_ASM=True, DOT_DTYPE=tl.bfloat16, ROUND_BF16=False, EVEN_K=True, BLOCK_N=128,
                              BLOCK_M=16, BLOCK_K=128, SPLIT_K=8), 4, 3, types={"a_ptr": "*bf16", "c_ptr": "*bf16"})
     rows.append(("reference: mxfp4 W4A16 planes (_fp4_decode)", k3, 128))
@@ -121,6 +127,12 @@ def main():
         print(f"{name}: {len(body)} loop instructions per 128-K step per thread, {len(body) / bn:.2f} per weight "
               f"element ({bn} weight rows per 4 warps), {regs} registers, {kern.metadata.shared} B shared")
         print("   ", ", ".join(f"{op} {c}" for op, c in n.most_common()))
+        mmas = 0  # the MMA waits: after how many HGMMAs each WARPGROUP.DEPBAR waits, and for what
+        for i, x in enumerate(body):
+            mmas += "HGMMA" in x
+            if "WARPGROUP.DEPBAR" in x:
+                print(f"    wait @{i}: {x.split('DEPBAR', 1)[1].strip()} after {mmas} HGMMA")
+                mmas = 0
         if args.dump and kern is rows[0][1]:
             with open(args.dump, "w") as f:
                 f.write("\n".join(body))

@@ -12,6 +12,10 @@ shapes.
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/planes.json --only fp4
     PYTHONPATH=. python3 tools/h200_decode_probe.py --json $OUT/mx8.json --only mxfp8_bf16
     PYTHONPATH=. python3 tools/h200_decode_probe.py --only fp4ovl --before /path/to/older/kernels_triton
+    PYTHONPATH=. python3 tools/h200_decode_probe.py --only actfold --before /path/to/older/kernels_triton
+
+The actfold job (perf_notes row 24) times the whole decode linear of mxfp8, nvfp4 and mxfp4 W4A4
+against ``--before`` (the activation decoded by its quantizer here), and mxfp8's GEMM alone.
 
 The fp4ovl job (perf_notes row 22) times the FP4 decode GEMM and linear of this tree against an
 older copy of the kernels_triton package (``--before``, imported as ``kt_before`` in the same
@@ -352,7 +356,8 @@ def load_before(path):
     pkg = importlib.util.module_from_spec(spec)
     sys.modules["kt_before"] = pkg
     spec.loader.exec_module(pkg)
-    return {m: importlib.import_module(f"kt_before.{m}") for m in ("_fp4_decode", "nvfp4", "mxfp4")}
+    return {m: importlib.import_module(f"kt_before.{m}") for m in ("_fp4_decode", "nvfp4", "mxfp4", "mxfp8",
+                                                                    "_e4m3_decode")}
 
 
 def fp4_overlap_rows(M, w0, gen, before):
@@ -406,12 +411,46 @@ def fp4_overlap_rows(M, w0, gen, before):
     return rows
 
 
+def actfold_rows(M, w0, gen, before):
+    """perf_notes row 24: the decode linear with the activation decoded by its quantizer (mxfp8:
+    act_decoded_kernel + the X_DECODED GEMM; nvfp4 / mxfp4 W4A4: quantize_planes + the FP4 GEMM)
+    against ``before`` (load_before: the tree where the GEMM decodes the activation codes / a separate
+    act_planes_kernel does), whole linear, then for mxfp8 the GEMM alone on the same operands; bf16
+    cuBLAS last. Checked against the before tree's linear (rel diff, and "same" when bit-identical)."""
+    rows = []
+    x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    for fmt in ("mxfp8", "nvfp4", "mxfp4"):
+        mod = {"mxfp8": mxfp8, "nvfp4": nvfp4, "mxfp4": mxfp4}[fmt]
+        ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
+        ref = before[fmt].linear(x, ws[0])
+        add = row_adder(rows, fmt, M, ws, ref)
+        add("before", lambda w: before[fmt].linear(x, w), "linear")
+        add("after", lambda w: mod.linear(x, w), "linear")
+        rows[-1]["same_as_before"] = bool(torch.equal(mod.linear(x, ws[0]), ref))
+        print("bit-identical to before:", rows[-1]["same_as_before"], flush=True)
+        if fmt == "mxfp8":
+            xq = formats.quantize(x, fmt, role="activation")
+            cfg = _e4m3_decode.decode_config(M, N, K, x.device)
+            kp = -(-K // cfg.BLOCK_K) * cfg.BLOCK_K
+            xd = torch.empty(M, kp, dtype=torch.bfloat16, device="cuda")
+            _e4m3_decode.act_decoded_kernel[(kp // cfg.BLOCK_K,)](x, xd, M, K, x.stride(0), x.stride(1), xd.stride(0),
+                                                                 FLOOR_RULE=False, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K)
+            y = lambda: torch.empty(M, N, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+            add("before (codes, decoded per program)", lambda w: before["_e4m3_decode"].launch_e4m3_decode(
+                xq.data, xq.scale, w.data, w.scale, None, y()))
+            add("after (X_DECODED)", lambda w: _e4m3_decode._launch_gemm(xd, w.scale, w.data, w.scale, None, y(), cfg,
+                                                                        None, None, x_decoded=True))
+        torch.cuda.empty_cache()
+    rows.append(bf16_row(M, x, w0))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--budget-s", type=float, default=200)
     p.add_argument("--only", default="", help="comma list of jobs, FMT or FMT:M (FMT: nvfp4, mxfp4, fp8, fp8_block, mxfp8, fp4 (planes "
-                   "vs lesson), mxfp8_bf16 (the two mxfp8 decode kernels), fp4ovl (needs --before); default: all)")
+                   "vs lesson), mxfp8_bf16 (the two mxfp8 decode kernels), fp4ovl, actfold (need --before); default: all)")
     p.add_argument("--before", help="fp4ovl: the older kernels_triton package directory to compare with")
     args = p.parse_args()
     before = load_before(args.before) if args.before else None
@@ -425,7 +464,7 @@ def main():
             ("mxfp4", 1, False), ("mxfp4", 1, True), ("fp8", 16, None), ("fp8", 1, None), ("fp8", 8192, None),
             ("fp8_block", 16, None), ("fp8_block", 1, None), ("mxfp8", 16, None), ("mxfp8", 1, None),
             ("fp4", 16, None), ("fp4", 1, None), ("mxfp8_bf16", 16, None), ("mxfp8_bf16", 1, None),
-            ("fp4ovl", 16, None), ("fp4ovl", 1, None)]
+            ("fp4ovl", 16, None), ("fp4ovl", 1, None), ("actfold", 16, None), ("actfold", 1, None)]
     if args.only:
         sel = args.only.split(",")
         jobs = [j for j in jobs if j[0] in sel or f"{j[0]}:{j[1]}" in sel]
@@ -441,6 +480,11 @@ def main():
             rows += fp4_planes_rows(M, w0, gen)
         elif fmt == "mxfp8_bf16":
             rows += mxfp8_bf16_rows(M, w0, gen)
+        elif fmt == "actfold":
+            if before is None:
+                print("actfold needs --before, skipped", flush=True)
+                continue
+            rows += actfold_rows(M, w0, gen, before)
         elif fmt == "fp4ovl":
             if before is None:
                 print("fp4ovl needs --before, skipped", flush=True)
@@ -455,7 +499,7 @@ def main():
     print("\n| fmt | M | variant | us | rel vs lesson |")
     for r in rows:
         print(f"| {r['fmt']} | {r['M']} | {r['variant']} | {r.get('us', float('nan')):.1f} | "
-              f"{r.get('rel_vs_lesson', float('nan')):.1e} | {r.get('error', '')[:60]}")
+              f"{r.get('rel_vs_lesson', float('nan')):.1e} | {r.get('same_as_before', '')} {r.get('error', '')[:60]}")
     print(f"probe: {time.time() - t0:.0f} s")
     return 0
 

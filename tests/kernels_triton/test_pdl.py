@@ -142,7 +142,7 @@ PDL_KERNELS = _pdl_kernels()
 def test_the_decode_chain_kernels_take_part():
     names = set(PDL_KERNELS)
     for k in ("_fp8_decode.fp8_decode_gemm_kernel", "_fp4_decode.fp4_decode_gemm_kernel",
-              "_fp4_decode.act_planes_kernel", "_twopass.splitk_reduce_kernel", "fp8_tensor._quantize_kernel",
+              "_fp4_decode.act_planes_kernel", "_e4m3_decode.act_decoded_kernel", "_twopass.splitk_reduce_kernel", "fp8_tensor._quantize_kernel",
               "_nvfp4_quant._quantize_kernel"):
         assert k in names, (k, sorted(names))
     assert len(names) >= 10, sorted(names)
