@@ -66,8 +66,8 @@ from ._e4m3_gemm import mx_e4m3_quantize
 from ._fp4_decode import e8m0_bf16, fragment_order, scale_planes
 from ._paths import sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
-
+from ._twopass import (NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace,
+                       store_splitk_partial, swapped_tile)
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
 MX_GROUP = 32  # elements per E8M0 scale
 MIN_BLOCK_K = 4 * MX_GROUP  # each of a lane quad's 4 K slots holds whole scale blocks (scale_planes)
@@ -181,14 +181,7 @@ def e4m3_decode_gemm_kernel(
 ):
     """acc [BLOCK_N, BLOCK_M] over this program's K range, then the transposed store (module docstring)."""
     tl.static_assert(BLOCK_K >= 4 * _GROUP, "BLOCK_K must be >= 128 (MIN_BLOCK_K)")
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    k_lo = pid_k * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
+    offs_n, offs_m, n_mask, m_mask, k_lo, k_hi = swapped_tile(N, M, K, K_PER, BLOCK_N, BLOCK_M)
     rows_w = offs_n.to(tl.int64)
     rows_x = offs_m.to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -220,7 +213,7 @@ def e4m3_decode_gemm_kernel(
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
-        store_splitk_partial(ws_ptr, out, pid_k, offs_m, offs_n, M, N, mask)
+        store_splitk_partial(ws_ptr, out, tl.program_id(1), offs_m, offs_n, M, N, mask)
         return
     out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty),

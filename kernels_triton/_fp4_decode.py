@@ -62,8 +62,7 @@ from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_
 from ._paths import sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace,
-                       store_splitk_partial)
-
+                       store_splitk_partial, swapped_tile)
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
 _TORCH_DTYPE = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
 F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
@@ -289,15 +288,8 @@ def fp4_decode_gemm_kernel(
     docstring). a_ptr: the activation as act_planes_kernel wrote it (DOT_DTYPE, K padded)."""
     # scale_planes: each of a lane quad's 4 slots of a plane (BLOCK_K / 8 bytes) holds whole blocks
     tl.static_assert(BLOCK_K >= 4 * GROUP, "BLOCK_K must be >= 4 * GROUP (min_block_k)")
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
+    offs_n, offs_m, n_mask, m_mask, k_lo, k_hi = swapped_tile(N, M, K, K_PER, BLOCK_N, BLOCK_M)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    k_lo = pid_k * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     pdl_wait(USE_PDL)  # the decoded activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -321,7 +313,7 @@ def fp4_decode_gemm_kernel(
         out = out * FOLD_SCALE_BACK
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
-        store_splitk_partial(ws_ptr, out, pid_k, offs_m, offs_n, M, N, mask)
+        store_splitk_partial(ws_ptr, out, tl.program_id(1), offs_m, offs_n, M, N, mask)
         return
     if HAS_GLOBAL:
         out = out * global_alpha(tl.load(gx_ptr), tl.load(gw_ptr))  # NaN for a bad global scale

@@ -42,8 +42,7 @@ from ._fp8_prefill import prefill_config
 from ._paths import device_capability, sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan,
-                       splitk_workspace, store_splitk_partial)
-
+                       splitk_workspace, store_splitk_partial, swapped_tile)
 TENSOR_SCALE, FP8_BLOCK_SCALE, MX_SCALE = 0, 128, 32  # SCALE_K of fp8_tensor, fp8_block, mxfp8
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
 _FP8_BLOCK = tl.constexpr(FP8_BLOCK_SCALE)  # fp8_block: 1x128 activation groups, 128x128 weight blocks
@@ -116,21 +115,14 @@ def fp8_decode_gemm_kernel(
         tl.static_assert(128 % BLOCK_N == 0, "block FP8 needs BLOCK_N to divide 128")
     if SCALE_K == _MX:
         tl.static_assert(BLOCK_K % 32 == 0 and BLOCK_K <= 128, "MX needs BLOCK_K in 32, 64, 128")
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    k_lo = pid_k * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
+    offs_n, offs_m, n_mask, m_mask, k_lo, k_hi = swapped_tile(N, M, K, K_PER, BLOCK_N, BLOCK_M)
     pdl_wait(USE_PDL)  # the quantized activation and its scales
     if SCALE_K > 0:
         if SCALE_K == _MX:
             sw_rows = sw_ptr + offs_n.to(tl.int64) * stride_swn
             sw_mask = n_mask
         else:
-            sw_rows = sw_ptr + ((pid_n * BLOCK_N) // _FP8_BLOCK).to(tl.int64) * stride_swn
+            sw_rows = sw_ptr + ((tl.program_id(0) * BLOCK_N) // _FP8_BLOCK).to(tl.int64) * stride_swn
             sw_mask = True
         sx_rows = sx_ptr + offs_m.to(tl.int64) * stride_sxm
         # scales of K step kb are loaded one step ahead: the pipeliner does not prefetch these small
@@ -164,7 +156,7 @@ def fp8_decode_gemm_kernel(
     out = tl.trans(acc)
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
-        store_splitk_partial(ws_ptr, out, pid_k, offs_m, offs_n, M, N, mask)
+        store_splitk_partial(ws_ptr, out, tl.program_id(1), offs_m, offs_n, M, N, mask)
         return
     if SCALE_K > 0:
         out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)

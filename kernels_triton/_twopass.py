@@ -68,6 +68,17 @@ def epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
 
 
 @triton.jit
+def swapped_tile(N, M, K, K_PER, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's place in a swapped-operand decode GEMM (grid (N tiles, splits); acc [BLOCK_N,
+    BLOCK_M], the weight rows on the MMA's M side): (offs_n, offs_m, n_mask, m_mask, k_lo, k_hi),
+    its weight rows, the padded activation rows, their masks and its K range [k_lo, k_hi)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_lo = tl.program_id(1) * K_PER
+    return offs_n, offs_m, offs_n < N, offs_m < M, k_lo, tl.minimum(k_lo + K_PER, K)
+
+
+@triton.jit
 def store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, mask):
     """Write one program's fp32 partial sum into slice pid_k of the workspace [SPLIT_K, M, N] (the
     layout splitk_reduce_kernel reads); the epilogue runs there, once, after the ordered sum."""
