@@ -285,6 +285,25 @@ def mxfp8_bf16_rows(M, w0, gen):
     return rows
 
 
+def fp4_case(fmt, a16, M, x, w0):
+    """One FP4 variant's probe inputs: (format module, is nvfp4, variant name, SETS weights, args(w) ->
+    (launch_fp4_decode's positional args, its keywords)) for the bf16 activation x [M, K]."""
+    nv = fmt == "nvfp4"
+    ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
+    xq = None if a16 else formats.quantize(x, fmt, role="activation")
+    one = torch.ones(1, device="cuda")
+
+    def args(w):
+        gx = (one if a16 else xq.global_scale.reshape(1).float()) if nv else None
+        gw = w.global_scale.reshape(1).float() if nv else None
+        return ((x if a16 else xq.data, None if a16 else xq.scale.view(torch.uint8), w.data,
+                 w.scale.view(torch.uint8)),
+                dict(M=M, N=N, K=K, group=16 if nv else 32, scale_e4m3=nv, bias=None, out_dtype=torch.bfloat16,
+                     gx=gx, gw=gw, a16=a16))
+
+    return nvfp4 if nv else mxfp4, nv, fmt + ("_w4a16" if a16 else ""), ws, args
+
+
 def fp4_planes_rows(M, w0, gen):
     """The FP4 decode kernel (nibble planes) against the lesson kernel: GEMM alone for nvfp4 / mxfp4,
     W4A4 / W4A16 (bf16 x), with the default tile and other tiles, then the whole linear, and bf16
@@ -293,20 +312,7 @@ def fp4_planes_rows(M, w0, gen):
     rows = []
     x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
     for fmt, a16 in [("nvfp4", False), ("mxfp4", False), ("mxfp4", True), ("nvfp4", True)]:
-        mod = nvfp4 if fmt == "nvfp4" else mxfp4
-        nv = fmt == "nvfp4"
-        name = fmt + ("_w4a16" if a16 else "")
-        ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
-        xq = None if a16 else formats.quantize(x, fmt, role="activation")
-        one = torch.ones(1, device="cuda")
-
-        def args(w):
-            gx = (one if a16 else xq.global_scale.reshape(1).float()) if nv else None
-            gw = w.global_scale.reshape(1).float() if nv else None
-            return ((x if a16 else xq.data, None if a16 else xq.scale.view(torch.uint8), w.data,
-                     w.scale.view(torch.uint8)),
-                    dict(M=M, N=N, K=K, group=16 if nv else 32, scale_e4m3=nv, bias=None, out_dtype=torch.bfloat16,
-                         gx=gx, gw=gw, a16=a16))
+        mod, nv, name, ws, args = fp4_case(fmt, a16, M, x, w0)
 
         lesson_cfg = _fp4_gemm.fp4_gemm_config(M, N, K, False)
         a0, k0 = args(ws[0])
@@ -368,20 +374,7 @@ def fp4_overlap_rows(M, w0, gen, before):
     rows = []
     x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
     for fmt, a16 in [("nvfp4", False), ("mxfp4", False), ("mxfp4", True), ("nvfp4", True)]:
-        mod = nvfp4 if fmt == "nvfp4" else mxfp4
-        nv = fmt == "nvfp4"
-        name = fmt + ("_w4a16" if a16 else "")
-        ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
-        xq = None if a16 else formats.quantize(x, fmt, role="activation")
-        one = torch.ones(1, device="cuda")
-
-        def args(w):
-            gx = (one if a16 else xq.global_scale.reshape(1).float()) if nv else None
-            gw = w.global_scale.reshape(1).float() if nv else None
-            return ((x if a16 else xq.data, None if a16 else xq.scale.view(torch.uint8), w.data,
-                     w.scale.view(torch.uint8)),
-                    dict(M=M, N=N, K=K, group=16 if nv else 32, scale_e4m3=nv, bias=None, out_dtype=torch.bfloat16,
-                         gx=gx, gw=gw, a16=a16))
+        mod, nv, name, ws, args = fp4_case(fmt, a16, M, x, w0)
 
         a0, k0 = args(ws[0])
         ref = _fp4_gemm.launch_fp4_gemm(*a0, **k0, config=_fp4_gemm.fp4_gemm_config(M, N, K, False))
