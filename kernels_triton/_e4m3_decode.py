@@ -57,6 +57,8 @@ decoded to fp32 and dotted in fp32 (exact, and the interpreter's bf16 dot is not
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -68,6 +70,7 @@ from ._paths import sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace,
                        store_splitk_partial, swapped_tile)
+
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
 MX_GROUP = 32  # elements per E8M0 scale
 MIN_BLOCK_K = 4 * MX_GROUP  # each of a lane quad's 4 K slots holds whole scale blocks (scale_planes)
@@ -230,13 +233,14 @@ def decode_tile(M: int, N: int, K: int, n_sms: int, *, bn: int = 128, stages: in
     rows, 128-wide K steps, 3 stages; split-K while the grid stays within ``programs_per_sm``
     programs per SM (2: one wave at the 3 CTAs per SM that 160 registers leave, where 4 per SM ran
     1.3 waves) and every split keeps >= 4 K steps (docs/perf_notes.md row 21: split 4 at
-    N = K = 8192)."""
+    N = K = 8192; the rule was measured only there, on the H200's 132 SMs)."""
     bk = MIN_BLOCK_K
     tiles = triton.cdiv(N, bn)
     split = 1
     while tiles * split * 2 <= programs_per_sm * n_sms and triton.cdiv(K, bk) >= 8 * split:
         split *= 2
-    return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages, SPLIT_K=split)
+    cfg = TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages, SPLIT_K=split)
+    return dataclasses.replace(cfg, SPLIT_K=splitk_plan(K, cfg)[0])  # the split launched (fewer when K steps do not divide)
 
 
 def decode_config(M: int, N: int, K: int, device) -> TileConfig:
@@ -269,12 +273,15 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
     Returns:
         y.
     Raises:
-        ValueError: M > 16, K not a positive multiple of 32, config.BLOCK_M < M, or config.BLOCK_K
-            not a power of two >= 128.
+        ValueError: naming the argument: x or w not 2-D, not e4m3 codes or not K-contiguous; their K
+            differ; sx / sw not uint8 [rows, K/32] K-contiguous; y not bf16 / fp16 / fp32 [M, N] with
+            unit column stride; bias not a contiguous float32 [N]; operands on different devices;
+            M > 16, K not a positive multiple of 32, config.BLOCK_M < M, or config.BLOCK_K not a
+            power of two >= 128.
     """
-    M, K = x.shape
-    cfg = _checked_config(M, w.shape[0], K, y, config)
-    if M == 0 or w.shape[0] == 0:
+    M, N, K = _check_operands(x, sx, w, sw, bias, y, x_codes=True)
+    cfg = _checked_config(M, N, K, y, config)
+    if M == 0 or N == 0:
         return y
     return _launch_gemm(x.view(torch.uint8), sx, w, sw, bias, y, cfg, use_asm, maxnreg, x_decoded=False)
 
@@ -300,10 +307,10 @@ def launch_e4m3_decode_linear(x, w, sw, bias, y, *, floor_rule: bool = False, co
     Returns:
         y.
     Raises:
-        ValueError: as launch_e4m3_decode (M > 16, K not a positive multiple of 32, a bad config).
+        ValueError: as launch_e4m3_decode (x must be bfloat16 / float16 here; no sx), naming the
+            argument.
     """
-    M, K = x.shape
-    N = w.shape[0]
+    M, N, K = _check_operands(x, None, w, sw, bias, y, x_codes=False)
     cfg = _checked_config(M, N, K, y, config)
     if M == 0 or N == 0:
         return y
@@ -315,6 +322,43 @@ def launch_e4m3_decode_linear(x, w, sw, bias, y, *, floor_rule: bool = False, co
         FLOOR_RULE=floor_rule, BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(y.device),
     )
     return _launch_gemm(xd, sw, w, sw, bias, y, cfg, use_asm, None, x_decoded=True)  # sx unused
+
+
+_CODE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def _check_operands(x, sx, w, sw, bias, y, *, x_codes: bool) -> tuple[int, int, int]:
+    """(M, N, K) of the launchers' operands, or ValueError naming the first that breaks their
+    Args (dtypes, shapes, K strides, one device); x_codes: x is e4m3 codes with E8M0 bytes sx,
+    else a bf16 / fp16 activation (sx None)."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"x and w must be 2-D, got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    (M, K), N = x.shape, w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"w has K={w.shape[1]} but x has K={K}; they must match")
+    if x_codes and (x.dtype not in _CODE_DTYPES or x.stride(1) != 1):
+        raise ValueError(f"x must be e4m3 codes (float8_e4m3fn or uint8) with K stride 1, got {x.dtype} "
+                         f"with strides {x.stride()}")
+    if not x_codes and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if w.dtype not in _CODE_DTYPES or w.stride(1) != 1:
+        raise ValueError(f"w must be e4m3 codes (float8_e4m3fn or uint8) with K stride 1, got {w.dtype} "
+                         f"with strides {w.stride()}")
+    for name, s, rows in (("sx", sx, M), ("sw", sw, N)):
+        if s is None:
+            continue
+        if s.dtype != torch.uint8 or tuple(s.shape) != (rows, K // MX_GROUP) or (s.numel() and s.stride(1) != 1):
+            raise ValueError(f"{name} must be E8M0 bytes uint8 [{rows}, {K // MX_GROUP}] with K stride 1, got "
+                             f"{s.dtype} {tuple(s.shape)} strides {s.stride()}")
+    if y.dtype not in (torch.bfloat16, torch.float16, torch.float32) or tuple(y.shape) != (M, N) or y.stride(1) != 1:
+        raise ValueError(f"y must be bfloat16 / float16 / float32 [{M}, {N}] with unit column stride, got "
+                         f"{y.dtype} {tuple(y.shape)} strides {y.stride()}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be None or a contiguous float32 [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    devices = {t.device for t in (x, sx, w, sw, bias, y) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"every operand must be on one device, got {sorted(map(str, devices))}")
+    return M, N, K
 
 
 def _checked_config(M: int, N: int, K: int, y, config) -> TileConfig:

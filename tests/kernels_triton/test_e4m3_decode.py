@@ -233,3 +233,51 @@ def test_decode_tile_policy(n_sms, N, K, split):
     assert (cfg.BLOCK_N, cfg.BLOCK_M, cfg.BLOCK_K, cfg.num_stages, cfg.SPLIT_K) == (128, 16, 128, 3, split)
     programs = triton.cdiv(N, 128) * split
     assert (split == 1 or programs <= 2 * n_sms) and (split == 1 or triton.cdiv(K, 128) >= 4 * split)
+
+
+@pytest.mark.parametrize("bad,word", [
+    ("x_k_stride", "x must be e4m3 codes"), ("w_short_k", "w has K="), ("sx_shape", "sx must be"),
+    ("sw_dtype", "sw must be"), ("y_shape", "y must be"), ("bias_dtype", "bias must be"),
+])
+def test_bad_operands_are_refused_on_the_host(bad, word):
+    """Operands that break launch_e4m3_decode's Args raise a ValueError naming the argument (a K
+    stride of 4 once read four times the codes; a shorter weight K read past the activation)."""
+    M, N, K = 4, 8, 256
+    x = torch.zeros(M, K, dtype=torch.uint8, device=DEVICE)
+    sx = torch.full((M, K // 32), 127, dtype=torch.uint8, device=DEVICE)
+    w = torch.zeros(N, K, dtype=torch.uint8, device=DEVICE)
+    sw = torch.full((N, K // 32), 127, dtype=torch.uint8, device=DEVICE)
+    y = torch.empty(M, N, device=DEVICE)
+    bias = None
+    if bad == "x_k_stride":
+        x = torch.zeros(M, 4 * K, dtype=torch.uint8, device=DEVICE)[:, ::4]
+    elif bad == "w_short_k":
+        w = torch.zeros(N, K // 2, dtype=torch.uint8, device=DEVICE)
+    elif bad == "sx_shape":
+        sx = sx[:, :-1]
+    elif bad == "sw_dtype":
+        sw = sw.float()
+    elif bad == "y_shape":
+        y = torch.empty(M, N + 1, device=DEVICE)
+    elif bad == "bias_dtype":
+        bias = torch.zeros(N, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match=word):
+        dec.launch_e4m3_decode(x, sx, w, sw, bias, y)
+
+
+def test_decoded_linear_refuses_a_non_16_bit_activation():
+    w = torch.zeros(8, 256, dtype=torch.uint8, device=DEVICE)
+    sw = torch.full((8, 8), 127, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="x must be bfloat16 or float16"):
+        dec.launch_e4m3_decode_linear(torch.zeros(2, 256, device=DEVICE), w, sw, None, torch.empty(2, 8, device=DEVICE))
+
+
+def test_reported_split_is_the_launched_split():
+    """decode_tile reports the split splitk_plan launches: at N = 1024, K = 130 x 128 the rule asks for
+    split 32, and 130 K steps in chunks of 5 run as 26 programs (the bench prints the reported tile)."""
+    from kernels_triton._twopass import splitk_plan
+
+    for N, K in ((1024, 130 * 128), (4096, 4224), (4096, 5248), (8192, 8192)):
+        cfg = dec.decode_tile(16, N, K, 132)
+        assert cfg.SPLIT_K == splitk_plan(K, cfg)[0]
+    assert dec.decode_tile(16, 1024, 130 * 128, 132).SPLIT_K == 26
