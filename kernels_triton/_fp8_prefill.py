@@ -18,6 +18,8 @@ warpgroup. A 4-warp CTA with 3 stages of 32 KB (fp8_tensor's 128 x 128 tile) or 
 promotion overlaps the other's MMAs (H200, M = 4096, N = K = 8192: fp8_tensor 584 -> 516 us,
 fp8_block 995 -> 626 us against the pointer kernels; docs/perf_notes.md, row 23).
 Triton's warp_specialize would be the other way, but it gives wrong sums on this loop in 3.6.
+The kernel does not take part in programmatic dependent launch (_pdl): at these sizes a launch gap
+is a fraction of a percent, and it runs in plain stream order.
 
 TMA reads outside the tensor as zeros, so M, N and K tails need no load masks (the K tail of
 fp8_tensor meets zeros in both operands); stores stay masked. TMA needs a 16-byte aligned base
@@ -136,8 +138,11 @@ def prefill_config(M: int, N: int, K: int, device, *, scale_k: int = 0) -> TileC
 
 def fp8_prefill_applies(x: torch.Tensor, w: torch.Tensor, device) -> bool:
     """fp8_tensor's and fp8_block's GEMMs take this kernel on sm_90 for M > 256 when both e4m3
-    operands suit TMA (tma_ok); not under the interpreter."""
-    return x.shape[0] >= PREFILL_MIN_M and _is_sm90(device) and tma_ok(x) and tma_ok(w)
+    operands suit TMA (tma_ok) and prefill_config has its tile (K a multiple of 16: a padded-row
+    view can pass tma_ok with another K, and would otherwise run a tile never measured here); not
+    under the interpreter."""
+    return (prefill_config(x.shape[0], w.shape[0], x.shape[1], device) is not None
+            and tma_ok(x) and tma_ok(w))
 
 
 def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileConfig | None = None,
@@ -166,6 +171,8 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
     Raises:
         ValueError: scale_k not 0 or 128; an operand that fails tma_ok; a split-K config; for
             block scales, K not a multiple of 128, BLOCK_K not 128 or BLOCK_N not dividing 128.
+    Follows the lesson kernels' sums: per-tensor FP8 with fp32 promotion every 128 products, and
+    block FP8 as DeepSeek-V3 / vLLM define it (1x128 activation groups, 128x128 weight blocks).
     """
     if scale_k not in SCALE_KS:
         raise ValueError(f"scale_k must be one of {SCALE_KS} (fp8_tensor, fp8_block), got {scale_k!r}")
