@@ -59,11 +59,11 @@ import triton.language as tl
 
 from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_alpha, interpreting,
                       round_to_bf16_rne)
-from ._paths import sm_count
+from ._fp4_decode_tile import (DECODE_MAX_M, PLANE_DTYPES, check_planes, decode_applies, decode_config,  # noqa: F401
+                               decode_tile, min_block_k, plane_layout)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace,
                        store_splitk_partial, swapped_tile)
-DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
 _TORCH_DTYPE = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
 F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
 
@@ -137,7 +137,10 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
     instead of a multiply by 2^126 per register; the caller multiplies by 2^8 (FOLD_SCALE_BACK).
     Exact: e2m1 * 2^-126 (2^-127 for the subnormal 0.5, a bf16 subnormal the multiply keeps) times
     e4m3 * 2^118 (2^109 .. 448 * 2^118 < 2^127, bf16 normals) has at most 2 + 4 significant bits
-    and lies in [2^-18, 2688 * 2^-8]: a bf16 normal, no rounding; a NaN scale stays NaN.
+    and lies in [2^-18, 2688 * 2^-8]: a bf16 normal, no rounding; a NaN scale stays NaN. The cost:
+    until the epilogue every product in the fp32 accumulator is 2^8 smaller, so a product (unfolded
+    value) below 2^-118 becomes an fp32 subnormal and loses bits, and one below ~2^-141, which
+    unfolded was a representable fp32 subnormal, underflows to 0 (activations near 1e-38).
 
     Not joining the planes back into K order is the point: a dot over K is the dot over the even
     elements plus the dot over the odd ones, and each asm output register (the low nibbles of two
@@ -326,73 +329,12 @@ def fp4_decode_gemm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Policy and launcher
+# The launcher (its policy: _fp4_decode_tile)
 # ---------------------------------------------------------------------------------------------
-def decode_tile(M: int, N: int, K: int, n_sms: int, fmt: str = "mxfp4", a16: bool = False) -> TileConfig:
-    """The GPU tile for format ``fmt`` ("nvfp4" or "mxfp4"; ``a16``: W4A16) on a device of ``n_sms``
-    SMs. BLOCK_M is the padded activation side (16), BLOCK_N the weight rows per program (128: the
-    loop's fixed cost spread over twice the rows of 64). BLOCK_K 256 for nvfp4 W4A4 with K >= 1024
-    (its fp16 decode is the cheapest, so the per-step fixed cost weighs most; 204 registers, two
-    programs per SM still fit), 128 for the bf16 planes. Split-K while the grid stays within two
-    programs per SM and each program keeps >= 4 K steps (docs/perf_notes.md, issue 13 rows 17, 22:
-    with async MMAs, split 4 was 1-1.3 us faster than split 8 for the bf16 planes at M = 16 and
-    level for nvfp4, whose BLOCK_K 256 split 4 was 3 us faster).
-
-    Raises ValueError for a ``fmt`` other than "nvfp4" / "mxfp4"."""
-    if fmt not in ("nvfp4", "mxfp4"):
-        raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4' for the FP4 decode tile, got {fmt!r}")
-    bn = 128
-    bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
-    tiles = triton.cdiv(N, bn)
-    split = 1
-    while tiles * split * 2 <= 2 * n_sms and triton.cdiv(K, bk) >= 8 * split:
-        split *= 2
-    return TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
-
-
-def min_block_k(group: int) -> int:
-    """The smallest BLOCK_K the planes take: 4 * group (scale_planes: each of a lane quad's 4 slots
-    of a plane, BLOCK_K / 8 bytes, must hold whole blocks of ``group`` elements)."""
-    return 4 * group
-
-
-def decode_config(M: int, N: int, K: int, device, fmt: str = "mxfp4", a16: bool = False) -> TileConfig:
-    """The tile launch_fp4_decode launches on ``device`` for ``fmt`` ("nvfp4" / "mxfp4", ``a16``:
-    W4A16) and tile_config reports: decode_tile with the device's SM count; under the interpreter
-    wide tiles (few programs and K steps) with BLOCK_K >= min_block_k of the format's group (16
-    nvfp4, 32 mxfp4)."""
-    if interpreting():
-        p = triton.next_power_of_2
-        group = 16 if fmt == "nvfp4" else 32
-        return TileConfig(BLOCK_M=16, BLOCK_N=min(256, max(16, p(N))),
-                          BLOCK_K=min(512, max(64, min_block_k(group), p(K))), GROUP_M=1, num_warps=4, num_stages=1)
-    return decode_tile(M, N, K, sm_count(device), fmt, a16)
-
-
-def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
-    """The decode kernel's domain: M <= 16 on sm_90 (no block-scaled MMA; SM12x has its own native
-    path and tables), for W4A4 (nvfp4: fp16 planes; mxfp4: bf16 planes, E8M0 scales exceed fp16)
-    and W4A16 with bf16 activations (fp16 ones keep the lesson's exact hi/lo split)."""
-    if M < 1 or M > DECODE_MAX_M or capability is None or capability[0] != 9:
-        return False
-    if a16:
-        return a_dtype == torch.bfloat16
-    return True
-
-
-def plane_layout(M: int, N: int, K: int, device, fmt: str) -> tuple[int, int, torch.dtype]:
-    """(PLANE_K, K_pad, dtype) of the decoded W4A4 activation that launch_fp4_decode dots for ``fmt``
-    ("nvfp4" / "mxfp4") with decode_config's tile: its BLOCK_K, K rounded up to it, and the dot dtype
-    (fp16, value * 2^-14, for nvfp4; bf16 for mxfp4; float32 under the interpreter)."""
-    bk = decode_config(M, N, K, device, fmt).BLOCK_K
-    dt = torch.float32 if interpreting() else (torch.float16 if fmt == "nvfp4" else torch.bfloat16)
-    return bk, triton.cdiv(K, bk) * bk, dt
-
-
 def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
                       gx=None, gw=None, a16=False, config: TileConfig | None = None,
                       use_asm: bool | None = None, fold_scale: bool | None = None,
-                      planes: torch.Tensor | None = None) -> torch.Tensor:
+                      planes: torch.Tensor | None = None, plane_k: int | None = None) -> torch.Tensor:
     """y [M, N] = dequant(a) . dequant(w)^T (* alpha) (+ bias) for M <= 16, as
     ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions). Launches
     act_planes_kernel (the activation decoded into an [M, K rounded up to BLOCK_K] scratch of the
@@ -419,15 +361,20 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
             a GPU, plain ops under the interpreter.
         fold_scale: nvfp4 W4A16 with the PTX decode only: the bf16 planes' 2^126 restore folded into
             the e4m3 scale (2^118) and the epilogue (2^8), one multiply per register less
-            (fp4_planes, FOLD_E4M3); None: on where it applies. Ignored elsewhere.
+            (fp4_planes, FOLD_E4M3: products below ~2^-141, activations near 1e-38, underflow
+            to 0 in the accumulator, where unfolded they were fp32 subnormals); None: on where it
+            applies. Ignored elsewhere.
         planes: None, or the activation already decoded by its quantizer (W4A4: ``plane_layout``'s
             [M, K_pad] of its dtype, written by store_planes for the same config): act_planes_kernel
             is skipped and a, a_scale are ignored.
+        plane_k: with planes, the PLANE_K they were written at; it must be the launched BLOCK_K
+            (each BLOCK_K tile of the planes is in that tile's dot order).
     Returns:
         [M, N] tensor of out_dtype on w's device.
     Raises:
         ValueError: M > 16, config.BLOCK_M < M, config.BLOCK_K not a power of two >= 4 * group, or
-            planes not of plane_layout's shape and dtype.
+            with planes: plane_k not the launched BLOCK_K, planes not plane_layout's tensor
+            (check_planes: shape, dtype, K stride 1, w's device).
     Follows the NVFP4 recipe / OCP MX 1.0 block scaling as the oracle (formats/) does.
     """
     if M > DECODE_MAX_M:
@@ -460,9 +407,10 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
             GROUP=group, SCALE_E4M3=scale_e4m3, A16=a16, F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot, EVEN_K=even_k,
             BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(w.device),
         )
-    elif planes.shape != (M, k_tiles * bk) or planes.dtype != _TORCH_DTYPE[dot] or planes.stride(1) != 1:
-        raise ValueError(f"planes must be a K-contiguous {_TORCH_DTYPE[dot]} [{M}, {k_tiles * bk}] tensor "
-                         f"(plane_layout), got {planes.dtype} {tuple(planes.shape)}")
+    else:  # planes written at another PLANE_K would be dotted in the wrong K order
+        if plane_k != bk:
+            raise ValueError(f"plane_k must be the launched BLOCK_K = {bk} for the given planes, got {plane_k}")
+        check_planes(planes, M, K, bk, (_TORCH_DTYPE[dot],), w.device)
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
     has_global = gx is not None

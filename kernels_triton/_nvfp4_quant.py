@@ -40,7 +40,7 @@ from formats.validate import nan_unless_positive, static_global_scale
 
 from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3,
                       interpreting, nan_if_nonfinite)
-from ._fp4_decode import store_planes
+from ._fp4_decode import PLANE_DTYPES, check_planes, store_planes
 from ._e4m3_gemm import quant_config
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -210,18 +210,24 @@ def quantize_planes(x2: torch.Tensor, planes: torch.Tensor, plane_k: int, *,
     _fp4_decode.act_planes_kernel.
 
     Args:
-        x2: bfloat16/float16 [M, K] (any strides), K a positive multiple of 16, M >= 1.
-        planes: out, _fp4_decode.plane_layout's [M, K_pad] tensor (fp16 / float32, K-contiguous).
+        x2: bfloat16/float16 [M, K] (any strides), K a positive multiple of 16.
+        planes: out, _fp4_decode.plane_layout's [M, K_pad] tensor (K_pad = K rounded up to plane_k;
+            fp16 / float32, K stride 1, on x2's device).
         plane_k: plane_layout's PLANE_K (the GEMM's BLOCK_K), a power of two >= 64.
-        global_scale: as quantize_activation.
+        global_scale: as quantize_activation (a bad tensor one gives NaN planes and a NaN g).
     Returns:
-        g, float32 [1] on x2's device (the global scale used; the GEMM's gx).
+        g, float32 [1] on x2's device (the global scale used; the GEMM's gx); 0-d when M = 0.
     Raises:
-        ValueError: as quantize_activation; plane_k not a power of two >= 64.
+        ValueError: as quantize_activation; x2 not 2-D; plane_k not a power of two >= 64; planes
+            not that tensor (_fp4_decode.check_planes: 2-D, shape, dtype, K stride 1, device).
     """
     check_activation(x2, None, VEC_SIZE, FMT)
-    if plane_k < 64 or plane_k & (plane_k - 1):
+    if x2.dim() != 2:
+        raise ValueError(f"x2 must be 2-D [M, K], got shape {tuple(x2.shape)}")
+    if not isinstance(plane_k, int) or plane_k < 64 or plane_k & (plane_k - 1):
         raise ValueError(f"plane_k must be a power of two >= 64 (the decode GEMM's BLOCK_K), got {plane_k}")
+    M, K = x2.shape
+    check_planes(planes, M, K, plane_k, PLANE_DTYPES[FMT], x2.device)
     return _launch(x2, global_scale, planes, planes, planes, plane_k)
 
 

@@ -78,7 +78,7 @@ from ._common import (
     kernel_bias,
 )
 from ._e4m3_gemm import quant_config
-from ._fp4_decode import decode_applies, launch_fp4_decode, plane_layout, store_planes
+from ._fp4_decode import PLANE_DTYPES, check_planes, decode_applies, launch_fp4_decode, plane_layout, store_planes
 from ._fp4_gemm import launch_fp4_gemm, portable_config
 from ._paths import check_native_weight, default_device, device_capability, resolve_path, weight_scale_bytes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -207,19 +207,26 @@ def quantize_planes(x2: torch.Tensor, planes: torch.Tensor, plane_k: int, *, sca
     _fp4_decode.act_planes_kernel.
 
     Args:
-        x2: bfloat16/float16 [M, K] (any strides), K a positive multiple of 32, M >= 1.
-        planes: out, _fp4_decode.plane_layout's [M, K_pad] tensor (bf16 / float32, K-contiguous).
+        x2: bfloat16/float16 [M, K] (any strides), K a positive multiple of 32.
+        planes: out, _fp4_decode.plane_layout's [M, K_pad] tensor (K_pad = K rounded up to plane_k;
+            bf16 / float32, K stride 1, on x2's device).
         plane_k: plane_layout's PLANE_K (the GEMM's BLOCK_K), a power of two >= 128.
         scale_rule: "ceil" or "floor", as quantize_activation.
     Raises:
-        ValueError: as quantize_activation; plane_k not a power of two >= 128.
+        ValueError: as quantize_activation; x2 not 2-D; plane_k not a power of two >= 128; planes
+            not that tensor (_fp4_decode.check_planes: 2-D, shape, dtype, K stride 1, device).
     """
     check_activation(x2, None, VEC_SIZE, FMT)
+    if x2.dim() != 2:
+        raise ValueError(f"x2 must be 2-D [M, K], got shape {tuple(x2.shape)}")
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    if plane_k < 4 * VEC_SIZE or plane_k & (plane_k - 1):
+    if not isinstance(plane_k, int) or plane_k < 4 * VEC_SIZE or plane_k & (plane_k - 1):
         raise ValueError(f"plane_k must be a power of two >= {4 * VEC_SIZE} (the decode GEMM's BLOCK_K), got {plane_k}")
-    _launch_quantize(x2, scale_rule, planes, planes, planes, plane_k)
+    M, K = x2.shape
+    check_planes(planes, M, K, plane_k, PLANE_DTYPES[FMT], x2.device)
+    if M > 0:
+        _launch_quantize(x2, scale_rule, planes, planes, planes, plane_k)
 
 
 def _launch_quantize(x2, scale_rule, data, scale, planes, plane_k: int) -> None:
@@ -352,16 +359,21 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         y = gemm_w4a16(x.reshape(-1, x.shape[-1]), qweight, bias, out_dtype=x.dtype)
     elif (decode_applies(x.numel() // x.shape[-1], device_capability(qweight.device), False, x.dtype)
           and resolve_path(path, FMT, qweight.device) == "portable"):
-        # M <= 16 on sm_90: the quantizer writes the decode GEMM's planes (quantize_planes), a launch
-        # less than quantize -> act_planes_kernel -> GEMM
-        x2 = x.reshape(-1, x.shape[-1])
-        M, K = x2.shape
-        plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT)
-        planes = torch.empty((M, k_pad), dtype=dt, device=x.device)
-        quantize_planes(x2, planes, plane_k, scale_rule=scale_rule)
-        y = launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous(), M=M, N=N, K=K,
-                              group=VEC_SIZE, scale_e4m3=False, bias=kernel_bias(bias), out_dtype=x.dtype,
-                              planes=planes)
+        y = _linear_decode(x.reshape(-1, x.shape[-1]), qweight, bias, scale_rule)
     else:
         y = gemm(quantize_activation(x, scale_rule=scale_rule), qweight, bias, out_dtype=x.dtype, path=path)
     return y.reshape(*x.shape[:-1], N)
+
+
+def _linear_decode(x2, qweight, bias, scale_rule) -> torch.Tensor:
+    """W4A4 at M <= 16 on sm_90 (linear has checked the operands): the quantizer writes the decode
+    GEMM's planes (quantize_planes: quantize_activation's codes and scales, decoded) and
+    _fp4_decode's GEMM dots them, a launch less than quantize -> act_planes_kernel -> GEMM."""
+    M, K = x2.shape
+    N = qweight.shape[0]
+    plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT)
+    planes = torch.empty((M, k_pad), dtype=dt, device=x2.device)
+    quantize_planes(x2, planes, plane_k, scale_rule=scale_rule)
+    return launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous(), M=M, N=N, K=K,
+                             group=VEC_SIZE, scale_e4m3=False, bias=kernel_bias(bias), out_dtype=x2.dtype,
+                             planes=planes, plane_k=plane_k)

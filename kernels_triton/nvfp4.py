@@ -284,7 +284,9 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
         out_dtype: torch.bfloat16, torch.float16 or torch.float32; default x2d's dtype.
     Returns:
         [M, N] tensor of out_dtype: fp32 sums of exact products, times 1/g_w once in the epilogue
-        (fp16 x: split into two bf16 halves, see _fp4_gemm).
+        (fp16 x: split into two bf16 halves, see _fp4_gemm). On sm_90 at M <= 16 (bf16 x, the
+        decode kernel's scale fold) the products are summed 2^8 smaller: below ~2^-141 (x near
+        1e-38) they underflow to 0 where unfolded they were fp32 subnormals (_fp4_decode.fp4_planes).
     Raises:
         ValueError: x2d not a 2-D bf16/fp16 tensor, K not a multiple of 16 or not the weight's K,
             device mismatch, wrong weight format or layout, bad bias, unsupported out_dtype.
@@ -355,4 +357,4 @@ def _linear_decode(x2, qweight, bias, global_scale) -> torch.Tensor:
     return launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
                              M=M, N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=kernel_bias(bias),
                              out_dtype=x2.dtype, gx=gx, gw=qweight.global_scale.reshape(1).to(torch.float32),
-                             planes=planes)
+                             planes=planes, plane_k=plane_k)

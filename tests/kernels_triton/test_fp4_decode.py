@@ -21,7 +21,7 @@ from triton.runtime.errors import InterpreterError
 import formats
 from _e4m3_testlib import sm90_sm_count
 from conftest import DEVICE, make_input
-from kernels_triton import _fp4_decode, _fp4_gemm, mxfp4, nvfp4
+from kernels_triton import _fp4_decode, _fp4_gemm, _twopass, mxfp4, nvfp4
 from kernels_triton._common import TileConfig, interpreting
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -202,17 +202,38 @@ def test_policy_domain():
 def test_tile_policy_of_an_sm_count(fmt, a16, n_sms, M, N, K):
     """decode_tile for a device given by its SM count (the value tile_config and the launcher both
     pass): 128 x 16 x BLOCK_K w4 s3, BLOCK_K 256 for nvfp4 W4A4 with K >= 1024 and 128 otherwise,
-    SPLIT_K the largest power of two that keeps the grid within two programs per SM and each
-    program >= 4 K steps (docs/perf_notes.md rows 17 and 22)."""
+    SPLIT_K from the largest power of two p that keeps the grid within two programs per SM and each
+    program >= 4 K steps (docs/perf_notes.md rows 17 and 22), as launched: K in ranges of
+    cdiv(K steps, p) whole steps, so cdiv(K steps, that) programs, which is what splitk_plan (the
+    launcher's rule) gives back for the reported tile."""
     cfg = _fp4_decode.decode_tile(M, N, K, n_sms, fmt, a16)
     bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
     assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages) == (16, 128, bk, 4, 3)
-    tiles, k_tiles, s = -(-N // 128), -(-K // bk), cfg.SPLIT_K
+    tiles, k_tiles = -(-N // 128), -(-K // bk)
 
     def fits(split):
         return split == 1 or (tiles * split <= 2 * n_sms and k_tiles >= 4 * split)
 
-    assert s >= 1 and s & (s - 1) == 0 and fits(s) and not fits(2 * s), (n_sms, M, N, K, s)
+    p = max(q for q in (1, 2, 4, 8, 16, 32, 64) if fits(q))
+    per = -(-k_tiles // p)
+    assert cfg.SPLIT_K == -(-k_tiles // per), (n_sms, M, N, K, p, cfg.SPLIT_K)
+    assert _twopass.splitk_plan(K, cfg) == (cfg.SPLIT_K, per * bk)  # reported = launched
+
+
+@pytest.mark.parametrize("N,K,n_sms,reported", [
+    (4096, 4224, 132, 7),  # 33 steps: power of two 8, ranges of 5 steps, 7 programs
+    (4096, 5248, 132, 7),  # 41 steps: 8 -> ranges of 6, 7 programs
+    (4096, 4096, 132, 8),  # 32 steps: 8 ranges of 4, as the power of two
+    (8192, 4224, 132, 4),  # 64 N tiles: 4 -> ranges of 9 steps, 4 programs
+    (4096, 4224, 16, 1),  # 32 N tiles already fill 16 SMs twice
+    (1024, 2944, 78, 4),  # 8 N tiles on an H20, 23 steps: 4 (>= 4 steps each) -> ranges of 6, 4 programs
+])
+def test_reported_split_is_the_launched_split(N, K, n_sms, reported):
+    """mxfp4 (BLOCK_K 128) on devices given by their SM count: the reported SPLIT_K is the count the
+    launcher's splitk_plan launches for it, where the power of two does not divide the K steps too."""
+    cfg = _fp4_decode.decode_tile(16, N, K, n_sms, "mxfp4")
+    assert cfg.SPLIT_K == reported
+    assert _twopass.splitk_plan(K, cfg)[0] == reported
 
 
 def test_tile_policy_follows_the_sm_count():
