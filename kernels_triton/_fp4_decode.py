@@ -59,8 +59,8 @@ import triton.language as tl
 
 from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_alpha, interpreting,
                       round_to_bf16_rne)
-from ._fp4_decode_tile import (DECODE_MAX_M, PLANE_DTYPES, check_planes, decode_applies, decode_config,  # noqa: F401
-                               decode_tile, min_block_k, plane_layout)
+from ._fp4_decode_tile import (DECODE_MAX_M, PLANE_DTYPES, check_planes, check_quantize_planes,  # noqa: F401
+                               decode_applies, decode_config, decode_tile, min_block_k, plane_layout)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace,
                        store_splitk_partial, swapped_tile)

@@ -92,6 +92,18 @@ def plane_layout(M: int, N: int, K: int, device, fmt: str) -> tuple[int, int, to
     return bk, triton.cdiv(K, bk) * bk, dt
 
 
+def check_quantize_planes(x2, planes, plane_k, min_plane_k: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    """The checks of the quantizers that write planes (nvfp4 / mxfp4 ``quantize_planes``): x2 2-D,
+    plane_k a power of two >= min_plane_k (the decode GEMM's BLOCK_K), planes as check_planes.
+
+    Raises ValueError naming x2, plane_k or planes, what it is and what is allowed."""
+    if x2.dim() != 2:
+        raise ValueError(f"x2 must be 2-D [M, K], got shape {tuple(x2.shape)}")
+    if not isinstance(plane_k, int) or plane_k < min_plane_k or plane_k & (plane_k - 1):
+        raise ValueError(f"plane_k must be a power of two >= {min_plane_k} (the decode GEMM's BLOCK_K), got {plane_k}")
+    check_planes(planes, x2.shape[0], x2.shape[1], plane_k, dtypes, x2.device)
+
+
 def check_planes(planes, M: int, K: int, plane_k: int, dtypes: tuple[torch.dtype, ...], device) -> None:
     """Refuse ``planes`` unless it is plane_layout's tensor for an [M, K] activation at ``plane_k``:
     a 2-D [M, cdiv(K, plane_k) * plane_k] tensor of one of ``dtypes``, K stride 1, rows not

@@ -40,7 +40,7 @@ from formats.validate import nan_unless_positive, static_global_scale
 
 from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3,
                       interpreting, nan_if_nonfinite)
-from ._fp4_decode import PLANE_DTYPES, check_planes, store_planes
+from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, store_planes
 from ._e4m3_gemm import quant_config
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -222,12 +222,7 @@ def quantize_planes(x2: torch.Tensor, planes: torch.Tensor, plane_k: int, *,
             not that tensor (_fp4_decode.check_planes: 2-D, shape, dtype, K stride 1, device).
     """
     check_activation(x2, None, VEC_SIZE, FMT)
-    if x2.dim() != 2:
-        raise ValueError(f"x2 must be 2-D [M, K], got shape {tuple(x2.shape)}")
-    if not isinstance(plane_k, int) or plane_k < 64 or plane_k & (plane_k - 1):
-        raise ValueError(f"plane_k must be a power of two >= 64 (the decode GEMM's BLOCK_K), got {plane_k}")
-    M, K = x2.shape
-    check_planes(planes, M, K, plane_k, PLANE_DTYPES[FMT], x2.device)
+    check_quantize_planes(x2, planes, plane_k, 4 * VEC_SIZE, PLANE_DTYPES[FMT])
     return _launch(x2, global_scale, planes, planes, planes, plane_k)
 
 

@@ -78,7 +78,7 @@ from ._common import (
     kernel_bias,
 )
 from ._e4m3_gemm import quant_config
-from ._fp4_decode import PLANE_DTYPES, check_planes, decode_applies, launch_fp4_decode, plane_layout, store_planes
+from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, decode_applies, launch_fp4_decode, plane_layout, store_planes
 from ._fp4_gemm import launch_fp4_gemm, portable_config
 from ._paths import check_native_weight, default_device, device_capability, resolve_path, weight_scale_bytes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -217,15 +217,10 @@ def quantize_planes(x2: torch.Tensor, planes: torch.Tensor, plane_k: int, *, sca
             not that tensor (_fp4_decode.check_planes: 2-D, shape, dtype, K stride 1, device).
     """
     check_activation(x2, None, VEC_SIZE, FMT)
-    if x2.dim() != 2:
-        raise ValueError(f"x2 must be 2-D [M, K], got shape {tuple(x2.shape)}")
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    if not isinstance(plane_k, int) or plane_k < 4 * VEC_SIZE or plane_k & (plane_k - 1):
-        raise ValueError(f"plane_k must be a power of two >= {4 * VEC_SIZE} (the decode GEMM's BLOCK_K), got {plane_k}")
-    M, K = x2.shape
-    check_planes(planes, M, K, plane_k, PLANE_DTYPES[FMT], x2.device)
-    if M > 0:
+    check_quantize_planes(x2, planes, plane_k, 4 * VEC_SIZE, PLANE_DTYPES[FMT])
+    if x2.shape[0] > 0:
         _launch_quantize(x2, scale_rule, planes, planes, planes, plane_k)
 
 
