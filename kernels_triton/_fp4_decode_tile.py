@@ -28,8 +28,8 @@ def decode_tile(M: int, N: int, K: int, n_sms: int, fmt: str = "mxfp4", a16: boo
     the grid within two programs per SM and each program >= 4 K steps, then the count splitk_plan
     launches for it (fewer where whole BLOCK_K steps per program cannot fill that many ranges: 7 for
     K = 4224 at 8), so the reported SPLIT_K is the launched one (docs/perf_notes.md, issue 13 rows
-    17, 22: with async MMAs, split 4 was 1-1.3 us faster than split 8 for the bf16 planes at M = 16
-    and level for nvfp4, whose BLOCK_K 256 split 4 was 3 us faster). The BLOCK_K 256 threshold
+    17, 22: with async MMAs split 4 beat split 8 for the bf16 planes at M = 16 and tied for nvfp4,
+    where BLOCK_K 256 with split 4 won). The BLOCK_K 256 threshold
     (K >= 1024) and the split rule were measured only at N = K = 8192 on the H200 (132 SMs);
     elsewhere they are extrapolations.
 

@@ -15,8 +15,8 @@ instead of pointer loads, at 4 warps (one warpgroup), with 96 KB or less of shar
 Why this shape: the fp32 promotion serializes each step's wgmma and its FMAs inside one
 warpgroup. A 4-warp CTA with 3 stages of 32 KB (fp8_tensor's 128 x 128 tile) or 4 of 24 KB
 (fp8_block's 64 x 128) uses ~96 KB of shared memory, so two CTAs share an SM (228 KB) and one's
-promotion overlaps the other's MMAs (H200, M = 4096, N = K = 8192: fp8_tensor 584 -> 516 us,
-fp8_block 995 -> 626 us against the pointer kernels; docs/perf_notes.md, row 23).
+promotion overlaps the other's MMAs (faster than the pointer kernels on the H200 for both formats:
+docs/perf_notes.md, row 23).
 Triton's warp_specialize would be the other way, but it gives wrong sums on this loop in 3.6.
 The kernel does not take part in programmatic dependent launch (_pdl): at these sizes a launch gap
 is a fraction of a percent, and it runs in plain stream order.

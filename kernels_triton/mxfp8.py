@@ -110,8 +110,8 @@ VEC_SIZE = tl.constexpr(MX_BLOCK)  # elements per E8M0 scale
 DECODE_KERNEL = "bf16"
 DECODE_KERNELS = ("bf16", "fp8")
 # linear on sm_90 with the "bf16" kernel, M <= this: the quantizer writes the dequantized activation
-# (_e4m3_decode.launch_e4m3_decode_linear); above, codes and scales as gemm. H200, N = K = 8192
-# (docs/perf_notes.md row 24): 30.2 -> 27.3 us at M = 1, but 30.0 -> 33.8 at M = 16 (2..15 not measured)
+# (_e4m3_decode.launch_e4m3_decode_linear); above, codes and scales as gemm: on the H200 it was
+# faster at M = 1 and slower at M = 16 (docs/perf_notes.md row 24; M = 2..15 not measured)
 DECODED_ACT_MAX_M = 1
 
 
