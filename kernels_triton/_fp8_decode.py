@@ -39,7 +39,7 @@ import triton.language as tl
 from ._common import TileConfig, decode_e4m3, interpreting
 from ._e4m3_gemm import e4m3_operand
 from ._fp8_prefill import prefill_config
-from ._paths import device_capability, sm_count
+from ._paths import is_sm90, sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan,
                        splitk_workspace, store_splitk_partial, swapped_tile)
@@ -165,17 +165,10 @@ def fp8_decode_gemm_kernel(
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _is_sm90(device) -> bool:
-    if interpreting():
-        return False
-    cap = device_capability(device)
-    return cap is not None and cap[0] == 9
-
-
 def fp8_decode_applies(M: int, device) -> bool:
     """fp8_tensor's, fp8_block's and mxfp8's GEMMs take this kernel for 1 <= M <= 16 on sm_90 (not
     under the interpreter)."""
-    return 1 <= M <= 16 and _is_sm90(device)
+    return 1 <= M <= 16 and is_sm90(device)
 
 
 def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64, bk: int = 128,
@@ -233,7 +226,7 @@ def hopper_config(M: int, N: int, K: int, device, *, scale_k: int = TENSOR_SCALE
     Raises ValueError for a bad scale_k (check_scale_k) and, at M <= 16 with MX scales, K not a
     positive multiple of 32."""
     check_scale_k(scale_k)
-    if not _is_sm90(device):
+    if not is_sm90(device):
         return None
     if 1 <= M <= 16:
         return decode_config(M, N, K, scale_k, sm_count(device))

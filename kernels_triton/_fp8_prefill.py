@@ -41,7 +41,7 @@ from formats.constants import FP8_BLOCK
 
 from ._common import TileConfig, decode_e4m3, interpreting
 from ._e4m3_gemm import grouped_tile
-from ._paths import device_capability
+from ._paths import is_sm90
 from ._twopass import ALPHA_SCALES, NO_ALPHA, epilogue
 
 PREFILL_MIN_M = 257  # M above the medium tiles of gemm_config (M <= 256)
@@ -123,15 +123,10 @@ def tma_ok(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
-def _is_sm90(device) -> bool:
-    cap = device_capability(device)  # None on the CPU and under the interpreter
-    return cap is not None and cap[0] == 9
-
-
 def prefill_config(M: int, N: int, K: int, device, *, scale_k: int = 0) -> TileConfig | None:
     """The prefill tile on sm_90 (TENSOR_PREFILL_TILE / BLOCK_PREFILL_TILE) for M > 256 and K a
     multiple of 16 (TMA's row-stride rule for a contiguous e4m3 [M, K]); None elsewhere."""
-    if M >= PREFILL_MIN_M and K % 16 == 0 and _is_sm90(device):
+    if M >= PREFILL_MIN_M and K % 16 == 0 and is_sm90(device):
         return BLOCK_PREFILL_TILE if scale_k == FP8_BLOCK else TENSOR_PREFILL_TILE
     return None
 

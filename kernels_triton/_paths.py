@@ -98,6 +98,13 @@ def device_capability(device) -> Optional[tuple[int, int]]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
+def is_sm90(device) -> bool:
+    """Whether ``device`` is a Hopper (sm_90) GPU: False on the CPU and under the interpreter
+    (device_capability), where the sm_90 performance kernels never run."""
+    cap = device_capability(device)
+    return cap is not None and cap[0] == 9
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
