@@ -57,8 +57,6 @@ decoded to fp32 and dotted in fp32 (exact, and the interpreter's bf16 dot is not
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -68,7 +66,7 @@ from ._e4m3_gemm import mx_e4m3_quantize
 from ._fp4_decode import e8m0_bf16, fragment_order, scale_planes
 from ._paths import sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._twopass import (NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace,
+from ._twopass import (NO_ALPHA, decode_split, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace,
                        store_splitk_partial, swapped_tile)
 
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
@@ -235,12 +233,8 @@ def decode_tile(M: int, N: int, K: int, n_sms: int, *, bn: int = 128, stages: in
     1.3 waves) and every split keeps >= 4 K steps (docs/perf_notes.md row 21: split 4 at
     N = K = 8192; the rule was measured only there, on the H200's 132 SMs)."""
     bk = MIN_BLOCK_K
-    tiles = triton.cdiv(N, bn)
-    split = 1
-    while tiles * split * 2 <= programs_per_sm * n_sms and triton.cdiv(K, bk) >= 8 * split:
-        split *= 2
-    cfg = TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages, SPLIT_K=split)
-    return dataclasses.replace(cfg, SPLIT_K=splitk_plan(K, cfg)[0])  # the split launched (fewer when K steps do not divide)
+    cfg = TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages)
+    return decode_split(cfg, N, K, programs_per_sm * n_sms)
 
 
 def decode_config(M: int, N: int, K: int, device) -> TileConfig:

@@ -6,14 +6,12 @@ Host code only; ``_fp4_decode`` re-exports every name, so callers import them fr
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 
 from ._common import TileConfig, interpreting
 from ._paths import sm_count
-from ._twopass import splitk_plan
+from ._twopass import decode_split
 
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)
 PLANE_DTYPES = {"nvfp4": (torch.float16, torch.float32), "mxfp4": (torch.bfloat16, torch.float32)}
@@ -38,12 +36,8 @@ def decode_tile(M: int, N: int, K: int, n_sms: int, fmt: str = "mxfp4", a16: boo
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4' for the FP4 decode tile, got {fmt!r}")
     bn = 128
     bk = 256 if fmt == "nvfp4" and not a16 and K >= 1024 else 128
-    tiles = triton.cdiv(N, bn)
-    split = 1
-    while tiles * split * 2 <= 2 * n_sms and triton.cdiv(K, bk) >= 8 * split:
-        split *= 2
-    cfg = TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=split)
-    return dataclasses.replace(cfg, SPLIT_K=splitk_plan(K, cfg)[0])
+    cfg = TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=3)
+    return decode_split(cfg, N, K, 2 * n_sms)
 
 
 def min_block_k(group: int) -> int:

@@ -35,6 +35,8 @@ alpha (ALPHA_MODE, constexpr), named:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -131,6 +133,17 @@ def splitk_plan(K: int, cfg: TileConfig) -> tuple[int, int]:
     k_tiles = triton.cdiv(K, cfg.BLOCK_K)
     k_per = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K)) * cfg.BLOCK_K
     return triton.cdiv(K, k_per), k_per
+
+
+def decode_split(cfg: TileConfig, N: int, K: int, max_programs: float) -> TileConfig:
+    """cfg with the split-K of the swapped decode kernels (_fp4_decode, _e4m3_decode): the largest
+    power of two that keeps cdiv(N, BLOCK_N) * split <= max_programs and every split >= 4 K steps,
+    then the count splitk_plan launches for it, so that the reported SPLIT_K is the launched one."""
+    tiles, k_steps = triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(K, cfg.BLOCK_K)
+    split = 1
+    while tiles * split * 2 <= max_programs and k_steps >= 8 * split:
+        split *= 2
+    return dataclasses.replace(cfg, SPLIT_K=splitk_plan(K, dataclasses.replace(cfg, SPLIT_K=split))[0])
 
 
 def splitk_workspace(split: int, M: int, N: int, device) -> torch.Tensor:
