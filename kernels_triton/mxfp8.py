@@ -321,7 +321,7 @@ def tile_config(M: int, N: int, K: int, path=None):
     dev = default_device()
     if resolve_path(path, FMT, dev) == "native":
         return native_config(M, N, K, dev)
-    if fp8_decode_applies(M, dev) and _decode_kernel() == "bf16":
+    if _decode_route(M, dev) == "bf16":
         return bf16_decode_config(M, N, K, dev)
     interp = interpreting()
     return (hopper_config(M, N, K, dev, scale_k=MX_SCALE)
@@ -389,13 +389,20 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         return y
     if resolve_path(path, FMT, qweight.device) == "native":
         return _gemm_native(xq, qweight, bias, y)
-    if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: a swapped wgmma kernel
-        if _decode_kernel() == "bf16":
-            return launch_e4m3_decode(xq.data.contiguous(), xq.scale.contiguous(), qweight.data.contiguous(),
-                                      qweight.scale.contiguous(), bias, y)
+    route = _decode_route(M, qweight.device)  # M <= 16 on sm_90: a swapped wgmma kernel
+    if route == "bf16":
+        return launch_e4m3_decode(xq.data.contiguous(), xq.scale.contiguous(), qweight.data.contiguous(),
+                                  qweight.scale.contiguous(), bias, y)
+    if route == "fp8":
         return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
                                  scale_k=MX_SCALE)
     return _gemm_portable(xq, qweight, bias, y)
+
+
+def _decode_route(M: int, device) -> str | None:
+    """The sm_90 decode GEMM for M rows on ``device``: None where none applies (fp8_decode_applies:
+    M <= 16 on sm_90), else _decode_kernel()'s."""
+    return _decode_kernel() if fp8_decode_applies(M, device) else None
 
 
 def _decode_kernel() -> str:
@@ -485,8 +492,8 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     x2 = flatten_rows(x)
-    if (x2.shape[0] <= DECODED_ACT_MAX_M and fp8_decode_applies(x2.shape[0], qweight.device)
-            and _decode_kernel() == "bf16" and resolve_path(path, FMT, qweight.device) == "portable"):
+    if (x2.shape[0] <= DECODED_ACT_MAX_M and _decode_route(x2.shape[0], qweight.device) == "bf16"
+            and resolve_path(path, FMT, qweight.device) == "portable"):
         # sm_90 decode: the quantizer writes the dequantized activation the GEMM dots (_e4m3_decode)
         y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
         launch_e4m3_decode_linear(x2, qweight.data.contiguous(), qweight.scale.contiguous(), kernel_bias(bias), y,
