@@ -19,10 +19,19 @@ tests/vllm/test_vllm_patches.py that fails when vLLM changes what it patches.
    from the registry has no ``torch.ops._C.static_scaled_fp8_quant``, which per-tensor FP8 loading
    calls to requantize q/k/v shards to their max scale. A torch version (RNE, saturating, the
    formats/ e4m3 codec) stands in, so those checkpoints load on the CPU machine.
+5. ``load_checks`` (vLLM 0.32 and 0.33): every checkpoint tensor of a layer our kernel serves is
+   checked before vLLM copies it, and a tensor that never arrived is named (loading.py). Relies on:
+   ``LinearBase.__init__`` sets ``quant_method``; each layer class then calls
+   ``quant_method.create_weights(layer=self, ...)``; column and row layers end ``__init__`` with
+   ``update_param_tp_status()`` (after creating the bias); the model loader calls
+   ``quant_method.process_weights_after_loading(layer)``. The layer's own quant-method object gets
+   instance wrappers (guard after create_weights, check_complete before processing) and
+   ``update_param_tp_status`` guards again (the bias); for a layer that is not ours both do nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -167,8 +176,62 @@ def cpu_fp8_quant() -> None:
     vops.scaled_fp8_quant = scaled_fp8_quant
 
 
+def _checked_methods(qm) -> None:
+    """Wrap one quant-method object's create_weights / process_weights_after_loading (instance
+    attributes; once per object)."""
+    from . import loading
+
+    if "__b12x_dual_checked__" in vars(qm):
+        return
+    create, process = qm.create_weights, qm.process_weights_after_loading
+
+    def create_weights(layer, *args, **kwargs):
+        out = create(layer, *args, **kwargs)
+        loading.guard(layer)
+        return out
+
+    def process_weights_after_loading(layer, *args, **kwargs):
+        loading.check_complete(layer)
+        return process(layer, *args, **kwargs)
+
+    qm.create_weights, qm.process_weights_after_loading = create_weights, process_weights_after_loading
+    qm.__b12x_dual_checked__ = True
+
+
+def load_checks() -> None:
+    import vllm.model_executor.layers.linear as linear
+
+    from . import loading
+
+    base = linear.LinearBase
+    original = base.__init__
+    if getattr(original, "__b12x_dual_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        qm = getattr(self, "quant_method", None)
+        if qm is not None and hasattr(qm, "create_weights"):
+            _checked_methods(qm)
+
+    __init__.__b12x_dual_original__ = original
+    base.__init__ = __init__
+
+    # Column/Row layers create the bias after create_weights and end __init__ with this call.
+    tp_status = base.update_param_tp_status
+
+    @functools.wraps(tp_status)
+    def update_param_tp_status(self):
+        tp_status(self)
+        loading.guard(self)
+
+    update_param_tp_status.__b12x_dual_original__ = tp_status
+    base.update_param_tp_status = update_param_tp_status
+
+
 PATCHES = (("kernel_lists", kernel_lists), ("backend_map", backend_map), ("nvfp4_w4a16", nvfp4_w4a16),
-           ("cpu_fp8_quant", cpu_fp8_quant))
+           ("cpu_fp8_quant", cpu_fp8_quant), ("load_checks", load_checks))
 
 
 def apply() -> list[str]:

@@ -104,10 +104,11 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(ckpt) / "model.safetensors"))
 
 
-def load(layers: dict, ckpt: Path, *, skip: tuple[str, ...] = (), process: bool = True) -> dict:
+def load(layers: dict, ckpt: Path, *, skip: tuple[str, ...] = (), process: bool = True, tamper=None) -> dict:
     """Every checkpoint tensor of each layer in through its parameter's weight_loader (q/k/v with
     their shard ids), then the quant method's process_weights_after_loading. ``skip``: tensor
-    names (leaf, e.g. "weight_scale") to leave out, to make a bad checkpoint."""
+    names (leaf, e.g. "weight_scale") to leave out, to make a bad checkpoint. ``tamper(module,
+    leaf, tensor)``: returns the tensor to load instead (None: leave it out), for one-tensor edits."""
     tensors = checkpoint_tensors(ckpt)
     for name, layer in layers.items():
         params = dict(layer.named_parameters())
@@ -120,6 +121,10 @@ def load(layers: dict, ckpt: Path, *, skip: tuple[str, ...] = (), process: bool 
                 leaf = key[len(base):]
                 if leaf in skip or leaf not in params:
                     continue
+                if tamper is not None:
+                    t = tamper(mod, leaf, t)
+                    if t is None:
+                        continue
                 param = params[leaf]
                 if shard is None:
                     param.weight_loader(param, t)
