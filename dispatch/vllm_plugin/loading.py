@@ -6,6 +6,8 @@ and ``copy_``-casts without looking at the dtype. Left alone, that gives three s
 
 - a tensor missing from the file leaves its parameter uninitialised (any value, NaN or 1e36);
 - an MXFP8/MXFP4 E8M0 ``weight_scale`` stored as float32 (2^-3 = 0.125) is cast to the byte 0;
+- E8M0 scales stored as float8_e8m0fnu go into vLLM's uint8 parameter through ``copy_``, which
+  converts values (2^-3 becomes 0) instead of keeping the bytes;
 - a wrongly shaped block scale or packed weight fails deep in vLLM's ``parameter.py`` (``start (0) +
   length (3) exceeds dimension size (2)``), naming no layer or tensor.
 
@@ -13,7 +15,7 @@ and ``copy_``-casts without looking at the dtype. Left alone, that gives three s
 whose kernel is one of ours) wraps each kept ``weight_loader``: the wrapper checks the checkpoint
 tensor's dtype and shape against :data:`SPECS` (the family's tensors as checkpoints store them:
 compressed-tensors, ModelOpt, DeepSeek ``Fp8Config``), records which (parameter, shard) arrived,
-then calls vLLM's loader. :func:`check_complete` (run when vLLM processes the layer's weights,
+then calls vLLM's loader (E8M0 bytes reinterpreted, not converted, to the parameter's byte dtype). :func:`check_complete` (run when vLLM processes the layer's weights,
 before vLLM's own processing reads them) names every parameter, and every fused shard, that never
 received a tensor. Each failure raises :class:`convert.CheckpointError` (a ValueError) naming the
 layer (its checkpoint prefix), the tensor, what arrived and what is expected.
@@ -61,14 +63,14 @@ class Spec:
 
 _E8M0_HINT = ("; E8M0 scales must be stored as their bytes (uint8 or float8_e8m0fnu, byte = log2(scale) + "
               "127): vLLM's loader would cast float values such as 0.125 to the byte 0 without a word")
-_W_E4M3 = Spec(E4M3, lambda n, k: (n, k), "e4m3 weight [N, K]")
-_W_FP4 = Spec(U8, lambda n, k: (n, _cdiv(k, 2)), "packed e2m1 weight [N, K/2] (two codes a byte)")
-_PER_TENSOR = Spec(SCALE_FLOATS, None, "per-tensor scale")
-_MX_SCALE = Spec(E8M0, lambda n, k: (n, _cdiv(k, 32)), "E8M0 block scale [N, K/32]", _E8M0_HINT)
+_W_E4M3 = Spec(E4M3, lambda n, k: (n, k), "an e4m3 weight [N, K]")
+_W_FP4 = Spec(U8, lambda n, k: (n, _cdiv(k, 2)), "a packed e2m1 weight [N, K/2] (two codes a byte)")
+_PER_TENSOR = Spec(SCALE_FLOATS, None, "a per-tensor scale")
+_MX_SCALE = Spec(E8M0, lambda n, k: (n, _cdiv(k, 32)), "an E8M0 block scale [N, K/32]", _E8M0_HINT)
 _BLOCK_SCALE = Spec(SCALE_FLOATS + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()),
-                    lambda n, k: (_cdiv(n, 128), _cdiv(k, 128)), "128x128 block scale [ceil(N/128), ceil(K/128)]",
+                    lambda n, k: (_cdiv(n, 128), _cdiv(k, 128)), "a 128x128 block scale [ceil(N/128), ceil(K/128)]",
                     "; UE8M0 block scales must be float8_e8m0fnu (uint8 bytes would be cast as integers)")
-_NV_SCALE = Spec(E4M3, lambda n, k: (n, _cdiv(k, 16)), "e4m3 block scale [N, K/16]")
+_NV_SCALE = Spec(E4M3, lambda n, k: (n, _cdiv(k, 16)), "an e4m3 block scale [N, K/16]")
 
 # Registry variant -> {parameter name as vLLM registers it -> Spec}. Names vLLM 0.32/0.33 use:
 # CT (weight_packed, weight_global_scale, input_global_scale), ModelOpt (weight, weight_scale_2,
@@ -85,7 +87,7 @@ SPECS: dict[str, dict[str, Spec]] = {
     "mxfp4": {"weight_packed": _W_FP4, "weight": _W_FP4, "weight_scale": _MX_SCALE},
     "mxfp4_w4a16": {"weight_packed": _W_FP4, "weight": _W_FP4, "weight_scale": _MX_SCALE},
 }
-_BIAS = Spec(BIAS_FLOATS, lambda n, k: (n,), "bias [N]")
+_BIAS = Spec(BIAS_FLOATS, lambda n, k: (n,), "a bias [N]")
 
 
 @dataclass
@@ -153,7 +155,7 @@ def check_tensor(layer, name: str, spec: Spec, loaded: torch.Tensor, shard) -> N
     n, k = _full_n(layer, shard), int(layer.input_size)
     where = f"layer {layer_name(layer)}: checkpoint tensor {name!r}{_shard_text(shard)}"
     if loaded.dtype not in spec.dtypes:
-        raise CheckpointError(f"{where} is {_fmt(loaded)}; a {spec.what} must be one of {_names(spec.dtypes)}"
+        raise CheckpointError(f"{where} is {_fmt(loaded)}; {spec.what} must be one of {_names(spec.dtypes)}"
                               f"{spec.hint}")
     if spec.shape is None:
         fused = shard is None and len(_shards(layer)) > 1
@@ -161,7 +163,7 @@ def check_tensor(layer, name: str, spec: Spec, loaded: torch.Tensor, shard) -> N
     else:
         ok = tuple(loaded.shape) == tuple(spec.shape(n, k))
     if not ok:
-        raise CheckpointError(f"{where} is {_fmt(loaded)}; expected a {spec.what} of shape "
+        raise CheckpointError(f"{where} is {_fmt(loaded)}; expected {spec.what} of shape "
                               f"{spec.expected(n, k)} for N={n}, K={k}")
 
 
@@ -179,6 +181,10 @@ def _wrap(layer, record: LoadRecord, name: str, spec: Spec, original: Callable) 
     def b12x_dual_checked_loader(param, loaded_weight, *args, **kwargs):
         shard = _shard_of(args, kwargs)
         check_tensor(layer, name, spec, loaded_weight, shard)
+        if spec.dtypes == E8M0 and loaded_weight.dtype != param.dtype and param.dtype in E8M0:
+            # The same E8M0 bytes in the parameter's dtype: copy_ between uint8 and float8_e8m0fnu
+            # converts values (2^(b-127) <-> integer), which would change every scale.
+            loaded_weight = loaded_weight.view(param.dtype)
         try:
             out = original(param, loaded_weight, *args, **kwargs)
         except (RuntimeError, AssertionError, IndexError) as e:

@@ -1,0 +1,251 @@
+"""Every checkpoint tensor vLLM loads into our layers is checked (dtype and shape before vLLM copies
+it; presence when the weights are processed), on real vLLM layers with compressed-tensors
+checkpoints tampered one tensor at a time, for every family the plugin serves
+(dispatch/vllm_plugin/loading.py, patch ``load_checks``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from _vllm_env import ckpt, ckpt_root, dist, forward, impl, loaded  # noqa: F401
+import checkpoints
+import harness
+from conftest import make_input
+
+from dispatch.vllm_plugin import convert, loading
+
+KINDS = checkpoints.KINDS
+PREFIX = {name: f"{harness.PREFIX}.{mods[0]}" for name, mods in harness.LINEARS.items()}
+PREFIX["qkv"] = f"{harness.PREFIX}.attention.self.qkv"
+
+
+def _leaves(d, name: str) -> list[str]:
+    return sorted(harness.expected_shards(d, name))
+
+
+def _x(k, m=3, seed=0):
+    return make_input((m, k), torch.bfloat16, generator=torch.Generator().manual_seed(seed), device="cpu")
+
+
+def _tamper(leaf: str, fn, module: str | None = None):
+    """A harness tamper hook that applies ``fn`` to one tensor (of one module, if given)."""
+
+    def hook(mod, name, t):
+        if name == leaf and (module is None or mod == module):
+            return fn(t)
+        return t
+
+    return hook
+
+
+def _wrong_dtype(t: torch.Tensor, spec: loading.Spec) -> torch.Tensor:
+    """The same tensor in a dtype a real mistake would give, outside the spec's allowed set."""
+    if t.dtype == torch.float8_e4m3fn:  # dequantized / unquantized values where codes belong
+        out = t.to(torch.bfloat16)
+    elif spec is loading._MX_SCALE:
+        out = torch.exp2(t.float() - 127)  # E8M0 as its float32 values
+    elif t.dtype == torch.uint8:  # packed codes written as int8
+        out = t.view(torch.int8)
+    else:  # a float scale or bias written as integers
+        out = t.to(torch.int32)
+    assert out.dtype not in spec.dtypes
+    return out
+
+
+def _spec(variant: str, leaf: str) -> loading.Spec:
+    return loading.SPECS[variant].get(leaf) or loading._BIAS
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_checkpoint_tensor_is_guarded(kind, dist, ckpt, impl):
+    """Each tensor the checkpoint holds for a layer goes through a checked loader, and each arrival
+    is recorded per fused shard (q, k, v)."""
+    impl("reference")
+    d = ckpt(kind)
+    layers, _ = loaded(d, ("qkv", "o"), process=False)
+    for name, layer in layers.items():
+        rec = layer.b12x_dual_load_record
+        assert sorted(rec.wrapped) == _leaves(d, name), name
+        for leaf in rec.wrapped:
+            assert callable(getattr(getattr(layer, leaf).weight_loader, "__b12x_dual_original__", None))
+        want = {"q", "k", "v"} if name == "qkv" else {None}
+        assert all(rec.arrived[leaf] == want for leaf in rec.wrapped), rec.arrived
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_missing_tensor_named_at_processing(kind, dist, ckpt, impl):
+    """A tensor left out of the file (one at a time; for q/k/v, only k's) fails when the weights
+    are processed, naming the layer, the tensor (and shard) and "missing from the checkpoint",
+    instead of serving the parameter's uninitialised memory."""
+    impl("reference")
+    d = ckpt(kind)
+    for leaf in _leaves(d, "o"):
+        with harness.vllm_context(d) as cfg:
+            layers = harness.make_layers(harness.quant_config(cfg), ("o",))
+            with pytest.raises(convert.CheckpointError,
+                               match=rf"layer {PREFIX['o']}: checkpoint tensor\(s\) '{leaf}' missing from the checkpoint"):
+                harness.load(layers, d, skip=(leaf,))
+    k_module = harness.LINEARS["qkv"][1]
+    for leaf in _leaves(d, "qkv"):
+        with harness.vllm_context(d) as cfg:
+            layers = harness.make_layers(harness.quant_config(cfg), ("qkv",))
+            with pytest.raises(convert.CheckpointError,
+                               match=rf"layer {PREFIX['qkv']}: checkpoint tensor\(s\) '{leaf}' \(shards 'k'\) missing"):
+                harness.load(layers, d, tamper=_tamper(leaf, lambda t: None, k_module))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_wrong_dtype_refused_before_the_copy(kind, dist, ckpt, impl):
+    """Each tensor in a wrong dtype (codes as bf16 or int8, E8M0 as float32, scales as int32) is
+    refused by the loader, naming layer, tensor, what arrived and what is allowed."""
+    impl("reference")
+    d = ckpt(kind)
+    for leaf in _leaves(d, "o"):
+        with harness.vllm_context(d) as cfg:
+            layers = harness.make_layers(harness.quant_config(cfg), ("o",))
+            spec = _spec(loading.our_kernel(layers["o"])._variant(), leaf)
+            bad = {}
+
+            def wrong(t):
+                bad["t"] = _wrong_dtype(t, spec)
+                return bad["t"]
+
+            with pytest.raises(convert.CheckpointError) as e:
+                harness.load(layers, d, process=False, tamper=_tamper(leaf, wrong))
+        got = str(bad["t"].dtype).replace("torch.", "")
+        msg = str(e.value)
+        assert f"layer {PREFIX['o']}: checkpoint tensor '{leaf}' is {got} {tuple(bad['t'].shape)}" in msg, msg
+        assert "must be one of " + loading._names(spec.dtypes) in msg, msg
+
+
+def test_mxfp8_e8m0_scale_as_float32_refused(dist, ckpt, impl):
+    """vLLM's loader would cast float32 powers of two into the uint8 parameter (0.125 -> byte 0,
+    relative error 1.0); the checked loader refuses it and says how E8M0 is stored."""
+    impl("reference")
+    d = ckpt("ct_mxfp8")
+    with harness.vllm_context(d) as cfg:
+        layers = harness.make_layers(harness.quant_config(cfg), ("up",))
+        as_float = _tamper("weight_scale", lambda t: torch.exp2(t.float() - 127))
+        with pytest.raises(convert.CheckpointError,
+                           match=r"intermediate\.dense: checkpoint tensor 'weight_scale' is float32 \(1536, 12\); "
+                                 r"an E8M0 block scale \[N, K/32\] must be one of uint8, float8_e8m0fnu; E8M0 scales "
+                                 r"must be stored as their bytes"):
+            harness.load(layers, d, tamper=as_float)
+
+
+def _cut_last(t: torch.Tensor) -> torch.Tensor:
+    """The tensor with its last column (2-D) or one more element (scalar) changed: a wrong shape."""
+    if t.dim() >= 2:
+        return t[:, :-1].contiguous()
+    if t.numel() == 1:
+        return t.reshape(1).repeat(2)
+    return t[:-1].contiguous()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_wrong_shape_named_before_vllm_narrows(kind, dist, ckpt, impl):
+    """Each tensor of k's shard with a wrong shape is refused with our error (layer, tensor, shard,
+    arrived, expected), never vLLM's ``start (0) + length (3) exceeds dimension size (2)``."""
+    impl("reference")
+    d = ckpt(kind)
+    k_module = harness.LINEARS["qkv"][1]
+    for leaf in _leaves(d, "qkv"):
+        with harness.vllm_context(d) as cfg:
+            layers = harness.make_layers(harness.quant_config(cfg), ("qkv",))
+            with pytest.raises(convert.CheckpointError) as e:
+                harness.load(layers, d, process=False, tamper=_tamper(leaf, _cut_last, k_module))
+        msg = str(e.value)
+        assert f"layer {PREFIX['qkv']}: checkpoint tensor '{leaf}' (shard 'k') is " in msg, msg
+        assert "expected" in msg and "exceeds dimension size" not in msg, msg
+
+
+@pytest.mark.parametrize("kind,leaf", [("ct_fp8_block", "weight_scale"), ("deepseek_fp8_block", "weight_scale_inv"),
+                                       ("ct_mxfp4", "weight_packed")])
+def test_block_scale_and_packed_shape_issue_cases(kind, leaf, dist, ckpt, impl):
+    """The two shapes the issue saw fail inside vLLM: a block-FP8 scale with one column too few
+    (vLLM: narrow past the end) and an MXFP4 weight_packed of the wrong width."""
+    impl("reference")
+    d = ckpt(kind)
+    with harness.vllm_context(d) as cfg:
+        layers = harness.make_layers(harness.quant_config(cfg), ("o",))
+        if leaf == "weight_packed":
+            expected, got = "(384, 192)", "(384, 191)"
+        else:
+            expected, got = "(3, 3)", "(3, 2)"
+        with pytest.raises(convert.CheckpointError) as e:
+            harness.load(layers, d, tamper=_tamper(leaf, _cut_last))
+    msg = str(e.value)
+    assert re.search(rf"attention\.output\.dense: checkpoint tensor '{leaf}' is \w+ {re.escape(got)}; "
+                     rf"expected .* of shape {re.escape(expected)} for N=384, K=384", msg), msg
+    assert "exceeds dimension size" not in msg
+
+
+def _output(d, which, tamper=None, x=None):
+    layers, _ = loaded(d, (which,), tamper=tamper)
+    layer = layers[which]
+    return forward(layer, x if x is not None else _x(layer.input_size_per_partition))
+
+
+@pytest.mark.parametrize("kind,leaf,dtype", [
+    ("ct_fp8", "weight_scale", torch.bfloat16), ("ct_fp8", "weight_scale", torch.float16),
+    ("ct_fp8", "input_scale", torch.bfloat16), ("ct_fp8", "input_scale", torch.float16),
+    ("ct_fp8_dynamic", "weight_scale", torch.bfloat16),
+    ("ct_nvfp4", "weight_global_scale", torch.bfloat16), ("ct_nvfp4", "input_global_scale", torch.float16),
+    ("modelopt_nvfp4", "weight_scale_2", torch.bfloat16), ("modelopt_nvfp4", "input_scale", torch.float16),
+    ("ct_fp8_block", "weight_scale", torch.float32), ("ct_fp8_block", "weight_scale", torch.float16),
+    ("deepseek_fp8_block", "weight_scale_inv", torch.bfloat16),
+    ("ct_mxfp8", "weight_scale", torch.float8_e8m0fnu), ("ct_mxfp4", "weight_scale", torch.float8_e8m0fnu),
+    ("modelopt_mxfp8", "weight_scale", torch.float8_e8m0fnu),
+])
+def test_every_allowed_dtype_loads_to_the_same_output(kind, leaf, dtype, dist, ckpt, impl):
+    """A scale stored in another allowed dtype serves the same output as the same values in the
+    file's dtype: the checks refuse nothing a checkpoint may legitimately carry. The values are
+    first made representable in ``dtype`` (rounded through it, kept in the file's dtype; the
+    conversions between float32, bfloat16 and float16 of such values are exact), so the two loads
+    must agree bit for bit. E8M0 bytes (uint8) and float8_e8m0fnu are the same bits."""
+    impl("reference")
+    d = ckpt(kind)
+    for which in ("o", "qkv"):
+        if dtype == torch.float8_e8m0fnu:
+            base = _output(d, which)
+            alt = _output(d, which, _tamper(leaf, lambda t: t.view(torch.float8_e8m0fnu)))
+        else:
+            base = _output(d, which, _tamper(leaf, lambda t: t.to(dtype).to(t.dtype)))
+            alt = _output(d, which, _tamper(leaf, lambda t: t.to(dtype)))
+        assert base.abs().max() > 0
+        assert torch.equal(base, alt), f"{kind} {which} {leaf} as {dtype}"
+
+
+def test_ue8m0_block_scales_load_like_their_float32_values(dist, ckpt, impl):
+    """DeepSeek UE8M0 block scales (float8_e8m0fnu powers of two) serve the same output as the same
+    powers of two stored as float32 (E8M0 -> float32 is exact)."""
+    impl("reference")
+    d = ckpt("deepseek_fp8_block")
+
+    def pow2(t):  # round each block scale up to a power of two (what UE8M0 exporters do)
+        return torch.exp2(torch.ceil(torch.log2(t.float())))
+
+    as_f32 = _output(d, "qkv", _tamper("weight_scale_inv", pow2))
+    as_e8m0 = _output(d, "qkv", _tamper("weight_scale_inv", lambda t: pow2(t).to(torch.float8_e8m0fnu)))
+    assert as_f32.abs().max() > 0
+    assert torch.equal(as_f32, as_e8m0)
+
+
+def test_processing_twice_and_unguarded_layers(dist, ckpt, impl):
+    """A second processing of the same load passes (nothing new arrived); a layer loaded from a
+    checkpoint whose records are complete passes; a layer not ours carries no record."""
+    impl("reference")
+    d = ckpt("ct_mxfp8")
+    with harness.vllm_context(d) as cfg:
+        layers = harness.make_layers(harness.quant_config(cfg), ("o",))
+        harness.load(layers, d)
+        loading.check_complete(layers["o"])  # same load again: passes
+        from vllm.model_executor.layers.linear import RowParallelLinear
+
+        plain = RowParallelLinear(384, 384, bias=True, quant_config=None, prefix="plain")
+    assert getattr(plain, "b12x_dual_load_record", None) is None
+    assert not hasattr(plain.weight.weight_loader, "__b12x_dual_original__")
