@@ -106,3 +106,29 @@ def test_cpu_fp8_quant_op_still_missing_and_stand_in_matches_formats(dist):
     assert q.dtype == torch.float8_e4m3fn and s_out is s
     assert torch.equal(q.view(torch.uint8), encode_e4m3(x / s).view(torch.uint8))
     assert float(q.float().abs().max()) == 448.0  # saturates (x/s reaches ~1700 here)
+
+
+def test_load_checks_hooks_still_where_vllm_builds_and_processes(dist):
+    """What patches.load_checks relies on (vLLM 0.32 and 0.33): LinearBase.__init__ sets
+    quant_method; the column, row and replicated layers call ``self.quant_method.create_weights``
+    in __init__; column and row layers end __init__ with ``update_param_tp_status()`` after the
+    bias; vLLM's model loader processes through ``quant_method.process_weights_after_loading``.
+    Then the patch itself: a layer's quant method carries the wrappers, LinearBase's are in place."""
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.model_loader.utils as loader_utils
+
+    from dispatch.vllm_plugin import patches
+
+    assert "load_checks" in patches.applied and patches.failed == {}, patches.failed
+    base_init = inspect.getsource(getattr(linear.LinearBase.__init__, "__b12x_dual_original__"))
+    assert "self.quant_method = " in base_init
+    for cls in (linear.ReplicatedLinear, linear.ColumnParallelLinear, linear.RowParallelLinear):
+        src = inspect.getsource(cls.__init__)
+        assert "self.quant_method.create_weights(" in src, cls.__name__
+    for cls in (linear.ColumnParallelLinear, linear.RowParallelLinear):
+        src = inspect.getsource(cls.__init__)
+        assert src.index("self.update_param_tp_status()") > src.index("self.bias = Parameter("), cls.__name__
+    assert "quant_method.process_weights_after_loading(" in inspect.getsource(loader_utils)
+    layer = linear.RowParallelLinear(256, 128, bias=True, quant_config=None, prefix="probe")
+    assert vars(layer.quant_method).get("__b12x_dual_checked__") is True
+    assert getattr(linear.LinearBase.update_param_tp_status, "__b12x_dual_original__", None) is not None
