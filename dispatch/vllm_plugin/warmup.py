@@ -7,12 +7,18 @@ size, the compile sizes and max_num_batched_tokens. Our kernels answer with :fun
 is the layer's signature (implementation, variant, N, K, dtype, activation options), so identical
 layers share one compile. :func:`warmup_model` does the same walk for any device (vLLM skips its
 own outside SM12x), and records what ran so nothing is compiled twice.
+
+Those token counts alone would leave prompts of other lengths to compile while serving: a tile,
+a route or a b12x plan depends on M, and Triton compiles a kernel once per integer
+specialization of M (M == 1, M % 16 == 0, other). So each layer is also run at
+:func:`buckets`: one M for every distinct :func:`route_key` over 1..max(counts). After warmup,
+a call of any M up to the largest count (max_num_batched_tokens) finds every kernel compiled.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -33,15 +39,67 @@ def token_counts(cuda_graph_sizes: Iterable[int] = (), max_num_batched_tokens: i
     return tuple(sorted(c for c in counts if c > 0))
 
 
-def _run(st: ops.LayerState, counts: Iterable[int], device: torch.device) -> int:
+def _specialization(m: int) -> str:
+    """How Triton specializes an int argument (triton.runtime.jit: == 1, divisible by 16, other)."""
+    return "1" if m == 1 else ("16" if m % 16 == 0 else "")
+
+
+def route_key(impl: str, variant: str, m: int, n: int, k: int) -> tuple:
+    """What an ``impl`` call of ``variant`` at M tokens (N, K) compiles, as far as M decides it.
+
+    triton: the format module's ``tile_config`` on this process's device (the GEMM's tile, split-K
+    and route as it prints), the activation quantizer's tile (``_e4m3_gemm.quant_config``, the
+    same M rule for every format) and M's Triton specialization. cute: the b12x plan capacity
+    ``cap_for(next_pow2(M), K)`` that kernels_cute plans for an unprepared M. reference: nothing
+    (torch only). Raises ValueError for another impl.
+    """
+    fmt = variant.removesuffix("_w4a16")
+    if impl == "reference":
+        return ()
+    if impl == "triton":
+        import kernels_triton
+        from kernels_triton._common import interpreting
+        from kernels_triton._e4m3_gemm import quant_config
+
+        tile = kernels_triton.module(fmt).tile_config(m, n, k)
+        return (str(tile), quant_config(m, k, interpreting(), 32), _specialization(m))
+    if impl == "cute":
+        import kernels_cute
+        from kernels_cute._common import next_pow2
+
+        return (kernels_cute.module(variant).cap_for(next_pow2(m), k),)
+    raise ValueError(f"impl must be one of reference, triton, cute, got {impl!r}")
+
+
+def buckets(impl: str, variant: str, n: int, k: int, max_tokens: int) -> tuple[int, ...]:
+    """The smallest M of every distinct :func:`route_key` for M in 1..max_tokens (sorted): running a
+    layer once at each compiles everything a call of up to ``max_tokens`` tokens can use."""
+    first: dict[tuple, int] = {}
+    for m in range(1, int(max_tokens) + 1):
+        first.setdefault(route_key(impl, variant, m, n, k), m)
+    return tuple(sorted(first.values()))
+
+
+def layer_counts(st: ops.LayerState, counts: Iterable[int], device: torch.device) -> tuple[int, ...]:
+    """``counts`` plus, on a CUDA device, the layer's :func:`buckets` up to the largest of them.
+    (On the CPU nothing compiles: Triton runs in its interpreter and the reference is torch.)"""
+    counts = set(counts)
+    if counts and torch.device(device).type == "cuda":
+        counts.update(buckets(st.chosen.impl, st.variant, st.n, st.k, max(counts)))
+    return tuple(sorted(counts))
+
+
+def _run(st: ops.LayerState, counts: Iterable[int], device: torch.device,
+         bias: Optional[torch.Tensor] = None) -> int:
     global compiles
     ran = 0
+    counts = layer_counts(st, counts, device)
     g = torch.Generator(device="cpu").manual_seed(0)
     for m in counts:
-        key = (st.signature, m)
+        key = (st.signature, bias is not None, m)
         if key not in _done:
             x = torch.randn(m, st.k, generator=g).to(device=device, dtype=st.dtype)
-            st.chosen.backend.apply(x, st.prepared, None, **st.act_opts)
+            st.chosen.backend.apply(x, st.prepared, bias, **st.act_opts)
             _done.add(key)
             compiles += 1
             ran += 1
@@ -54,40 +112,57 @@ def _device(st: ops.LayerState) -> torch.device:
     return torch.device(getattr(st.prepared, "device", "cpu"))
 
 
-def unit(layer: torch.nn.Module, counts):
-    """vLLM's B12xWarmupUnit for one layer (key = the layer's signature)."""
-    from vllm.utils.b12x import B12xWarmupUnit
+def served_bias(layer: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The bias vLLM hands our op for ``layer`` (None when it has none or adds it itself:
+    ``skip_bias_add``); with a bias the kernels compile another specialization (HAS_BIAS)."""
+    bias = getattr(layer, "bias", None)
+    if not isinstance(bias, torch.Tensor) or getattr(layer, "skip_bias_add", False):
+        return None
+    return bias
 
+
+def _parts(layer: torch.nn.Module, counts) -> tuple[str, tuple, Callable[[], None]]:
+    """(name, key, compile) of one layer's warmup unit; the key is the layer's signature, whether
+    it has a bias, the device and the counts."""
     st = ops.state(layer.b12x_dual_handle)
     counts = tuple(counts)
     dev = _device(st)
+    bias = served_bias(layer)
 
     def compile() -> None:
-        _run(st, counts, dev)
+        _run(st, counts, dev, bias)
         # Layers that share the signature are warm too (the unit ran once for all of them).
         for other in ops._STATES.values():
             if other.signature == st.signature:
-                other.warmed.update(counts)
+                other.warmed.update(layer_counts(st, counts, dev))
 
-    return B12xWarmupUnit(name=f"b12x-dual {st.variant}", key=("b12x_dual", st.signature, str(dev), counts),
-                          compile=compile)
+    return f"b12x-dual {st.variant}", ("b12x_dual", st.signature, bias is not None, str(dev), counts), compile
+
+
+def unit(layer: torch.nn.Module, counts):
+    """vLLM's B12xWarmupUnit for one layer (key = the layer's signature and bias presence)."""
+    from vllm.utils.b12x import B12xWarmupUnit
+
+    name, key, compile = _parts(layer, counts)
+    return B12xWarmupUnit(name=name, key=key, compile=compile)
 
 
 def warmup_model(model: torch.nn.Module, counts: Iterable[int]) -> dict[str, int]:
-    """Run every b12x-dual layer signature in ``model`` at each token count once.
+    """Run every b12x-dual layer signature in ``model`` at each token count once (on a CUDA
+    device also at every :func:`buckets` M up to the largest count); needs no vLLM.
 
     Returns {"b12x-dual <variant>": signatures warmed}. Safe to call again: what already ran is skipped.
     """
     counts = tuple(counts)
-    units = {}
+    units: dict[tuple, tuple] = {}
     for layer in model.modules():
         if getattr(layer, "b12x_dual_handle", None) is not None:
-            u = unit(layer, counts)
-            units.setdefault(u.key, u)
+            name, key, compile = _parts(layer, counts)
+            units.setdefault(key, (name, compile))
     warmed: dict[str, int] = {}
     with torch.inference_mode():
-        for u in units.values():
-            u.compile()
-            warmed[u.name] = warmed.get(u.name, 0) + 1
+        for name, compile in units.values():
+            compile()
+            warmed[name] = warmed.get(name, 0) + 1
     log.info("b12x-dual warmup: %s at token counts %s", warmed, counts)
     return warmed
