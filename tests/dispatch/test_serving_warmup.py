@@ -1,0 +1,156 @@
+"""No compile while serving: after the vLLM plugin's warmup (dispatch/vllm_plugin/warmup.py), calls
+of any token count M up to max_num_batched_tokens compile nothing.
+
+On the CPU nothing compiles (Triton's interpreter, torch), so the guarantee is checked there as a
+policy: for M = 1..max_tokens, every (GEMM tile, activation-quantizer tile, Triton specialization
+of M) the kernel modules' tile functions pick is one that warmup runs. On a GPU, warmup runs and
+then Triton's post-compile hook and b12x's kernel-resolution guard count real compiles while the
+plugin's op serves prompts of varied lengths: zero.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import dispatch  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, without a GPU)
+import formats
+import kernels_triton
+from conftest import device_name, make_input
+from dispatch import registry
+from dispatch.devices import current_device
+from dispatch.vllm_plugin import ops, warmup
+from kernels_triton._common import interpreting
+from kernels_triton._e4m3_gemm import quant_config
+
+VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_w4a16", "mxfp4_w4a16")
+SHAPES = ((1024, 2048), (384, 1536))  # (N, K): K a multiple of 128 (block FP8)
+MAX_TOKENS = 2048
+# vLLM's own warmup counts: 1, the CUDA-graph capture sizes (its default list starts like this),
+# max_num_batched_tokens.
+VLLM_COUNTS = warmup.token_counts((1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 256, 512), MAX_TOKENS)
+
+
+def _what_m_decides(variant: str, m: int, n: int, k: int) -> tuple:
+    """What a Triton call at M tokens compiles, read off the kernel modules: the GEMM's tile
+    (tile_config, with split-K and route), the activation quantizer's tile (quant_config), and
+    Triton's integer specialization of M (== 1, divisible by 16: triton.runtime.jit)."""
+    fmt = variant.removesuffix("_w4a16")
+    return (str(kernels_triton.module(fmt).tile_config(m, n, k)), quant_config(m, k, interpreting(), 32),
+            m == 1, m % 16 == 0)
+
+
+def _uncovered(variant, n, k, counts, max_tokens=MAX_TOKENS) -> list[int]:
+    """The M in 1..max_tokens whose compiled kernels no count in ``counts`` compiles."""
+    warm = {_what_m_decides(variant, m, n, k) for m in counts}
+    return [m for m in range(1, max_tokens + 1) if _what_m_decides(variant, m, n, k) not in warm]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_buckets_cover_every_token_count(variant, n, k):
+    """Warmup's buckets compile what every M in 1..max_tokens uses; vLLM's counts alone do not
+    (so without the buckets a new prompt length would compile while serving)."""
+    b = warmup.buckets("triton", variant, n, k, MAX_TOKENS)
+    assert b[0] == 1 and all(1 <= m <= MAX_TOKENS for m in b) and list(b) == sorted(set(b))
+    assert _uncovered(variant, n, k, b) == []
+    # vLLM with enforce_eager (no CUDA graphs) warms 1 and max_num_batched_tokens only: a 3-token
+    # prompt (M neither 1 nor a multiple of 16, so another Triton specialization) would compile.
+    assert 3 in _uncovered(variant, n, k, warmup.token_counts((), MAX_TOKENS))
+
+
+def test_cute_buckets_one_per_plan_capacity():
+    """The cute path plans a b12x capacity cap_for(next_pow2(M), K) for an unprepared M: one
+    bucket per capacity (powers of two up to max_tokens; mxfp4 at K >= 4096 raises small ones to
+    129 rows)."""
+    assert warmup.buckets("cute", "nvfp4", 1024, 2048, 1000) == (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
+    assert warmup.buckets("cute", "mxfp4", 1024, 4096, 1000) == (1, 129, 257, 513)
+    assert warmup.buckets("reference", "nvfp4", 1024, 2048, 1000) == (1,)
+    with pytest.raises(ValueError, match="impl must be one of reference, triton, cute, got 'hopper'"):
+        warmup.route_key("hopper", "nvfp4", 1, 1024, 2048)
+
+
+def test_layer_counts_add_buckets_only_where_kernels_compile():
+    st = types.SimpleNamespace(chosen=types.SimpleNamespace(impl="triton"), variant="mxfp8", n=1024, k=2048)
+    counts = (1, 8, 512)
+    on_gpu = warmup.layer_counts(st, counts, torch.device("cuda"))
+    assert set(counts) <= set(on_gpu) and set(warmup.buckets("triton", "mxfp8", 1024, 2048, 512)) <= set(on_gpu)
+    assert max(on_gpu) == 512
+    assert warmup.layer_counts(st, counts, torch.device("cpu")) == counts
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: real compiles counted
+# ---------------------------------------------------------------------------------------------
+SERVED = (1, 2, 3, 7, 15, 16, 17, 31, 33, 48, 100, 127, 255, 257, 511, 1000, 1999, MAX_TOKENS)
+
+
+class _Compiles:
+    """Counts Triton JIT compiles (``triton.knobs.runtime.jit_post_compile_hook``: called after
+    every compile of a new specialization in this process, disk-cache hit or not)."""
+
+    def __init__(self):
+        import triton
+
+        self.knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if self.knobs is None or not hasattr(self.knobs, "jit_post_compile_hook"):
+            pytest.skip(f"Triton {triton.__version__} has no triton.knobs.runtime.jit_post_compile_hook")
+        self.seen: list[str] = []
+
+    def __enter__(self):
+        self.prev = self.knobs.jit_post_compile_hook
+        self.knobs.jit_post_compile_hook = self._hook
+        return self
+
+    def _hook(self, *args, **kwargs):
+        self.seen.append(str(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?")))
+        return False
+
+    def __exit__(self, *exc):
+        self.knobs.jit_post_compile_hook = self.prev
+
+
+def _b12x_frozen():
+    """b12x's kernel-resolution guard (any new b12x kernel resolution raises inside it), or a
+    null context where b12x is absent."""
+    import contextlib
+
+    try:
+        from b12x._lib.runtime_control import kernel_resolution_guard
+    except ImportError:
+        return contextlib.nullcontext()
+    return kernel_resolution_guard("b12x-dual serving after warmup")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
+                    reason=f"needs a CUDA GPU with compiled Triton kernels; found {device_name()}")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_compile_while_serving_after_warmup(variant):
+    """A layer (N=1024, K=2048, with bias) on the Triton backend, warmed up with vLLM's counts,
+    then served through the plugin's op at 18 token counts from 1 to max_tokens: Triton compiles
+    nothing and b12x resolves nothing; every output has its shape and is finite."""
+    n, k = 1024, 2048
+    fmt = variant.removesuffix("_w4a16")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.05
+    qw = formats.quantize(w, fmt, role="weight").to("cuda")
+    backend = registry.get("triton", variant)
+    dev = current_device(torch.device("cuda"))
+    chosen = types.SimpleNamespace(impl="triton", backend=backend, source="test", requested="triton", reason="")
+    st = ops.LayerState(variant, n, k, torch.bfloat16, chosen, backend.prepare(qw), {}, f"test.{variant}")
+    layer = torch.nn.Module()
+    layer.b12x_dual_handle = ops.new_handle(st)
+    layer.bias = torch.randn(n, generator=g).to("cuda", torch.bfloat16)
+    assert dev.kind == "cuda"
+    with _Compiles() as during_warmup:
+        warmup.warmup_model(layer, VLLM_COUNTS)
+    assert during_warmup.seen, "warmup compiled nothing: the hook is not counting"
+    with _Compiles() as serving, _b12x_frozen(), torch.inference_mode():
+        for m in SERVED:
+            x = make_input((m, k), torch.bfloat16, generator=torch.Generator().manual_seed(m), device="cuda")
+            y = torch.ops.b12x_dual.linear(x, layer.bias, layer.b12x_dual_handle, n)
+            assert y.shape == (m, n) and bool(torch.isfinite(y).all())
+        torch.cuda.synchronize()
+    assert serving.seen == [], f"{variant}: compiled while serving: {serving.seen}"
