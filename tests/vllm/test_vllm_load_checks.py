@@ -249,3 +249,43 @@ def test_processing_twice_and_unguarded_layers(dist, ckpt, impl):
         plain = RowParallelLinear(384, 384, bias=True, quant_config=None, prefix="plain")
     assert getattr(plain, "b12x_dual_load_record", None) is None
     assert not hasattr(plain.weight.weight_loader, "__b12x_dual_original__")
+
+
+def test_merged_column_shards_checked_and_named(dist, ckpt, impl):
+    """A gate/up-style merged column layer (integer shard ids) built from the MXFP8 up projection
+    split in two halves along N: the halves load and serve the unsplit layer's output exactly; a
+    half left out is named by its shard id, and a half of the wrong height by its shard and the
+    expected (N/2, K/32)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    impl("reference")
+    d = ckpt("ct_mxfp8")
+    prefix = f"{harness.PREFIX}.{harness.LINEARS['up'][0]}"
+    tensors = harness.expected_shards(d, "up")
+    half = harness.INTER // 2
+
+    def build_and_load(edit=lambda shard, leaf, t: t):
+        with harness.vllm_context(d) as cfg:
+            layer = MergedColumnParallelLinear(harness.HIDDEN, [half, half], bias=True,
+                                               quant_config=harness.quant_config(cfg), prefix=prefix)
+            params = dict(layer.named_parameters())
+            for leaf, (t,) in tensors.items():
+                for shard in (0, 1):
+                    part = edit(shard, leaf, t[shard * half:(shard + 1) * half])
+                    if part is not None:
+                        params[leaf].weight_loader(params[leaf], part, shard)
+            layer.quant_method.process_weights_after_loading(layer)
+        return layer
+
+    merged = build_and_load()
+    assert loading.our_kernel(merged) is not None and merged.b12x_dual_load_record.shards == (0, 1)
+    plain, _ = loaded(d, ("up",))
+    x = _x(harness.HIDDEN)
+    assert torch.equal(forward(merged, x), forward(plain["up"], x))
+    with pytest.raises(convert.CheckpointError,
+                       match=rf"layer {prefix}: checkpoint tensor\(s\) 'weight_scale' \(shards 1\) missing"):
+        build_and_load(lambda shard, leaf, t: None if (shard, leaf) == (1, "weight_scale") else t)
+    with pytest.raises(convert.CheckpointError,
+                       match=rf"layer {prefix}: checkpoint tensor 'weight_scale' \(shard 0\) is uint8 \(767, 12\); "
+                             rf"expected .* of shape \(768, 12\) for N=768, K=384"):
+        build_and_load(lambda shard, leaf, t: t[:-1] if (shard, leaf) == (0, "weight_scale") else t)
