@@ -2,7 +2,7 @@
 
 vLLM creates a layer's parameters in ``quant_method.create_weights`` (``torch.empty``: uninitialised
 memory) and fills each from the checkpoint through the parameter's ``weight_loader``, which narrows
-and ``copy_``-casts without looking at the dtype. Left alone, that gives three silent failures:
+and ``copy_``-casts without looking at the dtype. Left alone, that gives four silent failures:
 
 - a tensor missing from the file leaves its parameter uninitialised (any value, NaN or 1e36);
 - an MXFP8/MXFP4 E8M0 ``weight_scale`` stored as float32 (2^-3 = 0.125) is cast to the byte 0;
@@ -15,10 +15,11 @@ and ``copy_``-casts without looking at the dtype. Left alone, that gives three s
 whose kernel is one of ours) wraps each kept ``weight_loader``: the wrapper checks the checkpoint
 tensor's dtype and shape against :data:`SPECS` (the family's tensors as checkpoints store them:
 compressed-tensors, ModelOpt, DeepSeek ``Fp8Config``), records which (parameter, shard) arrived,
-then calls vLLM's loader (E8M0 bytes reinterpreted, not converted, to the parameter's byte dtype). :func:`check_complete` (run when vLLM processes the layer's weights,
-before vLLM's own processing reads them) names every parameter, and every fused shard, that never
-received a tensor. Each failure raises :class:`convert.CheckpointError` (a ValueError) naming the
-layer (its checkpoint prefix), the tensor, what arrived and what is expected.
+then calls vLLM's loader (E8M0 bytes reinterpreted, not converted, to the parameter's byte
+dtype). :func:`check_complete` (run when vLLM processes the layer's weights, before vLLM's own
+processing reads them) names every parameter, and every fused shard, that never received a
+tensor. Each failure raises :class:`convert.CheckpointError` (a ValueError) naming the layer (its
+checkpoint prefix), the tensor, what arrived and what is expected.
 
 Shapes are checked on the full checkpoint tensor (vLLM narrows it per tensor-parallel rank after
 the check), in the layer's full (unsharded) sizes: K = ``layer.input_size``; N of the shard = the

@@ -86,8 +86,8 @@ def test_missing_tensor_named_at_processing(kind, dist, ckpt, impl):
     for leaf in _leaves(d, "o"):
         with harness.vllm_context(d) as cfg:
             layers = harness.make_layers(harness.quant_config(cfg), ("o",))
-            with pytest.raises(convert.CheckpointError,
-                               match=rf"layer {PREFIX['o']}: checkpoint tensor\(s\) '{leaf}' missing from the checkpoint"):
+            missing = rf"layer {PREFIX['o']}: checkpoint tensor\(s\) '{leaf}' missing from the checkpoint"
+            with pytest.raises(convert.CheckpointError, match=missing):
                 harness.load(layers, d, skip=(leaf,))
     k_module = harness.LINEARS["qkv"][1]
     for leaf in _leaves(d, "qkv"):
