@@ -289,3 +289,20 @@ def test_merged_column_shards_checked_and_named(dist, ckpt, impl):
                        match=rf"layer {prefix}: checkpoint tensor 'weight_scale' \(shard 0\) is uint8 \(767, 12\); "
                              rf"expected .* of shape \(768, 12\) for N=768, K=384"):
         build_and_load(lambda shard, leaf, t: t[:-1] if (shard, leaf) == (0, "weight_scale") else t)
+
+
+def test_dummy_load_format_is_not_a_missing_checkpoint(dist, ckpt, impl):
+    """vLLM's ``load_format="dummy"`` writes random values into the parameters without any
+    weight_loader: the completeness check lets it through (there is no checkpoint to miss), and
+    the same layer without that format is refused."""
+    from vllm.config import LoadConfig, set_current_vllm_config
+
+    impl("reference")
+    d = ckpt("ct_mxfp8")
+    with harness.vllm_context(d) as cfg:
+        layers = harness.make_layers(harness.quant_config(cfg), ("o",))
+        with pytest.raises(convert.CheckpointError, match="missing from the checkpoint"):
+            loading.check_complete(layers["o"])
+        cfg.load_config = LoadConfig(load_format="dummy")
+        with set_current_vllm_config(cfg):
+            loading.check_complete(layers["o"])
