@@ -279,13 +279,16 @@ def compare_backend(backend, qweight: QuantizedTensor, x: torch.Tensor, bias: Op
 
 
 def check_call(backend, qweight: QuantizedTensor, x: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor],
-               act_opts: dict) -> dict[str, Any]:
+               act_opts: dict, *, device_kind: Optional[str] = None, requantize: bool = True) -> dict[str, Any]:
     """The watchdog's check of a call that produced ``y``: the implementation's quantized
     activation (quantize_activation(x), where the backend has one) against the oracle's bytes,
     and y against the oracle on that same quantized activation, per (row, tile), in multiples of
-    the bound. Returns the fields of :func:`compare_backend` ("gemm" holds the output check, or
-    "linear" for W4A16 and backends without a separate quantizer)."""
-    kind = x.device.type
+    the bound. ``device_kind``: the device that produced y, for the bound (default x's);
+    ``requantize=False``: check y against the oracle's quantized activation without rerunning the
+    implementation's quantizer (a replayed output). Returns the fields of :func:`compare_backend`
+    ("gemm" holds the output check, or "linear" for W4A16 and backends without a separate quantizer)."""
+    kind = device_kind or x.device.type
+    splits = bool(backend.splits and requantize)
     x2 = _as_2d(x)
     M, K = x2.shape
     out_dtype = y.dtype
@@ -307,12 +310,12 @@ def check_call(backend, qweight: QuantizedTensor, x: torch.Tensor, y: torch.Tens
         dev_opts = {k: (v.to(x.device) if isinstance(v, torch.Tensor) else v) for k, v in act_opts.items()}
         xq_o = formats.quantize(x2.cpu(), backend.fmt, role="activation", **act_opts)
         xq = xq_o
-        if backend.splits:
+        if splits:
             xq_b = backend.quantize_activation(x2, **dev_opts).to("cpu")
             res["activation"] = quant_diff(xq_b, xq_o)
             xq = xq_b
         ref = formats.reference_linear(xq, qweight, bias, out_dtype=out_dtype)
-        name = "gemm" if backend.splits else "linear"
+        name = "gemm" if splits else "linear"
         res[name] = _stage(name, y2, ref, gemm_bound(xq, qweight, bias, out_dtype, ref, **params))
     res["first"] = first_departure(res)
     res["ok"] = res["first"] is None
