@@ -3,7 +3,8 @@
 Each class is a real :class:`dispatch.backends.TritonBackend` (the Triton kernels run: the
 interpreter on the CPU) with one deliberate defect, registered in the registry's table in place
 of ``triton:<variant>`` for one test (:func:`installed`). A defect applies only to weights with
-``only_n`` rows, so that one layer of a model is wrong and the others are not:
+``only_n`` rows (activations with ``only_k`` columns), so that one layer of a model is wrong and the
+others are not:
 
     FlippedWeightScale    prepare returns a copy of the weight with one block-scale byte changed
                           (row ``n``, K-block ``kb``): the GEMM departs in column tile n // 128
@@ -41,14 +42,13 @@ class FlippedWeightScale(TritonBackend):
 
 
 class FlippedActivationScale(TritonBackend):
-    m, kb, only_n = 2, 1, None
+    m, kb, only_k = 2, 1, None
 
     def quantize_activation(self, x, **act_opts):
-        return _flip_scale(super().quantize_activation(x, **act_opts), self.m, self.kb)
+        q = super().quantize_activation(x, **act_opts)
+        return q if self.only_k not in (None, x.shape[-1]) else _flip_scale(q, self.m, self.kb)
 
     def apply(self, x, prepared, bias=None, **act_opts):
-        if self.only_n is not None and prepared.rows != self.only_n:
-            return super().apply(x, prepared, bias, **act_opts)
         x2 = x.reshape(-1, x.shape[-1])
         y = self.gemm(self.quantize_activation(x2, **act_opts), prepared, bias, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], -1)
