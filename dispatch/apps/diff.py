@@ -95,7 +95,7 @@ def diff_layer(layer: DM.Layer, x: torch.Tensor, device: str, impls: Optional[li
     first = None
     if firsts:
         impl, f = firsts[0]
-        first = {"impl": impl, **f}
+        first = {"impl": impl, **f, "weight": results[impl]["weight"]}
     elif errors:
         impl = next(iter(errors))
         first = {"impl": impl, "stage": "error", "detail": errors[impl]}
@@ -136,7 +136,7 @@ def run_diff(model_path: str, *, layers: Optional[list[str]] = None, fmt: str = 
     """The diff of a MODEL as a JSON-able dict (grids as lists). Raises ValueError for bad arguments
     (named): see dispatch.apps.diff_models.load_model and select."""
     device = device or H.default_device()
-    model = DM.load_model(model_path, fmt)
+    model = DM.load_model(model_path, fmt, layers)
     chosen = DM.select(model.layers, layers)
     xs = layer_inputs(model, chosen, tokens=tokens, dtype=dtype, seed=seed, text=text, inputs=inputs)
     if save_inputs:
@@ -230,7 +230,19 @@ def first_line(first: Optional[dict]) -> str:
     head = f"layer {first['layer']}, {first['impl']}: " if "layer" in first else f"{first['impl']}: "
     if first["stage"] == "error":
         return head + f"raised {first['detail']}"
-    return head + check.describe_first(first)
+    return head + check.describe_first(first) + _weight_note(first.get("weight"))
+
+
+def _weight_note(w) -> str:
+    if not w or w["equal"]:
+        return ""
+    f = w["first"]
+    return (f"; {first_weight_what(f['what'])} of the implementation's prepared weight differs from the layer's at "
+            f"weight row {f['row']}, K-block {f['kblock']}")
+
+
+def first_weight_what(what: str) -> str:
+    return {"codes": "a code", "scale": "a block scale", "global_scale": "the global scale"}.get(what, what)
 
 
 def print_report(result: dict[str, Any], *, plain: bool = False) -> None:

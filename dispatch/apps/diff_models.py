@@ -184,9 +184,9 @@ def load_own(path: Path) -> Model:
     return Model(str(path), "b12x-dual safetensors", layers)
 
 
-def load_transformers(folder: Path, fmt: str) -> Model:
-    """A folder whose config.json builds a transformers model: every nn.Linear the format allows
-    quantized with the oracle (dispatch.quantize_model)."""
+def load_transformers(folder: Path, fmt: str, patterns: Optional[list[str]] = None) -> Model:
+    """A folder whose config.json builds a transformers model: every nn.Linear the format allows (of
+    those ``patterns`` select, see :func:`select`) quantized with the oracle (dispatch.quantize_model)."""
     import copy
 
     import transformers
@@ -200,17 +200,21 @@ def load_transformers(folder: Path, fmt: str) -> Model:
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"MODEL {str(folder)!r}: transformers cannot build the model from its config.json "
                          f"({type(e).__name__}: {e})") from None
-    qmodel = quantize_model(copy.deepcopy(model), fmt)
+    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    wanted = {lay.name for lay in select([Layer(n, fmt, None) for n in names], patterns)}
+    qmodel = quantize_model(copy.deepcopy(model), fmt, skip=lambda name, _m: name not in wanted)
     layers = [Layer(name, m.variant, m.qweight, None if m.bias is None else m.bias.detach().to(torch.bfloat16),
                     dict(m.act_opts))
               for name, m in qmodel.named_modules() if isinstance(m, QuantLinear)]
     return Model(str(folder), f"transformers model quantized to {fmt}", layers,
-                 dict(getattr(qmodel, "b12x_skipped", {})), float_model=model)
+                 {k: v for k, v in getattr(qmodel, "b12x_skipped", {}).items() if k in wanted}, float_model=model)
 
 
-def load_model(path: str, fmt: str = "nvfp4") -> Model:
-    """MODEL -> Model. Raises ValueError naming MODEL: no such file or folder, a folder without
-    config.json, a file that is not a b12x-dual safetensors file, a model with no quantized linears."""
+def load_model(path: str, fmt: str = "nvfp4", patterns: Optional[list[str]] = None) -> Model:
+    """MODEL -> Model. ``patterns``: the --layers selection (a transformers model quantizes only
+    those; the other kinds are selected from afterwards, by :func:`select`). Raises ValueError naming
+    MODEL: no such file or folder, a folder without config.json, a file that is not a b12x-dual
+    safetensors file, a model with no quantized linears; or a pattern that matches no layer."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ValueError(f"MODEL {path!r}: no such file or folder")
@@ -222,7 +226,7 @@ def load_model(path: str, fmt: str = "nvfp4") -> Model:
             raise ValueError(f"MODEL {path!r}: the folder has no config.json (expected a checkpoint folder, a "
                              "transformers model folder or a b12x-dual .safetensors file)")
         config = json.loads(cfg_path.read_text())
-        m = load_checkpoint(p, config) if config.get("quantization_config") else load_transformers(p, fmt)
+        m = load_checkpoint(p, config) if config.get("quantization_config") else load_transformers(p, fmt, patterns)
     if not m.layers:
         raise ValueError(f"MODEL {path!r}: no quantized linear layers found ({m.kind})")
     return m
@@ -248,15 +252,17 @@ def capture_text(model: Model, text: str, dtype: torch.dtype) -> dict[str, torch
     transformers builds it (its compressed-tensors support decompresses the weights). Raises
     ValueError naming MODEL when transformers cannot build it here, or for a b12x-dual file (no
     model to run)."""
-    from transformers import AutoModel, AutoTokenizer
-
     if model.kind == "b12x-dual safetensors":
         raise ValueError(f"--text needs a model to run; MODEL {model.path!r} is a b12x-dual safetensors file "
                          "(weights only): pass --inputs FILE, or the model's folder")
+    from transformers import AutoModel, AutoTokenizer
+
     net = model.float_model
     if net is None:
         try:
-            net = AutoModel.from_pretrained(model.path, dtype=torch.float32).eval()
+            # transformers' compressed-tensors support decompresses the quantized linears to bf16;
+            # the whole forward then runs in bf16
+            net = AutoModel.from_pretrained(model.path, dtype=torch.bfloat16).eval()
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"--text: transformers cannot build MODEL {model.path!r} here "
                              f"({type(e).__name__}: {e}); pass --inputs FILE instead") from None
@@ -276,6 +282,9 @@ def capture_text(model: Model, text: str, dtype: torch.dtype) -> dict[str, torch
     try:
         with torch.no_grad():
             net(**tok(text, return_tensors="pt"))
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"--text: the forward of MODEL {model.path!r} failed here ({type(e).__name__}: {e}); "
+                         "pass --inputs FILE instead") from None
     finally:
         for h in hooks:
             h.remove()

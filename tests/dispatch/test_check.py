@@ -102,9 +102,9 @@ def test_clean_layer_passes_and_sampling_counts(watchdog):
         q(make_input((M, K)))
     assert wd.checked == 2 and not wd.diverged  # calls 1 and 4 of the layer
     wd = watchdog("0.5")
-    for _ in range(20):
+    for _ in range(10):
         q(make_input((1, K)))
-    assert 3 <= wd.checked <= 17 and not wd.diverged  # seeded draws (B12X_CHECK_SEED=0)
+    assert 1 <= wd.checked <= 9 and not wd.diverged  # seeded draws (B12X_CHECK_SEED=0)
 
 
 def test_watchdog_finds_flipped_weight_scale_and_replays(watchdog, caplog, tmp_path):

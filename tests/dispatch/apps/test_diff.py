@@ -76,6 +76,9 @@ def test_fault_in_one_layer_is_named(own_file, tmp_path, capsys, fault, fields, 
     by = {r["layer"]: r for r in data["layers"]}
     assert by["a"]["ok"] and by["b"]["results"]["reference"]["ok"] and not by["b"]["results"]["triton"]["ok"]
     assert "first bad block: layer b, triton:" in out
+    if fault is faults.FlippedWeightScale:  # the prepared weight's differing byte, located
+        assert first["weight"]["first"] == {"what": "scale", "row": 130, "kblock": 2}
+        assert "prepared weight differs from the layer's at weight row 130, K-block 2" in out
 
 
 def test_inputs_roundtrip_and_layer_globs(own_file, tmp_path, capsys):
@@ -185,3 +188,15 @@ def test_transformers_folder_with_text(tmp_path, capsys, monkeypatch):
     lay = data["layers"][0]
     assert rc == 0, out
     assert lay["input"] == "--text" and lay["variant"] == "mxfp8" and lay["K"] == 1536 and 5 <= lay["M"] <= 16
+
+
+def test_checkpoint_folder_with_text(ckpts, tmp_path, capsys, monkeypatch):
+    """--text on a compressed-tensors folder: transformers builds the model (decompressing its linears)
+    and each selected linear's real input is captured."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, out, _ = _run(capsys, ckpts("ct_nvfp4"), "--layers", "*.output.dense", "--text", "hello world",
+                      "--json", tmp_path / "d.json")
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert rc == 0, out
+    assert [(r["layer"], r["input"], r["M"]) for r in data["layers"]] == [
+        ("encoder.layer.0.attention.output.dense", "--text", 4), ("encoder.layer.0.output.dense", "--text", 4)]
