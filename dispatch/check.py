@@ -438,8 +438,15 @@ class Watchdog:
         (also logged once per layer and written as a replay file), else None."""
         if self._capturing(x) or not self.sample(layer):
             return None
-        with torch.no_grad():
-            res = check_call(backend, qweight, x, y, bias, act_opts)
+        try:
+            with torch.no_grad():
+                res = check_call(backend, qweight, x, y, bias, act_opts)
+        except Exception as e:  # noqa: BLE001  (the check must not take the server down; it says why, once)
+            with self._lock:
+                self.diverged[layer] = {"error": f"{type(e).__name__}: {e}", "ok": False}
+            log.error("b12x-dual watchdog: cannot check layer %s on %s (%s): %s: %s; not checking it again",
+                      layer, backend.impl, backend.variant, type(e).__name__, e)
+            return None
         self.checked += 1
         if res["ok"]:
             return None

@@ -17,6 +17,7 @@ from conftest import gemm_bound as conftest_bound
 from conftest import make_input
 from dispatch import QuantLinear, check, registry, replay
 from dispatch.apps import diff
+from dispatch.backends import TritonBackend
 from formats.bounds import gemm_bound
 
 import faults
@@ -214,3 +215,43 @@ def test_capture_is_not_checked(watchdog, caplog):
     assert sum("CUDA-graph capture" in r.getMessage() for r in caplog.records) == 1
     ref = formats.reference_linear(x, q.qweight, q.bias)
     assert (y.double() - ref.double()).abs().max().item() < 1
+
+
+def test_route_is_named_from_route_or_describe():
+    """route_of: Backend.route(problem, device).describe() where a backend has routes, else describe()."""
+    from dispatch.devices import CPU
+
+    class Route:
+        def describe(self):
+            return "kernels _e2m1_gemm, tile 64x128x128, split-K 1"
+
+    class Routed(TritonBackend):
+        def route(self, problem, device):
+            assert (problem.M, problem.N, problem.K, problem.variant) == (4, N, K, "nvfp4") and device is CPU
+            return Route()
+
+    class Described(TritonBackend):
+        def describe(self, problem, device):
+            return "portable GEMM path"
+
+    assert check.route_of(Routed("nvfp4"), 4, N, K, torch.bfloat16, CPU) == Route().describe()
+    assert check.route_of(Described("nvfp4"), 4, N, K, torch.bfloat16, CPU) == "portable GEMM path"
+
+
+def test_a_check_that_fails_is_logged_not_raised(watchdog, caplog, monkeypatch):
+    """An exception inside the check (here: the quantizer raising) is logged once; the call's own
+    result is returned and the layer is not checked again."""
+    wd = watchdog("1")
+    q = _layer()
+    x = make_input((M, K))
+
+    def broken(*a, **k):
+        raise RuntimeError("quantizer exploded")
+
+    with faults.installed(faults.FlippedWeightScale, "nvfp4", only_n=-1) as b:
+        monkeypatch.setattr(b, "quantize_activation", broken)
+        with caplog.at_level(logging.ERROR, "dispatch.check"):
+            y1, y2 = q(x), q(x)
+    assert torch.equal(y1, y2) and wd.checked == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "quantizer exploded" in errors[0] and "model.layers.3.mlp.up_proj" in errors[0]
