@@ -31,7 +31,9 @@ a sampling rate: a probability ``0.01`` (seeded per process with ``B12X_CHECK_SE
 sampled call quantizes x again with the implementation (where it has a separate quantizer),
 recomputes the call with the oracle and compares. A layer's first divergence logs one WARNING
 (layer, implementation, route, first bad block) and writes a replay file (dispatch.replay) to
-``B12X_CHECK_DIR`` (default: the current directory); that layer is not checked again. During
+``B12X_CHECK_DIR`` (default: the current directory); that layer is not checked again. A check
+that itself fails (an exception in the quantizer or the oracle, a replay file that cannot be
+written) is logged once (ERROR) and never raised into the call. During
 CUDA-graph capture nothing can be recomputed: captured calls are not checked (logged once, INFO);
 eager and warmup calls are.
 """
