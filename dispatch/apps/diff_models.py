@@ -184,12 +184,21 @@ def load_own(path: Path) -> Model:
     return Model(str(path), "b12x-dual safetensors", layers)
 
 
+def _transformers(what: str):
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"{what} needs transformers, which is not importable ({e}); install it with: "
+                         "pip install 'b12x-dual[demo]'") from None
+    return transformers
+
+
 def load_transformers(folder: Path, fmt: str, patterns: Optional[list[str]] = None) -> Model:
     """A folder whose config.json builds a transformers model: every nn.Linear the format allows (of
     those ``patterns`` select, see :func:`select`) quantized with the oracle (dispatch.quantize_model)."""
     import copy
 
-    import transformers
+    transformers = _transformers(f"MODEL {str(folder)!r} (a transformers model folder)")
     from transformers import AutoModel
 
     from dispatch.quant_linear import QuantLinear, quantize_model
@@ -255,6 +264,7 @@ def capture_text(model: Model, text: str, dtype: torch.dtype) -> dict[str, torch
     if model.kind == "b12x-dual safetensors":
         raise ValueError(f"--text needs a model to run; MODEL {model.path!r} is a b12x-dual safetensors file "
                          "(weights only): pass --inputs FILE, or the model's folder")
+    _transformers("--text")
     from transformers import AutoModel, AutoTokenizer
 
     net = model.float_model
