@@ -345,6 +345,14 @@ def jsonable(result: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
+def _plot_dir(value: str) -> str:
+    """--plot DIR: a folder, existing or creatable (not a file)."""
+    p = Path(value).expanduser()
+    if p.exists() and not p.is_dir():
+        raise A.Invalid(f"invalid folder {value!r} (it is a file; expected a folder for the heat maps)")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("diff", help="find the first layer and block where an implementation departs "
                               "from the oracle; --replay FILE reruns a captured call",
@@ -375,7 +383,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=A.nonnegative_int, default=0)
     p.add_argument("--device", type=A.torch_device, default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--json", type=A.output_path, default=None, metavar="PATH", help="write the report as JSON")
-    p.add_argument("--plot", default=None, metavar="DIR", help="write a heat map per layer and implementation")
+    p.add_argument("--plot", type=_plot_dir, default=None, metavar="DIR",
+                   help="write a heat map per layer and implementation into this folder")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
 
