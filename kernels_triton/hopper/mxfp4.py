@@ -346,12 +346,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     M = x2.shape[0]
     p = _device_plan(M, N, K, qweight.device, a16=False, x_dtype=x.dtype, quantizer=_QUANTIZER)
     if p.kind == "decode_planes":
-        plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT, config=p.config)
-        planes = torch.empty((M, k_pad), dtype=dt, device=x.device)
-        quantize_planes(x2, planes, plane_k, scale_rule=scale_rule)
-        y = launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous(), M=M, N=N, K=K,
-                              group=VEC_SIZE, scale_e4m3=False, bias=kernel_bias(bias), out_dtype=x.dtype,
-                              config=p.config, planes=planes, plane_k=plane_k)
+        y = _linear_decode(x2, qweight, bias, scale_rule, p.config)
     elif p.kind == "none":
         if M:
             quantize_activation(x2, scale_rule=scale_rule)
@@ -362,3 +357,18 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
                             group=VEC_SIZE, scale_e4m3=False, bias=kernel_bias(bias), out_dtype=x.dtype,
                             config=p.config)
     return y.reshape(*x.shape[:-1], N)
+
+
+def _linear_decode(x2, qweight, bias, scale_rule, config=None) -> torch.Tensor:
+    """W4A4 at M <= 16 (the route's "decode_planes"; linear has checked the operands): the quantizer
+    writes the decode GEMM's activation planes (quantize_planes: quantize_activation's codes and
+    scales, dequantized) and hopper._fp4_decode's GEMM dots them. config: the route's tile (None:
+    decode_config's for the device; under the interpreter its plain-op form runs)."""
+    M, K = x2.shape
+    N = qweight.shape[0]
+    plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT, config=config)
+    planes = torch.empty((M, k_pad), dtype=dt, device=x2.device)
+    quantize_planes(x2, planes, plane_k, scale_rule=scale_rule)
+    return launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous(), M=M, N=N, K=K,
+                             group=VEC_SIZE, scale_e4m3=False, bias=kernel_bias(bias), out_dtype=x2.dtype,
+                             config=config, planes=planes, plane_k=plane_k)

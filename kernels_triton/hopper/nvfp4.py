@@ -192,13 +192,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     p = _device_plan(M, N, K, qweight.device, a16=False, x_dtype=x.dtype,
                      quantizer=_QUANTIZER[global_scale is None])
     if p.kind == "decode_planes":
-        plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT, config=p.config)
-        planes = torch.empty((M, k_pad), dtype=dt, device=x.device)
-        gx = quantize_planes(x2, planes, plane_k, global_scale=global_scale)
-        w, sw, gw = _weight_operands(qweight)
-        y = launch_fp4_decode(None, None, w, sw, M=M, N=N, K=K, group=VEC_SIZE, scale_e4m3=True,
-                              bias=kernel_bias(bias), out_dtype=x.dtype, gx=gx, gw=gw, config=p.config,
-                              planes=planes, plane_k=plane_k)
+        y = _linear_decode(x2, qweight, bias, global_scale, p.config)
     elif p.kind == "none":
         if M:
             quantize_activation(x2, global_scale=global_scale)
@@ -210,3 +204,19 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
                             scale_e4m3=True, bias=kernel_bias(bias), out_dtype=x.dtype,
                             gx=xq.global_scale.reshape(1), gw=gw, config=p.config)
     return y.reshape(*x.shape[:-1], N)
+
+
+def _linear_decode(x2, qweight, bias, global_scale, config=None) -> torch.Tensor:
+    """W4A4 at M <= 16 (the route's "decode_planes"; linear has checked the operands): the quantizer
+    writes the decode GEMM's activation planes (quantize_planes: the codes, scales and g of
+    quantize_activation, dequantized) and hopper._fp4_decode's GEMM dots them. config: the route's
+    tile (None: decode_config's for the device; under the interpreter its plain-op form runs)."""
+    M, K = x2.shape
+    N = qweight.shape[0]
+    plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT, config=config)
+    planes = torch.empty((M, k_pad), dtype=dt, device=x2.device)
+    gx = quantize_planes(x2, planes, plane_k, global_scale=global_scale)
+    w, sw, gw = _weight_operands(qweight)
+    return launch_fp4_decode(None, None, w, sw, M=M, N=N, K=K, group=VEC_SIZE, scale_e4m3=True,
+                             bias=kernel_bias(bias), out_dtype=x2.dtype, gx=gx, gw=gw, config=config,
+                             planes=planes, plane_k=plane_k)
