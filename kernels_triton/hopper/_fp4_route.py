@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .._common import TileConfig
+from .._paths import device_capability, sm_count
 from .._route import Route
 from .._twopass import splitk_plan
 from ._fp4_decode_tile import decode_applies, decode_tile
@@ -50,6 +51,18 @@ def check_capability(capability) -> None:
     ok, why = supported(capability)
     if not ok:
         raise ValueError(f"capability must be an sm_90 one, (9, x), for the hopper kernels, got {capability!r}: {why}")
+
+
+def device_plan(fmt: str, M: int, N: int, K: int, device, *, a16: bool, x_dtype: torch.dtype,
+                quantizer: tuple[str, ...]) -> "Plan":
+    """plan() for the operands' ``device``: its capability and SM count. ValueError naming the
+    device unless it is an sm_90 GPU (under the interpreter no device is)."""
+    cap = device_capability(device)
+    ok, why = supported(cap)
+    if not ok:
+        raise ValueError(f"qweight.device must be an sm_90 GPU for the hopper kernels, got {device}: {why}")
+    return plan(fmt, M, N, K, capability=cap, sm_count=sm_count(device), a16=a16, x_dtype=x_dtype,
+                quantizer=quantizer)
 
 
 @dataclass(frozen=True)

@@ -48,12 +48,11 @@ from .._common import (
     kernel_bias,
 )
 from .._e4m3_gemm import quant_config
-from .._paths import device_capability, sm_count
 from .._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from .._route import Route, launch
 from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, launch_fp4_decode, plane_layout, store_planes
 from ._fp4_gemm import launch_fp4_gemm
-from ._fp4_route import check_capability, plan, supported
+from ._fp4_route import device_plan, plan, supported
 
 __all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "quantize_planes", "route", "supported"]
 
@@ -234,10 +233,7 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
 
 
 def _device_plan(M, N, K, device, *, a16, x_dtype, quantizer):
-    cap = device_capability(device)
-    check_capability(cap)
-    return plan(FMT, M, N, K, capability=cap, sm_count=sm_count(device), a16=a16, x_dtype=x_dtype,
-                quantizer=quantizer)
+    return device_plan(FMT, M, N, K, device, a16=a16, x_dtype=x_dtype, quantizer=quantizer)
 
 
 def _check_out_dtype(out_dtype) -> None:

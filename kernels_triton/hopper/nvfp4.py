@@ -29,11 +29,10 @@ from formats import QuantizedTensor
 from formats.constants import NVFP4_BLOCK
 
 from .._common import check_activation, check_bias, check_weight, kernel_bias
-from .._paths import device_capability, sm_count
 from .._route import Route
 from ._fp4_decode import launch_fp4_decode, plane_layout
 from ._fp4_gemm import launch_fp4_gemm
-from ._fp4_route import check_capability, plan, supported
+from ._fp4_route import device_plan, plan, supported
 from ._nvfp4_quant import quantize_activation, quantize_planes
 
 __all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "supported"]
@@ -65,10 +64,7 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
 
 
 def _device_plan(M, N, K, device, *, a16, x_dtype, quantizer):
-    cap = device_capability(device)
-    check_capability(cap)
-    return plan(FMT, M, N, K, capability=cap, sm_count=sm_count(device), a16=a16, x_dtype=x_dtype,
-                quantizer=quantizer)
+    return device_plan(FMT, M, N, K, device, a16=a16, x_dtype=x_dtype, quantizer=quantizer)
 
 
 def _weight_operands(qweight):

@@ -138,6 +138,16 @@ def test_hopper_is_sm90_only(capability):
     assert hopper_nvfp4.supported((9, 0))[0]
 
 
+@pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
+def test_hopper_linear_refuses_a_device_that_is_not_sm90(fmt, a16):
+    dev = torch.device(DEVICE)
+    if hopper_nvfp4.supported(device_capability(dev))[0]:
+        pytest.skip(f"this device is sm_90 ({device_name()}): the hopper kernels run here")
+    qw = _weight(fmt, 8, 64)
+    with pytest.raises(ValueError, match=r"qweight\.device must be an sm_90 GPU for the hopper kernels, got"):
+        HOPPER[fmt].linear(make_input((2, 64), torch.bfloat16), qw, a16=a16)
+
+
 def _require_sm90():
     if interpreting() or not torch.cuda.is_available():
         pytest.skip(f"the hopper kernels run on sm_90 only; found {device_name()}")
