@@ -483,12 +483,14 @@ def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, gx
                   BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     bias_arg = bias if bias is not None else y  # an unused pointer still needs a tensor
+    # [native-launch]
     if path == "native":
-        sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)
+        sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)  # linear or swizzled 128x4 scale bytes
         launch(_native_gemm_kernel, grid, a, sa, qweight.data.contiguous(), sw, gx, gw, bias_arg, y, M, N, K,
                a.stride(0), sa.stride(0), qweight.data.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
                W_SWIZZLED=swizzled, **common)
         return y
+    # [/native-launch]
     w = qweight.data.contiguous()
     sw = qweight.scale.contiguous().view(torch.uint8)
     split = bool(a16 and a.dtype == torch.float16 and not interpreting())
