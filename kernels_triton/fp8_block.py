@@ -30,7 +30,7 @@ sw is loaded per column as a vector, sw[offs_n // 128, kb], so BLOCK_N need not 
 On GPU the e4m3 tiles go straight into tl.dot. Each partial is a fresh 128-deep dot whose result
 is added to the fp32 accumulator in registers, so the accumulation is promoted to fp32 every K
 step whatever Triton's Hopper default is; we still pass max_num_imprecise_acc=BLOCK_K to say so.
-Under the interpreter the codes are decoded to fp32 with _common.decode_e4m3 before the dot.
+Under the interpreter the codes are decoded to fp32 with _codecs.dequantize_e4m3 before the dot.
 
 Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
 each 128-deep partial is a tl.dot_scaled with unit E8M0 scales (the full-rate block-scaled MMA)
@@ -68,7 +68,7 @@ from ._common import (
     check_bias,
     check_weight,
     ceil_log2,
-    decode_e4m3,
+    dequantize_e4m3,
     encode_e4m3,
     exp2_int,
     interpreting,
@@ -83,11 +83,11 @@ from ._e4m3_gemm import (
     native_config,
     quant_config,
 )
-from ._fp8_decode import FP8_BLOCK_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
-from ._fp8_prefill import fp8_prefill_applies, launch_fp8_prefill
+from .hopper._fp8_decode import FP8_BLOCK_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
+from .hopper._fp8_prefill import fp8_prefill_applies, launch_fp8_prefill
 from ._paths import default_device, resolve_path
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .hopper._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
@@ -179,7 +179,7 @@ def _gemm_kernel(
         if DOT_FP8:
             partial = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
         else:
-            partial = tl.dot(decode_e4m3(a), decode_e4m3(b))
+            partial = tl.dot(dequantize_e4m3(a), dequantize_e4m3(b))
         sx = tl.load(sx_ptrs + kb * stride_sxk, mask=m_ok, other=0.0)  # [BLOCK_M]
         sw = tl.load(sw_ptrs + kb * stride_swk, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += partial * (sx[:, None] * sw[None, :])  # scales together first: partial * sx can overflow

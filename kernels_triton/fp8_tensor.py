@@ -37,7 +37,7 @@ fp8 dots is *imprecise* accumulation (max_num_imprecise_acc = 2^30: the wgmma ac
 promoted to full fp32), which loses about 3 bits at K = 8192 (docs/results.md). We pass
 max_num_imprecise_acc=BLOCK_K (128), which promotes into the fp32 accumulator after every K step
 (a few times more accurate, somewhat slower). Other architectures ignore the argument. Under the interpreter
-the codes are decoded to fp32 with _common.decode_e4m3 first (exact; the interpreter's fp8 paths
+the codes are decoded to fp32 with _codecs.dequantize_e4m3 first (exact; the interpreter's fp8 paths
 are not trusted for anything but loads).
 
 Two paths (kernels_triton._paths.gemm_path picks by device; ``path=`` forces one): the portable
@@ -71,7 +71,7 @@ from ._common import (
     check_activation,
     check_bias,
     check_weight,
-    decode_e4m3,
+    dequantize_e4m3,
     encode_e4m3,
     interpreting,
     kernel_bias,
@@ -87,11 +87,11 @@ from ._e4m3_gemm import (
     native_config,
     quant_config,
 )
-from ._fp8_decode import fp8_decode_applies, hopper_config, launch_fp8_decode
-from ._fp8_prefill import fp8_prefill_applies, launch_fp8_prefill
+from .hopper._fp8_decode import fp8_decode_applies, hopper_config, launch_fp8_decode
+from .hopper._fp8_prefill import fp8_prefill_applies, launch_fp8_prefill
 from ._paths import default_device, resolve_path
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._twopass import (
+from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .hopper._twopass import (
     ALPHA_SCALES,
     epilogue,
     launch_splitk_reduce,
@@ -234,7 +234,7 @@ def _gemm_kernel(
             # Triton's default (2^30) never does and loses ~3 bits at large K.
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         else:
-            acc = tl.dot(decode_e4m3(a), decode_e4m3(b), acc)
+            acc = tl.dot(dequantize_e4m3(a), dequantize_e4m3(b), acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 

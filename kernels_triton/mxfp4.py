@@ -55,7 +55,7 @@ byte per 32 elements (uint8 [rows, K/32]; byte b means 2^(b - 127)):
    of the problem and the device), ``linear`` (quantize + GEMM, executing exactly its route),
    ``gemm``, ``gemm_w4a16``, ``quantize_activation``, ``tile_config``.
 
-Where each GEMM runs (kernels_triton._paths.gemm_path): native on SM120/SM121 with a Triton that
+Where each GEMM runs (kernels_triton._common.gemm_path): native on SM120/SM121 with a Triton that
 lowers it; the portable kernel on other GPUs (Hopper, Ada) and under the interpreter; W4A16 always
 portable. The Hopper production kernels (split-K, PDL, swapped-wgmma decode GEMMs) are
 kernels_triton.hopper.mxfp4.
@@ -66,7 +66,6 @@ linear-layout scales (swizzled 128x4 too on the native path).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -76,34 +75,18 @@ import triton.language as tl
 from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
-from ._common import (
-    TileConfig,
-    abs_or_inf,
-    ceil_log2,
-    check_activation,
-    check_bias,
-    check_weight,
-    decode_e2m1,
-    decode_e8m0,
-    encode_e2m1,
-    exp2_int,
-    floor_log2,
-    interpreting,
-    kernel_bias,
-    round_to_bf16_rne,
-    scale_offsets,
-)
-from ._paths import check_native_weight, default_device, device_capability, gemm_path, resolve_path, sm_count, \
-    weight_scale_bytes
-from ._route import Route, launch
-from ._tiles import sm12x_config
+from ._codecs import (abs_or_inf, ceil_log2, dequantize_e2m1, dequantize_e8m0, encode_e2m1, exp2_int, floor_log2,
+                      grouped_tile, scale_offsets)
+from ._common import (NO_ALPHA, PREPASS_MIN_M, Route, TileConfig, check_activation, check_bias,
+                      check_native_weight, check_out_dtype, check_weight, default_device, device_capability,
+                      epilogue, gemm_path, interpreter_config, interpreting, kernel_bias, launch, native_config,
+                      quant_config, resolve_path, sm12x_config, sm_count, weight_scale_bytes)
 
 __all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "tile_config"]
 
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
 SCALE_RULES = ("ceil", "floor")
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)  # 6.0
@@ -175,13 +158,13 @@ def dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, strid
                 mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
     # join stacks along a new last axis: [BLOCK_R, BLOCK_K // 2, 2], so the row-major reshape puts
     # the low nibble of byte j at column 2j and the high one at 2j + 1, the storage order
-    v = tl.join(decode_e2m1(b & 0xF), decode_e2m1(b >> 4)).reshape(BLOCK_R, BLOCK_K)
+    v = tl.join(dequantize_e2m1(b & 0xF), dequantize_e2m1(b >> 4)).reshape(BLOCK_R, BLOCK_K)
     # scales [BLOCK_R, BLOCK_K // 32]; a masked scale reads 0 (2^-127) and multiplies a masked 0
     offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
                 mask=r_mask[:, None] & (offs_ks[None, :] < K // 32), other=0)
     # each scale over its 32 elements: [BLOCK_R, BLOCK_K / 32, 32] * [.., .., 1]
-    return (v.reshape(BLOCK_R, BLOCK_K // 32, 32) * decode_e8m0(s)[:, :, None]).reshape(BLOCK_R, BLOCK_K)
+    return (v.reshape(BLOCK_R, BLOCK_K // 32, 32) * dequantize_e8m0(s)[:, :, None]).reshape(BLOCK_R, BLOCK_K)
 
 
 @triton.jit
@@ -198,7 +181,7 @@ def _portable_gemm_kernel(
     ROUND_BF16: tl.constexpr,  # interpreter + bf16 output: round to nearest even before the cast
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_of_program(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -226,29 +209,9 @@ def _portable_gemm_kernel(
             acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
 
     # ----- epilogue: bias, cast, masked store
-    y = _epilogue(acc, offs_n, n_mask, bias_ptr, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _tile_of_program(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program id -> (pid_m, pid_n), GROUP_M row tiles walking one column of weight tiles together,
-    so that neighbouring programs share weight tiles in L2."""
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    first_pid_m = (pid // (GROUP_M * num_pid_n)) * GROUP_M
-    group_size_m = min(tl.cdiv(M, BLOCK_M) - first_pid_m, GROUP_M)
-    return first_pid_m + (pid % (GROUP_M * num_pid_n)) % group_size_m, (pid % (GROUP_M * num_pid_n)) // group_size_m
-
-
-@triton.jit
-def _epilogue(acc, offs_n, n_mask, bias_ptr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """acc + bias, rounded for a bf16 store under the interpreter (MXFP4 has no global scale)."""
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if ROUND_BF16:
-        acc = round_to_bf16_rne(acc)
-    return acc
 
 
 # =============================================================================================
@@ -265,7 +228,7 @@ def _native_gemm_kernel(
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_of_program(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -293,7 +256,7 @@ def _native_gemm_kernel(
         acc = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1", acc)
 
     # ----- epilogue: bias, cast, masked store
-    y = _epilogue(acc, offs_n, n_ok, bias_ptr, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     tl.store(c_ptr + rows_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -305,34 +268,21 @@ _QUANTIZER = ("_quantize_kernel",)
 _GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
 
 
-def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K) of the quantizer: whole small problems under the interpreter (each
-    program costs milliseconds there), 32 x 128 on a GPU."""
-    if interp:
-        return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
-    return 32, 128
-
-
 def gemm_tile(M: int, N: int, K: int, path: str, capability, sm_count: int = 1) -> TileConfig:
     """The GEMM's tile for ``path`` on a device of ``capability`` (None: the interpreter).
 
-    Interpreter: tiles as large as the problem, up to 256 x 256 x 512 (a program x K step costs
-    milliseconds of Python there, so few big programs are an order of magnitude faster).
-    Native (SM12x): the SM12x table (kernels_triton._tiles, kind "e2m1") without its split-K.
-    Portable on a GPU, by M: 16 x 64 x 128 (M <= 16), 64 x 64 x 64 (M <= 64), 64 x 128 x 64 with
-    8 warps above; BLOCK_K <= 128 keeps the fp32 dequantized tiles inside the register file.
+    Interpreter: _common.interpreter_config, tiles as large as the problem (a program x K step costs
+    milliseconds of Python there), BLOCK_K >= 64 (dot_scaled's e2m1 operands: triton#11776).
+    GPU: the SM12x tables of _common, sized for SM12x's 101,376 B of shared memory so they fit every
+    GPU: native, kind "e2m1"; portable, kind "e2m1_portable" (16 x 64 x 128 at M <= 16, 64 x 64 x 64
+    at M <= 64, 64 x 128 x 64 with 8 warps above; the lesson has no pre-pass, so M > PREPASS_MIN_M
+    keeps the last fused row). ``sm_count`` does not change the choice (one program per tile).
     """
     if capability is None:
-        p2 = triton.next_power_of_2
-        return TileConfig(BLOCK_M=max(16, min(256, p2(max(M, 1)))), BLOCK_N=max(16, min(256, p2(max(N, 1)))),
-                          BLOCK_K=max(64, min(512, p2(max(K, 1)))), GROUP_M=8, num_warps=4, num_stages=1)
+        return interpreter_config(M, N, K, block_k=max(64, min(512, triton.next_power_of_2(max(K, 1)))))
     if path == "native":
-        return dataclasses.replace(sm12x_config("e2m1", M, N, K, sm_count), SPLIT_K=1)
-    if M <= 16:
-        return TileConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
-    if M <= 64:
-        return TileConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    return TileConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return native_config(M, N, K, capability, kind="e2m1")
+    return sm12x_config("e2m1_portable", min(M, PREPASS_MIN_M), N, K, sm_count)
 
 
 def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool,
@@ -408,16 +358,11 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=x.device)
     if M > 0:
-        block_m, block_k = _quantize_tiles(M, K, interpreting())
+        block_m, block_k = quant_config(M, K, interpreting(), VEC_SIZE)
         launch(_quantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(K, block_k)),
                x2, data, scale, M, K, x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
                CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k)
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, VEC_SIZE), (M, K))
-
-
-def _check_out_dtype(out_dtype) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
 
 
 def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, *, a16=False) -> torch.Tensor:
@@ -477,7 +422,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
     if xq.device != qweight.device:
         raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     _, chosen, cfg = _device_route(xq.rows, N, K, qweight.device, path=path)
@@ -505,7 +450,7 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
     out_dtype = out_dtype or x2d.dtype
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     _, chosen, cfg = _device_route(x2d.shape[0], N, K, qweight.device, a16=True)

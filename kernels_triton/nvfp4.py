@@ -55,7 +55,7 @@ fp32 global scale g per tensor:
    of the problem and the device), ``linear`` (quantize + GEMM, executing exactly its route),
    ``gemm``, ``gemm_w4a16``, ``quantize_activation``, ``tile_config``.
 
-Where each GEMM runs (kernels_triton._paths.gemm_path): native on SM120/SM121 with a Triton that
+Where each GEMM runs (kernels_triton._common.gemm_path): native on SM120/SM121 with a Triton that
 lowers it; the portable kernel on other GPUs (Hopper, Ada: no block-scaled MMA Triton targets) and
 under the CPU interpreter, whose dot_scaled decodes e4m3 scales as E8M0 (the native kernel is the one
 kernel of this file that the interpreter cannot run). W4A16 is always portable. The Hopper
@@ -67,7 +67,6 @@ Constraints: K % 16 == 0 (the K tail of a tile is masked; BLOCK_K >= 64, triton#
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Union
 
 import torch
@@ -78,40 +77,23 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 from formats.validate import nan_unless_positive, static_global_scale
 
-from ._common import (
-    TileConfig,
-    abs_or_inf,
-    amax_or_nan,
-    check_activation,
-    check_bias,
-    check_weight,
-    decode_e2m1,
-    decode_e4m3,
-    decode_e4m3_finite,
-    encode_e2m1,
-    encode_e4m3,
-    global_alpha,
-    interpreting,
-    kernel_bias,
-    nan_if_nonfinite,
-    round_to_bf16_rne,
-    scale_offsets,
-)
-from ._paths import check_native_weight, default_device, device_capability, gemm_path, resolve_path, sm_count, \
-    weight_scale_bytes
-from ._route import Route, launch
-from ._tiles import sm12x_config
+from ._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3, dequantize_e4m3_finite, encode_e2m1,
+                      encode_e4m3, grouped_tile, nan_if_nonfinite, scale_offsets)
+from ._common import (ALPHA_GLOBAL_RECIP, PREPASS_MIN_M, Route, TileConfig, check_activation, check_bias,
+                      check_native_weight, check_out_dtype, check_weight, default_device, device_capability,
+                      epilogue, gemm_path, interpreter_config, interpreting, kernel_bias, launch, native_config,
+                      quant_config, resolve_path, sm12x_config, sm_count, weight_scale_bytes)
 
 __all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "tile_config"]
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PARTIALS = 256  # programs of the amax kernel on a GPU (every quantize program reads all their results)
 MAX_PARTIALS_INTERPRETED = 4  # under the interpreter: few programs, each over several row tiles
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
+_ALPHA = tl.constexpr(ALPHA_GLOBAL_RECIP)  # the epilogue's alpha: (1 / g_x) * (1 / g_w)
 
 
 # =============================================================================================
@@ -170,7 +152,7 @@ def _quantize_kernel(
     xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
     amax_b = amax_or_nan(tl.max(abs_or_inf(xb), axis=2), _FLOOR)  # NaN for a block with NaN/Inf
     s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
-    s_val = decode_e4m3(s_code)[:, :, None]
+    s_val = dequantize_e4m3(s_code)[:, :, None]
 
     # ----- element codes e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf) or s is
     # NaN (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf; the non-finite rule)
@@ -195,7 +177,7 @@ def dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, strid
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NAN_SCALES: tl.constexpr = True):
     """Rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed NVFP4 matrix, block scales applied, as
     float32 [BLOCK_R, BLOCK_K]; out-of-range rows and K columns read as 0. NAN_SCALES: scale code
-    0x7F decodes to NaN (False only for load-checked weight scales: decode_e4m3_finite)."""
+    0x7F decodes to NaN (False only for load-checked weight scales: dequantize_e4m3_finite)."""
     rows = offs_r.to(tl.int64)
     # packed bytes [BLOCK_R, BLOCK_K // 2]: byte j holds elements 2j (low nibble) and 2j + 1 (high)
     offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -203,12 +185,12 @@ def dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, strid
                 mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
     # join stacks along a new last axis: [BLOCK_R, BLOCK_K // 2, 2], so the row-major reshape puts
     # the low nibble of byte j at column 2j and the high one at 2j + 1, the storage order
-    v = tl.join(decode_e2m1(b & 0xF), decode_e2m1(b >> 4)).reshape(BLOCK_R, BLOCK_K)
+    v = tl.join(dequantize_e2m1(b & 0xF), dequantize_e2m1(b >> 4)).reshape(BLOCK_R, BLOCK_K)
     # scales [BLOCK_R, BLOCK_K // 16]; a masked scale reads 0 and multiplies a masked 0
     offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
                 mask=r_mask[:, None] & (offs_ks[None, :] < K // 16), other=0)
-    sv = decode_e4m3(s) if NAN_SCALES else decode_e4m3_finite(s)
+    sv = dequantize_e4m3(s) if NAN_SCALES else dequantize_e4m3_finite(s)
     # each scale over its 16 elements: [BLOCK_R, BLOCK_K / 16, 16] * [.., .., 1]
     return (v.reshape(BLOCK_R, BLOCK_K // 16, 16) * sv[:, :, None]).reshape(BLOCK_R, BLOCK_K)
 
@@ -228,7 +210,7 @@ def _portable_gemm_kernel(
     ROUND_BF16: tl.constexpr,  # interpreter + bf16 output: round to nearest even before the cast
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_of_program(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -257,30 +239,9 @@ def _portable_gemm_kernel(
             acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
 
     # ----- epilogue: alpha = (1/g_x)(1/g_w) (NaN for a bad global scale), bias, cast, masked store
-    y = _epilogue(acc, offs_n, n_mask, gx_ptr, gw_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_mask, gx_ptr, gw_ptr, bias_ptr, _ALPHA, HAS_BIAS, ROUND_BF16)
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _tile_of_program(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program id -> (pid_m, pid_n), GROUP_M row tiles walking one column of weight tiles together,
-    so that neighbouring programs share weight tiles in L2."""
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    first_pid_m = (pid // (GROUP_M * num_pid_n)) * GROUP_M
-    group_size_m = min(tl.cdiv(M, BLOCK_M) - first_pid_m, GROUP_M)
-    return first_pid_m + (pid % (GROUP_M * num_pid_n)) % group_size_m, (pid % (GROUP_M * num_pid_n)) // group_size_m
-
-
-@triton.jit
-def _epilogue(acc, offs_n, n_mask, gx_ptr, gw_ptr, bias_ptr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """acc * (1/g_x)(1/g_w) + bias, rounded for a bf16 store under the interpreter."""
-    acc = acc * global_alpha(tl.load(gx_ptr), tl.load(gw_ptr))
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if ROUND_BF16:
-        acc = round_to_bf16_rne(acc)
-    return acc
 
 
 # =============================================================================================
@@ -299,7 +260,7 @@ def _native_gemm_kernel(
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_of_program(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -328,7 +289,7 @@ def _native_gemm_kernel(
                             w.T, sw.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
 
     # ----- epilogue: global scales, bias, cast, masked store
-    y = _epilogue(acc, offs_n, n_ok, gx_ptr, gw_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_ok, gx_ptr, gw_ptr, bias_ptr, _ALPHA, HAS_BIAS, ROUND_BF16)
     tl.store(c_ptr + rows_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 # [/native-kernel]
@@ -341,34 +302,21 @@ _QUANTIZER = {True: ("_amax_partial_kernel", "_quantize_kernel"), False: ("_quan
 _GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
 
 
-def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K) of the quantizer: whole small problems under the interpreter (each
-    program costs milliseconds there), 32 x 128 on a GPU."""
-    if interp:
-        return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
-    return 32, 128
-
-
 def gemm_tile(M: int, N: int, K: int, path: str, capability, sm_count: int = 1) -> TileConfig:
     """The GEMM's tile for ``path`` on a device of ``capability`` (None: the interpreter).
 
-    Interpreter: tiles as large as the problem, up to 256 x 256 x 512 (a program x K step costs
-    milliseconds of Python there, so few big programs are an order of magnitude faster).
-    Native (SM12x): the SM12x table (kernels_triton._tiles, kind "e2m1") without its split-K.
-    Portable on a GPU, by M: 16 x 64 x 128 (M <= 16), 64 x 64 x 64 (M <= 64), 64 x 128 x 64 with
-    8 warps above; BLOCK_K <= 128 keeps the fp32 dequantized tiles inside the register file.
+    Interpreter: _common.interpreter_config, tiles as large as the problem (a program x K step costs
+    milliseconds of Python there), BLOCK_K >= 64 (dot_scaled's e2m1 operands: triton#11776).
+    GPU: the SM12x tables of _common, sized for SM12x's 101,376 B of shared memory so they fit every
+    GPU: native, kind "e2m1"; portable, kind "e2m1_portable" (16 x 64 x 128 at M <= 16, 64 x 64 x 64
+    at M <= 64, 64 x 128 x 64 with 8 warps above; the lesson has no pre-pass, so M > PREPASS_MIN_M
+    keeps the last fused row). ``sm_count`` does not change the choice (one program per tile).
     """
     if capability is None:
-        p2 = triton.next_power_of_2
-        return TileConfig(BLOCK_M=max(16, min(256, p2(max(M, 1)))), BLOCK_N=max(16, min(256, p2(max(N, 1)))),
-                          BLOCK_K=max(64, min(512, p2(max(K, 1)))), GROUP_M=8, num_warps=4, num_stages=1)
+        return interpreter_config(M, N, K, block_k=max(64, min(512, triton.next_power_of_2(max(K, 1)))))
     if path == "native":
-        return dataclasses.replace(sm12x_config("e2m1", M, N, K, sm_count), SPLIT_K=1)
-    if M <= 16:
-        return TileConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
-    if M <= 64:
-        return TileConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    return TileConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return native_config(M, N, K, capability, kind="e2m1")
+    return sm12x_config("e2m1_portable", min(M, PREPASS_MIN_M), N, K, sm_count)
 
 
 def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool, path: Optional[str],
@@ -447,7 +395,7 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
         g = (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
              / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else nan_unless_positive(g_in)
     else:
-        block_m, block_k = _quantize_tiles(M, K, interpreting())
+        block_m, block_k = quant_config(M, K, interpreting(), VEC_SIZE)
         num_partials = 1
         if dynamic:
             num_partials = min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interpreting() else MAX_PARTIALS)
@@ -461,11 +409,6 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
                DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)), BLOCK_M=block_m, BLOCK_K=block_k)
     return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
                            (1, VEC_SIZE), (M, K))
-
-
-def _check_out_dtype(out_dtype) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
 
 
 def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, gx, *, a16=False) -> torch.Tensor:
@@ -533,7 +476,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
     if xq.device != qweight.device:
         raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     _, chosen, cfg = _device_route(xq.rows, N, K, qweight.device, path=path)
@@ -563,7 +506,7 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
     out_dtype = out_dtype or x2d.dtype
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     _, chosen, cfg = _device_route(x2d.shape[0], N, K, qweight.device, a16=True)

@@ -16,7 +16,7 @@ Per build: the mma.sync instructions in the PTX, registers, spill stores/loads, 
 shared memory (Triton's allocation, metadata.shared), and ``fits``: shared <= 101,376 B, no spills,
 registers * threads <= 65,536.
 
-A kernel that takes ``USE_PDL`` (kernels_triton._pdl) is compiled as SM12x launches it, with
+A kernel that takes ``USE_PDL`` (kernels_triton.hopper._pdl) is compiled as SM12x launches it, with
 ``USE_PDL=True`` and ``launch_pdl``, and its PTX must hold ``griddepcontrol.wait`` and
 ``griddepcontrol.launch_dependents``, the wait before the first global load, store or
 ``cp.async`` (``pdl_wait_first``). Besides the GEMMs, the rest of the decode chain is built the
@@ -83,7 +83,7 @@ def builds() -> list[Build]:
     sys.path.insert(0, ROOT)
     from formats import FORMAT_NAMES, spec
     from kernels_triton import _tiles
-    from kernels_triton._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE
+    from kernels_triton.hopper._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE
 
     out = []
     for fmt in FORMAT_NAMES:
@@ -94,7 +94,7 @@ def builds() -> list[Build]:
         native_kinds = ["e2m1"] if fp4 else (["fp8_block", "e4m3"] if fmt == "fp8_block" else ["e4m3"])
         for kind in native_kinds:
             for row, cfg in _tiles.sm12x_entries(kind).items():
-                for split in ((False, True) if _tiles.can_split(row) else (False,)):
+                for split in (False,):  # the SM12x tables do not split K
                     if fp4:
                         # swizzled weight scales only change the scale addresses of the one FP4 body,
                         # whose nvfp4 instance compiles both
@@ -137,7 +137,7 @@ def builds() -> list[Build]:
                                      WANT["bf16"], (), {"a_ptr": "*bf16", "b_ptr": "*bf16", "s1_ptr": "*fp32",
                                                         "s2_ptr": "*fp32"}, c))
                     continue
-                for split in ((False, True) if _tiles.can_split(row) else (False,)):
+                for split in (False,):  # the SM12x tables do not split K
                     c = dict(GROUP=vec, SCALE_E4M3=e4m3_scales, HAS_GLOBAL=e4m3_scales, A16=True,
                              SPLIT_A16=act == "fp16", HAS_BIAS=True, DOT_DTYPE="bf16", ROUND_BF16=False,
                              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
@@ -154,7 +154,7 @@ def chain_builds() -> list[Build]:
     from the functions the launchers call): only what PDL adds is checked there (PDL_WANT)."""
     from kernels_triton import _nvfp4_quant, fp8_tensor, mxfp4
     from kernels_triton._e4m3_gemm import quant_config
-    from kernels_triton._twopass import ALPHA_SCALES
+    from kernels_triton.hopper._twopass import ALPHA_SCALES
 
     M, K = 16, 8192
     bm, bk = quant_config(M, K, False, group=32)
@@ -266,7 +266,7 @@ def compile_one(job: tuple[dict, int]) -> dict:
         threads=32 * b.num_warps,
     )
     rec["missing"] = [w for w in b.want if w not in ptx]
-    if pdl:  # PDL's rule (kernels_triton._pdl): the wait comes before the first global access
+    if pdl:  # PDL's rule (kernels_triton.hopper._pdl): the wait comes before the first global access
         lines = ptx.splitlines()
         first = lambda pred: next((i for i, l in enumerate(lines) if pred(l.strip())), None)  # noqa: E731
         rec["pdl_wait_first"] = (first(lambda l: l.startswith("griddepcontrol.wait")) or 10**9) < (

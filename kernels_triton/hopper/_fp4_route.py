@@ -23,27 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .._common import TileConfig
-from .._paths import device_capability, sm_count
-from .._route import Route
-from .._twopass import splitk_plan
+from .._common import Route, TileConfig, device_capability, sm_count
+from . import supported
+from ._twopass import splitk_plan
 from ._fp4_decode_tile import decode_applies, decode_tile
 from ._fp4_gemm import PREPASS_MIN_M, fp4_gemm_config, gemm_kernels
 
 IMPL = "hopper"
-HOPPER_MAJOR = 9
 KINDS = ("none", "decode_planes", "decode", "gemm")
-
-
-def supported(capability) -> tuple[bool, str]:
-    """(ok, reason): the hopper kernels run on sm_90 only (wgmma register operands, inline PTX,
-    PDL, tiles sized for the H200); capability None is the CPU interpreter."""
-    if capability is None:
-        return False, "no CUDA device: the hopper kernels (wgmma, inline PTX, PDL) need sm_90"
-    major, minor = int(capability[0]), int(capability[1])
-    if major != HOPPER_MAJOR:
-        return False, f"sm_{major}{minor} is not sm_90: the hopper kernels need wgmma (Hopper)"
-    return True, f"sm_{major}{minor}: wgmma decode GEMMs, split-K, PDL"
 
 
 def check_capability(capability) -> None:

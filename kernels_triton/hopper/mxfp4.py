@@ -11,7 +11,7 @@ only the order of the fp32 additions differs):
     M <= 128   the fused dequantize-in-registers kernel with split-K (hopper._fp4_gemm)
     M > 128    the pre-pass (each operand dequantized once into bf16) and a bf16 GEMM
 
-and every kernel of the chain launches with PDL (kernels_triton._pdl). ``route`` (hopper._fp4_route)
+and every kernel of the chain launches with PDL (hopper._pdl). ``route`` (hopper._fp4_route)
 decides which, once; ``linear``, ``gemm`` and ``gemm_w4a16`` execute exactly that route.
 
 The quantizer is the lesson's (kernels_triton.mxfp4 walks it: E8M0 exponent by bit arithmetic,
@@ -33,23 +33,11 @@ import triton.language as tl
 from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
-from .._common import (
-    abs_or_inf,
-    ceil_log2,
-    check_activation,
-    check_bias,
-    check_weight,
-    decode_e2m1,
-    decode_e8m0,
-    encode_e2m1,
-    exp2_int,
-    floor_log2,
-    interpreting,
-    kernel_bias,
-)
-from .._e4m3_gemm import quant_config
-from .._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from .._route import Route, launch
+from .._codecs import (abs_or_inf, ceil_log2, dequantize_e2m1, dequantize_e8m0, encode_e2m1, exp2_int,
+                       floor_log2)
+from .._common import (Route, check_activation, check_bias, check_weight, interpreting, kernel_bias, launch,
+                       quant_config)
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, launch_fp4_decode, plane_layout, store_planes
 from ._fp4_gemm import launch_fp4_gemm
 from ._fp4_route import device_plan, plan, supported
@@ -117,7 +105,7 @@ def _quantize_kernel(
     codes = tl.where(bad[:, :, None], 0, codes).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
     s_bytes = tl.where(bad, 0xFF, e + 127).to(tl.uint8)
     if PLANE_K:  # the decode linear: e2m1 * 2^e, exact in bf16 (_fp4_decode's docstring); NaN for a bad block
-        v = decode_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 32, 32) * decode_e8m0(s_bytes)[:, :, None]
+        v = dequantize_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 32, 32) * dequantize_e8m0(s_bytes)[:, :, None]
         pdl_launch_dependents(USE_PDL)
         store_planes(p_ptr, v.reshape(BLOCK_M, BLOCK_K), offs_m, m_mask, pid_k * BLOCK_K, K, K_PAD, stride_pm,
                      BLOCK_M, BLOCK_K, PLANE_K)
@@ -141,7 +129,7 @@ def _quantize_kernel(
 # ---------------------------------------------------------------------------------------------
 def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K): whole small problems in the interpreter; on GPU the tiles of every
-    activation quantizer (_e4m3_gemm.quant_config: one row 1024 wide per program at decode, 32 x 128
+    activation quantizer (_common.quant_config: one row 1024 wide per program at decode, 32 x 128
     above)."""
     if interp:
         return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))

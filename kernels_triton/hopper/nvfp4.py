@@ -12,7 +12,7 @@ arithmetic (every product exact, fp32 accumulation; only the order of the fp32 a
     M <= 128   the fused dequantize-in-registers kernel with split-K (hopper._fp4_gemm)
     M > 128    the pre-pass (each operand dequantized once into bf16) and a bf16 GEMM
 
-and every kernel of the chain launches with PDL (kernels_triton._pdl). ``route`` (hopper._fp4_route)
+and every kernel of the chain launches with PDL (hopper._pdl). ``route`` (hopper._fp4_route)
 decides which, once; ``linear``, ``gemm`` and ``gemm_w4a16`` execute exactly that route.
 
 Constraints: sm_90 only (``supported``); K % 16 == 0; weights with linear-layout scales; x
@@ -28,8 +28,7 @@ import torch
 from formats import QuantizedTensor
 from formats.constants import NVFP4_BLOCK
 
-from .._common import check_activation, check_bias, check_weight, kernel_bias
-from .._route import Route
+from .._common import Route, check_activation, check_bias, check_weight, kernel_bias
 from ._fp4_decode import launch_fp4_decode, plane_layout
 from ._fp4_gemm import launch_fp4_gemm
 from ._fp4_route import device_plan, plan, supported

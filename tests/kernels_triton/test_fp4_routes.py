@@ -17,13 +17,11 @@ import triton
 from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
 
 import formats
-from kernels_triton import interpreting, mxfp4, nvfp4
-from kernels_triton._route import record_launches
-from kernels_triton._paths import device_capability, sm_count
-from kernels_triton.hopper import _fp4_decode, _fp4_gemm, _nvfp4_quant
+from kernels_triton import interpreting, mxfp4, nvfp4, record_launches
+from kernels_triton._common import device_capability, sm_count
+from kernels_triton.hopper import _fp4_decode, _fp4_gemm, _nvfp4_quant, _twopass
 from kernels_triton.hopper import mxfp4 as hopper_mxfp4
 from kernels_triton.hopper import nvfp4 as hopper_nvfp4
-from kernels_triton import _twopass
 
 VARIANTS = [("nvfp4", False), ("nvfp4", True), ("mxfp4", False), ("mxfp4", True)]
 IDS = ["nvfp4", "nvfp4_w4a16", "mxfp4", "mxfp4_w4a16"]
