@@ -217,26 +217,28 @@ def _portable_gemm_kernel(
     n_mask = offs_n < N
 
     # ----- K loop: acc [BLOCK_M, BLOCK_N] fp32 += A tile [BLOCK_M, BLOCK_K] . W tile^T [BLOCK_K, BLOCK_N]
+    # (the A tile first: its temporaries are dead before the wider W tile is dequantized)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = dequantize_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                            BLOCK_N, BLOCK_K, not A16)  # W4A16: at its register limit
-        w_t = tl.trans(w.to(DOT_DTYPE))
         if A16:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
                         mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-            if SPLIT_A16:
+            if SPLIT_A16:  # fp16 x = hi + lo, both exact in bf16
                 x32 = x.to(tl.float32)
-                x_hi = x32.to(tl.bfloat16)
-                x_lo = (x32 - x_hi.to(tl.float32)).to(tl.bfloat16)  # exact: <= 3 significant bits
-                acc = tl.dot(x_hi, w_t, acc)
-                acc = tl.dot(x_lo, w_t, acc)
+                a = x32.to(tl.bfloat16)
+                a_lo = (x32 - a.to(tl.float32)).to(tl.bfloat16)  # exact: <= 3 significant bits
             else:  # bf16 x on GPU: already the dot dtype; interpreter: widened to fp32 (exact)
-                acc = tl.dot(x.to(tl.float32).to(DOT_DTYPE), w_t, acc)
+                a = x.to(tl.float32).to(DOT_DTYPE)
         else:
-            a = dequantize_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm, BLOCK_M, BLOCK_K)
-            acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
+            a = dequantize_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm, BLOCK_M,
+                                BLOCK_K).to(DOT_DTYPE)
+        w = dequantize_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                            BLOCK_N, BLOCK_K, not A16)  # W4A16: at its register limit
+        w_t = tl.trans(w.to(DOT_DTYPE))
+        acc = tl.dot(a, w_t, acc)
+        if SPLIT_A16:
+            acc = tl.dot(a_lo, w_t, acc)
 
     # ----- epilogue: alpha = (1/g_x)(1/g_w) (NaN for a bad global scale), bias, cast, masked store
     y = epilogue(acc, offs_n, n_mask, gx_ptr, gw_ptr, bias_ptr, _ALPHA, HAS_BIAS, ROUND_BF16)

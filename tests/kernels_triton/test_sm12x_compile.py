@@ -109,7 +109,9 @@ def test_every_format_and_table_row_is_built():
             for row in _tiles.sm12x_entries(kind):
                 assert (fmt, "native", row) in have, (fmt, kind, row)
         if spec(fmt).element == "e2m1":
-            for row in _tiles.sm12x_entries("e2m1_portable"):
+            for row, cfg in _tiles.sm12x_entries("e2m1_portable").items():
+                if cfg.PREPASS:  # the FP4 lessons launch no pre-pass (hopper's does, on sm_90)
+                    continue
                 assert (fmt, "portable", row) in have, (fmt, row)
 
 
