@@ -11,7 +11,7 @@ fp32 global scale g per tensor:
 
        g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
        s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
-       code = e2m1(div_rn(x * g, decode(s)))         code 0 where s == 0
+       code = e2m1(div_rn(x * g, dequantize(s)))         code 0 where s == 0
 
    The dynamic g needs the amax of the whole tensor before any block can be scaled: a first kernel
    writes one partial amax per program (no atomics, so the result does not depend on timing) and
@@ -57,7 +57,7 @@ fp32 global scale g per tensor:
 
 Where each GEMM runs (kernels_triton._common.gemm_path): native on SM120/SM121 with a Triton that
 lowers it; the portable kernel on other GPUs (Hopper, Ada: no block-scaled MMA Triton targets) and
-under the CPU interpreter, whose dot_scaled decodes e4m3 scales as E8M0 (the native kernel is the one
+under the CPU interpreter, whose dot_scaled reads e4m3 scales as E8M0 (the native kernel is the one
 kernel of this file that the interpreter cannot run). W4A16 is always portable. The Hopper
 production kernels (split-K, PDL, swapped-wgmma decode GEMMs) are kernels_triton.hopper.nvfp4.
 
@@ -177,7 +177,7 @@ def dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, strid
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NAN_SCALES: tl.constexpr = True):
     """Rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed NVFP4 matrix, block scales applied, as
     float32 [BLOCK_R, BLOCK_K]; out-of-range rows and K columns read as 0. NAN_SCALES: scale code
-    0x7F decodes to NaN (False only for load-checked weight scales: dequantize_e4m3_finite)."""
+    0x7F dequantizes to NaN (False only for load-checked weight scales: dequantize_e4m3_finite)."""
     rows = offs_r.to(tl.int64)
     # packed bytes [BLOCK_R, BLOCK_K // 2]: byte j holds elements 2j (low nibble) and 2j + 1 (high)
     offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -332,7 +332,7 @@ def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool, path: Op
             raise ValueError(f"path must be None or one of {tuple(_GEMM_KERNEL)}, got {path!r}")
         if path == "native" and (a16 or capability is None):
             raise ValueError(f"{FMT} path='native' is not available here: "
-                             f"{why if a16 else 'the interpreter decodes e4m3 dot_scaled scales as E8M0'}")
+                             f"{why if a16 else 'the interpreter reads e4m3 dot_scaled scales as E8M0'}")
         chosen, why = path, f"path={path!r} forced"
     cfg = gemm_tile(M, N, K, chosen, capability, sm_count)
     quant = () if a16 or M == 0 else _QUANTIZER[bool(dynamic_scale)]
@@ -358,7 +358,7 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
         Route(impl="triton", kernels, tile, split_k=1, why).
     Raises:
         ValueError: a negative dimension, an unknown path, path="native" with a16 or under the
-            interpreter (its dot_scaled decodes e4m3 scales as E8M0).
+            interpreter (its dot_scaled reads e4m3 scales as E8M0).
     """
     return _plan(M, N, K, capability, sm_count, a16, path, dynamic_scale)[0]
 

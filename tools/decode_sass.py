@@ -116,7 +116,7 @@ def main():
     rows.append(("fp8 partials (_fp8_decode, MX)", k2, 128))
     from kernels_triton.hopper import _fp4_decode
     k3 = compile_kernel(_fp4_decode.fp4_decode_gemm_kernel,
-                        dict(GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DECODE=False,
+                        dict(GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DEQUANTIZE=False,
                              USE_ASM=True, DOT_DTYPE=tl.bfloat16, ROUND_BF16=False, EVEN_K=True, BLOCK_N=128,
                              BLOCK_M=16, BLOCK_K=128, SPLIT_K=8), 4, 3, types={"a_ptr": "*bf16", "c_ptr": "*bf16"})
     rows.append(("reference: mxfp4 W4A16 planes (_fp4_decode)", k3, 128))

@@ -1,5 +1,5 @@
 """The sm_90 FP4 GEMMs above the decode sizes (M > 16), shared by hopper.nvfp4 and hopper.mxfp4
-(W4A4 and W4A16): the fused kernel (decode in registers, then a plain tl.dot, with split-K and PDL)
+(W4A4 and W4A16): the fused kernel (dequantize in registers, then a plain tl.dot, with split-K and PDL)
 for M <= PREPASS_MIN_M, and above it the pre-pass (each operand dequantized once into bf16) and a
 bf16 GEMM. The readable form of the fused kernel is the lessons' portable GEMM
 (kernels_triton.nvfp4 / mxfp4); this one adds split-K, PDL and the sm_90 tile table.
@@ -20,23 +20,23 @@ K loop of one [BLOCK_M, BLOCK_N] output tile (``fp4_gemm_kernel``):
         acc = tl.dot(a.to(DOT), w.to(DOT).T, acc)                                              # fp32 accumulation
     y = acc * alpha + bias
 
-The scales are applied to the decoded elements *before* the dot, so one tl.dot per K tile covers
+The scales are applied to the dequantized elements *before* the dot, so one tl.dot per K tile covers
 all the K/GROUP blocks inside it. This is exact in bf16 (the GPU's DOT dtype): an e2m1 value has
 2 significant bits and an e4m3 scale 4, so their product has at most 6 (bf16 keeps 8), and an E8M0
 scale is a power of two that only moves the exponent (bf16 has fp32's exponent range). The products
 of two such bf16 values are exact in the fp32 accumulator, so the only rounding is the fp32
 accumulation itself. Under TRITON_INTERPRET=1 tl.dot on bf16 is garbage, so DOT is fp32 there
-(also exact: the decoded values are fp32 numbers).
+(also exact: the dequantized values are fp32 numbers).
 
 W4A16 (``A16=True``): A is the bf16/fp16 activation itself, loaded [BLOCK_M, BLOCK_K] with any
 strides. bf16 dots as is. fp16 is not exactly representable in bf16 (11 vs 8 significant bits), and
-the decoded weights may not fit fp16's range (E8M0 scales reach 2^+-127), so on GPU an fp16 tile
+the dequantized weights may not fit fp16's range (E8M0 scales reach 2^+-127), so on GPU an fp16 tile
 is split exactly into two bf16 tiles, a = hi + lo with hi = bf16(a) and lo = bf16(a - hi) (lo has at
 most 3 significant bits), and the kernel issues two bf16 dots into the same accumulator
 (``SPLIT_A16``). That costs a second tensor-core dot but loses nothing.
 
 Constraints: K % GROUP == 0 (the wrappers check it); BLOCK_K is a power of two >= 2 * GROUP;
-BLOCK_K need not divide K (the K tail is masked: masked bytes decode to 0). Row strides of the
+BLOCK_K need not divide K (the K tail is masked: masked bytes dequantize to 0). Row strides of the
 packed data and scales may be arbitrary, the K stride of packed data and scales must be 1.
 """
 
@@ -79,10 +79,10 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
     there than many small ones; docs/results.md).
     GPU, by M (docs/perf_notes.md has the measurements behind each row):
       M <= 16   16 x 128 x 128 with split-K (4 at N = 8192: 256 programs), so that more programs
-                share the weight stream and the decode arithmetic.
+                share the weight stream and the dequantization arithmetic.
       M <= 64   64 x 64 x 128, split-K likewise.
       M <= 128  64 x 128 x 64 fused (split-K 2 when N is narrow).
-      M > 128   pre-pass: decode each operand once into bf16, then a bf16 GEMM (_twopass).
+      M > 128   pre-pass: dequantize each operand once into bf16, then a bf16 GEMM (_twopass).
     BLOCK_K = 64..128 keeps the in-register dequantization (fp32 [BLOCK, BLOCK_K] tiles) inside the
     register budget.
     """
@@ -109,11 +109,11 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
                       num_stages=3, SPLIT_K=split_k_for(M, N, K, bm, bn, bk))
 
 
-PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
+PREPASS_MIN_M = 128  # above this M the dequantizing pre-pass + bf16 GEMM beats the fused kernel
 
 
 def dot_dtype(interp: bool):
-    """The tl.dot operand dtype: bf16 on GPU (exact for decoded FP4 values), fp32 in the interpreter."""
+    """The tl.dot operand dtype: bf16 on GPU (exact for dequantized FP4 values), fp32 in the interpreter."""
     return tl.float32 if interp else tl.bfloat16
 
 
@@ -124,9 +124,9 @@ def dot_dtype(interp: bool):
 def dequantize_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                       SCALE_E4M3: tl.constexpr, NAN_SCALES: tl.constexpr = True):
-    """Decode rows ``offs_r`` x K-columns [k0, k0 + BLOCK_K) of a packed e2m1 matrix, with block
+    """Dequantize rows ``offs_r`` x K-columns [k0, k0 + BLOCK_K) of a packed e2m1 matrix, with block
     scales applied, to float32 [BLOCK_R, BLOCK_K]. Out-of-range rows and K columns read as 0.
-    NAN_SCALES: e4m3 scale code 0x7F decodes to NaN (False only for load-checked weight scales)."""
+    NAN_SCALES: e4m3 scale code 0x7F dequantizes to NaN (False only for load-checked weight scales)."""
     rows = offs_r.to(tl.int64)
     # Packed bytes [BLOCK_R, BLOCK_K // 2]: byte j holds elements 2j (low nibble) and 2j + 1 (high).
     offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -254,7 +254,7 @@ def fp4_gemm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Pre-pass for large M: decode a packed operand once into a scratch matrix (scales applied)
+# Pre-pass for large M: dequantize a packed operand once into a scratch matrix (scales applied)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def fp4_dequantize_kernel(

@@ -8,8 +8,8 @@ along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16
 
     g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
     s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
-    code = e2m1(div_rn(x * g, decode(s)))         code 0 where s == 0
-    x   ~= e2m1_value(code) * decode(s) / g
+    code = e2m1(div_rn(x * g, dequantize(s)))         code 0 where s == 0
+    x   ~= e2m1_value(code) * dequantize(s) / g
 
 Quantization (``quantize_activation``) runs two kernels:
 
@@ -51,7 +51,7 @@ MAX_PARTIALS = 256  # programs of the amax reduction (the quantize kernel reads 
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
-_TWO_POW_M14 = tl.constexpr(2.0**-14)  # the fp16 planes' factor (_fp4_decode, F16_DECODE)
+_TWO_POW_M14 = tl.constexpr(2.0**-14)  # the fp16 planes' factor (_fp4_decode, F16_DEQUANTIZE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def _quantize_kernel(
 def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the quantize kernels: whole small problems in the interpreter (each
     program costs milliseconds there); on GPU the tiles of every activation quantizer
-    (_e4m3_gemm.quant_config: 32 x 128, one row 1024 wide per program at decode)."""
+    (_common.quant_config: 32 x 128, one row 1024 wide per program at decode)."""
     if interp:
         return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
     return quant_config(M, K, False, group=VEC_SIZE)

@@ -51,7 +51,7 @@ def _chain_planes(fmt, x, plane_k, k_pad, dtype):
     a, sa = xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8)
     _fp4_decode.act_planes_kernel[(k_pad // plane_k,)](
         a, sa, p, M, K, a.stride(0), 1, sa.stride(0), p.stride(0),
-        GROUP=GROUP[fmt], SCALE_E4M3=fmt == "nvfp4", A16=False, F16_DECODE=fmt == "nvfp4", USE_ASM=not interp,
+        GROUP=GROUP[fmt], SCALE_E4M3=fmt == "nvfp4", A16=False, F16_DEQUANTIZE=fmt == "nvfp4", USE_ASM=not interp,
         DOT_DTYPE=dot, EVEN_K=K % plane_k == 0, BLOCK_M=16, BLOCK_K=plane_k, num_warps=4)
     return p, xq
 

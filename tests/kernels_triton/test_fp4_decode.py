@@ -1,5 +1,5 @@
 """The decode-sized FP4 kernel of the hopper implementation (kernels_triton/hopper/_fp4_decode.py:
-swapped operands, fp16 bit-placement decode for nvfp4, bf16 planes for mxfp4 / W4A16, split-K),
+swapped operands, fp16 bit-placement dequantization for nvfp4, bf16 planes for mxfp4 / W4A16, split-K),
 against hopper's fused kernel (hopper._fp4_gemm) and the oracle.
 
 Both kernels sum exact products (every decoded value and every product is exact in the dot dtype,
@@ -106,7 +106,7 @@ def test_kernel_asserts_block_k_of_four_blocks():
         _fp4_decode.fp4_decode_gemm_kernel[(1, 1)](
             a, wd, sw, sw, sw, out, out, out, M, N, K, K,
             a.stride(0), wd.stride(0), sw.stride(0), out.stride(0),
-            GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DECODE=False,
+            GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DEQUANTIZE=False,
             USE_ASM=False, DOT_DTYPE=triton.language.float32, ROUND_BF16=False, EVEN_K=True,
             BLOCK_N=64, BLOCK_M=16, BLOCK_K=64, SPLIT_K=1)
 
