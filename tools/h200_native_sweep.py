@@ -60,7 +60,7 @@ def cases():
 
 def _native_tile(fmt, m, n, k, device):
     """The FP4 lesson's native tile on ``device`` (its gemm_tile, as its route takes it)."""
-    from kernels_triton._paths import device_capability, sm_count
+    from kernels_triton._common import device_capability, sm_count
 
     return kernels_triton.module(fmt).gemm_tile(m, n, k, "native", device_capability(device), sm_count(device))
 

@@ -47,7 +47,7 @@ x = torch.randn(16, K, device=dev, dtype=torch.bfloat16)
 w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.05
 wq = formats.quantize(w, "nvfp4")
 xq = nvfp4.quantize_activation(x)
-from kernels_triton import _fp4_gemm  # noqa: E402
+from kernels_triton.hopper import _fp4_gemm  # noqa: E402
 for bn in (32, 64, 128):
     for split in (1, 4, 8, 16):
         for bk in (128, 256):
