@@ -232,13 +232,18 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_path(path: Optional[str], fmt: str, device, *, a16: bool = False) -> str:
-    """The path a call takes: ``path`` when forced ("native" | "portable"), else gemm_path's choice
-    for ``device``. ValueError for an unknown path or a forced native path that would be wrong or
-    cannot exist there (W4A16; NVFP4 under the interpreter, whose dot_scaled decodes e4m3 scales as
-    E8M0; NVFP4 on a non-SM12x GPU with Triton < 3.7, where it does not compile: triton#7549)."""
+def route_path(path: Optional[str], fmt: str, capability: Optional[tuple[int, int]], *,
+               a16: bool = False) -> tuple[str, str]:
+    """(path, why) a call takes on a device of ``capability`` (None: the interpreter): ``path`` when
+    forced ("native" | "portable"), else gemm_path's choice. A pure function (routes use it).
+
+    Raises:
+        ValueError: an unknown fmt or path, or a forced native path that would be wrong or cannot
+            exist there (W4A16; NVFP4 under the interpreter, whose dot_scaled decodes e4m3 scales as
+            E8M0; NVFP4 on a non-SM12x GPU with Triton < 3.7, where it does not compile: triton#7549).
+    """
     if path is None:
-        return gemm_path(fmt, device_capability(device), a16=a16)[0]
+        return gemm_path(fmt, capability, a16=a16)
     if path not in PATHS:
         raise ValueError(f"path must be None or one of {PATHS}, got {path!r}")
     _check_fmt(fmt, a16)
@@ -246,14 +251,18 @@ def resolve_path(path: Optional[str], fmt: str, device, *, a16: bool = False) ->
         if a16:
             raise ValueError(f"{fmt} W4A16 has no native kernel: {gemm_path(fmt, (12, 0), a16=True)[1]}")
         if spec(fmt).scale.startswith("e4m3"):  # nvfp4
-            cap = device_capability(device)
-            if cap is None:
+            if capability is None:
                 raise ValueError(f"{fmt} path='native' cannot run under the Triton interpreter: its dot_scaled "
                                  "decodes e4m3 scales as E8M0 (the result would be wrong)")
-            if cap[0] != 12 and _triton_version() < (3, 7):
-                raise ValueError(f"{fmt} path='native' does not compile on sm_{cap[0]}{cap[1]} with Triton "
-                                 f"{triton.__version__} (triton#7549, fixed in 3.7)")
-    return path
+            if capability[0] != 12 and _triton_version() < (3, 7):
+                raise ValueError(f"{fmt} path='native' does not compile on sm_{capability[0]}{capability[1]} with "
+                                 f"Triton {triton.__version__} (triton#7549, fixed in 3.7)")
+    return path, f"path={path!r} forced"
+
+
+def resolve_path(path: Optional[str], fmt: str, device, *, a16: bool = False) -> str:
+    """route_path's path for ``device`` (its capability; None on the CPU and under the interpreter)."""
+    return route_path(path, fmt, device_capability(device), a16=a16)[0]
 
 
 NATIVE_SCALE_LAYOUTS = ("linear", "swizzled_128x4")
@@ -370,6 +379,24 @@ def native_config(M: int, N: int, K: int, capability: Optional[tuple[int, int]] 
     if capability is None:
         return interpreter_config(M, N, K, block_k=block_k)
     return sm12x_config(kind, M, N, K)
+
+
+def e4m3_portable_config(M: int, N: int, K: int, capability: Optional[tuple[int, int]], *,
+                          block_k: Optional[int] = None) -> TileConfig:
+    """The portable e4m3 GEMM's tile (fp8_tensor, fp8_block, mxfp8 lessons): the interpreter's
+    whole-problem tile when ``capability`` is None; on a GPU, by M (one program per output tile):
+    M <= 16: 16 x 64, 4 stages; M <= 64: 64 x 64; M <= 256: 64 x 128; larger: 128 x 128 with 8 warps;
+    BLOCK_K ``block_k`` or 128 (fp8_block needs 128: one scale per K step)."""
+    if capability is None:
+        return interpreter_config(M, N, K, block_k=block_k)
+    bk = block_k or 128
+    if M <= 16:
+        return TileConfig(16, 64, bk, GROUP_M=8, num_warps=4, num_stages=4)
+    if M <= 64:
+        return TileConfig(64, 64, bk, GROUP_M=8, num_warps=4, num_stages=3)
+    if M <= 256:
+        return TileConfig(64, 128, bk, GROUP_M=8, num_warps=4, num_stages=3)
+    return TileConfig(128, 128, bk, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 QUANT_DECODE_ROW_BLOCK = 1024  # decode (M <= 16) activation quantizer: one row per program, this wide
