@@ -70,7 +70,7 @@ def timing_rows(budget_s: float, wait_pid: int | None, ms: list[int]) -> list[di
     import torch  # noqa: PLC0415
 
     import formats  # noqa: PLC0415
-    from kernels_triton import fp8_block, fp8_tensor  # noqa: PLC0415 (before triton: it sets the interpreter)
+    from kernels_triton import hopper  # noqa: PLC0415 (before triton: it sets the interpreter)
     from kernels_triton._common import TileConfig as T  # noqa: PLC0415
     from kernels_triton.hopper._fp8_prefill import launch_fp8_prefill  # noqa: PLC0415
     import triton.testing  # noqa: PLC0415
@@ -86,10 +86,10 @@ def timing_rows(budget_s: float, wait_pid: int | None, ms: list[int]) -> list[di
             xq = formats.quantize(x, fmt, role="activation")
             out = lambda M=M: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
             sk = 128 if fmt == "fp8_block" else 0
-            mod = fp8_block if sk else fp8_tensor
+            mod = hopper.module(fmt)
             before = T(128, 128, 128, 8, 8, 3 if sk else 4)
             rows = [(f"before: pointer {before}", lambda xq=xq, w=w, c=before, mod=mod, out=out:
-                     mod._gemm_portable(xq, w, None, out(), cfg=c))]
+                     mod._run_gemm("portable", c, xq, w, None, out()))]
             descs = ([T(64, 128, 128, 8, 4, 3), T(64, 128, 128, 8, 4, 4), T(128, 128, 128, 8, 4, 3),
                       T(128, 128, 128, 8, 8, 3)] if sk else
                      [T(128, 128, 128, 8, 4, 3), T(128, 128, 128, 8, 4, 4), T(128, 128, 128, 8, 8, 3)])
@@ -99,7 +99,7 @@ def timing_rows(budget_s: float, wait_pid: int | None, ms: list[int]) -> list[di
             if sk:
                 for c in (T(64, 128, 128, 8, 4, 3), T(64, 128, 128, 8, 4, 4)):
                     rows.append((f"pointer {c}", lambda xq=xq, w=w, c=c, out=out:
-                                 fp8_block._gemm_portable(xq, w, None, out(), cfg=c)))
+                                 mod._run_gemm("portable", c, xq, w, None, out())))
             rows.append((f"gemm (ships: {mod.tile_config(M, N, K)})",
                          lambda xq=xq, w=w, mod=mod: mod.gemm(xq, w, None, torch.bfloat16)))
             if sk:  # cuBLAS blockwise wants the activation scales outer-dim-major, as the bench

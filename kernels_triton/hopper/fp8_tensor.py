@@ -304,7 +304,7 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     return QuantizedTensor(FMT, "activation", data, s, None, None, (M, K))
 
 
-def _run_gemm(kind: str, cfg: TileConfig, xq, qweight, bias, y, imprecise_acc: int) -> torch.Tensor:
+def _run_gemm(kind: str, cfg: TileConfig, xq, qweight, bias, y, imprecise_acc: int = IMPRECISE_ACC) -> torch.Tensor:
     """Launch one GEMM plan into y [M, N] (bias already kernel_bias's)."""
     if kind == "decode":
         return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
