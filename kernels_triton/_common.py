@@ -202,6 +202,9 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
     # [/gemm-path]
 
 
+THIS_DEVICE = "this device"  # a capability argument's default where it means this process's device
+
+
 def device_capability(device) -> Optional[tuple[int, int]]:
     """The capability of a tensor's device, or None for CPU / the interpreter."""
     device = torch.device(device)

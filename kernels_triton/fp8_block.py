@@ -58,9 +58,10 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK
 
 from ._codecs import abs_or_inf, amax_or_nan, ceil_log2, dequantize_e4m3, encode_e4m3, exp2_int, grouped_tile
-from ._common import (NO_ALPHA, Route, check_activation, check_bias, check_gemm_operands, check_weight,
-                      device_capability, e4m3_operand, e4m3_portable_config, epilogue, flatten_rows, interpreting,
-                      kernel_bias, launch, native_config, quant_config, route_path)
+from ._common import (NO_ALPHA, Route, THIS_DEVICE, check_activation, check_bias, check_gemm_operands,
+                      check_weight, default_device, device_capability, e4m3_operand, e4m3_portable_config,
+                      epilogue, flatten_rows, interpreting, kernel_bias, launch, native_config, quant_config,
+                      route_path)
 
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
@@ -264,10 +265,13 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
     return Route("triton", ("_quantize_kernel", gemm), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
 
 
-def tile_config(M: int, N: int, K: int, path=None, capability=None, *, ue8m0: bool = False):
+def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE, *, ue8m0: bool = False):
     """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` (None: the interpreter), as ``route`` reports it and gemm launches it.
+    device of ``capability`` ((major, minor); None: the interpreter; THIS_DEVICE, the default: this
+    process's device), as ``route`` reports it and gemm launches it.
     BLOCK_K is 128 (one scale per K step)."""
+    if capability is THIS_DEVICE:
+        capability = device_capability(default_device())
     if route_path(path, FMT, capability)[0] == "native":
         return native_config(M, N, K, capability, kind="e4m3" if ue8m0 else "fp8_block", block_k=FP8_BLOCK)
     return e4m3_portable_config(M, N, K, capability, block_k=FP8_BLOCK)

@@ -66,9 +66,10 @@ from formats.constants import AMAX_FLOOR, E4M3_MAX
 from formats.validate import static_scale
 
 from ._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite, round_to_bf16_rne
-from ._common import (ALPHA_SCALES, Route, check_activation, check_bias, check_gemm_operands, check_weight,
-                      device_capability, e4m3_operand, e4m3_portable_config, epilogue, flatten_rows, interpreting,
-                      kernel_bias, launch, native_config, quant_config, route_path)
+from ._common import (ALPHA_SCALES, Route, THIS_DEVICE, check_activation, check_bias, check_gemm_operands,
+                      check_weight, default_device, device_capability, e4m3_operand, e4m3_portable_config,
+                      epilogue, flatten_rows, interpreting, kernel_bias, launch, native_config, quant_config,
+                      route_path)
 
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
 
@@ -293,9 +294,12 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
     return Route("triton", quant + (gemm,), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
 
 
-def tile_config(M: int, N: int, K: int, path=None, capability=None):
+def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE):
     """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` (None: the interpreter), as ``route`` reports it and gemm launches it."""
+    device of ``capability`` ((major, minor); None: the interpreter; THIS_DEVICE, the default: this
+    process's device), as ``route`` reports it and gemm launches it."""
+    if capability is THIS_DEVICE:
+        capability = device_capability(default_device())
     if route_path(path, FMT, capability)[0] == "native":
         return native_config(M, N, K, capability)
     return e4m3_portable_config(M, N, K, capability)

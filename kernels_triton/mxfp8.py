@@ -72,9 +72,10 @@ from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS
 
 from ._codecs import (abs_or_inf, ceil_log2, dequantize_e4m3, dequantize_e8m0, encode_e4m3, exp2_int, floor_log2,
                       grouped_tile, scale_offsets)
-from ._common import (NATIVE_SCALE_LAYOUTS, NO_ALPHA, Route, check_activation, check_bias, check_gemm_operands,
-                      check_native_weight, device_capability, e4m3_portable_config, epilogue, flatten_rows,
-                      interpreting, kernel_bias, launch, native_config, quant_config, route_path, weight_scale_bytes)
+from ._common import (NATIVE_SCALE_LAYOUTS, NO_ALPHA, Route, THIS_DEVICE, check_activation, check_bias,
+                      check_gemm_operands, check_native_weight, default_device, device_capability,
+                      e4m3_portable_config, epilogue, flatten_rows, interpreting, kernel_bias, launch,
+                      native_config, quant_config, route_path, weight_scale_bytes)
 
 FMT = "mxfp8"
 K_MULTIPLE = MX_BLOCK  # 32
@@ -284,10 +285,13 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
     return Route("triton", ("_quantize_kernel", gemm), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
 
 
-def tile_config(M: int, N: int, K: int, path=None, capability=None):
+def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE):
     """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` (None: the interpreter), as ``route`` reports it and gemm launches it:
+    device of ``capability`` ((major, minor); None: the interpreter; THIS_DEVICE, the default: this
+    process's device), as ``route`` reports it and gemm launches it:
     the SM12x table natively; portably, 64-deep K steps on a GPU (PORTABLE_BLOCK_K)."""
+    if capability is THIS_DEVICE:
+        capability = device_capability(default_device())
     if route_path(path, FMT, capability)[0] == "native":
         return native_config(M, N, K, capability)
     return e4m3_portable_config(M, N, K, capability, block_k=None if capability is None else PORTABLE_BLOCK_K)
