@@ -57,8 +57,8 @@ class TileConfig:
     # fp32 workspace that a second kernel adds up in a fixed order (deterministic). For decode-sized
     # M, where one program per output tile leaves most SMs idle.
     SPLIT_K: int = 1
-    # PREPASS: the dequantizing formats decode each operand once into a bf16 scratch matrix, then a
-    # plain bf16 GEMM runs (large M, where the fused kernel would re-decode every weight tile
+    # PREPASS: the dequantizing formats dequantize each operand once into a bf16 scratch matrix, then a
+    # plain bf16 GEMM runs (large M, where the fused kernel would dequantize every weight tile again
     # M / BLOCK_M times).
     PREPASS: bool = False
 
@@ -174,7 +174,7 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
             Triton interpreter).
         a16: W4A16 (bf16/fp16 activations, FP4 weights; nvfp4 and mxfp4 only).
     Returns:
-        (path, reason): path "native" (tl.dot_scaled) or "portable" (decode in registers).
+        (path, reason): path "native" (tl.dot_scaled) or "portable" (dequantize in registers).
     Raises:
         ValueError: unknown fmt, or a16 for a format without W4A16.
     Source: Triton's SM120 block-scaled lowering (triton#7918 MXFP8, #8494 MXFP4/NVFP4, #10010
@@ -242,7 +242,7 @@ def route_path(path: Optional[str], fmt: str, capability: Optional[tuple[int, in
 
     Raises:
         ValueError: an unknown fmt or path, or a forced native path that would be wrong or cannot
-            exist there (W4A16; NVFP4 under the interpreter, whose dot_scaled decodes e4m3 scales as
+            exist there (W4A16; NVFP4 under the interpreter, whose dot_scaled reads e4m3 scales as
             E8M0; NVFP4 on a non-SM12x GPU with Triton < 3.7, where it does not compile: triton#7549).
     """
     if path is None:
@@ -320,7 +320,7 @@ SM12X_SMEM_PER_BLOCK = 101_376  # bytes (99 KiB opt-in per block on SM120/SM121)
 SM12X_SM_COUNTS = (188, 170, 84, 48)  # RTX PRO 6000, RTX 5090, RTX 5080, GB10
 KINDS = ("e4m3", "fp8_block", "e2m1", "e2m1_portable")
 _BLOCK_K = {"e4m3": 128, "fp8_block": 128, "e2m1": 128, "e2m1_portable": 64}
-PREPASS_MIN_M = 128  # e2m1_portable: above this M, decode the weight once, then a bf16 GEMM
+PREPASS_MIN_M = 128  # e2m1_portable: above this M, dequantize the weight once, then a bf16 GEMM
 
 # name -> (M upper bound, tile); the first row whose bound covers M is taken
 _NATIVE_ROWS = (
@@ -333,7 +333,7 @@ _PORTABLE_FP4_ROWS = (
     ("decode", 16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
     ("small", 64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)),
     ("medium", PREPASS_MIN_M, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
-    # the bf16 GEMM after the decode pre-pass: 2 * (128 + 128) * 64 * 2 B = 64 KiB
+    # the bf16 GEMM after the dequantizing pre-pass: 2 * (128 + 128) * 64 * 2 B = 64 KiB
     ("prepass", None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3,
                            PREPASS=True)),
 )

@@ -30,7 +30,7 @@ sw is loaded per column as a vector, sw[offs_n // 128, kb], so BLOCK_N need not 
 On GPU the e4m3 tiles go straight into tl.dot. Each partial is a fresh 128-deep dot whose result
 is added to the fp32 accumulator in registers, so the accumulation is promoted to fp32 every K
 step whatever Triton's Hopper default is; we still pass max_num_imprecise_acc=BLOCK_K to say so.
-Under the interpreter the codes are decoded to fp32 with _codecs.dequantize_e4m3 before the dot.
+Under the interpreter the codes are dequantized to fp32 with _codecs.dequantize_e4m3 before the dot.
 
 Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
 each 128-deep partial is a tl.dot_scaled with unit E8M0 scales (the full-rate block-scaled MMA)

@@ -37,7 +37,7 @@ fp8 dots is *imprecise* accumulation (max_num_imprecise_acc = 2^30: the wgmma ac
 promoted to full fp32), which loses about 3 bits at K = 8192 (docs/results.md). We pass
 max_num_imprecise_acc=BLOCK_K (128), which promotes into the fp32 accumulator after every K step
 (a few times more accurate, somewhat slower). Other architectures ignore the argument. Under the interpreter
-the codes are decoded to fp32 with _codecs.dequantize_e4m3 first (exact; the interpreter's fp8 paths
+the codes are dequantized to fp32 with _codecs.dequantize_e4m3 first (exact; the interpreter's fp8 paths
 are not trusted for anything but loads).
 
 Two paths (``gemm_path`` picks by device; ``path=`` forces one): the portable kernel above
@@ -99,7 +99,7 @@ def _amax_partials_kernel(
 ):
     """partials[pid_m * Pk + pid_k] = max |x| over rows [pid_m*BLOCK_M, (pid_m+1)*BLOCK_M) and the
     K tiles pid_k, pid_k + Pk, ... The grid spans K as well as M: a program walking all of K issues
-    its loads one after another (at decode, one program would walk all of K = 8192 alone)."""
+    its loads one after another (at M <= 16, one program would walk all of K = 8192 alone)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pk = tl.num_programs(1)
@@ -176,7 +176,7 @@ def _gemm_kernel(
     IMPRECISE_ACC: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y. x_ptr/w_ptr hold e4m3 codes: float8e4nv when DOT_FP8
-    (GPU), uint8 otherwise (interpreter, decoded to fp32 before the dot)."""
+    (GPU), uint8 otherwise (interpreter, dequantized to fp32 before the dot)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

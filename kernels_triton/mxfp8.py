@@ -51,7 +51,7 @@ mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, which appl
 
 Constraints: K a multiple of 32; x bf16/fp16 [..., K]; weight a linear-layout mxfp8
 QuantizedTensor [N, K] (scale uint8 [N, K/32]). E8M0 byte 0xFF and e4m3 codes 0x7F/0xFF
-decode to NaN; scale bytes below 2^-117 (never produced by our quantizer) could underflow bf16 on
+dequantize to NaN; scale bytes below 2^-117 (never produced by our quantizer) could underflow bf16 on
 GPU. NaN/Inf in x follow the non-finite rule of docs/formats.md (the block's scale becomes 0xFF and
 its codes 0x7F, so that row of y is NaN and no other row is).
 """
@@ -143,7 +143,7 @@ def _quantize_kernel(
 @triton.jit
 def _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows ``rows`` x K columns [k0, k0 + BLOCK_K) of an MXFP8 matrix, decoded: fp32 [BLOCK_R, BLOCK_K].
+    """Rows ``rows`` x K columns [k0, k0 + BLOCK_K) of an MXFP8 matrix, dequantized: fp32 [BLOCK_R, BLOCK_K].
     One scale byte is loaded per 32 elements and broadcast over its block by a reshape (loading it
     per element costs one load instruction per element)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -201,7 +201,7 @@ def _gemm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# GEMM, native path: the scales go into the block-scaled MMA (SM12x), nothing is decoded
+# GEMM, native path: the scales go into the block-scaled MMA (SM12x), nothing is dequantized
 # ---------------------------------------------------------------------------------------------
 # [native-kernel]
 @triton.jit

@@ -16,7 +16,7 @@ Why this shape: the fp32 promotion serializes each step's wgmma and its FMAs ins
 warpgroup. A 4-warp CTA with 3 stages of 32 KB (fp8_tensor's 128 x 128 tile) or 4 of 24 KB
 (fp8_block's 64 x 128) uses ~96 KB of shared memory, so two CTAs share an SM (228 KB) and one's
 promotion overlaps the other's MMAs (faster than the pointer kernels on the H200 for both formats:
-docs/perf_notes.md, row 23).
+docs/perf_notes.md).
 Triton's warp_specialize would be the other way, but it gives wrong sums on this loop in 3.6.
 The kernel does not take part in programmatic dependent launch (_pdl): at these sizes a launch gap
 is a fraction of a percent, and it runs in plain stream order.
@@ -49,7 +49,7 @@ _BLOCK = tl.constexpr(FP8_BLOCK)
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
 SCALE_KS = (0, FP8_BLOCK)  # SCALE_K of fp8_tensor (per-tensor) and fp8_block (128-wide blocks)
 
-# The launched tiles, the fastest of the H200 probe (docs/perf_notes.md, row 23): fp8_tensor at 4
+# The launched tiles, the fastest of the H200 probe (docs/perf_notes.md): fp8_tensor at 4
 # stages or 8 warps no longer fits two CTAs per SM. fp8_block: a 128 x 128 tile holds the
 # accumulator and the fresh partial, 2 x 128 fp32 registers per thread at 4 warps, and spills;
 # 64 x 128 at 4 stages (96 KB, two CTAs per SM) beat 3 stages (74 KB, where three fit).
