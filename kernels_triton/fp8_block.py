@@ -117,7 +117,7 @@ def _gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym, stride_yn,
     # meta-parameters
-    HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     
 ):
@@ -152,9 +152,9 @@ def _gemm_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     # ----- epilogue: bias, cast, store -----
-    # (RNE_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
+    # (ROUND_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
     # (NO_ALPHA: every scale was applied in the K loop, so the two scale pointers are unused)
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -364,7 +364,7 @@ def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y, ue8m0: bool) -> torch.
            M, N, K,
            x.stride(0), x.stride(1), w.stride(0), w.stride(1),
            sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
-           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and y.dtype == torch.bfloat16,
+           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, ROUND_BF16=interp and y.dtype == torch.bfloat16,
            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -171,7 +171,7 @@ def _gemm_kernel(
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     # meta-parameters
-    HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     IMPRECISE_ACC: tl.constexpr,
 ):
@@ -204,7 +204,7 @@ def _gemm_kernel(
     y = acc * (tl.load(sx_ptr) * tl.load(sw_ptr))  # scales together first: acc * sx can overflow
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    if RNE_BF16:
+    if ROUND_BF16:
         y = round_to_bf16_rne(y)  # interpreter: its fp32 -> bf16 cast truncates
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -401,7 +401,7 @@ def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y) -> torch.Tensor:
            x, w, xq.scale, qweight.scale, bias if bias is not None else y, y,
            M, N, K,
            x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and y.dtype == torch.bfloat16,
+           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, ROUND_BF16=interp and y.dtype == torch.bfloat16,
            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
            IMPRECISE_ACC=min(IMPRECISE_ACC, cfg.BLOCK_K),  # Triton needs it <= BLOCK_K
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)

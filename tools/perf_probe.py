@@ -23,7 +23,7 @@ def fp8_variant(M, cfg, imprecise):
 
     def run():
         hopper.module("fp8_tensor")._gemm_kernel[grid](xq.data, wq.data, xq.scale, wq.scale, y, y, y, M, N, K, K,
-                                      K, 1, K, 1, N, 1, HAS_BIAS=False, DOT_FP8=True, RNE_BF16=False,
+                                      K, 1, K, 1, N, 1, HAS_BIAS=False, DOT_FP8=True, ROUND_BF16=False,
                                       BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=8,
                                       SPLIT_K=1, IMPRECISE_ACC=imprecise, num_warps=cfg.num_warps,
                                       num_stages=cfg.num_stages)

@@ -105,7 +105,7 @@ def fp8_decode_gemm_kernel(
     HAS_BIAS: tl.constexpr, IMPRECISE_ACC: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT_FP8: tl.constexpr = True,  # False under the interpreter: uint8 codes, decoded to fp32
-    RNE_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
+    ROUND_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
     USE_PDL: tl.constexpr = False,  # _pdl
 ):
     # literals, not the constexpr globals, beside %: the interpreter has no int % constexpr
@@ -159,9 +159,9 @@ def fp8_decode_gemm_kernel(
         store_splitk_partial(ws_ptr, out, tl.program_id(1), offs_m, offs_n, M, N, mask)
         return
     if SCALE_K > 0:
-        out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
+        out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     else:
-        out = epilogue(out, offs_n, n_mask, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, RNE_BF16)
+        out = epilogue(out, offs_n, n_mask, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -301,7 +301,7 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
         M, N, K, k_per, x.stride(0), w.stride(0), y.stride(0), *s_strides,
         HAS_BIAS=bias is not None, IMPRECISE_ACC=min(imprecise_acc, scale_k or cfg.BLOCK_K), SCALE_K=scale_k,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split, DOT_FP8=dot_fp8,
-        RNE_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
+        ROUND_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:

@@ -66,7 +66,7 @@ def fp8_prefill_kernel(
     HAS_BIAS: tl.constexpr, SCALE_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_FP8: tl.constexpr = True,  # False under the interpreter: uint8 codes, decoded to fp32
-    RNE_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
+    ROUND_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
 ):
     if SCALE_K == _BLOCK:
         tl.static_assert(BLOCK_K == _BLOCK, "block FP8 needs BLOCK_K == 128: one scale per K step")
@@ -109,9 +109,9 @@ def fp8_prefill_kernel(
                 part = tl.dot(a, b.T)
             acc += part * (sx * sw)[:, None]  # the scales meet first: part * sx alone can overflow
     if SCALE_K == 0:
-        y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, RNE_BF16)
+        y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
     else:
-        y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
+        y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -196,7 +196,7 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
         M, N, K, y.stride(0), *s_strides,
         HAS_BIAS=bias is not None, SCALE_K=scale_k, IMPRECISE_ACC=min(imprecise_acc, cfg.BLOCK_K),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        DOT_FP8=dot_fp8, RNE_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
+        DOT_FP8=dot_fp8, ROUND_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
