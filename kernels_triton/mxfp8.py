@@ -66,9 +66,7 @@ import triton.language as tl
 
 from formats import QuantizedTensor
 from formats._mx import SCALE_RULES
-from formats.constants import MX_BLOCK
-
-from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS
+from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS, MX_BLOCK
 
 from ._codecs import (abs_or_inf, ceil_log2, dequantize_e4m3, dequantize_e8m0, encode_e4m3, exp2_int, floor_log2,
                       grouped_tile, scale_offsets)
