@@ -57,8 +57,8 @@ class TileConfig:
     # fp32 workspace that a second kernel adds up in a fixed order (deterministic). For decode-sized
     # M, where one program per output tile leaves most SMs idle.
     SPLIT_K: int = 1
-    # PREPASS: the dequantizing formats decode each operand once into a bf16 scratch matrix, then a
-    # plain bf16 GEMM runs (large M, where the fused kernel would re-decode every weight tile
+    # PREPASS: the dequantizing formats dequantize each operand once into a bf16 scratch matrix, then a
+    # plain bf16 GEMM runs (large M, where the fused kernel would dequantize every weight tile again
     # M / BLOCK_M times).
     PREPASS: bool = False
 
@@ -174,7 +174,7 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
             Triton interpreter).
         a16: W4A16 (bf16/fp16 activations, FP4 weights; nvfp4 and mxfp4 only).
     Returns:
-        (path, reason): path "native" (tl.dot_scaled) or "portable" (decode in registers).
+        (path, reason): path "native" (tl.dot_scaled) or "portable" (dequantize in registers).
     Raises:
         ValueError: unknown fmt, or a16 for a format without W4A16.
     Source: Triton's SM120 block-scaled lowering (triton#7918 MXFP8, #8494 MXFP4/NVFP4, #10010
@@ -200,6 +200,9 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
     return "portable", (f"{arch} has no block-scaled MMA that Triton targets here; Triton would emulate "
                         "dot_scaled by upcasting to bf16, which the portable kernel does explicitly and exactly")
     # [/gemm-path]
+
+
+THIS_DEVICE = "this device"  # a capability argument's default where it means this process's device
 
 
 def device_capability(device) -> Optional[tuple[int, int]]:
@@ -232,13 +235,18 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_path(path: Optional[str], fmt: str, device, *, a16: bool = False) -> str:
-    """The path a call takes: ``path`` when forced ("native" | "portable"), else gemm_path's choice
-    for ``device``. ValueError for an unknown path or a forced native path that would be wrong or
-    cannot exist there (W4A16; NVFP4 under the interpreter, whose dot_scaled decodes e4m3 scales as
-    E8M0; NVFP4 on a non-SM12x GPU with Triton < 3.7, where it does not compile: triton#7549)."""
+def route_path(path: Optional[str], fmt: str, capability: Optional[tuple[int, int]], *,
+               a16: bool = False) -> tuple[str, str]:
+    """(path, why) a call takes on a device of ``capability`` (None: the interpreter): ``path`` when
+    forced ("native" | "portable"), else gemm_path's choice. A pure function (routes use it).
+
+    Raises:
+        ValueError: an unknown fmt or path, or a forced native path that would be wrong or cannot
+            exist there (W4A16; NVFP4 under the interpreter, whose dot_scaled reads e4m3 scales as
+            E8M0; NVFP4 on a non-SM12x GPU with Triton < 3.7, where it does not compile: triton#7549).
+    """
     if path is None:
-        return gemm_path(fmt, device_capability(device), a16=a16)[0]
+        return gemm_path(fmt, capability, a16=a16)
     if path not in PATHS:
         raise ValueError(f"path must be None or one of {PATHS}, got {path!r}")
     _check_fmt(fmt, a16)
@@ -246,14 +254,18 @@ def resolve_path(path: Optional[str], fmt: str, device, *, a16: bool = False) ->
         if a16:
             raise ValueError(f"{fmt} W4A16 has no native kernel: {gemm_path(fmt, (12, 0), a16=True)[1]}")
         if spec(fmt).scale.startswith("e4m3"):  # nvfp4
-            cap = device_capability(device)
-            if cap is None:
+            if capability is None:
                 raise ValueError(f"{fmt} path='native' cannot run under the Triton interpreter: its dot_scaled "
                                  "decodes e4m3 scales as E8M0 (the result would be wrong)")
-            if cap[0] != 12 and _triton_version() < (3, 7):
-                raise ValueError(f"{fmt} path='native' does not compile on sm_{cap[0]}{cap[1]} with Triton "
-                                 f"{triton.__version__} (triton#7549, fixed in 3.7)")
-    return path
+            if capability[0] != 12 and _triton_version() < (3, 7):
+                raise ValueError(f"{fmt} path='native' does not compile on sm_{capability[0]}{capability[1]} with "
+                                 f"Triton {triton.__version__} (triton#7549, fixed in 3.7)")
+    return path, f"path={path!r} forced"
+
+
+def resolve_path(path: Optional[str], fmt: str, device, *, a16: bool = False) -> str:
+    """route_path's path for ``device`` (its capability; None on the CPU and under the interpreter)."""
+    return route_path(path, fmt, device_capability(device), a16=a16)[0]
 
 
 NATIVE_SCALE_LAYOUTS = ("linear", "swizzled_128x4")
@@ -308,7 +320,7 @@ SM12X_SMEM_PER_BLOCK = 101_376  # bytes (99 KiB opt-in per block on SM120/SM121)
 SM12X_SM_COUNTS = (188, 170, 84, 48)  # RTX PRO 6000, RTX 5090, RTX 5080, GB10
 KINDS = ("e4m3", "fp8_block", "e2m1", "e2m1_portable")
 _BLOCK_K = {"e4m3": 128, "fp8_block": 128, "e2m1": 128, "e2m1_portable": 64}
-PREPASS_MIN_M = 128  # e2m1_portable: above this M, decode the weight once, then a bf16 GEMM
+PREPASS_MIN_M = 128  # e2m1_portable: above this M, dequantize the weight once, then a bf16 GEMM
 
 # name -> (M upper bound, tile); the first row whose bound covers M is taken
 _NATIVE_ROWS = (
@@ -321,7 +333,7 @@ _PORTABLE_FP4_ROWS = (
     ("decode", 16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
     ("small", 64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)),
     ("medium", PREPASS_MIN_M, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
-    # the bf16 GEMM after the decode pre-pass: 2 * (128 + 128) * 64 * 2 B = 64 KiB
+    # the bf16 GEMM after the dequantizing pre-pass: 2 * (128 + 128) * 64 * 2 B = 64 KiB
     ("prepass", None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3,
                            PREPASS=True)),
 )
@@ -370,6 +382,24 @@ def native_config(M: int, N: int, K: int, capability: Optional[tuple[int, int]] 
     if capability is None:
         return interpreter_config(M, N, K, block_k=block_k)
     return sm12x_config(kind, M, N, K)
+
+
+def e4m3_portable_config(M: int, N: int, K: int, capability: Optional[tuple[int, int]], *,
+                          block_k: Optional[int] = None) -> TileConfig:
+    """The portable e4m3 GEMM's tile (fp8_tensor, fp8_block, mxfp8 lessons): the interpreter's
+    whole-problem tile when ``capability`` is None; on a GPU, by M (one program per output tile):
+    M <= 16: 16 x 64, 4 stages; M <= 64: 64 x 64; M <= 256: 64 x 128; larger: 128 x 128 with 8 warps;
+    BLOCK_K ``block_k`` or 128 (fp8_block needs 128: one scale per K step)."""
+    if capability is None:
+        return interpreter_config(M, N, K, block_k=block_k)
+    bk = block_k or 128
+    if M <= 16:
+        return TileConfig(16, 64, bk, GROUP_M=8, num_warps=4, num_stages=4)
+    if M <= 64:
+        return TileConfig(64, 64, bk, GROUP_M=8, num_warps=4, num_stages=3)
+    if M <= 256:
+        return TileConfig(64, 128, bk, GROUP_M=8, num_warps=4, num_stages=3)
+    return TileConfig(128, 128, bk, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 QUANT_DECODE_ROW_BLOCK = 1024  # decode (M <= 16) activation quantizer: one row per program, this wide

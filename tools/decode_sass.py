@@ -111,7 +111,7 @@ def main():
                  args.bn * 4 // args.warps))
     k2 = compile_kernel(_fp8_decode.fp8_decode_gemm_kernel,
                         dict(HAS_BIAS=False, IMPRECISE_ACC=32, SCALE_K=32, BLOCK_N=128, BLOCK_M=16, BLOCK_K=128,
-                             SPLIT_K=4, DOT_FP8=True, RNE_BF16=False),
+                             SPLIT_K=4, DOT_FP8=True, ROUND_BF16=False),
                         4, 4, types={"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*i32", "sw_ptr": "*i32"})
     rows.append(("fp8 partials (_fp8_decode, MX)", k2, 128))
     from kernels_triton.hopper import _fp4_decode

@@ -93,8 +93,9 @@ def run_cell(fmt, opts, m, n, k, gen, timing: bool) -> dict:
     rec["native_ratio"] = ratio(yn, ref, b)
     rec["native_vs_portable_ratio"] = float(((yn.double() - yp.double()).abs() / (2 * b)).max())
     rec["native_tile"] = str(_native_tile(fmt, m, n, k, w.device) if spec(fmt).element == "e2m1"
-                             else kernels_triton._e4m3_gemm.native_config(
-                                 m, n, k, w.device, kind="fp8_block" if fmt == "fp8_block" and not opts else "e4m3",
+                             else kernels_triton._common.native_config(
+                                 m, n, k, kernels_triton._common.device_capability(w.device),
+                                 kind="fp8_block" if fmt == "fp8_block" and not opts else "e4m3",
                                  block_k=128 if fmt == "fp8_block" else None))
     if timing:
         from triton.testing import do_bench
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
                 rec = {"fmt": fmt, "M": m, "N": n, "K": k, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             recs.append(rec)
             print(json.dumps(rec), flush=True)
-    for fmt in kernels_triton._paths.A16_FORMATS:
+    for fmt in kernels_triton._common.A16_FORMATS:
         for (m, n, k) in (grid[:1] if args.quick or args.cpu_smoke else [(1, 4096, 4096), (200, 2112, 7168), (4096, 8192, 8192)]):
             if time.time() - t0 <= args.budget_s:
                 recs.append(w4a16_cell(fmt, m, n, k, gen))

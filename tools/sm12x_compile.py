@@ -20,7 +20,7 @@ A kernel that takes ``USE_PDL`` (kernels_triton.hopper._pdl) is compiled as SM12
 ``USE_PDL=True`` and ``launch_pdl``, and its PTX must hold ``griddepcontrol.wait`` and
 ``griddepcontrol.launch_dependents``, the wait before the first global load, store or
 ``cp.async`` (``pdl_wait_first``). Besides the GEMMs, the rest of the decode chain is built the
-same way ("chain" rows): every activation quantizer at its decode tile and split-K's reduction.
+same way ("chain" rows): the activation quantizers that take USE_PDL, at their decode tile.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Build:
 
 def _native_e4m3(fmt, kernel, kind, extra, row, cfg, split, types=None):
     c = dict(HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-             GROUP_M=cfg.GROUP_M, SPLIT=split, **extra)
+             GROUP_M=cfg.GROUP_M, **extra)
     return Build(f"{fmt}{'' if kind == fmt else ' ' + kind} native {row}{' split' if split else ''}", fmt, "native",
                  row, kernel, str(cfg), cfg.num_warps, cfg.num_stages, WANT["e4m3"], NATIVE_AVOID,
                  types or {}, c)
@@ -136,36 +136,10 @@ def builds() -> list[Build]:
 
 
 def chain_builds() -> list[Build]:
-    """The decode chain's kernels other than the GEMMs, as launched at M = 16, K = 8192 (their tiles
-    from the functions the launchers call): only what PDL adds is checked there (PDL_WANT)."""
-    from kernels_triton import fp8_tensor
-    from kernels_triton._e4m3_gemm import quant_config
-    from kernels_triton.hopper._twopass import ALPHA_SCALES
-
-    M, K = 16, 8192
-    bm, bk = quant_config(M, K, False, group=32)
-    bm_blk, _ = quant_config(M, K, False, group=128)
-    f32 = "*fp32"
-    rows = [  # name, fmt, kernel, pointer types, constexprs
-        ("fp8_tensor amax", "fp8_tensor", "fp8_tensor:_amax_partials_kernel", {"x_ptr": "*bf16", "partials_ptr": f32},
-         dict(BLOCK_M=bm, BLOCK_K=bk)),
-        ("fp8_tensor quantize", "fp8_tensor", "fp8_tensor:_quantize_kernel",
-         {"x_ptr": "*bf16", "scale_ptr": f32, "partials_ptr": f32},
-         dict(STATIC_SCALE=False, BLOCK_M=bm, BLOCK_K=bk, PARTIALS_BLOCK=fp8_tensor.PARTIALS_BLOCK)),
-        ("fp8_block quantize", "fp8_block", "fp8_block:_quantize_kernel", {"x_ptr": "*bf16", "s_ptr": f32},
-         dict(UE8M0=False, BLOCK_M=bm_blk)),
-        ("mxfp8 quantize", "mxfp8", "mxfp8:_quantize_kernel", {"x_ptr": "*bf16"},
-         dict(FLOOR_RULE=False, BLOCK_M=bm, GROUPS=bk // 32)),
-        ("split-K reduce", "all", "_twopass:splitk_reduce_kernel",
-         {"y_ptr": "*bf16", "s1_ptr": f32, "s2_ptr": f32},
-         dict(SPLIT_K=2, ALPHA_MODE=ALPHA_SCALES, HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=16, BLOCK_N=256)),
-    ]
-    def tile(c):  # rows x columns of x per program (the reduction: of y)
-        cols = c.get("BLOCK_K") or 32 * c.get("GROUPS", 0) or (128 if "UE8M0" in c else c.get("BLOCK_N"))
-        return f"{c['BLOCK_M']}x{cols}"
-
-    return [Build(f"{name} chain decode", fmt, "chain", "decode", kernel, tile(c), 4, 3, PDL_WANT, (), types, c)
-            for name, fmt, kernel, types, c in rows]
+    """The decode chain's kernels other than the GEMMs: none on SM12x, where the lessons run and
+    launch without PDL (the PDL chains are kernels_triton.hopper's, sm_90 only). Kept so that a
+    chain kernel added to a lesson is built here (PDL_WANT checked)."""
+    return []
 
 
 def _signature(fn, b: Build) -> tuple[dict, dict, dict]:

@@ -63,7 +63,7 @@ import triton.language as tl
 
 from .._codecs import dequantize_e4m3, dequantize_e8m0
 from .._common import BIAS_DTYPES, TileConfig, launch, interpreting, sm_count
-from .._e4m3_gemm import mx_e4m3_quantize
+from ..mxfp8 import mx_e4m3_quantize
 from ._fp4_decode import e8m0_bf16, fragment_order, scale_planes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (NO_ALPHA, decode_split, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace,
@@ -230,7 +230,7 @@ def decode_tile(M: int, N: int, K: int, n_sms: int, *, bn: int = 128, stages: in
     activation's decode and the loop's fixed cost over twice the rows of 64), 16 padded activation
     rows, 128-wide K steps, 3 stages; split-K while the grid stays within ``programs_per_sm``
     programs per SM (2: one wave at the 3 CTAs per SM that 160 registers leave, where 4 per SM ran
-    1.3 waves) and every split keeps >= 4 K steps (docs/perf_notes.md row 21: split 4 at
+    1.3 waves) and every split keeps >= 4 K steps (docs/perf_notes.md: split 4 at
     N = K = 8192; the rule was measured only there, on the H200's 132 SMs)."""
     bk = MIN_BLOCK_K
     cfg = TileConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages)

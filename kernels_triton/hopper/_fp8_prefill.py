@@ -16,7 +16,7 @@ Why this shape: the fp32 promotion serializes each step's wgmma and its FMAs ins
 warpgroup. A 4-warp CTA with 3 stages of 32 KB (fp8_tensor's 128 x 128 tile) or 4 of 24 KB
 (fp8_block's 64 x 128) uses ~96 KB of shared memory, so two CTAs share an SM (228 KB) and one's
 promotion overlaps the other's MMAs (faster than the pointer kernels on the H200 for both formats:
-docs/perf_notes.md, row 23).
+docs/perf_notes.md).
 Triton's warp_specialize would be the other way, but it gives wrong sums on this loop in 3.6.
 The kernel does not take part in programmatic dependent launch (_pdl): at these sizes a launch gap
 is a fraction of a percent, and it runs in plain stream order.
@@ -49,7 +49,7 @@ _BLOCK = tl.constexpr(FP8_BLOCK)
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
 SCALE_KS = (0, FP8_BLOCK)  # SCALE_K of fp8_tensor (per-tensor) and fp8_block (128-wide blocks)
 
-# The launched tiles, the fastest of the H200 probe (docs/perf_notes.md, row 23): fp8_tensor at 4
+# The launched tiles, the fastest of the H200 probe (docs/perf_notes.md): fp8_tensor at 4
 # stages or 8 warps no longer fits two CTAs per SM. fp8_block: a 128 x 128 tile holds the
 # accumulator and the fresh partial, 2 x 128 fp32 registers per thread at 4 warps, and spills;
 # 64 x 128 at 4 stages (96 KB, two CTAs per SM) beat 3 stages (74 KB, where three fit).
@@ -66,7 +66,7 @@ def fp8_prefill_kernel(
     HAS_BIAS: tl.constexpr, SCALE_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_FP8: tl.constexpr = True,  # False under the interpreter: uint8 codes, decoded to fp32
-    RNE_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
+    ROUND_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
 ):
     if SCALE_K == _BLOCK:
         tl.static_assert(BLOCK_K == _BLOCK, "block FP8 needs BLOCK_K == 128: one scale per K step")
@@ -109,9 +109,9 @@ def fp8_prefill_kernel(
                 part = tl.dot(a, b.T)
             acc += part * (sx * sw)[:, None]  # the scales meet first: part * sx alone can overflow
     if SCALE_K == 0:
-        y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, RNE_BF16)
+        y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
     else:
-        y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
+        y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -196,7 +196,7 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
         M, N, K, y.stride(0), *s_strides,
         HAS_BIAS=bias is not None, SCALE_K=scale_k, IMPRECISE_ACC=min(imprecise_acc, cfg.BLOCK_K),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        DOT_FP8=dot_fp8, RNE_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
+        DOT_FP8=dot_fp8, ROUND_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -204,9 +204,18 @@ def test_default_path_is_the_policy_for_this_device(fmt, monkeypatch):
         taken.append(real(path, f, device, **kw))
         return taken[-1]
 
+    real_route = kernels_triton._common.route_path
+
+    def spy_route(path, f, capability, **kw):  # the e4m3 lessons decide by capability (route_path)
+        out = real_route(path, f, capability, **kw)
+        taken.append(out[0])
+        return out
+
     for name in FORMAT_NAMES:
         if hasattr(kernels_triton.module(name), "resolve_path"):
             monkeypatch.setattr(kernels_triton.module(name), "resolve_path", spy)
+        if hasattr(kernels_triton.module(name), "route_path"):
+            monkeypatch.setattr(kernels_triton.module(name), "route_path", spy_route)
     qw = formats.quantize(make_input((16, 128)), fmt).to(DEVICE)
     kernels_triton.linear(make_input((3, 128)), qw)
     expect = kernels_triton.gemm_path(fmt, _paths.device_capability(qw.device))[0]
