@@ -202,7 +202,7 @@ def scale_planes(v, sv, BLOCK_R: tl.constexpr, KP: tl.constexpr, GROUP: tl.const
     """v [BLOCK_R, KP] (a plane in fragment order) times its block scales sv [BLOCK_R, 2 KP / GROUP]
     (K order). Byte p = (KP / 4) q + 4c + .. is in group p // (GROUP / 2) = q NG + c // (GROUP / 8),
     NG = KP / (2 GROUP) groups per lane slot q; the broadcast is written in the fragment order itself,
-    so that the dequantized registers keep their layout (scaling in byte order first made Triton move
+    so that the dequantized registers keep their layout (scaling in byte order makes Triton move
     the mxfp4 planes through shared memory)."""
     NG: tl.constexpr = KP // (2 * GROUP)
     sq = tl.permute(sv.reshape(BLOCK_R, 4, NG), (0, 2, 1))  # [BLOCK_R, NG, 4 (q)]
