@@ -95,7 +95,7 @@ def main():
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--dump")
     args = p.parse_args()
-    from kernels_triton import _e4m3_decode, _fp8_decode
+    from kernels_triton.hopper import _e4m3_decode, _fp8_decode
 
     rows = []
     k = compile_kernel(_e4m3_decode.e4m3_decode_gemm_kernel,
@@ -111,12 +111,12 @@ def main():
                  args.bn * 4 // args.warps))
     k2 = compile_kernel(_fp8_decode.fp8_decode_gemm_kernel,
                         dict(HAS_BIAS=False, IMPRECISE_ACC=32, SCALE_K=32, BLOCK_N=128, BLOCK_M=16, BLOCK_K=128,
-                             SPLIT_K=4, DOT_FP8=True, RNE_BF16=False),
+                             SPLIT_K=4, DOT_FP8=True, ROUND_BF16=False),
                         4, 4, types={"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*i32", "sw_ptr": "*i32"})
     rows.append(("fp8 partials (_fp8_decode, MX)", k2, 128))
-    from kernels_triton import _fp4_decode
+    from kernels_triton.hopper import _fp4_decode
     k3 = compile_kernel(_fp4_decode.fp4_decode_gemm_kernel,
-                        dict(GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DECODE=False,
+                        dict(GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DEQUANTIZE=False,
                              USE_ASM=True, DOT_DTYPE=tl.bfloat16, ROUND_BF16=False, EVEN_K=True, BLOCK_N=128,
                              BLOCK_M=16, BLOCK_K=128, SPLIT_K=8), 4, 3, types={"a_ptr": "*bf16", "c_ptr": "*bf16"})
     rows.append(("reference: mxfp4 W4A16 planes (_fp4_decode)", k3, 128))

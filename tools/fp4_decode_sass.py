@@ -33,15 +33,15 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels_triton import _fp4_decode  # noqa: E402
+from kernels_triton.hopper import _fp4_decode  # noqa: E402
 
 # format -> the GEMM kernel's constexprs that launch_fp4_decode derives from it (the activation
 # arrives decoded, so mxfp4 W4A4 and W4A16 compile to the same GEMM)
 FORMATS = {
-    "nvfp4": dict(GROUP=16, SCALE_E4M3=True, F16_DECODE=True, DOT_DTYPE=tl.float16),
-    "mxfp4": dict(GROUP=32, SCALE_E4M3=False, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
-    "mxfp4_w4a16": dict(GROUP=32, SCALE_E4M3=False, F16_DECODE=False, DOT_DTYPE=tl.bfloat16),
-    "nvfp4_w4a16": dict(GROUP=16, SCALE_E4M3=True, F16_DECODE=False, DOT_DTYPE=tl.bfloat16, FOLD_E4M3=True),
+    "nvfp4": dict(GROUP=16, SCALE_E4M3=True, F16_DEQUANTIZE=True, DOT_DTYPE=tl.float16),
+    "mxfp4": dict(GROUP=32, SCALE_E4M3=False, F16_DEQUANTIZE=False, DOT_DTYPE=tl.bfloat16),
+    "mxfp4_w4a16": dict(GROUP=32, SCALE_E4M3=False, F16_DEQUANTIZE=False, DOT_DTYPE=tl.bfloat16),
+    "nvfp4_w4a16": dict(GROUP=16, SCALE_E4M3=True, F16_DEQUANTIZE=False, DOT_DTYPE=tl.bfloat16, FOLD_E4M3=True),
 }
 KEY_OPS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC", "LDG", "LDGSTS", "LDS", "LDSM", "STS",
            "STSM", "PRMT", "LOP3", "HMUL2", "IMAD", "SHF", "F2FP", "HADD2", "FMUL")
@@ -61,7 +61,7 @@ def compile_kernel(fmt: str, bn: int, bk: int, split: int, warps: int, stages: i
             const[name] = fn.params[i].default
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            dot = "*fp16" if const["F16_DECODE"] else "*bf16"  # the decoded activation (act_planes_kernel)
+            dot = "*fp16" if const["F16_DEQUANTIZE"] else "*bf16"  # the decoded activation (act_planes_kernel)
             sig[name] = (dot if name == "a_ptr" else "*bf16" if name == "c_ptr"
                          else "*fp32" if name in ("ws_ptr", "bias_ptr", "gx_ptr", "gw_ptr") else "*u8")
             attrs[(i,)] = [["tt.divisibility", 16]]

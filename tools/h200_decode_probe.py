@@ -36,9 +36,11 @@ import time
 import torch
 
 import formats
-from kernels_triton import _e4m3_decode, _fp4_decode, _fp4_gemm, _fp8_decode, fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
+from kernels_triton import fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
+from kernels_triton.hopper import _e4m3_decode, _fp4_decode, _fp4_gemm, _fp8_decode
 from kernels_triton._common import TileConfig
-from kernels_triton._e4m3_gemm import gemm_config
+from kernels_triton import hopper
+from kernels_triton.hopper._tiles import e4m3_config
 
 N = K = 8192
 SETS = 5
@@ -170,7 +172,9 @@ def fp8_rows(M, w0, gen):
     x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
     xq = formats.quantize(x, "fp8_tensor", role="activation")
     rows = []
-    ref = fp8_tensor.gemm(xq, ws[0], None, torch.bfloat16, path="portable")
+    ht = hopper.module("fp8_tensor")
+    out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    ref = ht._run_gemm("portable", e4m3_config(M, N, K), xq, ws[0], None, out())
 
     def add(name, fn_of_w):
         try:
@@ -182,9 +186,8 @@ def fp8_rows(M, w0, gen):
             rows.append({"fmt": "fp8_tensor", "M": M, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         print(rows[-1], flush=True)
 
-    # at M <= 16 on sm_90 gemm itself takes the decode kernel, so this row is the default, not the lesson
-    add(f"gemm {fp8_tensor.tile_config(M, N, K, path='portable')}",
-        lambda w: fp8_tensor.gemm(xq, w, None, torch.bfloat16, path="portable"))
+    # the Hopper gemm's route (at M <= 16 the decode kernel): the default, not the tl.dot GEMM
+    add(f"gemm {ht.tile_config(M, N, K)}", lambda w: ht.gemm(xq, w, None, torch.bfloat16))
     if M <= 16:
         for bn, bk, st, wp, ppsm, imp in [(64, 128, 4, 4, 2, 128), (64, 128, 4, 4, 4, 128), (128, 128, 4, 4, 2, 128),
                                           (64, 256, 3, 4, 2, 128), (64, 128, 6, 4, 1, 128), (128, 128, 4, 4, 1, 128),
@@ -195,14 +198,11 @@ def fp8_rows(M, w0, gen):
                     xq.data, w.data, xq.scale, w.scale, None, torch.empty(M, N, device="cuda", dtype=torch.bfloat16),
                     imprecise_acc=imp, config=cfg))
     else:
-        orig_cfg, orig_imp = fp8_tensor.tile_config, fp8_tensor.IMPRECISE_ACC
         for cfg, imp in [(TileConfig(128, 128, 128, 8, 8, 4), 128), (TileConfig(128, 128, 128, 8, 4, 3), 128),
                          (TileConfig(128, 128, 64, 8, 4, 4), 64), (TileConfig(128, 256, 64, 8, 8, 3), 64),
                          (TileConfig(128, 128, 128, 8, 8, 3), 1 << 30), (TileConfig(128, 256, 128, 8, 8, 3), 1 << 30)]:
-            fp8_tensor.tile_config = lambda *a, cfg=cfg, **k: cfg
-            fp8_tensor.IMPRECISE_ACC = imp
-            add(f"{cfg} imprecise={imp}", lambda w: fp8_tensor.gemm(xq, w, None, torch.bfloat16, path="portable"))
-        fp8_tensor.tile_config, fp8_tensor.IMPRECISE_ACC = orig_cfg, orig_imp
+            add(f"{cfg} imprecise={imp}",
+                lambda w, cfg=cfg, imp=imp: ht._run_gemm("portable", cfg, xq, w, None, out(), imprecise_acc=imp))
     return rows
 
 
@@ -223,26 +223,26 @@ def scaled_fp8_rows(fmt, M, w0, gen):
     """fp8_block or mxfp8 at decode M: the lesson kernel, the decode configs of the swapped kernel
     (SWAP_CONFIGS; SCALE_K 128 / 32), the default gemm, then the whole linear (lesson and default)
     and bf16 cuBLAS, over 5 weights."""
-    mod = fp8_block if fmt == "fp8_block" else mxfp8
+    mod = hopper.module(fmt)
     scale_k = _fp8_decode.FP8_BLOCK_SCALE if fmt == "fp8_block" else _fp8_decode.MX_SCALE
     ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
     x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
     xq = formats.quantize(x, fmt, role="activation")
-    lesson_cfg = (gemm_config(M, N, K, False, block_k=128) if fmt == "fp8_block"
-                  else gemm_config(M, N, K, False, block_k=64, prepass=True))
+    lesson_cfg = (e4m3_config(M, N, K, block_k=128) if fmt == "fp8_block"
+                  else e4m3_config(M, N, K, block_k=64, prepass=True))
     out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    ref = mod._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
+    ref = mod._run_gemm("portable", lesson_cfg, xq, ws[0], None, out())
     rows = []
     add = row_adder(rows, fmt, M, ws, ref)
 
-    add(f"lesson {lesson_cfg}", lambda w: mod._gemm_portable(xq, w, None, out(), cfg=lesson_cfg))
+    add(f"lesson {lesson_cfg}", lambda w: mod._run_gemm("portable", lesson_cfg, xq, w, None, out()))
     for kw in SWAP_CONFIGS[fmt]:
         cfg = _fp8_decode.fp8_decode_config(M, N, K, **kw)
         add(f"swap {cfg}", lambda w, cfg=cfg: _fp8_decode.launch_fp8_decode(
             xq.data, w.data, xq.scale, w.scale, None, out(), scale_k=scale_k, config=cfg))
     add(f"default {mod.tile_config(M, N, K)}", lambda w: mod.gemm(xq, w, None, torch.bfloat16))
-    add(f"lesson {lesson_cfg}", lambda w: mod._gemm_portable(
-        mod.quantize_activation(x), w, None, out(), cfg=lesson_cfg), "linear")
+    add(f"lesson {lesson_cfg}", lambda w: mod._run_gemm(
+        "portable", lesson_cfg, mod.quantize_activation(x), w, None, out()), "linear")
     add(f"default {mod.tile_config(M, N, K)}", lambda w: mod.linear(x, w), "linear")
     rows.append(bf16_row(M, x, w0))
     return rows
@@ -258,14 +258,15 @@ BF16_TILES = [(128, 4, 3, 8, None), (128, 4, 3, 4, None), (128, 8, 3, 8, None), 
 def mxfp8_bf16_rows(M, w0, gen):
     """mxfp8 at decode M, the two sm_90 decode kernels: _fp8_decode's 32-deep fp8 partials (its
     default tile) against _e4m3_decode's bf16 register operands (BF16_TILES), GEMM alone, checked
-    against the lesson kernel; then the whole linear with mxfp8.DECODE_KERNEL "fp8" and "bf16", and
+    against the lesson kernel; then the whole linear with decode_kernel "fp8" and "bf16", and
     bf16 cuBLAS, over 5 weights."""
     ws = [formats.quantize(w0 * (1 + 0.01 * i), "mxfp8", role="weight") for i in range(SETS)]
     x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
     xq = formats.quantize(x, "mxfp8", role="activation")
-    lesson_cfg = gemm_config(M, N, K, False, block_k=64, prepass=True)
+    lesson_cfg = e4m3_config(M, N, K, block_k=64, prepass=True)
     out = lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    ref = mxfp8._gemm_portable(xq, ws[0], None, out(), cfg=lesson_cfg)
+    hm = hopper.module("mxfp8")
+    ref = hm._run_gemm("portable", lesson_cfg, xq, ws[0], None, out())
     rows = []
     add = row_adder(rows, "mxfp8", M, ws, ref)
     fp8_cfg = _fp8_decode.hopper_config(M, N, K, ws[0].data.device, scale_k=_fp8_decode.MX_SCALE)
@@ -275,12 +276,10 @@ def mxfp8_bf16_rows(M, w0, gen):
         cfg = TileConfig(16, bn, 128, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
         add(f"bf16 decode {cfg}{f' maxnreg={regs}' if regs else ''}", lambda w, cfg=cfg, regs=regs:
             _e4m3_decode.launch_e4m3_decode(xq.data, xq.scale, w.data, w.scale, None, out(), config=cfg, maxnreg=regs))
-    before = mxfp8.DECODE_KERNEL
     for kern in ("fp8", "bf16"):
-        mxfp8.DECODE_KERNEL = kern
-        add(f"DECODE_KERNEL={kern} {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.gemm(xq, w, None, torch.bfloat16))
-        add(f"DECODE_KERNEL={kern} {mxfp8.tile_config(M, N, K)}", lambda w: mxfp8.linear(x, w), "linear")
-    mxfp8.DECODE_KERNEL = before
+        cfg = hm.tile_config(M, N, K, decode_kernel=kern)
+        add(f"decode_kernel={kern} {cfg}", lambda w, kern=kern: hm.gemm(xq, w, None, torch.bfloat16, decode_kernel=kern))
+        add(f"decode_kernel={kern} {cfg}", lambda w, kern=kern: hm.linear(x, w, decode_kernel=kern), "linear")
     rows.append(bf16_row(M, x, w0))
     return rows
 
@@ -413,7 +412,7 @@ def actfold_rows(M, w0, gen, before):
     rows = []
     x = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
     for fmt in ("mxfp8", "nvfp4", "mxfp4"):
-        mod = {"mxfp8": mxfp8, "nvfp4": nvfp4, "mxfp4": mxfp4}[fmt]
+        mod = {"mxfp8": hopper.module("mxfp8"), "nvfp4": nvfp4, "mxfp4": mxfp4}[fmt]
         ws = [formats.quantize(w0 * (1 + 0.01 * i), fmt, role="weight") for i in range(SETS)]
         ref = before[fmt].linear(x, ws[0])
         add = row_adder(rows, fmt, M, ws, ref)

@@ -47,7 +47,7 @@ def compile_rows() -> list[dict]:
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    from kernels_triton import _fp8_prefill as P  # noqa: PLC0415
+    from kernels_triton.hopper import _fp8_prefill as P  # noqa: PLC0415
 
     rows = []
     for fmt, scale_k, cfg in (("fp8_tensor", 0, P.TENSOR_PREFILL_TILE), ("fp8_block", 128, P.BLOCK_PREFILL_TILE)):
@@ -56,7 +56,7 @@ def compile_rows() -> list[dict]:
                "sx_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16",
                **{n: "i32" for n in "M N K stride_ym stride_sxm stride_sxk stride_swn stride_swk".split()}}
         ce = dict(HAS_BIAS=True, SCALE_K=scale_k, IMPRECISE_ACC=128, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                  BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP8=True, RNE_BF16=False)
+                  BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP8=True, ROUND_BF16=False)
         sig.update({k: "constexpr" for k in ce})
         k = triton.compile(ASTSource(fn=P.fp8_prefill_kernel, signature=sig, constexprs=ce),
                            target=GPUTarget("cuda", 90, 32),
@@ -70,9 +70,9 @@ def timing_rows(budget_s: float, wait_pid: int | None, ms: list[int]) -> list[di
     import torch  # noqa: PLC0415
 
     import formats  # noqa: PLC0415
-    from kernels_triton import fp8_block, fp8_tensor  # noqa: PLC0415 (before triton: it sets the interpreter)
+    from kernels_triton import hopper  # noqa: PLC0415 (before triton: it sets the interpreter)
     from kernels_triton._common import TileConfig as T  # noqa: PLC0415
-    from kernels_triton._fp8_prefill import launch_fp8_prefill  # noqa: PLC0415
+    from kernels_triton.hopper._fp8_prefill import launch_fp8_prefill  # noqa: PLC0415
     import triton.testing  # noqa: PLC0415
 
     t0 = time.time()
@@ -86,10 +86,10 @@ def timing_rows(budget_s: float, wait_pid: int | None, ms: list[int]) -> list[di
             xq = formats.quantize(x, fmt, role="activation")
             out = lambda M=M: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)  # noqa: E731
             sk = 128 if fmt == "fp8_block" else 0
-            mod = fp8_block if sk else fp8_tensor
+            mod = hopper.module(fmt)
             before = T(128, 128, 128, 8, 8, 3 if sk else 4)
             rows = [(f"before: pointer {before}", lambda xq=xq, w=w, c=before, mod=mod, out=out:
-                     mod._gemm_portable(xq, w, None, out(), cfg=c))]
+                     mod._run_gemm("portable", c, xq, w, None, out()))]
             descs = ([T(64, 128, 128, 8, 4, 3), T(64, 128, 128, 8, 4, 4), T(128, 128, 128, 8, 4, 3),
                       T(128, 128, 128, 8, 8, 3)] if sk else
                      [T(128, 128, 128, 8, 4, 3), T(128, 128, 128, 8, 4, 4), T(128, 128, 128, 8, 8, 3)])
@@ -99,7 +99,7 @@ def timing_rows(budget_s: float, wait_pid: int | None, ms: list[int]) -> list[di
             if sk:
                 for c in (T(64, 128, 128, 8, 4, 3), T(64, 128, 128, 8, 4, 4)):
                     rows.append((f"pointer {c}", lambda xq=xq, w=w, c=c, out=out:
-                                 fp8_block._gemm_portable(xq, w, None, out(), cfg=c)))
+                                 mod._run_gemm("portable", c, xq, w, None, out())))
             rows.append((f"gemm (ships: {mod.tile_config(M, N, K)})",
                          lambda xq=xq, w=w, mod=mod: mod.gemm(xq, w, None, torch.bfloat16)))
             if sk:  # cuBLAS blockwise wants the activation scales outer-dim-major, as the bench

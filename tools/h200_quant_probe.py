@@ -19,7 +19,7 @@ import os
 import torch
 
 import formats
-from kernels_triton import _nvfp4_quant
+from kernels_triton.hopper import _nvfp4_quant
 
 from h200_decode_probe import SETS, graph_us  # noqa: E402  (same folder)
 

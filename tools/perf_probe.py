@@ -5,7 +5,8 @@ import triton
 from triton.testing import do_bench
 
 import formats
-from kernels_triton import _twopass, fp8_tensor, nvfp4
+from kernels_triton import fp8_tensor, hopper, nvfp4
+from kernels_triton.hopper import _twopass
 from kernels_triton._common import TileConfig
 
 torch.manual_seed(0)
@@ -21,8 +22,8 @@ def fp8_variant(M, cfg, imprecise):
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), 1)
 
     def run():
-        fp8_tensor._gemm_kernel[grid](xq.data, wq.data, xq.scale, wq.scale, y, y, y, M, N, K, K,
-                                      K, 1, K, 1, N, 1, HAS_BIAS=False, DOT_FP8=True, RNE_BF16=False,
+        hopper.module("fp8_tensor")._gemm_kernel[grid](xq.data, wq.data, xq.scale, wq.scale, y, y, y, M, N, K, K,
+                                      K, 1, K, 1, N, 1, HAS_BIAS=False, DOT_FP8=True, ROUND_BF16=False,
                                       BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=8,
                                       SPLIT_K=1, IMPRECISE_ACC=imprecise, num_warps=cfg.num_warps,
                                       num_stages=cfg.num_stages)
@@ -46,7 +47,7 @@ x = torch.randn(16, K, device=dev, dtype=torch.bfloat16)
 w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.05
 wq = formats.quantize(w, "nvfp4")
 xq = nvfp4.quantize_activation(x)
-from kernels_triton import _fp4_gemm  # noqa: E402
+from kernels_triton.hopper import _fp4_gemm  # noqa: E402
 for bn in (32, 64, 128):
     for split in (1, 4, 8, 16):
         for bk in (128, 256):

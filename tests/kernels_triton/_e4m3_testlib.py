@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import formats
-from kernels_triton._fp8_decode import fp8_decode_applies
 from conftest import DEVICE, assert_within_bound, device_name, make_input, rel_err  # noqa: F401
 from conftest import gemm_bound as _gemm_bound
 
@@ -24,19 +23,12 @@ FP8_DIRECT_DOT_FP32_TOL = 5e-4
 
 
 def fp8_interval(fmt: str, M: int) -> int:
-    """How many products the GEMM sums on Hopper's fp8 MMA before an fp32 addition here (0: none,
-    fp32 accumulation throughout): 128 for fp8_tensor / fp8_block on a GPU (their promotion
-    interval), 32 for mxfp8 where it takes the sm_90 fp8 decode kernel (1 <= M <= 16 with
-    mxfp8.DECODE_KERNEL "fp8": one 32-deep fp8 wgmma partial per scale block; the "bf16" decode kernel
-    sums exact bf16 products in fp32)."""
+    """How many products the lesson GEMM sums on Hopper's fp8 MMA before an fp32 addition here (0:
+    none, fp32 accumulation throughout): 128 for fp8_tensor / fp8_block on a GPU (their promotion
+    interval); 0 for mxfp8, whose lesson kernel dots exact bf16 products in fp32."""
     if DEVICE != "cuda":
         return 0
-    if fmt in ("fp8_tensor", "fp8_block"):
-        return 128
-    from kernels_triton import mxfp8
-
-    fp8_decode = fp8_decode_applies(M, torch.device(DEVICE)) and mxfp8.DECODE_KERNEL == "fp8"
-    return fp8_decode_interval(fmt) if fmt == "mxfp8" and fp8_decode else 0
+    return 128 if fmt in ("fp8_tensor", "fp8_block") else 0
 
 
 def fp8_decode_interval(fmt: str) -> int:

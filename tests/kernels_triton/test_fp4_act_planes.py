@@ -1,7 +1,7 @@
 """The W4A4 activation quantizers that write the sm_90 FP4 decode GEMM's planes themselves
-(nvfp4: _nvfp4_quant.quantize_planes, mxfp4: mxfp4.quantize_planes, both through
-_fp4_decode.store_planes) against the two-launch chain they replace: quantize_activation (bit for
-bit the oracle's codes and scales, its own tests) then _fp4_decode.act_planes_kernel.
+(nvfp4: hopper._nvfp4_quant.quantize_planes, mxfp4: hopper.mxfp4.quantize_planes, both through
+hopper._fp4_decode.store_planes) against the two-launch chain they replace: quantize_activation (bit
+for bit the oracle's codes and scales, its own tests) then hopper._fp4_decode.act_planes_kernel.
 
 Every plane value is exact in the plane dtype (e2m1 * scale, _fp4_decode's docstring), so the
 planes must be equal bit for bit wherever finite and NaN where the chain's are; the GEMM then reads
@@ -16,7 +16,8 @@ import triton.language as tl
 
 import formats
 from conftest import DEVICE, assert_within_bound, gemm_bound, make_input
-from kernels_triton import _fp4_decode, _nvfp4_quant, interpreting, mxfp4, nvfp4
+from kernels_triton import interpreting
+from kernels_triton.hopper import _fp4_decode, _nvfp4_quant, mxfp4, nvfp4
 from kernels_triton._common import TileConfig
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -50,7 +51,7 @@ def _chain_planes(fmt, x, plane_k, k_pad, dtype):
     a, sa = xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8)
     _fp4_decode.act_planes_kernel[(k_pad // plane_k,)](
         a, sa, p, M, K, a.stride(0), 1, sa.stride(0), p.stride(0),
-        GROUP=GROUP[fmt], SCALE_E4M3=fmt == "nvfp4", A16=False, F16_DECODE=fmt == "nvfp4", USE_ASM=not interp,
+        GROUP=GROUP[fmt], SCALE_E4M3=fmt == "nvfp4", A16=False, F16_DEQUANTIZE=fmt == "nvfp4", USE_ASM=not interp,
         DOT_DTYPE=dot, EVEN_K=K % plane_k == 0, BLOCK_M=16, BLOCK_K=plane_k, num_warps=4)
     return p, xq
 

@@ -18,13 +18,13 @@ from _e4m3_testlib import (
     make_bias,
     make_weight,
     require_gpu,
-    sm90_sm_count,
     special_values,
     strided_views,
 )
 from conftest import make_input, rel_err
 from kernels_triton import fp8_block as mod
-from kernels_triton._fp8_decode import fp8_decode_config
+from kernels_triton import hopper
+from kernels_triton.hopper._fp8_decode import fp8_decode_config
 
 FMT = "fp8_block"
 BLOCK = 128
@@ -133,13 +133,14 @@ def test_argument_errors_name_the_argument(case):
         call()
 
 
-@pytest.mark.gpu
 def test_decode_tile_on_sm90():
-    # the GEMM tests above at M <= 16, K >= 1024 reach the swapped kernel with split-K on sm_90
-    n_sms = sm90_sm_count()
+    # the Hopper route (kernels_triton.hopper.fp8_block) at M <= 16, K >= 1024 takes the swapped
+    # kernel with split-K on the H200's 132 SMs (a pure function: runs anywhere)
+    n_sms = 132
     for (M, N, K), split in (((7, 200, 1024), 2), ((16, 128, 2048), 4), ((1, 200, 1024), 2)):
-        assert mod.tile_config(M, N, K) == fp8_decode_config(M, N, K, n_sms)
-        assert mod.tile_config(M, N, K).SPLIT_K == split
+        r = hopper.module(FMT).route(M, N, K, capability=(9, 0), sm_count=n_sms)
+        assert dict(r.options)["config"] == fp8_decode_config(M, N, K, n_sms)
+        assert dict(r.options)["config"].SPLIT_K == split and r.split_k == split
 
 
 # ---------------------------------------------------------------------------------------------

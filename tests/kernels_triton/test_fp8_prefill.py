@@ -1,4 +1,4 @@
-"""kernels_triton._fp8_prefill (the sm_90 TMA prefill kernel of fp8_tensor and fp8_block) against
+"""kernels_triton.hopper._fp8_prefill (the sm_90 TMA prefill kernel of fp8_tensor and fp8_block) against
 the formats/ oracle. The kernel runs under the interpreter on the CPU (host tensor descriptors,
 codes decoded to fp32) with small tiles, and on a GPU with the shipped tiles; its sm_90 build is
 checked on the CPU (tools/h200_prefill_probe.py --compile: TMA copies in the PTX, two CTAs per SM
@@ -17,9 +17,9 @@ import torch
 import formats
 from _e4m3_testlib import check_gemm, gemm_bound, make_bias, make_weight, sm90_sm_count
 from conftest import DEVICE, assert_within_bound, make_input
-from kernels_triton import fp8_block, fp8_tensor
+from kernels_triton import fp8_block, fp8_tensor, hopper
 from kernels_triton._common import TileConfig, interpreting
-from kernels_triton._fp8_prefill import (BLOCK_PREFILL_TILE, TENSOR_PREFILL_TILE, launch_fp8_prefill,
+from kernels_triton.hopper._fp8_prefill import (BLOCK_PREFILL_TILE, TENSOR_PREFILL_TILE, launch_fp8_prefill,
                                          fp8_prefill_applies, tma_ok)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -113,14 +113,18 @@ def test_gemm_falls_back_on_a_misaligned_operand(mod, fmt):
     check_gemm(mod, xm, w, make_bias(72), BF16)
 
 
-@pytest.mark.gpu
 def test_prefill_tile_on_sm90():
-    """gemm's M > 256 route on sm_90 reports the TMA kernel's tiles; fp8_tensor with K not a multiple
-    of 16 keeps the lesson kernel's 8-warp, 4-stage tile (TMA needs 16-byte rows)."""
+    """The Hopper route at M > 256 (kernels_triton.hopper, a pure function: checked anywhere) takes the
+    TMA kernel with its tiles; fp8_tensor with K not a multiple of 16 keeps the fp8 tl.dot GEMM's
+    8-warp, 4-stage tile (TMA needs 16-byte rows). On sm_90, fp8_prefill_applies agrees."""
+    def cfg(fmt, M, N, K):
+        r = hopper.module(fmt).route(M, N, K, capability=(9, 0), sm_count=132)
+        return r.kernels[-1], dict(r.options)["config"]
+    assert cfg("fp8_tensor", 4096, 8192, 8192) == ("fp8_prefill_kernel", TENSOR_PREFILL_TILE)
+    assert cfg("fp8_block", 4096, 8192, 8192) == ("fp8_prefill_kernel", BLOCK_PREFILL_TILE)
+    assert cfg("fp8_tensor", 257, 200, 200) == ("_gemm_kernel", TileConfig(128, 128, 128, GROUP_M=8, num_warps=8,
+                                                                            num_stages=4))
     sm90_sm_count()
-    assert fp8_tensor.tile_config(4096, 8192, 8192) == TENSOR_PREFILL_TILE
-    assert fp8_block.tile_config(4096, 8192, 8192) == BLOCK_PREFILL_TILE
-    assert fp8_tensor.tile_config(257, 200, 200) == TileConfig(128, 128, 128, GROUP_M=8, num_warps=8, num_stages=4)
     xq, w = _operands("fp8_tensor", 300, 64, 256)
     assert fp8_prefill_applies(xq.data, w.data, w.data.device)
 

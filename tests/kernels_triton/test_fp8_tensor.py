@@ -17,13 +17,13 @@ from _e4m3_testlib import (
     make_bias,
     make_weight,
     require_gpu,
-    sm90_sm_count,
     special_values,
     strided_views,
 )
 from conftest import DEVICE, make_input, rel_err
 from kernels_triton import fp8_tensor as mod
-from kernels_triton._fp8_decode import TENSOR_DECODE_TILE, fp8_decode_config
+from kernels_triton import hopper
+from kernels_triton.hopper._fp8_decode import TENSOR_DECODE_TILE, fp8_decode_config
 
 FMT = "fp8_tensor"
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -136,14 +136,13 @@ def test_argument_errors_name_the_argument(case):
 # ---------------------------------------------------------------------------------------------
 # GPU only: the issue's large shapes
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.gpu
 def test_decode_tile_on_sm90():
-    """The launched tile is fp8_decode_config's with TENSOR_DECODE_TILE: 8 stages, split-K only while
-    the 64-row tiles cover less than half the SMs (so the small-N GEMM tests above still split, and
-    test_large_shapes_on_gpu's N = 8192 rows run the unsplit kernel)."""
-    n_sms = sm90_sm_count()
+    """The Hopper route's decode tile (kernels_triton.hopper.fp8_tensor, the H200's 132 SMs) is
+    fp8_decode_config's with TENSOR_DECODE_TILE: 8 stages, split-K only while the 64-row tiles
+    cover less than half the SMs. A pure function of the problem and the SM count: runs anywhere."""
+    n_sms = 132
     for M, N, K in ((7, 200, 1024), (16, 128, 2048), (1, 8192, 8192), (16, 8192, 8192)):
-        cfg = mod.tile_config(M, N, K)
+        cfg = dict(hopper.module(FMT).route(M, N, K, capability=(9, 0), sm_count=n_sms).options)["config"]
         assert cfg == fp8_decode_config(M, N, K, n_sms, **TENSOR_DECODE_TILE)
         assert cfg.num_stages == 8
         tiles = -(-N // cfg.BLOCK_N)

@@ -20,17 +20,17 @@ from _e4m3_testlib import (
     make_bias,
     make_weight,
     require_gpu,
-    sm90_sm_count,
     special_values,
     strided_views,
     tolerance,
 )
 from conftest import DEVICE, make_input, rel_err
+from kernels_triton import hopper
 from kernels_triton import mxfp8 as mod
 from kernels_triton._common import interpreting
-from kernels_triton._e4m3_decode import decode_config as bf16_decode_config
-from kernels_triton._e4m3_decode import launch_e4m3_decode
-from kernels_triton._fp8_decode import (MX_DECODE_TILE, MX_SCALE, fp8_decode_applies, fp8_decode_config,
+from kernels_triton.hopper._e4m3_decode import decode_config as bf16_decode_config
+from kernels_triton.hopper._e4m3_decode import decode_tile, launch_e4m3_decode
+from kernels_triton.hopper._fp8_decode import (MX_DECODE_TILE, MX_SCALE, fp8_decode_applies, fp8_decode_config,
                                         launch_fp8_decode)
 
 FMT = "mxfp8"
@@ -222,20 +222,22 @@ def test_decode_launch_refuses_tiles_it_cannot_run():
                               config=fp8_decode_config(4, 8, K, bk=bk))
 
 
-@pytest.mark.gpu
 def test_decode_tile_on_sm90():
-    # the GEMM tests above at M <= 16 reach a swapped kernel on sm_90 with these tiles: the fp8
-    # kernel's K step is the widest of 128 / 64 / 32 dividing K, the bf16 kernel's always 128 (a K
-    # mask for the rest), split-K while every split keeps >= 4 steps (_e4m3_decode.decode_tile)
-    n_sms = sm90_sm_count()
+    # the Hopper route (kernels_triton.hopper.mxfp8) at M <= 16 on the H200's 132 SMs, for both
+    # decode kernels: the fp8 kernel's K step is the widest of 128 / 64 / 32 dividing K, the bf16
+    # kernel's always 128 (a K mask for the rest), split-K while every split keeps >= 4 steps
+    # (_e4m3_decode.decode_tile). A pure function of the problem and the SM count: runs anywhere.
+    n_sms = 132
     fp8 = (((16, 1, 544), 32, 4), ((5, 72, 320), 64, 1), ((7, 200, 1024), 128, 2), ((16, 128, 2048), 128, 4))
     bf16 = (((16, 1, 544), 128, 1), ((5, 72, 320), 128, 1), ((7, 200, 1024), 128, 2), ((16, 128, 2048), 128, 4))
-    for (M, N, K), bk, split in (bf16 if mod.DECODE_KERNEL == "bf16" else fp8):
-        cfg = mod.tile_config(M, N, K)
-        want = (bf16_decode_config(M, N, K, torch.device(DEVICE)) if mod.DECODE_KERNEL == "bf16"
-                else fp8_decode_config(M, N, K, n_sms, **MX_DECODE_TILE, bk=bk))
-        assert cfg == want
-        assert (cfg.BLOCK_K, cfg.SPLIT_K) == (bk, split)
+    for kernel, rows in (("bf16", bf16), ("fp8", fp8)):
+        for (M, N, K), bk, split in rows:
+            r = hopper.module(FMT).route(M, N, K, capability=(9, 0), sm_count=n_sms, decode_kernel=kernel)
+            cfg = dict(r.options)["config"]
+            want = (decode_tile(M, N, K, n_sms) if kernel == "bf16"
+                    else fp8_decode_config(M, N, K, n_sms, **MX_DECODE_TILE, bk=bk))
+            assert cfg == want
+            assert (cfg.BLOCK_K, cfg.SPLIT_K) == (bk, split)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,9 +260,10 @@ def test_large_shapes_on_gpu(M, N, K):
     check_linear(mod, x, w, None)
 
 
-def test_decode_kernel_knob_is_checked(monkeypatch):
-    # the sm_90 decode GEMM reads the knob through _decode_kernel (every device: the check is host-only)
-    assert mod._decode_kernel() in mod.DECODE_KERNELS
-    monkeypatch.setattr(mod, "DECODE_KERNEL", "fast")
-    with pytest.raises(ValueError, match=re.escape("mxfp8.DECODE_KERNEL must be one of ('bf16', 'fp8'), got 'fast'")):
-        mod._decode_kernel()
+def test_decode_kernel_knob_is_checked():
+    # the Hopper decode kernel is an argument (route, gemm, linear, tile_config), checked on the
+    # host before anything else (every device)
+    H = hopper.module(FMT)
+    assert H.DECODE_KERNELS == ("bf16", "fp8")
+    with pytest.raises(ValueError, match=re.escape("decode_kernel must be one of ('bf16', 'fp8'), got 'fast'")):
+        H.route(4, 64, 256, capability=(9, 0), sm_count=132, decode_kernel="fast")

@@ -90,8 +90,9 @@ def test_native_split_k_and_bf16_output_match_portable(fmt, monkeypatch):
     mod = kernels_triton.module(fmt)
     m, n, k = 5, 48, 512
     cfg = TileConfig(16, 64, 128, GROUP_M=1, num_warps=4, num_stages=1, SPLIT_K=2)
-    if fmt in FP4:
-        monkeypatch.setattr(kernels_triton.nvfp4, "native_tile_config", lambda *a, **kw: cfg)
+    if fmt in FP4:  # the FP4 lessons have no split-K (kernels_triton.hopper has): the tile alone
+        monkeypatch.setattr(mod, "gemm_tile", lambda *a, **kw: TileConfig(16, 64, 128, GROUP_M=1, num_warps=4,
+                                                                          num_stages=1))
     else:
         monkeypatch.setattr(mod, "native_config", lambda *a, **kw: cfg)
     qw = formats.quantize(make_input((n, k)), fmt).to(DEVICE)
@@ -203,9 +204,18 @@ def test_default_path_is_the_policy_for_this_device(fmt, monkeypatch):
         taken.append(real(path, f, device, **kw))
         return taken[-1]
 
+    real_route = kernels_triton._common.route_path
+
+    def spy_route(path, f, capability, **kw):  # the e4m3 lessons decide by capability (route_path)
+        out = real_route(path, f, capability, **kw)
+        taken.append(out[0])
+        return out
+
     for name in FORMAT_NAMES:
         if hasattr(kernels_triton.module(name), "resolve_path"):
             monkeypatch.setattr(kernels_triton.module(name), "resolve_path", spy)
+        if hasattr(kernels_triton.module(name), "route_path"):
+            monkeypatch.setattr(kernels_triton.module(name), "route_path", spy_route)
     qw = formats.quantize(make_input((16, 128)), fmt).to(DEVICE)
     kernels_triton.linear(make_input((3, 128)), qw)
     expect = kernels_triton.gemm_path(fmt, _paths.device_capability(qw.device))[0]

@@ -3,9 +3,9 @@ so that they run under the interpreter too: split-K (fp32 workspace + ordered re
 epilogue in the reduction) and the decode pre-pass + plain GEMM. On a GPU the tile tables pick
 them only for decode-sized M (split-K) and large M (pre-pass); here every format takes each path
 on shapes with a K tail, a partial N tile and a bias, against the oracle at the usual tolerances.
-The forced tile goes straight to each format's lesson GEMM: ``gemm`` itself takes the sm_90 decode
-kernels at M <= 16 and the SM12x tables, whatever tile is forced, so on a GPU the test would
-otherwise stop testing its tile."""
+The forced tile goes straight to the GEMM that launches these paths: the Hopper modules' (e4m3
+formats: kernels_triton.hopper.<fmt>, whose split-K / pre-pass GEMM runs under the interpreter too)
+and _fp4_gemm's (FP4)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 import formats
 from _e4m3_testlib import make_bias, tolerance
 from conftest import DEVICE, make_input, rel_err
-from kernels_triton import _fp4_gemm, _twopass, fp8_block, fp8_tensor, module
+from kernels_triton import fp8_block, fp8_tensor, hopper, module
+from kernels_triton.hopper import _fp4_gemm, _twopass
 from kernels_triton._common import TileConfig, interpreting
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -25,7 +26,7 @@ CASES = [("fp8_tensor", 64, 320), ("fp8_block", 128, 640), ("mxfp8", 64, 320), (
 
 
 def _lesson_gemm(fmt, xq, w, bias, out_dtype, cfg: TileConfig) -> torch.Tensor:
-    """y [M, N] of fmt's lesson GEMM (split-K or pre-pass as cfg says) launched with cfg."""
+    """y [M, N] of fmt's split-K or pre-pass GEMM (as cfg says) launched with cfg."""
     M, N, K = xq.shape[0], w.shape[0], w.shape[1]
     if fmt in FP4:
         nv = fmt == "nvfp4"
@@ -35,7 +36,7 @@ def _lesson_gemm(fmt, xq, w, bias, out_dtype, cfg: TileConfig) -> torch.Tensor:
             w.scale.contiguous().view(torch.uint8), M=M, N=N, K=K, group=16 if nv else 32, scale_e4m3=nv,
             bias=bias, out_dtype=out_dtype, gx=gx, gw=gw, config=cfg)
     y = torch.empty((M, N), dtype=out_dtype, device=w.data.device)
-    return module(fmt)._gemm_portable(xq, w, bias, y, cfg=cfg)
+    return hopper.module(fmt)._run_gemm("prepass" if cfg.PREPASS else "portable", cfg, xq, w, bias, y)
 
 
 def _check(fmt, M, N, K, bias, out_dtype, cfg: TileConfig):

@@ -1,5 +1,6 @@
-"""NVFP4 activation quantization in Triton, bit for bit as the oracle (kernels_triton.nvfp4 is
-the format's public module; this file holds its quantization kernels).
+"""NVFP4 activation quantization for sm_90, bit for bit as the oracle: the lesson's quantizer
+(kernels_triton.nvfp4) with PDL, a grid of amax partials sized for the GPU, and the variant that
+writes the decode GEMM's activation planes (hopper._fp4_decode) instead of codes and scales.
 
 What NVFP4 stores (formats/nvfp4.py is the spec and the oracle): e2m1 codes packed two per byte
 along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements
@@ -7,8 +8,8 @@ along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16
 
     g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
     s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
-    code = e2m1(div_rn(x * g, decode(s)))         code 0 where s == 0
-    x   ~= e2m1_value(code) * decode(s) / g
+    code = e2m1(div_rn(x * g, dequantize(s)))         code 0 where s == 0
+    x   ~= e2m1_value(code) * dequantize(s) / g
 
 Quantization (``quantize_activation``) runs two kernels:
 
@@ -19,7 +20,7 @@ Quantization (``quantize_activation``) runs two kernels:
                            bytes), forms g, then quantizes its [BLOCK_M, BLOCK_K] tile:
         xb    = x tile as [BLOCK_M, BLOCK_K/16, 16] float32
         s     = encode_e4m3(div_rn(max(max|xb|, FLOOR), 6) * g)          # [BLOCK_M, BLOCK_K/16]
-        codes = encode_e2m1(div_rn(xb * g, decode_e4m3(s)))              # 0 where s == 0
+        codes = encode_e2m1(div_rn(xb * g, dequantize_e4m3(s)))              # 0 where s == 0
         bytes = codes[..., 0::2] | codes[..., 1::2] << 4                 # low nibble = even element
 Everything stays on the device (no .item()), so the call can be captured in a CUDA graph. Rounding
 to e4m3/e2m1 uses the bit-arithmetic encoders of _common (never Triton's fp8 cast, which is wrong in
@@ -38,10 +39,10 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 from formats.validate import nan_unless_positive, static_global_scale
 
-from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3,
-                      interpreting, nan_if_nonfinite)
+from .._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3, encode_e2m1, encode_e4m3,
+                       nan_if_nonfinite)
+from .._common import check_activation, interpreting, launch, quant_config
 from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, store_planes
-from ._e4m3_gemm import quant_config
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 FMT = "nvfp4"
@@ -50,7 +51,7 @@ MAX_PARTIALS = 256  # programs of the amax reduction (the quantize kernel reads 
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
-_TWO_POW_M14 = tl.constexpr(2.0**-14)  # the fp16 planes' factor (_fp4_decode, F16_DECODE)
+_TWO_POW_M14 = tl.constexpr(2.0**-14)  # the fp16 planes' factor (_fp4_decode, F16_DEQUANTIZE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def _quantize_kernel(
     xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
     amax_b = amax_or_nan(tl.max(abs_or_inf(xb), axis=2), _FLOOR)  # NaN for a block with NaN/Inf
     s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
-    s_val = decode_e4m3(s_code)[:, :, None]
+    s_val = dequantize_e4m3(s_code)[:, :, None]
 
     # ----- element codes: e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf) or
     # s is NaN (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf; the non-finite rule)
@@ -147,7 +148,7 @@ def _quantize_kernel(
     codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
 
     if PLANE_K:  # the decode linear: e2m1 * s * 2^-14, exact in fp16 (_fp4_decode's docstring)
-        v = decode_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 16, 16) * s_val * _TWO_POW_M14
+        v = dequantize_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 16, 16) * s_val * _TWO_POW_M14
         pdl_launch_dependents(USE_PDL)
         store_planes(p_ptr, v.reshape(BLOCK_M, BLOCK_K), offs_m, m_mask, pid_k * BLOCK_K, K, K_PAD, stride_pm,
                      BLOCK_M, BLOCK_K, PLANE_K)
@@ -171,7 +172,7 @@ def _quantize_kernel(
 def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the quantize kernels: whole small problems in the interpreter (each
     program costs milliseconds there); on GPU the tiles of every activation quantizer
-    (_e4m3_gemm.quant_config: 32 x 128, one row 1024 wide per program at decode)."""
+    (_common.quant_config: 32 x 128, one row 1024 wide per program at decode)."""
     if interp:
         return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
     return quant_config(M, K, False, group=VEC_SIZE)
@@ -246,12 +247,12 @@ def _launch(x2, global_scale, data, scale, planes, plane_k: int) -> torch.Tensor
         pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
         num_partials = pm * pk
         g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
-        _amax_partial_kernel[(pm, pk)](
-            x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device))
+        launch(
+            _amax_partial_kernel, (pm, pk), x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device))
     p = planes if plane_k else g
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-    _quantize_kernel[grid](
-        x2, g_in, data, scale, g, p,
+    launch(
+        _quantize_kernel, grid, x2, g_in, data, scale, g, p,
         M, K, num_partials, planes.shape[1] if plane_k else 0,
         x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0), planes.stride(0) if plane_k else 0,
         DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)),

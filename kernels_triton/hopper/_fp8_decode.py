@@ -26,7 +26,7 @@ unless they sit at different k.
 Block and MX partials are already scaled, so the split-K reduction adds the bias only.
 
 Under the interpreter (tests on the CPU; gemm never picks this kernel there) DOT_FP8 is False: the
-codes arrive as uint8 and are decoded to fp32 with _common.decode_e4m3 before each dot, as in the
+codes arrive as uint8 and are decoded to fp32 with _codecs.dequantize_e4m3 before each dot, as in the
 lesson kernels (the interpreter's fp8 dot reads the NaN codes as +-480).
 """
 
@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e4m3, interpreting
-from ._e4m3_gemm import e4m3_operand
+from .._codecs import dequantize_e4m3
+from .._common import TileConfig, launch, e4m3_operand, interpreting, sm_count
 from ._fp8_prefill import prefill_config
-from ._paths import is_sm90, sm_count
+from . import is_sm90
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan,
                        splitk_workspace, store_splitk_partial, swapped_tile)
@@ -70,14 +70,14 @@ def _load_codes(ptr, rows, row_ok, stride, offs_k, K, MASK_K: tl.constexpr, DOT_
         mask = mask & (offs_k < K)[None, :]
     t = tl.load(ptr + rows.to(tl.int64)[:, None] * stride + offs_k[None, :], mask=mask, other=0.0)
     if not DOT_FP8:
-        t = decode_e4m3(t)
+        t = dequantize_e4m3(t)
     return t
 
 
 @triton.jit
 def _e8m0_byte(word, j: tl.constexpr):
     """E8M0 byte j of packed bytes -> 2^(b - 127) float32 (0x00 -> 2^-127, 0xFF -> NaN), as
-    _common.decode_e8m0 but in fewer instructions (it runs per scale block): the byte goes straight
+    _codecs.dequantize_e8m0 but in fewer instructions (it runs per scale block): the byte goes straight
     into fp32's exponent field. Bytes >= 1 give patterns >= 0x00800000 (2^-126), above 2^-127's
     subnormal pattern 0x00400000, so a max turns only byte 0's zero into 2^-127; 0xFF lands on
     Inf's pattern, which becomes NaN."""
@@ -105,7 +105,7 @@ def fp8_decode_gemm_kernel(
     HAS_BIAS: tl.constexpr, IMPRECISE_ACC: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT_FP8: tl.constexpr = True,  # False under the interpreter: uint8 codes, decoded to fp32
-    RNE_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
+    ROUND_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
     USE_PDL: tl.constexpr = False,  # _pdl
 ):
     # literals, not the constexpr globals, beside %: the interpreter has no int % constexpr
@@ -159,9 +159,9 @@ def fp8_decode_gemm_kernel(
         store_splitk_partial(ws_ptr, out, tl.program_id(1), offs_m, offs_n, M, N, mask)
         return
     if SCALE_K > 0:
-        out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
+        out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     else:
-        out = epilogue(out, offs_n, n_mask, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, RNE_BF16)
+        out = epilogue(out, offs_n, n_mask, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -175,7 +175,7 @@ def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64,
                       stages: int = 6, warps: int = 4, programs_per_sm: float = 1) -> TileConfig:
     """64 weight rows x 16 (padded) activation rows per program, 6 stages of 128-wide K; split-K
     until the grid covers every SM once: deep pipelines and enough programs keep the weight bytes
-    in flight (the fp8_tensor and fp8_block measurements: docs/perf_notes.md, rows 5 and 8-9)."""
+    in flight (the fp8_tensor and fp8_block measurements: docs/perf_notes.md)."""
     tiles = triton.cdiv(N, bn)
     split = 1
     while tiles * split < programs_per_sm * n_sms and triton.cdiv(K, bk) >= 8 * split:
@@ -185,11 +185,11 @@ def fp8_decode_config(M: int, N: int, K: int, n_sms: int = 132, *, bn: int = 64,
 
 # fp8_tensor's decode tile: per-tensor scales leave the wgmma chain unbroken, so one program per
 # 64-row tile with 8 stages keeps enough bytes in flight once the tiles fill half the SMs, and the
-# split-K reduction's launch is saved (docs/perf_notes.md, rows 10 and 18)
+# split-K reduction's launch is saved (docs/perf_notes.md)
 TENSOR_DECODE_TILE = dict(stages=8, programs_per_sm=0.5)
 
 # mxfp8's decode tile (fp8_decode_config's knobs): 128 weight rows (fewer loop instructions per
-# weight byte than 64), 4 stages, split-K to one program per SM (docs/perf_notes.md, row 16)
+# weight byte than 64), 4 stages, split-K to one program per SM (docs/perf_notes.md)
 MX_DECODE_TILE = dict(bn=128, stages=4)
 
 
@@ -218,11 +218,11 @@ def decode_config(M: int, N: int, K: int, scale_k: int = TENSOR_SCALE, n_sms: in
 
 
 def hopper_config(M: int, N: int, K: int, device, *, scale_k: int = TENSOR_SCALE) -> TileConfig | None:
-    """The fp8 GEMM's tile on sm_90 where it differs from _e4m3_gemm.gemm_config (None elsewhere):
+    """The fp8 GEMM's tile on sm_90 where it differs from _tiles.e4m3_config (None elsewhere):
     the decode kernel's for M <= 16 (decode_config); for M > 256 with fp8_tensor or fp8_block
     scales the TMA prefill kernel's (_fp8_prefill.prefill_config, K a multiple of 16; an operand
     whose base is misaligned for TMA runs this tile on the lesson kernel), and for fp8_tensor with
-    another K 4 stages instead of 3 for the 128 x 128 x 128 tile (docs/perf_notes.md, row 6).
+    another K 4 stages instead of 3 for the 128 x 128 x 128 tile (docs/perf_notes.md).
     Raises ValueError for a bad scale_k (check_scale_k) and, at M <= 16 with MX scales, K not a
     positive multiple of 32."""
     check_scale_k(scale_k)
@@ -259,7 +259,7 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
             MX_SCALE (32, mxfp8): uint8 E8M0 sx [M, K/32], sw [N, K/32] (linear layout), K a
                 multiple of 32; y = sum_kb (x_kb . w_kb^T) * 2^(sx[:, kb] - 127) * 2^(sw[n, kb] - 127)
                 + bias (OCP MX 1.0: byte 0x00 is 2^-127, 0xFF NaN).
-        bias: None or float32 [N] (kernel_bias's), added in fp32.
+        bias: None or a contiguous float32 / bf16 / fp16 [N] (kernel_bias's), added in fp32.
         y: the output, bfloat16 / float16 / float32 [M, N], row stride y.stride(0) and unit column
             stride; written and returned.
         scale_k: TENSOR_SCALE, FP8_BLOCK_SCALE or MX_SCALE (above).
@@ -296,12 +296,12 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
     s_strides = (*sx.stride(), *sw.stride()) if scale_k else (0, 0, 0, 0)
-    fp8_decode_gemm_kernel[(triton.cdiv(N, cfg.BLOCK_N), n_split)](
+    launch(fp8_decode_gemm_kernel, (triton.cdiv(N, cfg.BLOCK_N), n_split),
         x, w, sx, sw, bias if bias is not None else y, y, ws,
         M, N, K, k_per, x.stride(0), w.stride(0), y.stride(0), *s_strides,
         HAS_BIAS=bias is not None, IMPRECISE_ACC=min(imprecise_acc, scale_k or cfg.BLOCK_K), SCALE_K=scale_k,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split, DOT_FP8=dot_fp8,
-        RNE_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
+        ROUND_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
     )
     if n_split > 1:

@@ -16,7 +16,7 @@ Why this shape: the fp32 promotion serializes each step's wgmma and its FMAs ins
 warpgroup. A 4-warp CTA with 3 stages of 32 KB (fp8_tensor's 128 x 128 tile) or 4 of 24 KB
 (fp8_block's 64 x 128) uses ~96 KB of shared memory, so two CTAs share an SM (228 KB) and one's
 promotion overlaps the other's MMAs (faster than the pointer kernels on the H200 for both formats:
-docs/perf_notes.md, row 23).
+docs/perf_notes.md).
 Triton's warp_specialize would be the other way, but it gives wrong sums on this loop in 3.6.
 The kernel does not take part in programmatic dependent launch (_pdl): at these sizes a launch gap
 is a fraction of a percent, and it runs in plain stream order.
@@ -27,7 +27,7 @@ and row stride and unit column stride: ``tma_ok`` checks them, and the callers f
 lesson kernel where they fail (e.g. fp8_tensor with K not a multiple of 16).
 
 Under the interpreter (tests on the CPU; gemm never picks this kernel there) DOT_FP8 is False:
-the descriptors hold uint8 codes, decoded to fp32 with _common.decode_e4m3 before each dot.
+the descriptors hold uint8 codes, decoded to fp32 with _codecs.dequantize_e4m3 before each dot.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from formats.constants import FP8_BLOCK
 
-from ._common import TileConfig, decode_e4m3, interpreting
-from ._e4m3_gemm import grouped_tile
-from ._paths import is_sm90
+from .._codecs import dequantize_e4m3, grouped_tile
+from .._common import TileConfig, launch, interpreting
+from . import is_sm90
 from ._twopass import ALPHA_SCALES, NO_ALPHA, epilogue
 
 PREFILL_MIN_M = 257  # M above the medium tiles of gemm_config (M <= 256)
@@ -49,7 +49,7 @@ _BLOCK = tl.constexpr(FP8_BLOCK)
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
 SCALE_KS = (0, FP8_BLOCK)  # SCALE_K of fp8_tensor (per-tensor) and fp8_block (128-wide blocks)
 
-# The launched tiles, the fastest of the H200 probe (docs/perf_notes.md, row 23): fp8_tensor at 4
+# The launched tiles, the fastest of the H200 probe (docs/perf_notes.md): fp8_tensor at 4
 # stages or 8 warps no longer fits two CTAs per SM. fp8_block: a 128 x 128 tile holds the
 # accumulator and the fresh partial, 2 x 128 fp32 registers per thread at 4 warps, and spills;
 # 64 x 128 at 4 stages (96 KB, two CTAs per SM) beat 3 stages (74 KB, where three fit).
@@ -66,7 +66,7 @@ def fp8_prefill_kernel(
     HAS_BIAS: tl.constexpr, SCALE_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_FP8: tl.constexpr = True,  # False under the interpreter: uint8 codes, decoded to fp32
-    RNE_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
+    ROUND_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
 ):
     if SCALE_K == _BLOCK:
         tl.static_assert(BLOCK_K == _BLOCK, "block FP8 needs BLOCK_K == 128: one scale per K step")
@@ -91,8 +91,8 @@ def fp8_prefill_kernel(
         a = x_desc.load([om, k0])
         b = w_desc.load([on, k0])
         if not DOT_FP8:
-            a = decode_e4m3(a)
-            b = decode_e4m3(b)
+            a = dequantize_e4m3(a)
+            b = dequantize_e4m3(b)
         if SCALE_K == 0:
             if DOT_FP8:
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=IMPRECISE_ACC)
@@ -109,9 +109,9 @@ def fp8_prefill_kernel(
                 part = tl.dot(a, b.T)
             acc += part * (sx * sw)[:, None]  # the scales meet first: part * sx alone can overflow
     if SCALE_K == 0:
-        y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, RNE_BF16)
+        y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
     else:
-        y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, RNE_BF16)
+        y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -154,7 +154,7 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
             128 (fp8_block): float32 sx [M, K/128] (1x128 groups), sw [ceil(N/128), K/128]
                 (128x128 blocks), K a multiple of 128;
                 y = sum_kb (x_kb . w_kb^T) * (sx[:, kb] * sw[n // 128, kb]) + bias.
-        bias: None or float32 [N] (kernel_bias's), added in fp32.
+        bias: None or a contiguous float32 / bf16 / fp16 [N] (kernel_bias's), added in fp32.
         y: the output, bfloat16 / float16 / float32 [M, N] with unit column stride; written and
             returned.
         scale_k: 0 or 128 (above).
@@ -191,12 +191,12 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
     w_desc = TensorDescriptor.from_tensor(w, [cfg.BLOCK_N, cfg.BLOCK_K])
     s_strides = (*sx.stride(), *sw.stride()) if scale_k else (0, 0, 0, 0)
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-    fp8_prefill_kernel[grid](
+    launch(fp8_prefill_kernel, grid,
         x_desc, w_desc, sx, sw, bias if bias is not None else y, y,
         M, N, K, y.stride(0), *s_strides,
         HAS_BIAS=bias is not None, SCALE_K=scale_k, IMPRECISE_ACC=min(imprecise_acc, cfg.BLOCK_K),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        DOT_FP8=dot_fp8, RNE_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
+        DOT_FP8=dot_fp8, ROUND_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -1,26 +1,26 @@
 """Decode-sized FP4 GEMM (M <= 16) for GPUs without block-scaled MMA (sm_90): the performance path.
 
-The lesson kernel (``_fp4_gemm.fp4_gemm_kernel``) puts the activation on the MMA's M side, so at
-M <= 16 the decoded weight is the MMA's B operand: on Hopper it makes a round trip through shared
-memory before every MMA, and each element costs ~6 instructions to decode (fp32 bit placement,
+The lessons' portable kernel (kernels_triton.nvfp4 / mxfp4, ``_portable_gemm_kernel``) puts the activation on the MMA's M side, so at
+M <= 16 the dequantized weight is the MMA's B operand: on Hopper it makes a round trip through shared
+memory before every MMA, and each element costs ~6 instructions to dequantize (fp32 bit placement,
 two fmuls, a cvt). Here the product is computed transposed ("swap AB"):
 
     acc[n, m] = sum_k  W~[n, k] * X~[m, k]          acc [BLOCK_N, BLOCK_M], BLOCK_M = 16 >= M
-    y[m, n]   = acc[n, m] * 2^28 * alpha + bias[n]    (2^28 only for the fp16 decode below)
+    y[m, n]   = acc[n, m] * 2^28 * alpha + bias[n]    (2^28 only for the fp16 dequantization below)
 
-so the decoded weight tile is the MMA's A operand and stays in registers (wgmma takes A from
+so the dequantized weight tile is the MMA's A operand and stays in registers (wgmma takes A from
 registers); the activation tile (16 rows) is the small B operand. Split-K spreads the few
 N tiles over all SMs; the fp32 partials go through _twopass's ordered reduction (deterministic).
 
 Nibble planes (``fp4_planes``): a packed byte holds elements 2j (low nibble) and
-2j + 1 (high nibble). Instead of interleaving the two decoded nibbles back into K order (a join
+2j + 1 (high nibble). Instead of interleaving the two dequantized nibbles back into K order (a join
 that re-packs every MMA register), the K loop keeps them as two planes, the even and the odd
 elements, and dots [even plane, odd plane] of the weight with the same of the activation: the
 sum over K is the same sum in another order. Both operands' columns are also put in the wgmma
 A-fragment order (``fragment_order``), so a lane's bytes of a row are consecutive (16-byte loads)
-and each decoded register is a fragment register as it comes out of the asm.
+and each dequantized register is a fragment register as it comes out of the asm.
 
-fp16 decode (nvfp4 W4A4, ``F16_DECODE``): the 3 magnitude bits of an e2m1 code placed at fp16
+fp16 dequantization (nvfp4 W4A4, ``F16_DEQUANTIZE``): the 3 magnitude bits of an e2m1 code placed at fp16
 bits 11..9 and its sign at bit 15 are exactly value * 2^-14 for every code (the subnormal 0.5 too).
 Such an fp16 number has a zero low byte, so four codes become four high bytes with one pass of
 byte-parallel integer ops, and one ``prmt`` per register places two of them (``_PLANE_LO/HI_ASM``).
@@ -30,25 +30,25 @@ significant bits, below 6 * 448 * 2^-14. Both operands carry 2^-14, hence 2^28 i
 the fp16 products are exact in the fp32 accumulator, so the function equals the lesson kernel's
 up to the order of the fp32 additions.
 
-bf16 decode (mxfp4 W4A4, and W4A16 with bf16 activations): E8M0 scales exceed fp16's range. The
+bf16 dequantization (mxfp4 W4A4, and W4A16 with bf16 activations): E8M0 scales exceed fp16's range. The
 magnitude bits at bf16 bits 8..6 and the sign at bit 15 are value * 2^-126 (as for fp32 in
-``_common.decode_e2m1``), and one ``mul.rn.bf16x2`` by 2^126 restores the value (``_BF16_LO/HI_ASM``;
+``_codecs.dequantize_e2m1``), and one ``mul.rn.bf16x2`` by 2^126 restores the value (``_BF16_LO/HI_ASM``;
 the multiply keeps the subnormal 0.5 * 2^-126); the scale, bf16 by bit placement (``e8m0_bf16``)
-or from the e4m3 decode, multiplies in bf16, exactly (e2m1 * scale has at most 6 significant bits
+or from the e4m3 dequantization, multiplies in bf16, exactly (e2m1 * scale has at most 6 significant bits
 and stays in bf16's range whenever the lesson's fp32 product does).
 
-The activation is decoded once per call (``act_planes_kernel``) into a 16-bit [M, K] tensor in the
+The activation is dequantized once per call (``act_planes_kernel``) into a 16-bit [M, K] tensor in the
 K loop's dot order, and the GEMM loads it with a plain pipelined load: then no dot operand is
 stored to shared memory inside the loop, which is what Triton's WGMMA pipeliner needs to make the
-wgmmas asynchronous (the dot split along K), so the weight decode of later slices runs while earlier
-slices' MMAs execute (docs/perf_notes.md row 22). With the activation decoded in the loop, its
-tile went through shared memory each step and the loop waited for all its MMAs before the next
-decode. The W4A4 decode linears (nvfp4.linear, mxfp4.linear) skip that launch: their activation
+wgmmas asynchronous (the dot split along K), so the weight dequantization of later slices runs while earlier
+slices' MMAs execute (an activation dequantized inside the loop would go through shared memory
+each step, and the loop would wait for all its MMAs before the next weight dequantization). The W4A4
+decode linears (hopper.nvfp4.linear, hopper.mxfp4.linear) skip that launch: their activation
 quantizers, which hold the values, write the same planes themselves (``store_planes``,
-``plane_layout``; perf_notes row 24) and pass them as ``planes``.
+``plane_layout``) and pass them as ``planes``.
 
-Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
-and the integer decode runs as plain Triton ops instead of inline PTX.
+Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the dequantized values are fp32 numbers)
+and the integer dequantization runs as plain Triton ops instead of inline PTX.
 """
 
 from __future__ import annotations
@@ -57,21 +57,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_alpha, interpreting,
-                      round_to_bf16_rne)
+from .._codecs import dequantize_e2m1, dequantize_e4m3, dequantize_e8m0, global_alpha, round_to_bf16_rne
+from .._common import TileConfig, interpreting, launch
 from ._fp4_decode_tile import (DECODE_MAX_M, PLANE_DTYPES, check_planes, check_quantize_planes,  # noqa: F401
                                decode_applies, decode_config, decode_tile, min_block_k, plane_layout)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_GLOBAL_RECIP, ALPHA_NONE, launch_splitk_reduce, splitk_plan, splitk_workspace,
                        store_splitk_partial, swapped_tile)
 _TORCH_DTYPE = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
-F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 decode
+F16_SCALE_BACK = tl.constexpr(268435456.0)  # 2^28: undoes 2^-14 on each operand of the fp16 dequantization
 
 
 # ---------------------------------------------------------------------------------------------
 # e2m1 -> fp16 (value * 2^-14) / bf16, four packed bytes at a time
 # ---------------------------------------------------------------------------------------------
-# The planes' decode (fp4_planes): one byte-parallel pass builds the fp16 high bytes of four codes,
+# The planes' dequantization (fp4_planes): one byte-parallel pass builds the fp16 high bytes of four codes,
 # h = sign << 7 | magnitude << 1 (the low byte of every value is 0), then one prmt per output register
 # places two of them: byte selector 0x1404 makes [0, h0, 0, h1], 0x3424 makes [0, h2, 0, h3].
 _PLANE_LO_ASM = tl.constexpr("""{
@@ -88,7 +88,7 @@ prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
 
 # bf16 planes (mxfp4, W4A16): prmt spreads bytes (0, 1) / (2, 3) into the two 16-bit lanes, the
 # magnitude goes to bf16 bits 8..6 and the sign to bit 15 (value * 2^-126, the subnormal 0.5 too, as
-# for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value;
+# for fp32 in _codecs.dequantize_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value;
 # without it (``restore`` False) the planes stay value * 2^-126 (FOLD_E4M3 in fp4_planes).
 def _bf16_plane_asm(high: bool, restore: bool) -> str:
     mag, mag_shl, sgn, sgn_shl = ("0x00700070", 2, "0x00800080", 8) if high else ("0x00070007", 6, "0x00080008", 12)
@@ -166,21 +166,21 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
     elif F16:
         lo = e2m1_f16_scaled(b & 0xF)
         hi = e2m1_f16_scaled(b >> 4)
-        sv = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
+        sv = dequantize_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
     elif USE_ASM and FOLD_E4M3:
         lo = tl.inline_asm_elementwise(_BF16_LO_RAW_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
         hi = tl.inline_asm_elementwise(_BF16_HI_RAW_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
-        sv = (decode_e4m3(s) * E4M3_FOLD).to(tl.bfloat16)  # exact: a power of two, no overflow
+        sv = (dequantize_e4m3(s) * E4M3_FOLD).to(tl.bfloat16)  # exact: a power of two, no overflow
     elif USE_ASM:
         lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True,
                                        pack=4)
         hi = tl.inline_asm_elementwise(_BF16_HI_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True,
                                        pack=4)
-        sv = decode_e4m3(s).to(tl.bfloat16) if SCALE_E4M3 else e8m0_bf16(s)  # exact
+        sv = dequantize_e4m3(s).to(tl.bfloat16) if SCALE_E4M3 else e8m0_bf16(s)  # exact
     else:
-        lo = decode_e2m1(b & 0xF)
-        hi = decode_e2m1(b >> 4)
-        sv = decode_e4m3(s) if SCALE_E4M3 else decode_e8m0(s)
+        lo = dequantize_e2m1(b & 0xF)
+        hi = dequantize_e2m1(b >> 4)
+        sv = dequantize_e4m3(s) if SCALE_E4M3 else dequantize_e8m0(s)
     lo = scale_planes(fragment_order(lo, BLOCK_R, BLOCK_K // 2), sv, BLOCK_R, BLOCK_K // 2, GROUP)
     hi = scale_planes(fragment_order(hi, BLOCK_R, BLOCK_K // 2), sv, BLOCK_R, BLOCK_K // 2, GROUP)
     return lo, hi
@@ -202,7 +202,7 @@ def scale_planes(v, sv, BLOCK_R: tl.constexpr, KP: tl.constexpr, GROUP: tl.const
     """v [BLOCK_R, KP] (a plane in fragment order) times its block scales sv [BLOCK_R, 2 KP / GROUP]
     (K order). Byte p = (KP / 4) q + 4c + .. is in group p // (GROUP / 2) = q NG + c // (GROUP / 8),
     NG = KP / (2 GROUP) groups per lane slot q; the broadcast is written in the fragment order itself,
-    so that the decoded registers keep their layout (scaling in byte order first made Triton move
+    so that the dequantized registers keep their layout (scaling in byte order makes Triton move
     the mxfp4 planes through shared memory)."""
     NG: tl.constexpr = KP // (2 * GROUP)
     sq = tl.permute(sv.reshape(BLOCK_R, 4, NG), (0, 2, 1))  # [BLOCK_R, NG, 4 (q)]
@@ -230,7 +230,7 @@ def a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M: tl.c
 @triton.jit
 def store_planes(p_ptr, v, offs_m, m_mask, k0, K, K_PAD, stride_pm,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PLANE_K: tl.constexpr):
-    """Store v [BLOCK_M, BLOCK_K] (the decoded activation of K [k0, k0 + BLOCK_K) in K order, fp32
+    """Store v [BLOCK_M, BLOCK_K] (the dequantized activation of K [k0, k0 + BLOCK_K) in K order, fp32
     values exact in p's dtype; k0 and BLOCK_K multiples of PLANE_K) into p [M, K_PAD] as
     act_planes_kernel writes it: each PLANE_K tile [even plane, odd plane], both in fragment order,
     zeros past K (whatever v holds there: a NaN global scale must not reach the padding). An
@@ -253,11 +253,11 @@ def store_planes(p_ptr, v, offs_m, m_mask, k0, K, K_PAD, stride_pm,
 @triton.jit
 def act_planes_kernel(
     a_ptr, a_scale_ptr, p_ptr, M, K, stride_am, stride_ak, stride_asm, stride_pm,
-    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, A16: tl.constexpr, F16_DECODE: tl.constexpr,
+    GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, A16: tl.constexpr, F16_DEQUANTIZE: tl.constexpr,
     USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,  # _pdl
 ):
-    """p [M, K_pad] (DOT_DTYPE, K_pad a multiple of BLOCK_K): the activation decoded, each BLOCK_K
+    """p [M, K_pad] (DOT_DTYPE, K_pad a multiple of BLOCK_K): the activation dequantized, each BLOCK_K
     tile in the order the GEMM's K loop dots it, [even plane, odd plane] in fragment order (zeros
     past K). One program per K tile, all rows."""
     k0 = tl.program_id(0) * BLOCK_K
@@ -268,7 +268,7 @@ def act_planes_kernel(
         lo, hi = a16_planes(a_ptr, offs_m, m_mask, k0, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
     else:
         lo, hi = fp4_planes(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
-                            BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K)
+                            BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3, F16_DEQUANTIZE, USE_ASM, EVEN_K)
     pdl_launch_dependents(USE_PDL)
     p = planes_k(lo.to(DOT_DTYPE), hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
     tl.store(p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + (k0 + tl.arange(0, BLOCK_K))[None, :], p,
@@ -281,7 +281,7 @@ def fp4_decode_gemm_kernel(
     M, N, K, K_PER,
     stride_am, stride_wn, stride_wsn, stride_cm,
     GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, F16_DECODE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, F16_DEQUANTIZE: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,  # EVEN_K: K % BLOCK_K == 0, no K masks
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
@@ -294,23 +294,23 @@ def fp4_decode_gemm_kernel(
     offs_n, offs_m, n_mask, m_mask, k_lo, k_hi = swapped_tile(N, M, K, K_PER, BLOCK_N, BLOCK_M)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    pdl_wait(USE_PDL)  # the decoded activation
+    pdl_wait(USE_PDL)  # the dequantized activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w_lo, w_hi = fp4_planes(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                                BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DECODE, USE_ASM, EVEN_K, FOLD_E4M3)
+                                BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, F16_DEQUANTIZE, USE_ASM, EVEN_K, FOLD_E4M3)
         # one dot over both planes (K order: the even elements, then the odd ones): the join
         # only moves whole registers
         w = planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K)
-        # the activation tile arrives decoded, by a load the pipeliner copies into its shared-memory
+        # the activation tile arrives dequantized, by a load the pipeliner copies into its shared-memory
         # ring: with no dot operand stored to shared memory inside the loop, the wgmmas are async
-        # (the pipeliner splits the dot along K; Triton 3.6: per 16 K) and the weight decode of
+        # (the pipeliner splits the dot along K; Triton 3.6: per 16 K) and the weight dequantization of
         # later slices runs while earlier slices' MMAs execute
         a = tl.load(a_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(a), acc)
 
     pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-    if F16_DECODE:
+    if F16_DEQUANTIZE:
         out = out * F16_SCALE_BACK
     if FOLD_E4M3:
         out = out * FOLD_SCALE_BACK
@@ -336,8 +336,8 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
                       use_asm: bool | None = None, fold_scale: bool | None = None,
                       planes: torch.Tensor | None = None, plane_k: int | None = None) -> torch.Tensor:
     """y [M, N] = dequant(a) . dequant(w)^T (* alpha) (+ bias) for M <= 16, as
-    ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions). Launches
-    act_planes_kernel (the activation decoded into an [M, K rounded up to BLOCK_K] scratch of the
+    the lessons' portable GEMM computes it (up to the order of the fp32 additions). Launches
+    act_planes_kernel (the activation dequantized into an [M, K rounded up to BLOCK_K] scratch of the
     dot dtype: fp16 for nvfp4 W4A4, bf16 otherwise, fp32 under the interpreter), the GEMM, and
     with split-K the ordered reduction, all with PDL where it applies (_pdl).
 
@@ -345,7 +345,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         a: W4A4: packed e2m1 uint8 [M, K/2] (element 2j in the low nibble of byte j; row stride
             free, K stride 1), with a_scale: block-scale bytes uint8 [M, K/group] (e4m3 for
             nvfp4, E8M0 for mxfp4; row stride free). a16: the bf16 activation [M, K] (any
-            strides; fp16 is for the lesson kernel, decode_applies), a_scale ignored.
+            strides; fp16 takes hopper._fp4_gemm's exact hi/lo kernel, decode_applies), a_scale ignored.
         w, w_scale: the weight, packed uint8 [N, K/2] and its block-scale bytes uint8 [N, K/group],
             K stride 1 in both.
         M, N, K: the problem (M <= 16; K a multiple of group). group: 16 (nvfp4) or 32 (mxfp4).
@@ -357,14 +357,14 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         config: the tile; None: decode_config's for w's device and the format (nvfp4 when
             scale_e4m3, else mxfp4; W4A16 with a16). BLOCK_M >= M, BLOCK_K a power of
             two >= 4 * group (min_block_k).
-        use_asm: the inline-PTX decode (True; a GPU only) or plain Triton ops (False); None: PTX on
+        use_asm: the inline-PTX dequantization (True; a GPU only) or plain Triton ops (False); None: PTX on
             a GPU, plain ops under the interpreter.
-        fold_scale: nvfp4 W4A16 with the PTX decode only: the bf16 planes' 2^126 restore folded into
+        fold_scale: nvfp4 W4A16 with the PTX dequantization only: the bf16 planes' 2^126 restore folded into
             the e4m3 scale (2^118) and the epilogue (2^8), one multiply per register less
             (fp4_planes, FOLD_E4M3: products below ~2^-141, activations near 1e-38, underflow
             to 0 in the accumulator, where unfolded they were fp32 subnormals); None: on where it
             applies. Ignored elsewhere.
-        planes: None, or the activation already decoded by its quantizer (W4A4: ``plane_layout``'s
+        planes: None, or the activation already dequantized by its quantizer (W4A4: ``plane_layout``'s
             [M, K_pad] of its dtype, written by store_planes for the same config): act_planes_kernel
             is skipped and a, a_scale are ignored.
         plane_k: with planes, the PLANE_K they were written at; it must be the launched BLOCK_K
@@ -402,9 +402,10 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         else:
             stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
         planes = torch.empty((M, k_tiles * bk), dtype=_TORCH_DTYPE[dot], device=w.device)
-        act_planes_kernel[(k_tiles,)](
+        launch(
+            act_planes_kernel, (k_tiles,),
             a, a_scale, planes, M, K, stride_am, stride_ak, stride_asm, planes.stride(0),
-            GROUP=group, SCALE_E4M3=scale_e4m3, A16=a16, F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot, EVEN_K=even_k,
+            GROUP=group, SCALE_E4M3=scale_e4m3, A16=a16, F16_DEQUANTIZE=f16, USE_ASM=asm, DOT_DTYPE=dot, EVEN_K=even_k,
             BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(w.device),
         )
     else:  # planes written at another PLANE_K would be dotted in the wrong K order
@@ -415,13 +416,14 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
     ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
     has_global = gx is not None
     grid = (triton.cdiv(N, cfg.BLOCK_N), n_split)
-    fp4_decode_gemm_kernel[grid](
+    launch(
+        fp4_decode_gemm_kernel, grid,
         planes, w, w_scale, gx if has_global else w_scale, gw if has_global else w_scale,
         bias if bias is not None else out, out, ws,
         M, N, K, k_per,
         planes.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         GROUP=group, SCALE_E4M3=scale_e4m3, HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
-        F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot,
+        F16_DEQUANTIZE=f16, USE_ASM=asm, DOT_DTYPE=dot,
         ROUND_BF16=interp and out_dtype == torch.bfloat16, EVEN_K=even_k,
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, FOLD_E4M3=fold, **pdl_launch(w.device),
