@@ -233,12 +233,12 @@ class HopperBackend(TritonBackend):
         return importlib.import_module("kernels_triton.hopper").module(self.fmt)
 
     def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
-        if not _hopper_module_present(self.fmt):
-            return False, f"kernels_triton.hopper.{self.fmt} is not in this installation"
         if device.kind == "cpu":
             return False, "hopper needs an sm_90 GPU; this call runs on the CPU"
         if tuple(device.capability) != (9, 0):
             return False, f"hopper needs an sm_90 GPU; {device.name} is {device.arch}"
+        if not _hopper_module_present(self.fmt):
+            return False, f"kernels_triton.hopper.{self.fmt} is not in this installation"
         ok, why = self._module().supported(tuple(device.capability))
         return ok, why
 
