@@ -82,8 +82,13 @@ def test_the_launch_takes_the_route_explain_reports(variant, M):
         r = b.route(registry.Problem(variant, M, N, K), HERE)
         with record_launches() as log:
             y = b.apply(x, b.prepare(qw))
-        assert tuple(log) == r.kernels, (impl, r)
         assert y.shape == (M, N) and bool(torch.isfinite(y).all())
+        if impl == "cute":
+            # b12x's GEMM and our CuTe DSL quantizer are not Triton launches: record_launches sees
+            # none of them, and nothing of kernels_triton may run on the cute path.
+            assert r.kernels and log == [], (r, log)
+            continue
+        assert tuple(log) == r.kernels, (impl, r)
         if impl == "reference":
             assert r.kernels == ()
         else:
