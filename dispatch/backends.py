@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -86,7 +87,7 @@ class ReferenceBackend(Backend):
                 return False, f"reference: {why}"
         return True, "float64 oracle (formats.reference_linear)"
 
-    def route(self, problem: Problem, device: DeviceInfo) -> Route:
+    def route(self, problem: Problem, device: DeviceInfo, **act_opts) -> Route:
         return Route("reference", (), "", 1, "formats.reference_linear: dequantize both operands, float64 matmul, "
                      "one rounding (torch on the host or device, no kernel of ours)")
 
@@ -103,6 +104,15 @@ class ReferenceBackend(Backend):
 
     def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
         return reference_linear(xq, prepared, bias, out_dtype=out_dtype)
+
+
+STATIC_SCALE_OPTIONS = ("scale", "global_scale")
+"""Activation options that replace the dynamic (amax) activation scale by a static one."""
+
+
+@functools.lru_cache(maxsize=None)
+def _route_parameters(mod) -> frozenset[str]:
+    return frozenset(inspect.signature(mod.route).parameters)
 
 
 class _KernelBackend(Backend):
@@ -136,13 +146,22 @@ class _KernelBackend(Backend):
             return {"capability": None, "sm_count": 1}
         return {"capability": tuple(device.capability), "sm_count": max(int(device.sm_count), 1)}
 
-    def route(self, problem: Problem, device: DeviceInfo) -> Route:
+    def route(self, problem: Problem, device: DeviceInfo, **act_opts) -> Route:
         """The kernel module's own ``route(M, N, K, capability=, sm_count=, a16=)`` (what its linear
-        executes), with the device's capability and SM count."""
+        executes), with the device's capability and SM count; where the module's route takes them,
+        ``x_dtype`` (the problem's dtype) and ``dynamic_scale`` (False when ``act_opts`` hold a
+        static activation scale: fp8_tensor ``scale``, nvfp4 ``global_scale``; the dynamic amax
+        kernel is then not launched)."""
+        mod = self._module()
         kw = self._route_args(device)
         if self.a16:
             kw["a16"] = True
-        return self._module().route(problem.M, problem.N, problem.K, **kw)
+        takes = _route_parameters(mod)
+        if "x_dtype" in takes:
+            kw["x_dtype"] = problem.dtype
+        if "dynamic_scale" in takes:
+            kw["dynamic_scale"] = all(act_opts.get(k) is None for k in STATIC_SCALE_OPTIONS)
+        return mod.route(problem.M, problem.N, problem.K, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +342,7 @@ class CuteBackend(_KernelBackend):
             return mod.supported(problem.M, problem.N, problem.K, a16=True, dtype=problem.dtype)
         return mod.supported(problem.M, problem.N, problem.K)
 
-    def route(self, problem: Problem, device: DeviceInfo, *, quantizer: str = "cute") -> Route:
+    def route(self, problem: Problem, device: DeviceInfo, *, quantizer: str = "cute", **act_opts) -> Route:
         """What kernels_cute says its linear launches (``kernels_cute.route``: our CuTe DSL
         quantizer, then the b12x function the format module calls); b12x picks the tile in its plan."""
         kernels, tile, why = importlib.import_module("kernels_cute").route(

@@ -218,11 +218,12 @@ class Backend:
             raise ValueError(f"{self.name}: unknown option(s) {sorted(bad)} for {self.variant} on {self.impl}; "
                              f"allowed: {allowed}")
 
-    def route(self, problem: Problem, device: DeviceInfo):
-        """The route ``apply`` takes for ``problem`` on ``device``: a ``kernels_triton.Route`` with
-        the kernels it launches (by name, in order), the tile (split-K included) and why. Pure: a
-        described device gives the same answer as the real one. ``explain``, ``b12x-dual info``,
-        bench and sweep report it; a test checks it against the launches ``apply`` makes."""
+    def route(self, problem: Problem, device: DeviceInfo, **act_opts):
+        """The route ``apply(x, prepared, bias, **act_opts)`` takes for ``problem`` on ``device``: a
+        ``kernels_triton.Route`` with the kernels it launches (by name, in order), the tile
+        (split-K included) and why. Pure: a described device gives the same answer as the real
+        one. ``explain``, ``b12x-dual info``, bench and sweep report it (with the default, dynamic
+        activation scales); a test checks it against the launches ``apply`` makes."""
         raise NotImplementedError
 
     # Two optional verbs for the test sweeps and benchmarks, which look inside a call: the
