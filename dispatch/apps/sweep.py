@@ -19,9 +19,8 @@ Per cell:
     mean_rel and cosine (dispatch.apps._harness.compare_outputs), b the earlier one in the order
     reference, triton, hopper, cute (so reference is the denominator whenever it is in the pair).
 
-Tolerances: norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; between two kernel
-implementations on fp8_block (split-K sums in another order: b12x's with bf16 atomics, hopper's
-partial sums) norm_rel <= 3e-3 and cosine >= 0.99999 (the wider
+Tolerances: norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; for cute vs triton or hopper
+on fp8_block (b12x's split-K with bf16 atomics) norm_rel <= 3e-3 and cosine >= 0.99999 (the wider
 of the two norm bounds applies). NaN or Inf never passes. An implementation that raises on a cell it
 claimed to support fails the cell.
 
@@ -70,7 +69,7 @@ SPLITK_NORM, SPLITK_COSINE = 3e-3, 0.99999
 def tolerance(fmt: str, out_dtype: torch.dtype, a: str, b: str) -> dict[str, Optional[float]]:
     """{"norm_rel": bound, "cosine": bound or None} for the pair (a, b) of implementations."""
     tol: dict[str, Optional[float]] = {"norm_rel": TOL_NORM.get(out_dtype, 1e-3), "cosine": None}
-    if fmt == "fp8_block" and a != b and {a, b} <= {"cute", "hopper", "triton"}:  # two split-K orders
+    if fmt == "fp8_block" and {a, b} in ({"cute", "triton"}, {"cute", "hopper"}):  # b12x's bf16-atomic split-K
         tol = {"norm_rel": max(tol["norm_rel"], SPLITK_NORM), "cosine": SPLITK_COSINE}
     return tol
 
