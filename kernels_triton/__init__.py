@@ -12,6 +12,12 @@ tl.dot_scaled, the block-scaled tensor-core MMA on SM120/SM121; portable decodes
 registers and runs a plain tl.dot (Hopper, Ada, the interpreter). ``gemm_path(fmt, capability,
 a16=...) -> (path, reason)`` is the policy, a pure function the dispatcher can report.
 
+Routes as data: ``route(M, N, K, *, capability, ...)`` of a format module returns the ``Route``
+(kernels by name, tile, split-K, why) that its ``linear`` launches; ``record_launches()`` lists
+what a block of code actually launched. The shared pieces are two modules: ``_codecs`` (the
+``@triton.jit`` element codecs) and ``_common`` (tiles, routes, path policy, epilogue, host
+checks). The Hopper production kernels are the subpackage ``kernels_triton.hopper``.
+
 With no CUDA device and TRITON_INTERPRET unset, importing this package sets TRITON_INTERPRET=1, so
 the kernels run on CPU tensors in Triton's interpreter. Triton reads the variable when it is first
 imported, so this package must be imported before anything else imports triton (transformers
@@ -49,7 +55,7 @@ def interpreting() -> bool:
 
 from formats import FORMAT_NAMES  # noqa: E402
 
-from ._paths import PATHS, gemm_path  # noqa: E402,F401  (after interpreting: _common imports it)
+from ._common import PATHS, Route, gemm_path, record_launches  # noqa: E402,F401  (after interpreting: _common imports it)
 
 
 def module(fmt: str):

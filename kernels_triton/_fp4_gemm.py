@@ -44,13 +44,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e4m3_finite, decode_e8m0, global_alpha, interpreting,
+from ._common import (TileConfig, dequantize_e2m1, dequantize_e4m3, dequantize_e4m3_finite, dequantize_e8m0, global_alpha, interpreting,
                       round_to_bf16_rne)
-from ._fp4_decode import decode_applies, decode_config, launch_fp4_decode
+from .hopper._fp4_decode import decode_applies, decode_config, launch_fp4_decode
 from ._paths import device_capability, sm_count
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._tiles import sm12x_config
-from ._twopass import (
+from .hopper._twopass import (
     ALPHA_GLOBAL_RECIP,
     ALPHA_NONE,
     store_splitk_partial,
@@ -145,8 +145,8 @@ def dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, str
     offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     b_mask = r_mask[:, None] & (offs_kb[None, :] < K // 2)
     b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :], mask=b_mask, other=0)
-    lo = decode_e2m1(b & 0xF)  # elements 2j
-    hi = decode_e2m1(b >> 4)  # elements 2j + 1
+    lo = dequantize_e2m1(b & 0xF)  # elements 2j
+    hi = dequantize_e2m1(b >> 4)  # elements 2j + 1
     # join stacks along a new last axis: [BLOCK_R, BLOCK_K // 2, 2], so the row-major reshape puts
     # lo[j] at column 2j and hi[j] at column 2j + 1, the storage order.
     v = tl.join(lo, hi).reshape(BLOCK_R, BLOCK_K)
@@ -155,11 +155,11 @@ def dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, str
     s_mask = r_mask[:, None] & (offs_ks[None, :] < K // GROUP)
     s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :], mask=s_mask, other=0)
     if SCALE_E4M3 and NAN_SCALES:
-        sv = decode_e4m3(s)
+        sv = dequantize_e4m3(s)
     elif SCALE_E4M3:
-        sv = decode_e4m3_finite(s)
+        sv = dequantize_e4m3_finite(s)
     else:
-        sv = decode_e8m0(s)
+        sv = dequantize_e8m0(s)
     # Broadcast each scale over its GROUP elements: [BLOCK_R, BLOCK_K / GROUP, GROUP] * [.., .., 1].
     v = v.reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * sv[:, :, None]
     return v.reshape(BLOCK_R, BLOCK_K)

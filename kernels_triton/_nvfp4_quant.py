@@ -19,7 +19,7 @@ Quantization (``quantize_activation``) runs two kernels:
                            bytes), forms g, then quantizes its [BLOCK_M, BLOCK_K] tile:
         xb    = x tile as [BLOCK_M, BLOCK_K/16, 16] float32
         s     = encode_e4m3(div_rn(max(max|xb|, FLOOR), 6) * g)          # [BLOCK_M, BLOCK_K/16]
-        codes = encode_e2m1(div_rn(xb * g, decode_e4m3(s)))              # 0 where s == 0
+        codes = encode_e2m1(div_rn(xb * g, dequantize_e4m3(s)))              # 0 where s == 0
         bytes = codes[..., 0::2] | codes[..., 1::2] << 4                 # low nibble = even element
 Everything stays on the device (no .item()), so the call can be captured in a CUDA graph. Rounding
 to e4m3/e2m1 uses the bit-arithmetic encoders of _common (never Triton's fp8 cast, which is wrong in
@@ -38,11 +38,11 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 from formats.validate import nan_unless_positive, static_global_scale
 
-from ._common import (abs_or_inf, amax_or_nan, check_activation, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3,
+from ._common import (abs_or_inf, amax_or_nan, check_activation, dequantize_e2m1, dequantize_e4m3, encode_e2m1, encode_e4m3,
                       interpreting, nan_if_nonfinite)
-from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, store_planes
+from .hopper._fp4_decode import PLANE_DTYPES, check_quantize_planes, store_planes
 from ._e4m3_gemm import quant_config
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
@@ -138,7 +138,7 @@ def _quantize_kernel(
     xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
     amax_b = amax_or_nan(tl.max(abs_or_inf(xb), axis=2), _FLOOR)  # NaN for a block with NaN/Inf
     s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
-    s_val = decode_e4m3(s_code)[:, :, None]
+    s_val = dequantize_e4m3(s_code)[:, :, None]
 
     # ----- element codes: e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf) or
     # s is NaN (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf; the non-finite rule)
@@ -147,7 +147,7 @@ def _quantize_kernel(
     codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
 
     if PLANE_K:  # the decode linear: e2m1 * s * 2^-14, exact in fp16 (_fp4_decode's docstring)
-        v = decode_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 16, 16) * s_val * _TWO_POW_M14
+        v = dequantize_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 16, 16) * s_val * _TWO_POW_M14
         pdl_launch_dependents(USE_PDL)
         store_planes(p_ptr, v.reshape(BLOCK_M, BLOCK_K), offs_m, m_mask, pid_k * BLOCK_K, K, K_PAD, stride_pm,
                      BLOCK_M, BLOCK_K, PLANE_K)

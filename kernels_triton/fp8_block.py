@@ -30,7 +30,7 @@ sw is loaded per column as a vector, sw[offs_n // 128, kb], so BLOCK_N need not 
 On GPU the e4m3 tiles go straight into tl.dot. Each partial is a fresh 128-deep dot whose result
 is added to the fp32 accumulator in registers, so the accumulation is promoted to fp32 every K
 step whatever Triton's Hopper default is; we still pass max_num_imprecise_acc=BLOCK_K to say so.
-Under the interpreter the codes are decoded to fp32 with _common.decode_e4m3 before the dot.
+Under the interpreter the codes are decoded to fp32 with _codecs.dequantize_e4m3 before the dot.
 
 Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
 each 128-deep partial is a tl.dot_scaled with unit E8M0 scales (the full-rate block-scaled MMA)
@@ -38,12 +38,8 @@ promoted as above; with ``ue8m0=True`` (power-of-two scales, DeepGEMM's UE8M0) e
 handed to the MMA as its E8M0 byte e + 127, repeated over its four 32-blocks, and no promotion
 step is needed (a scale that is not a power of two makes its rows/columns of y NaN).
 
-Decode on sm_90 (1 <= M <= 16, ``_fp8_decode`` with SCALE_K = 128): the same sum with the operands
-swapped, so the weight is wgmma's 64-row M side and the 16 padded activation rows its N side; each
-128-deep partial is a fresh wgmma accumulator scaled by sw * sx before it joins the fp32 sum, and
-K is split over the SMs. ``ue8m0`` changes nothing there, as in the portable kernel.
-Prefill on sm_90 (M > 256, ``_fp8_prefill`` with SCALE_K = 128): this loop with the tiles fetched by
-TMA at 4 warps, 64 x 128 tiles, 4 stages; the lesson kernel where an operand is misaligned for TMA.
+One program per output tile; ``route`` names the kernels a call launches. (The Hopper production
+kernels for this format are kernels_triton.hopper.fp8_block.)
 
 Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
 fp8_block QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md: the
@@ -61,33 +57,10 @@ import triton.language as tl
 from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK
 
-from ._common import (
-    abs_or_inf,
-    amax_or_nan,
-    check_activation,
-    check_bias,
-    check_weight,
-    ceil_log2,
-    decode_e4m3,
-    encode_e4m3,
-    exp2_int,
-    interpreting,
-    kernel_bias,
-)
-from ._e4m3_gemm import (
-    check_gemm_operands,
-    e4m3_operand,
-    flatten_rows,
-    gemm_config,
-    grouped_tile,
-    native_config,
-    quant_config,
-)
-from ._fp8_decode import FP8_BLOCK_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
-from ._fp8_prefill import fp8_prefill_applies, launch_fp8_prefill
-from ._paths import default_device, resolve_path
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+from ._codecs import abs_or_inf, amax_or_nan, ceil_log2, dequantize_e4m3, encode_e4m3, exp2_int, grouped_tile
+from ._common import (NO_ALPHA, Route, check_activation, check_bias, check_gemm_operands, check_weight,
+                      device_capability, e4m3_operand, e4m3_portable_config, epilogue, flatten_rows, interpreting,
+                      kernel_bias, launch, native_config, quant_config, route_path)
 
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
@@ -109,7 +82,6 @@ def _quantize_kernel(
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     # meta-parameters
     UE8M0: tl.constexpr, BLOCK_M: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """q = e4m3(x / s) and s = max(amax, floor) / 448 (optionally 2^ceil(log2 s)) per 1x128 group."""
     pid_m = tl.program_id(0)
@@ -117,7 +89,6 @@ def _quantize_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = kb * _GROUP + tl.arange(0, _GROUP)
     row_ok = offs_m < M
-    pdl_wait(USE_PDL)  # x is the previous kernel's output
     # x tile [BLOCK_M, 128]: exactly one group per row, so the group amax is a row max
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -127,7 +98,6 @@ def _quantize_kernel(
         # power-of-two scale, exponent kept in the float32 normal range as formats.codecs.pow2_ceil
         scale = tl.where(scale != scale, scale, exp2_int(tl.minimum(tl.maximum(ceil_log2(scale), -126), 127)))
     q = encode_e4m3(tl.math.div_rn(x, scale[:, None]))
-    pdl_launch_dependents(USE_PDL)
     q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
     tl.store(q_ptrs, q, mask=row_ok[:, None])
     tl.store(s_ptr + offs_m.to(tl.int64) * stride_sm + kb * stride_sk, scale, mask=row_ok)
@@ -140,27 +110,22 @@ def _quantize_kernel(
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
-    ws_ptr,  # SPLIT_K > 1: fp32 workspace [SPLIT_K, M, N]; _twopass reduces it and adds the bias
     # dimensions
-    M, N, K, K_PER,  # K_PER: K elements per split (a multiple of 128; K when SPLIT_K == 1)
+    M, N, K,
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym, stride_yn,
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
+    
 ):
-    """One [BLOCK_M, BLOCK_N] tile of y (or, split-K, its sum over K blocks [kb_lo, kb_hi)); BLOCK_K
-    must be 128 (one scale per K step)."""
+    """One [BLOCK_M, BLOCK_N] tile of y; BLOCK_K must be 128 (one scale per K step)."""
     tl.static_assert(BLOCK_K == _GROUP, "block FP8 needs BLOCK_K == 128: one scale per K step")
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    pid_k = tl.program_id(1)
-    kb_lo = pid_k * (K_PER // BLOCK_K)
-    kb_hi = tl.minimum(kb_lo + K_PER // BLOCK_K, K // BLOCK_K)
-    offs_k = (kb_lo * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)  # int64: K * stride may pass 2^31
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # int64: K * stride may pass 2^31
     m_ok = offs_m < M
     n_ok = offs_n < N
     # x_ptrs [BLOCK_M, BLOCK_K]; w_ptrs [BLOCK_K, BLOCK_N] (a tile of W^T read from W [N, K])
@@ -172,24 +137,18 @@ def _gemm_kernel(
 
     # ----- K loop: one 128-deep partial per step, scaled before it joins the accumulator -----
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    pdl_wait(USE_PDL)  # the quantized activation
-    for kb in range(kb_lo, kb_hi):
+    for kb in range(0, K // BLOCK_K):
         a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         if DOT_FP8:
             partial = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
         else:
-            partial = tl.dot(decode_e4m3(a), decode_e4m3(b))
+            partial = tl.dot(dequantize_e4m3(a), dequantize_e4m3(b))
         sx = tl.load(sx_ptrs + kb * stride_sxk, mask=m_ok, other=0.0)  # [BLOCK_M]
         sw = tl.load(sw_ptrs + kb * stride_swk, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += partial * (sx[:, None] * sw[None, :])  # scales together first: partial * sx can overflow
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    pdl_launch_dependents(USE_PDL)
-
-    if SPLIT_K > 1:  # a partial sum of this K range; the bias comes in the reduction
-        store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
-        return
 
     # ----- epilogue: bias, cast, store -----
     # (RNE_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
@@ -209,17 +168,14 @@ def _native_gemm_kernel(
     x_ptr, w_ptr,  # e4m3 codes as uint8: x [M, K], w [N, K] (K contiguous)
     sx_ptr, sw_ptr,  # float32 scales: sx [M, K/128], sw [ceil(N/128), K/128]
     bias_ptr, y_ptr,
-    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and adds the bias
     # dimensions
-    M, N, K, K_PER,
+    M, N, K,
     # strides
     stride_xm, stride_wn, stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym,
     # meta-parameters
     UE8M0: tl.constexpr,  # every scale is a power of two: hand its exponent to the MMA as E8M0
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """fp32 scales (UE8M0=False): one 128-deep dot_scaled with unit E8M0 scales per K step (the
     full-rate MMA, see fp8_tensor), promoted into the fp32 accumulator times sx * sw, as the
@@ -242,10 +198,8 @@ def _native_gemm_kernel(
     bad_m = tl.zeros([BLOCK_M], dtype=tl.int32)
     bad_n = tl.zeros([BLOCK_N], dtype=tl.int32)
 
-    pdl_wait(USE_PDL)  # the quantized activation
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = tl.program_id(1) * K_PER
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0)
         b = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0)
@@ -270,10 +224,6 @@ def _native_gemm_kernel(
     if UE8M0:
         acc = tl.where((bad_m[:, None] | bad_n[None, :]) != 0, float("nan"), acc)
 
-    pdl_launch_dependents(USE_PDL)
-    if SPLIT:  # a partial sum of this K range; the bias comes in the reduction
-        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
-        return
     y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -283,16 +233,44 @@ def _native_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int, path=None):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
-    and ``path`` (None: gemm_path's choice; native with fp32 scales), as gemm uses it (the bench);
-    on sm_90 at M <= 16 the swapped decode kernel's (_fp8_decode), at M > 256 the TMA prefill
-    kernel's (_fp8_prefill)."""
-    dev = default_device()
-    if resolve_path(path, FMT, dev) == "native":
-        return native_config(M, N, K, dev, kind="fp8_block", block_k=FP8_BLOCK)
-    return (hopper_config(M, N, K, dev, scale_k=FP8_BLOCK_SCALE)
-            or gemm_config(M, N, K, interpreting(), block_k=FP8_BLOCK))
+# ---------------------------------------------------------------------------------------------
+# The route: which kernels a call launches, with which tile, and why
+# ---------------------------------------------------------------------------------------------
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False, path=None,
+          ue8m0: bool = False) -> Route:
+    """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_block problem.
+
+    Args:
+        M, N, K: activation rows, output features, reduction length (>= 0; K a multiple of 128).
+        capability: the device's (major, minor); None: no CUDA device (the interpreter).
+        sm_count: the device's SM count (one program per output tile: it does not change the route).
+        a16: must be False (fp8_block has no weight-only mode).
+        path: None (gemm_path's choice), "native" or "portable".
+        ue8m0: ``linear``'s option; on the native path the E8M0 MMA (the SM12x "e4m3" table).
+    Returns:
+        Route(impl="triton", kernels, tile, split_k=1, why).
+    Raises:
+        ValueError: a16=True, a negative size, or a bad path (route_path).
+    """
+    if a16:
+        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
+    if min(M, N, K) < 0:
+        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
+    gemm_path_, why = route_path(path, FMT, capability)
+    if M == 0:
+        return Route("triton", (), "", 1, "M=0: nothing to launch")
+    gemm = "_native_gemm_kernel" if gemm_path_ == "native" else "_gemm_kernel"
+    cfg = tile_config(M, N, K, gemm_path_, capability, ue8m0=ue8m0)
+    return Route("triton", ("_quantize_kernel", gemm), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
+
+
+def tile_config(M: int, N: int, K: int, path=None, capability=None, *, ue8m0: bool = False):
+    """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
+    device of ``capability`` (None: the interpreter), as ``route`` reports it and gemm launches it.
+    BLOCK_K is 128 (one scale per K step)."""
+    if route_path(path, FMT, capability)[0] == "native":
+        return native_config(M, N, K, capability, kind="e4m3" if ue8m0 else "fp8_block", block_k=FP8_BLOCK)
+    return e4m3_portable_config(M, N, K, capability, block_k=FP8_BLOCK)
 
 
 def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
@@ -316,12 +294,11 @@ def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTen
     if M:
         block_m, _ = quant_config(M, K, interpreting(), group=FP8_BLOCK)
         q = data.view(torch.uint8)
-        _quantize_kernel[(triton.cdiv(M, block_m), K // FP8_BLOCK)](
-            x2, q, scale,
-            M,
-            x2.stride(0), x2.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
-            UE8M0=bool(ue8m0), BLOCK_M=block_m, **pdl_launch(x.device),
-        )
+        launch(_quantize_kernel, (triton.cdiv(M, block_m), K // FP8_BLOCK),
+               x2, q, scale,
+               M,
+               x2.stride(0), x2.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
+               UE8M0=bool(ue8m0), BLOCK_M=block_m)
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, FP8_BLOCK), (M, K))
 
 
@@ -332,8 +309,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     Native path (SM12x): fp32 scales take one unit-scale block-scaled MMA per 128-K step plus the
     fp32 promotion; ``ue8m0=True`` declares both operands' scales powers of two (DeepGEMM UE8M0)
     and hands them to the MMA as E8M0 bytes. Portable path: fp8 tl.dot partials (ue8m0 is then
-    only a statement: the same kernel serves both); on sm_90 at M <= 16 the swapped wgmma kernel
-    of _fp8_decode and at M > 256 the TMA kernel of _fp8_prefill, the same sum and scales.
+    only a statement: the same kernel serves both).
 
     Args:
         xq: fp8_block activation QuantizedTensor [M, K] (scale float32 [M, K/128]).
@@ -350,81 +326,55 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
             unknown path.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
-    bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
-    if resolve_path(path, FMT, qweight.device) == "native":
-        return _gemm_native(xq, qweight, bias, y, bool(ue8m0))
-    if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
-        return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
-                                 scale_k=FP8_BLOCK_SCALE)
-    if fp8_prefill_applies(xq.data, qweight.data, qweight.device):  # M > 256 on sm_90: the TMA kernel
-        return launch_fp8_prefill(xq.data, qweight.data, xq.scale, qweight.scale, bias, y, scale_k=FP8_BLOCK_SCALE,
-                                  config=tile_config(M, N, K, path="portable"))
-    return _gemm_portable(xq, qweight, bias, y)
+    cap = device_capability(qweight.device)
+    gemm_path_ = route_path(path, FMT, cap)[0]
+    cfg = tile_config(M, N, K, gemm_path_, cap, ue8m0=ue8m0)
+    return _run_gemm(gemm_path_, cfg, xq, qweight, kernel_bias(bias), y, bool(ue8m0))
 
 
-def _gemm_portable(xq, qweight, bias, y, cfg=None) -> torch.Tensor:
-    """Launch _gemm_kernel (the lesson kernel) into y [M, N]; ``cfg`` None: tile_config's."""
+def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y, ue8m0: bool) -> torch.Tensor:
+    """Launch the GEMM kernel of ``gemm_path_`` with tile ``cfg`` into y [M, N] (bias: kernel_bias's)."""
     M, N = y.shape
     K = qweight.k
     interp = interpreting()
+    sx, sw = xq.scale, qweight.scale
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    if gemm_path_ == "native":
+        x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
+        launch(_native_gemm_kernel, grid,
+               x, w, sx, sw, bias if bias is not None else y, y,
+               M, N, K,
+               x.stride(0), w.stride(0), sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0),
+               UE8M0=ue8m0, HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
+               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y
     dot_fp8 = not interp
-    cfg = cfg or tile_config(M, N, K, path="portable")
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
-    sx, sw = xq.scale, qweight.scale
-    n_split, k_per = splitk_plan(K, cfg)
-    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
-    _gemm_kernel[grid](
-        x, w, sx, sw, bias if bias is not None else y, y, ws,
-        M, N, K, k_per,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and y.dtype == torch.bfloat16,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
-    )
-    if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias)
-    return y
-
-
-def _gemm_native(xq, qweight, bias, y, ue8m0: bool) -> torch.Tensor:
-    """Launch _native_gemm_kernel into y [M, N] (the SM12x tile table; split-K for small M)."""
-    M, N = y.shape
-    K = qweight.k
-    cfg = native_config(M, N, K, y.device, kind="e4m3" if ue8m0 else "fp8_block", block_k=FP8_BLOCK)
-    x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
-    sx, sw = xq.scale, qweight.scale
-    n_split, k_per = splitk_plan(K, cfg)
-    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
-    _native_gemm_kernel[grid](
-        x, w, sx, sw, bias if bias is not None else y, y, ws,
-        M, N, K, k_per,
-        x.stride(0), w.stride(0), sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0),
-        UE8M0=ue8m0, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        SPLIT=n_split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
-    )
-    if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias)
+    launch(_gemm_kernel, grid,
+           x, w, sx, sw, bias if bias is not None else y, y,
+           M, N, K,
+           x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+           sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
+           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and y.dtype == torch.bfloat16,
+           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            ue8m0: bool = False, path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to block FP8 (1x128 groups) on the fly.
+    """y = x . W^T (+ bias) with x quantized to block FP8 (1x128 groups) on the fly: ``route``
+    once, then exactly its kernels (the quantizer, then the GEMM of its path and tile).
 
     Args:
         x: bfloat16/float16 [..., K], K a multiple of 128, any strides.
         qweight: fp8_block weight QuantizedTensor [N, K] (linear layout) on x's device.
-        bias: optional float [N].
+        bias: optional float32/bf16/fp16 [N].
         ue8m0: power-of-two activation scales (see quantize_activation), and a statement that the
             weight's scales are powers of two too (a UE8M0 checkpoint): the native path then runs
             the E8M0 MMA (a weight scale that is not a power of two gives NaN there).
@@ -439,5 +389,13 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
-    xq = quantize_activation(x, ue8m0=ue8m0)
-    return gemm(xq, qweight, bias, out_dtype=x.dtype, ue8m0=ue8m0, path=path).reshape(*x.shape[:-1], N)
+    cap = device_capability(qweight.device)
+    x2 = flatten_rows(x)
+    M = x2.shape[0]
+    r = route(M, N, K, capability=cap, path=path, ue8m0=ue8m0)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if r.kernels:
+        xq = quantize_activation(x2, ue8m0=ue8m0)
+        opts = dict(r.options)
+        _run_gemm(opts["path"], opts["config"], xq, qweight, kernel_bias(bias), y, bool(ue8m0))
+    return y.reshape(*x.shape[:-1], N)

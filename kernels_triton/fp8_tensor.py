@@ -37,15 +37,15 @@ fp8 dots is *imprecise* accumulation (max_num_imprecise_acc = 2^30: the wgmma ac
 promoted to full fp32), which loses about 3 bits at K = 8192 (docs/results.md). We pass
 max_num_imprecise_acc=BLOCK_K (128), which promotes into the fp32 accumulator after every K step
 (a few times more accurate, somewhat slower). Other architectures ignore the argument. Under the interpreter
-the codes are decoded to fp32 with _common.decode_e4m3 first (exact; the interpreter's fp8 paths
+the codes are decoded to fp32 with _codecs.dequantize_e4m3 first (exact; the interpreter's fp8 paths
 are not trusted for anything but loads).
 
-Two paths (kernels_triton._paths.gemm_path picks by device; ``path=`` forces one): the portable
-kernel above (``_gemm_kernel``, a plain fp8 tl.dot), and on SM12x ``_native_gemm_kernel``: the
-same codes through tl.dot_scaled with every E8M0 scale 127 (2^0), because there the plain fp8 MMA
-runs at half the 8-bit rate and the block-scaled one at full rate (triton#11320); the two scales
-stay in the epilogue either way. On sm_90 gemm routes M <= 16 to _fp8_decode's swapped kernel and
-M > 256 to _fp8_prefill's TMA kernel (this loop, 4 warps, 3 stages; K a multiple of 16).
+Two paths (``gemm_path`` picks by device; ``path=`` forces one): the portable kernel above
+(``_gemm_kernel``, a plain fp8 tl.dot), and on SM12x ``_native_gemm_kernel``: the same codes
+through tl.dot_scaled with every E8M0 scale 127 (2^0), because there the plain fp8 MMA runs at
+half the 8-bit rate and the block-scaled one at full rate (triton#11320); the two scales stay in
+the epilogue either way. One program per output tile; ``route`` names the kernels a call launches.
+(The Hopper production kernels for this format are kernels_triton.hopper.fp8_tensor.)
 
 Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
 fp8_tensor QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md:
@@ -62,43 +62,13 @@ import triton
 import triton.language as tl
 
 from formats import QuantizedTensor
-from formats.validate import static_scale
 from formats.constants import AMAX_FLOOR, E4M3_MAX
+from formats.validate import static_scale
 
-from ._common import (
-    abs_or_inf,
-    amax_or_nan,
-    check_activation,
-    check_bias,
-    check_weight,
-    decode_e4m3,
-    encode_e4m3,
-    interpreting,
-    kernel_bias,
-    nan_if_nonfinite,
-    round_to_bf16_rne,
-)
-from ._e4m3_gemm import (
-    check_gemm_operands,
-    e4m3_operand,
-    flatten_rows,
-    gemm_config,
-    grouped_tile,
-    native_config,
-    quant_config,
-)
-from ._fp8_decode import fp8_decode_applies, hopper_config, launch_fp8_decode
-from ._fp8_prefill import fp8_prefill_applies, launch_fp8_prefill
-from ._paths import default_device, resolve_path
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._twopass import (
-    ALPHA_SCALES,
-    epilogue,
-    launch_splitk_reduce,
-    splitk_plan,
-    splitk_workspace,
-    store_splitk_partial,
-)
+from ._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite, round_to_bf16_rne
+from ._common import (ALPHA_SCALES, Route, check_activation, check_bias, check_gemm_operands, check_weight,
+                      device_capability, e4m3_operand, e4m3_portable_config, epilogue, flatten_rows, interpreting,
+                      kernel_bias, launch, native_config, quant_config, route_path)
 
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
 
@@ -108,7 +78,7 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 PARTIALS_BLOCK = 1024  # partial maxima reduced per step in stage 2
 # max_num_imprecise_acc of the Hopper fp8 dot: promote the wgmma accumulator to fp32 every 128
-# products (never promoting loses ~3 bits at K = 8192, over the 1e-3 relative-error budget).
+# products (never promoting loses about 3 bits at K = 8192, over the 1e-3 relative-error budget)
 IMPRECISE_ACC = 128
 
 
@@ -125,7 +95,6 @@ def _amax_partials_kernel(
     stride_xm, stride_xk,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """partials[pid_m * Pk + pid_k] = max |x| over rows [pid_m*BLOCK_M, (pid_m+1)*BLOCK_M) and the
     K tiles pid_k, pid_k + Pk, ... The grid spans K as well as M: a program walking all of K issues
@@ -136,14 +105,12 @@ def _amax_partials_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_off = offs_m.to(tl.int64) * stride_xm
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    pdl_wait(USE_PDL)  # x is the previous kernel's output
     for k0 in range(pid_k * BLOCK_K, K, num_pk * BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         # x tile [BLOCK_M, BLOCK_K]; masked elements read as 0, which never raises a max of |x|
         x = tl.load(x_ptr + row_off[:, None] + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(abs_or_inf(x.to(tl.float32)), axis=1))  # +Inf marks a NaN/Inf
-    pdl_launch_dependents(USE_PDL)
     tl.store(partials_ptr + pid_m * num_pk + pid_k, tl.max(amax, axis=0))
 
 
@@ -160,12 +127,11 @@ def _quantize_kernel(
     stride_xm, stride_xk, stride_qm, stride_qk,
     # meta-parameters
     STATIC_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIALS_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PARTIALS_BLOCK: tl.constexpr,
 ):
     """q[tile] = e4m3(x[tile] / scale); with a dynamic scale, also scale = max(amax, floor) / 448."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pdl_wait(USE_PDL)  # the partials (and x) come from earlier kernels
     if STATIC_SCALE:
         scale = tl.load(scale_ptr)
     else:
@@ -188,7 +154,6 @@ def _quantize_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     q = encode_e4m3(tl.math.div_rn(nan_if_nonfinite(x), scale))  # NaN/Inf -> 0x7F, static scale too
-    pdl_launch_dependents(USE_PDL)
     q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
     tl.store(q_ptrs, q, mask=mask)
 
@@ -200,33 +165,29 @@ def _quantize_kernel(
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
-    ws_ptr,  # SPLIT_K > 1: fp32 workspace [SPLIT_K, M, N]; _twopass reduces it and runs the epilogue
     # dimensions
-    M, N, K, K_PER,  # K_PER: K elements per split (a multiple of BLOCK_K; K when SPLIT_K == 1)
+    M, N, K,
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y. x_ptr/w_ptr hold e4m3 codes: float8e4nv when DOT_FP8
     (GPU), uint8 otherwise (interpreter, decoded to fp32 before the dot)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    pid_k = tl.program_id(1)
-    k_lo = pid_k * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
-    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
     # x_ptrs is [BLOCK_M, BLOCK_K]; w_ptrs is [BLOCK_K, BLOCK_N], i.e. a tile of W^T read from W [N, K]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
 
     # ----- K loop: a plain matmul of the codes, fp32 accumulator [BLOCK_M, BLOCK_N] -----
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = (k0 - k_lo + offs_k) < K
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
         a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
         if DOT_FP8:
@@ -234,13 +195,9 @@ def _gemm_kernel(
             # Triton's default (2^30) never does and loses ~3 bits at large K.
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         else:
-            acc = tl.dot(decode_e4m3(a), decode_e4m3(b), acc)
+            acc = tl.dot(dequantize_e4m3(a), dequantize_e4m3(b), acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-
-    if SPLIT_K > 1:  # a partial sum of this K range; the scales and bias come in the reduction
-        store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, (offs_m[:, None] < M) & (offs_n[None, :] < N))
-        return
 
     # ----- epilogue: the two per-tensor scales, then the bias -----
     y = acc * (tl.load(sx_ptr) * tl.load(sw_ptr))  # scales together first: acc * sx can overflow
@@ -262,16 +219,13 @@ def _native_gemm_kernel(
     x_ptr, w_ptr,  # e4m3 codes as uint8: x [M, K], w [N, K] (K contiguous)
     sx_ptr, sw_ptr,  # the per-tensor scales, float32 [1] each
     bias_ptr, y_ptr,
-    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and runs the epilogue
     # dimensions
-    M, N, K, K_PER,
+    M, N, K,
     # strides
     stride_xm, stride_wn, stride_ym,
     # meta-parameters
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """y = (qx . qw^T) * sx * sw + bias with every 32 codes scaled by 2^0 inside the MMA. Why:
     on SM120 a plain fp8 tl.dot lowers to mma.sync m16n8k32.f32.e4m3.e4m3.f32, which runs at half
@@ -287,10 +241,8 @@ def _native_gemm_kernel(
     unit_a = tl.full((BLOCK_M, BLOCK_K // 32), 127, tl.uint8)
     unit_b = tl.full((BLOCK_N, BLOCK_K // 32), 127, tl.uint8)
 
-    pdl_wait(USE_PDL)  # the quantized activation
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = tl.program_id(1) * K_PER
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K  # any K: the tail reads code 0
         a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
@@ -299,10 +251,6 @@ def _native_gemm_kernel(
                     mask=n_ok[:, None] & k_ok[None, :], other=0)
         acc = tl.dot_scaled(a, unit_a, "e4m3", b.T, unit_b, "e4m3", acc)
 
-    pdl_launch_dependents(USE_PDL)
-    if SPLIT:  # a partial sum of this K range; the scales and bias come in the reduction
-        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
-        return
     # ----- epilogue: the two per-tensor scales (ALPHA_SCALES), then the bias -----
     y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -313,13 +261,44 @@ def _native_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int, path=None):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
-    and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
-    dev = default_device()
-    if resolve_path(path, FMT, dev) == "native":
-        return native_config(M, N, K, dev)
-    return hopper_config(M, N, K, dev) or gemm_config(M, N, K, interpreting())
+# ---------------------------------------------------------------------------------------------
+# The route: which kernels a call launches, with which tile, and why
+# ---------------------------------------------------------------------------------------------
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False, path=None,
+          scale=None) -> Route:
+    """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_tensor problem.
+
+    Args:
+        M, N, K: activation rows, output features, reduction length (>= 0).
+        capability: the device's (major, minor); None: no CUDA device (the interpreter).
+        sm_count: the device's SM count (one program per output tile: it does not change the route).
+        a16: must be False (fp8_tensor has no weight-only mode).
+        path: None (gemm_path's choice), "native" or "portable".
+        scale: ``linear``'s activation option: a static scale skips the amax kernel.
+    Returns:
+        Route(impl="triton", kernels, tile, split_k=1, why).
+    Raises:
+        ValueError: a16=True, a negative size, or a bad path (route_path).
+    """
+    if a16:
+        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
+    if min(M, N, K) < 0:
+        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
+    gemm_path_, why = route_path(path, FMT, capability)
+    if M == 0:
+        return Route("triton", (), "", 1, "M=0: nothing to launch")
+    quant = ("_quantize_kernel",) if scale is not None else ("_amax_partials_kernel", "_quantize_kernel")
+    gemm = "_native_gemm_kernel" if gemm_path_ == "native" else "_gemm_kernel"
+    cfg = tile_config(M, N, K, gemm_path_, capability)
+    return Route("triton", quant + (gemm,), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
+
+
+def tile_config(M: int, N: int, K: int, path=None, capability=None):
+    """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
+    device of ``capability`` (None: the interpreter), as ``route`` reports it and gemm launches it."""
+    if route_path(path, FMT, capability)[0] == "native":
+        return native_config(M, N, K, capability)
+    return e4m3_portable_config(M, N, K, capability)
 
 
 def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
@@ -339,10 +318,7 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     check_activation(x, None, K_MULTIPLE, FMT)
     x2 = flatten_rows(x)
     M, K = x2.shape
-    if scale is None:
-        s = torch.empty((), dtype=torch.float32, device=x.device)
-    else:
-        s = static_scale(scale, x.device)
+    s = torch.empty((), dtype=torch.float32, device=x.device) if scale is None else static_scale(scale, x.device)
     data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     if M == 0:
         if scale is None:  # the oracle's scale of an empty tensor: the amax floor over 448
@@ -354,23 +330,20 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     partials = s  # unused placeholder pointer when the scale is static
     num_partials = 0
     if scale is None:
+        # stage 1 spans K as well as M on GPU: a program walking all of K alone issues its loads
+        # one after another
         pm = triton.cdiv(M, block_m)
-        # K programs per row block: up to ~PARTIALS_BLOCK partials in all (stage 2 reads them all)
         pk = 1 if interp else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
         num_partials = pm * pk
         partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
-        _amax_partials_kernel[(pm, pk)](
-            x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(x.device)
-        )
+        launch(_amax_partials_kernel, (pm, pk),
+               x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
     q = data.view(torch.uint8)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-    _quantize_kernel[grid](
-        x2, q, s, partials,
-        M, K, num_partials,
-        x2.stride(0), x2.stride(1), q.stride(0), q.stride(1),
-        STATIC_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, PARTIALS_BLOCK=PARTIALS_BLOCK,
-        **pdl_launch(x.device),
-    )
+    launch(_quantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(K, block_k)),
+           x2, q, s, partials,
+           M, K, num_partials,
+           x2.stride(0), x2.stride(1), q.stride(0), q.stride(1),
+           STATIC_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_K=block_k, PARTIALS_BLOCK=PARTIALS_BLOCK)
     return QuantizedTensor(FMT, "activation", data, s, None, None, (M, K))
 
 
@@ -392,78 +365,54 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
             unknown path.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
-    bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
-    if resolve_path(path, FMT, qweight.device) == "native":
-        return _gemm_native(xq, qweight, bias, y)
-    if fp8_decode_applies(M, qweight.device):  # M <= 16 on sm_90: the swapped wgmma kernel
-        return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y)
-    if fp8_prefill_applies(xq.data, qweight.data, qweight.device):  # M > 256 on sm_90: the TMA kernel
-        return launch_fp8_prefill(xq.data, qweight.data, xq.scale, qweight.scale, bias, y,
-                                  config=tile_config(M, N, K, path="portable"))
-    return _gemm_portable(xq, qweight, bias, y)
+    cap = device_capability(qweight.device)
+    gemm_path_ = route_path(path, FMT, cap)[0]
+    return _run_gemm(gemm_path_, tile_config(M, N, K, gemm_path_, cap), xq, qweight, kernel_bias(bias), y)
 
 
-def _gemm_portable(xq, qweight, bias, y, cfg=None) -> torch.Tensor:
-    """Launch _gemm_kernel (the lesson kernel) into y [M, N]; ``cfg`` None: tile_config's."""
+def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y) -> torch.Tensor:
+    """Launch the GEMM kernel of ``gemm_path_`` with tile ``cfg`` into y [M, N] (bias: kernel_bias's)."""
     M, N = y.shape
     K = qweight.k
     interp = interpreting()
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    if gemm_path_ == "native":
+        x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
+        sx, sw = xq.scale.reshape(1), qweight.scale.reshape(1)
+        launch(_native_gemm_kernel, grid,
+               x, w, sx, sw, bias if bias is not None else y, y,
+               M, N, K,
+               x.stride(0), w.stride(0), y.stride(0),
+               HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
+               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y
     dot_fp8 = not interp
-    cfg = cfg or tile_config(M, N, K, path="portable")
     x = e4m3_operand(xq.data, dot_fp8)
     w = e4m3_operand(qweight.data, dot_fp8)
-    n_split, k_per = splitk_plan(K, cfg)
-    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
-    _gemm_kernel[grid](
-        x, w, xq.scale, qweight.scale, bias if bias is not None else y, y, ws,
-        M, N, K, k_per,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and y.dtype == torch.bfloat16,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        SPLIT_K=n_split, IMPRECISE_ACC=min(IMPRECISE_ACC, cfg.BLOCK_K),  # Triton needs it <= BLOCK_K
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=xq.scale, s2=qweight.scale)
-    return y
-
-
-def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
-    """Launch _native_gemm_kernel into y [M, N] (the SM12x tile table; split-K for small M)."""
-    M, N = y.shape
-    K = qweight.k
-    cfg = native_config(M, N, K, y.device)
-    x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
-    sx, sw = xq.scale.reshape(1), qweight.scale.reshape(1)
-    n_split, k_per = splitk_plan(K, cfg)
-    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
-    _native_gemm_kernel[grid](
-        x, w, sx, sw, bias if bias is not None else y, y, ws,
-        M, N, K, k_per,
-        x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        SPLIT=n_split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
-    )
-    if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=sx, s2=sw)
+    launch(_gemm_kernel, grid,
+           x, w, xq.scale, qweight.scale, bias if bias is not None else y, y,
+           M, N, K,
+           x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, RNE_BF16=interp and y.dtype == torch.bfloat16,
+           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+           IMPRECISE_ACC=min(IMPRECISE_ACC, cfg.BLOCK_K),  # Triton needs it <= BLOCK_K
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            scale=None, path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to per-tensor FP8 on the fly.
+    """y = x . W^T (+ bias) with x quantized to per-tensor FP8 on the fly: ``route`` once, then
+    exactly its kernels (the quantizer, then the GEMM of its path and tile).
 
     Args:
         x: bfloat16/float16 [..., K], any strides.
         qweight: fp8_tensor weight QuantizedTensor [N, K] (linear layout) on x's device.
-        bias: optional float [N].
+        bias: optional float32/bf16/fp16 [N].
         scale: static activation scale (see quantize_activation); None for dynamic.
         path: None (auto for x's device), "native" or "portable" (see gemm).
     Returns:
@@ -475,5 +424,13 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
-    xq = quantize_activation(x, scale=scale)
-    return gemm(xq, qweight, bias, out_dtype=x.dtype, path=path).reshape(*x.shape[:-1], N)
+    cap = device_capability(qweight.device)
+    x2 = flatten_rows(x)
+    M = x2.shape[0]
+    r = route(M, N, K, capability=cap, path=path, scale=scale)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if r.kernels:
+        xq = quantize_activation(x2, scale=scale)
+        opts = dict(r.options)
+        _run_gemm(opts["path"], opts["config"], xq, qweight, kernel_bias(bias), y)
+    return y.reshape(*x.shape[:-1], N)

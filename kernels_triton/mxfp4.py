@@ -69,8 +69,8 @@ from ._common import (
     check_activation,
     check_bias,
     check_weight,
-    decode_e2m1,
-    decode_e8m0,
+    dequantize_e2m1,
+    dequantize_e8m0,
     encode_e2m1,
     exp2_int,
     floor_log2,
@@ -78,10 +78,10 @@ from ._common import (
     kernel_bias,
 )
 from ._e4m3_gemm import quant_config
-from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, decode_applies, launch_fp4_decode, plane_layout, store_planes
+from .hopper._fp4_decode import PLANE_DTYPES, check_quantize_planes, decode_applies, launch_fp4_decode, plane_layout, store_planes
 from ._fp4_gemm import launch_fp4_gemm, portable_config
 from ._paths import check_native_weight, default_device, device_capability, resolve_path, weight_scale_bytes
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from .nvfp4 import launch_fp4_dot_scaled, native_tile_config
 
 FMT = "mxfp4"
@@ -144,7 +144,7 @@ def _quantize_kernel(
     codes = tl.where(bad[:, :, None], 0, codes).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
     s_bytes = tl.where(bad, 0xFF, e + 127).to(tl.uint8)
     if PLANE_K:  # the decode linear: e2m1 * 2^e, exact in bf16 (_fp4_decode's docstring); NaN for a bad block
-        v = decode_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 32, 32) * decode_e8m0(s_bytes)[:, :, None]
+        v = dequantize_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 32, 32) * dequantize_e8m0(s_bytes)[:, :, None]
         pdl_launch_dependents(USE_PDL)
         store_planes(p_ptr, v.reshape(BLOCK_M, BLOCK_K), offs_m, m_mask, pid_k * BLOCK_K, K, K_PAD, stride_pm,
                      BLOCK_M, BLOCK_K, PLANE_K)

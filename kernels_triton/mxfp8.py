@@ -18,8 +18,8 @@ GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
 
     acc = 0                                                   (fp32 [BLOCK_M, BLOCK_N])
     for k0 in range(0, K, BLOCK_K):                           (BLOCK_K a multiple of 32)
-        a = decode_e4m3(qx[offs_m, k]) * decode_e8m0(sx[offs_m, k // 32])   -> DOT dtype [BLOCK_M, BLOCK_K]
-        b = decode_e4m3(qw[offs_n, k]) * decode_e8m0(sw[offs_n, k // 32])   -> DOT dtype [BLOCK_K, BLOCK_N]
+        a = dequantize_e4m3(qx[offs_m, k]) * dequantize_e8m0(sx[offs_m, k // 32])   -> DOT dtype [BLOCK_M, BLOCK_K]
+        b = dequantize_e4m3(qw[offs_n, k]) * dequantize_e8m0(sw[offs_n, k // 32])   -> DOT dtype [BLOCK_K, BLOCK_N]
         acc = dot(a, b, acc)
     y = acc + bias
 
@@ -79,20 +79,20 @@ from formats.constants import MX_BLOCK
 from ._common import (
     check_activation,
     check_bias,
-    decode_e4m3,
-    decode_e8m0,
+    dequantize_e4m3,
+    dequantize_e8m0,
     interpreting,
     kernel_bias,
     scale_offsets,
 )
 from ._e4m3_gemm import (check_gemm_operands, flatten_rows, gemm_config, grouped_tile, mx_e4m3_quantize, native_config,
                          quant_config)
-from ._e4m3_decode import decode_config as bf16_decode_config
-from ._e4m3_decode import launch_e4m3_decode, launch_e4m3_decode_linear
-from ._fp8_decode import MX_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
+from .hopper._e4m3_decode import decode_config as bf16_decode_config
+from .hopper._e4m3_decode import launch_e4m3_decode, launch_e4m3_decode_linear
+from .hopper._fp8_decode import MX_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
 from ._paths import NATIVE_SCALE_LAYOUTS, check_native_weight, default_device, resolve_path, weight_scale_bytes
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._twopass import (
+from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .hopper._twopass import (
     NO_ALPHA,
     epilogue,
     launch_bf16_gemm,
@@ -165,7 +165,7 @@ def _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_
     offs_g = k0 // VEC_SIZE + tl.arange(0, BLOCK_K // VEC_SIZE)
     sc = tl.load(s_ptr + r64 * stride_sr + offs_g[None, :] * stride_sk,
                  mask=r_ok[:, None] & (offs_g[None, :] < K // VEC_SIZE), other=127)
-    v = decode_e4m3(q).reshape(BLOCK_R, BLOCK_K // VEC_SIZE, VEC_SIZE) * decode_e8m0(sc)[:, :, None]
+    v = dequantize_e4m3(q).reshape(BLOCK_R, BLOCK_K // VEC_SIZE, VEC_SIZE) * dequantize_e8m0(sc)[:, :, None]
     return v.reshape(BLOCK_R, BLOCK_K)
 
 

@@ -72,12 +72,12 @@ from formats.constants import NVFP4_BLOCK
 from ._common import TileConfig, check_activation, check_bias, check_weight, interpreting, kernel_bias, scale_offsets
 from ._e4m3_gemm import grouped_tile
 from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm, portable_config
-from ._fp4_decode import decode_applies, launch_fp4_decode, plane_layout
+from .hopper._fp4_decode import decode_applies, launch_fp4_decode, plane_layout
 from ._nvfp4_quant import quantize_activation, quantize_planes
 from ._paths import check_native_weight, default_device, device_capability, resolve_path, sm_count, weight_scale_bytes
-from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._tiles import sm12x_config
-from ._twopass import (
+from .hopper._twopass import (
     ALPHA_GLOBAL_RECIP,
     ALPHA_NONE,
     epilogue,

@@ -95,7 +95,7 @@ def main():
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--dump")
     args = p.parse_args()
-    from kernels_triton import _e4m3_decode, _fp8_decode
+    from kernels_triton.hopper import _e4m3_decode, _fp8_decode
 
     rows = []
     k = compile_kernel(_e4m3_decode.e4m3_decode_gemm_kernel,
@@ -114,7 +114,7 @@ def main():
                              SPLIT_K=4, DOT_FP8=True, RNE_BF16=False),
                         4, 4, types={"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*i32", "sw_ptr": "*i32"})
     rows.append(("fp8 partials (_fp8_decode, MX)", k2, 128))
-    from kernels_triton import _fp4_decode
+    from kernels_triton.hopper import _fp4_decode
     k3 = compile_kernel(_fp4_decode.fp4_decode_gemm_kernel,
                         dict(GROUP=32, SCALE_E4M3=False, HAS_GLOBAL=False, HAS_BIAS=False, F16_DECODE=False,
                              USE_ASM=True, DOT_DTYPE=tl.bfloat16, ROUND_BF16=False, EVEN_K=True, BLOCK_N=128,

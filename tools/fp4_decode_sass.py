@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels_triton import _fp4_decode  # noqa: E402
+from kernels_triton.hopper import _fp4_decode  # noqa: E402
 
 # format -> the GEMM kernel's constexprs that launch_fp4_decode derives from it (the activation
 # arrives decoded, so mxfp4 W4A4 and W4A16 compile to the same GEMM)

@@ -36,7 +36,8 @@ import time
 import torch
 
 import formats
-from kernels_triton import _e4m3_decode, _fp4_decode, _fp4_gemm, _fp8_decode, fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
+from kernels_triton import _fp4_gemm, fp8_block, fp8_tensor, mxfp4, mxfp8, nvfp4
+from kernels_triton.hopper import _e4m3_decode, _fp4_decode, _fp8_decode
 from kernels_triton._common import TileConfig
 from kernels_triton._e4m3_gemm import gemm_config
 

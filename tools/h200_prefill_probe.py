@@ -47,7 +47,7 @@ def compile_rows() -> list[dict]:
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    from kernels_triton import _fp8_prefill as P  # noqa: PLC0415
+    from kernels_triton.hopper import _fp8_prefill as P  # noqa: PLC0415
 
     rows = []
     for fmt, scale_k, cfg in (("fp8_tensor", 0, P.TENSOR_PREFILL_TILE), ("fp8_block", 128, P.BLOCK_PREFILL_TILE)):
@@ -72,7 +72,7 @@ def timing_rows(budget_s: float, wait_pid: int | None, ms: list[int]) -> list[di
     import formats  # noqa: PLC0415
     from kernels_triton import fp8_block, fp8_tensor  # noqa: PLC0415 (before triton: it sets the interpreter)
     from kernels_triton._common import TileConfig as T  # noqa: PLC0415
-    from kernels_triton._fp8_prefill import launch_fp8_prefill  # noqa: PLC0415
+    from kernels_triton.hopper._fp8_prefill import launch_fp8_prefill  # noqa: PLC0415
     import triton.testing  # noqa: PLC0415
 
     t0 = time.time()

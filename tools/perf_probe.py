@@ -5,7 +5,8 @@ import triton
 from triton.testing import do_bench
 
 import formats
-from kernels_triton import _twopass, fp8_tensor, nvfp4
+from kernels_triton import fp8_tensor, nvfp4
+from kernels_triton.hopper import _twopass
 from kernels_triton._common import TileConfig
 
 torch.manual_seed(0)

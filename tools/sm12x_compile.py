@@ -16,11 +16,11 @@ Per build: the mma.sync instructions in the PTX, registers, spill stores/loads, 
 shared memory (Triton's allocation, metadata.shared), and ``fits``: shared <= 101,376 B, no spills,
 registers * threads <= 65,536.
 
-A kernel that takes ``USE_PDL`` (kernels_triton._pdl) is compiled as SM12x launches it, with
+A kernel that takes ``USE_PDL`` (kernels_triton.hopper._pdl) is compiled as SM12x launches it, with
 ``USE_PDL=True`` and ``launch_pdl``, and its PTX must hold ``griddepcontrol.wait`` and
 ``griddepcontrol.launch_dependents``, the wait before the first global load, store or
 ``cp.async`` (``pdl_wait_first``). Besides the GEMMs, the rest of the decode chain is built the
-same way ("chain" rows): every activation quantizer at its decode tile and split-K's reduction.
+same way ("chain" rows): the activation quantizers that take USE_PDL, at their decode tile.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Build:
 
 def _native_e4m3(fmt, kernel, kind, extra, row, cfg, split, types=None):
     c = dict(HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-             GROUP_M=cfg.GROUP_M, SPLIT=split, **extra)
+             GROUP_M=cfg.GROUP_M, **extra)
     return Build(f"{fmt}{'' if kind == fmt else ' ' + kind} native {row}{' split' if split else ''}", fmt, "native",
                  row, kernel, str(cfg), cfg.num_warps, cfg.num_stages, WANT["e4m3"], NATIVE_AVOID,
                  types or {}, c)
@@ -83,7 +83,7 @@ def builds() -> list[Build]:
     sys.path.insert(0, ROOT)
     from formats import FORMAT_NAMES, spec
     from kernels_triton import _tiles
-    from kernels_triton._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE
+    from kernels_triton.hopper._twopass import ALPHA_GLOBAL_RECIP, ALPHA_NONE
 
     out = []
     for fmt in FORMAT_NAMES:
@@ -94,7 +94,7 @@ def builds() -> list[Build]:
         native_kinds = ["e2m1"] if fp4 else (["fp8_block", "e4m3"] if fmt == "fp8_block" else ["e4m3"])
         for kind in native_kinds:
             for row, cfg in _tiles.sm12x_entries(kind).items():
-                for split in ((False, True) if _tiles.can_split(row) else (False,)):
+                for split in (False,):  # the SM12x tables do not split K
                     if fp4:
                         # swizzled weight scales only change the scale addresses of the one FP4 body,
                         # whose nvfp4 instance compiles both
@@ -133,11 +133,11 @@ def builds() -> list[Build]:
                              ROUND_BF16=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                              GROUP_M=cfg.GROUP_M, stride_ak=1, stride_bk=1)
                     out.append(Build(f"{fmt} W4A16 portable {row} (bf16 GEMM)", fmt, "portable", row,
-                                     "_twopass:bf16_gemm_kernel", str(cfg), cfg.num_warps, cfg.num_stages,
+                                     "hopper._twopass:bf16_gemm_kernel", str(cfg), cfg.num_warps, cfg.num_stages,
                                      WANT["bf16"], (), {"a_ptr": "*bf16", "b_ptr": "*bf16", "s1_ptr": "*fp32",
                                                         "s2_ptr": "*fp32"}, c))
                     continue
-                for split in ((False, True) if _tiles.can_split(row) else (False,)):
+                for split in (False,):  # the SM12x tables do not split K
                     c = dict(GROUP=vec, SCALE_E4M3=e4m3_scales, HAS_GLOBAL=e4m3_scales, A16=True,
                              SPLIT_A16=act == "fp16", HAS_BIAS=True, DOT_DTYPE="bf16", ROUND_BF16=False,
                              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
@@ -152,26 +152,13 @@ def builds() -> list[Build]:
 def chain_builds() -> list[Build]:
     """The decode chain's kernels other than the GEMMs, as launched at M = 16, K = 8192 (their tiles
     from the functions the launchers call): only what PDL adds is checked there (PDL_WANT)."""
-    from kernels_triton import _nvfp4_quant, fp8_tensor, mxfp4
-    from kernels_triton._e4m3_gemm import quant_config
-    from kernels_triton._twopass import ALPHA_SCALES
+    from kernels_triton import _nvfp4_quant, mxfp4
 
     M, K = 16, 8192
-    bm, bk = quant_config(M, K, False, group=32)
-    bm_blk, _ = quant_config(M, K, False, group=128)
     nv_m, nv_k = _nvfp4_quant._quantize_tiles(M, K, False)
     mx4_m, mx4_k = mxfp4._quantize_tiles(M, K, False)
     f32 = "*fp32"
     rows = [  # name, fmt, kernel, pointer types, constexprs
-        ("fp8_tensor amax", "fp8_tensor", "fp8_tensor:_amax_partials_kernel", {"x_ptr": "*bf16", "partials_ptr": f32},
-         dict(BLOCK_M=bm, BLOCK_K=bk)),
-        ("fp8_tensor quantize", "fp8_tensor", "fp8_tensor:_quantize_kernel",
-         {"x_ptr": "*bf16", "scale_ptr": f32, "partials_ptr": f32},
-         dict(STATIC_SCALE=False, BLOCK_M=bm, BLOCK_K=bk, PARTIALS_BLOCK=fp8_tensor.PARTIALS_BLOCK)),
-        ("fp8_block quantize", "fp8_block", "fp8_block:_quantize_kernel", {"x_ptr": "*bf16", "s_ptr": f32},
-         dict(UE8M0=False, BLOCK_M=bm_blk)),
-        ("mxfp8 quantize", "mxfp8", "mxfp8:_quantize_kernel", {"x_ptr": "*bf16"},
-         dict(FLOOR_RULE=False, BLOCK_M=bm, GROUPS=bk // 32)),
         ("mxfp4 quantize", "mxfp4", "mxfp4:_quantize_kernel", {"x_ptr": "*bf16"},
          dict(CEIL_RULE=True, BLOCK_M=mx4_m, BLOCK_K=mx4_k)),
         ("nvfp4 amax", "nvfp4", "_nvfp4_quant:_amax_partial_kernel", {"x_ptr": "*bf16", "partial_ptr": f32},
@@ -179,9 +166,6 @@ def chain_builds() -> list[Build]:
         ("nvfp4 quantize", "nvfp4", "_nvfp4_quant:_quantize_kernel",
          {"x_ptr": "*bf16", "partial_ptr": f32, "g_out_ptr": f32},
          dict(DYNAMIC=True, BLOCK_P=_nvfp4_quant.MAX_PARTIALS, BLOCK_M=nv_m, BLOCK_K=nv_k)),
-        ("split-K reduce", "all", "_twopass:splitk_reduce_kernel",
-         {"y_ptr": "*bf16", "s1_ptr": f32, "s2_ptr": f32},
-         dict(SPLIT_K=2, ALPHA_MODE=ALPHA_SCALES, HAS_BIAS=True, ROUND_BF16=False, BLOCK_M=16, BLOCK_N=256)),
     ]
     def tile(c):  # rows x columns of x per program (the reduction: of y)
         cols = c.get("BLOCK_K") or 32 * c.get("GROUPS", 0) or (128 if "UE8M0" in c else c.get("BLOCK_N"))
@@ -266,7 +250,7 @@ def compile_one(job: tuple[dict, int]) -> dict:
         threads=32 * b.num_warps,
     )
     rec["missing"] = [w for w in b.want if w not in ptx]
-    if pdl:  # PDL's rule (kernels_triton._pdl): the wait comes before the first global access
+    if pdl:  # PDL's rule (kernels_triton.hopper._pdl): the wait comes before the first global access
         lines = ptx.splitlines()
         first = lambda pred: next((i for i, l in enumerate(lines) if pred(l.strip())), None)  # noqa: E731
         rec["pdl_wait_first"] = (first(lambda l: l.startswith("griddepcontrol.wait")) or 10**9) < (

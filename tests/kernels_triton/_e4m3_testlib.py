@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import formats
-from kernels_triton._fp8_decode import fp8_decode_applies
+from kernels_triton.hopper._fp8_decode import fp8_decode_applies
 from conftest import DEVICE, assert_within_bound, device_name, make_input, rel_err  # noqa: F401
 from conftest import gemm_bound as _gemm_bound
 

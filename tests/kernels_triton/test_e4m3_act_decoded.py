@@ -15,7 +15,7 @@ import torch
 
 import formats
 from conftest import DEVICE, assert_within_bound, gemm_bound, make_input
-from kernels_triton import _e4m3_decode as dec
+from kernels_triton.hopper import _e4m3_decode as dec
 from kernels_triton import interpreting
 from kernels_triton import mxfp8 as kmx
 from kernels_triton._common import TileConfig

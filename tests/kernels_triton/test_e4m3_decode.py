@@ -20,7 +20,7 @@ import triton.language as tl
 
 import formats
 from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
-from kernels_triton import _e4m3_decode as dec
+from kernels_triton.hopper import _e4m3_decode as dec
 from kernels_triton._common import TileConfig, interpreting
 
 CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -275,7 +275,7 @@ def test_decoded_linear_refuses_a_non_16_bit_activation():
 def test_reported_split_is_the_launched_split():
     """decode_tile reports the split splitk_plan launches: at N = 1024, K = 130 x 128 the rule asks for
     split 32, and 130 K steps in chunks of 5 run as 26 programs (the bench prints the reported tile)."""
-    from kernels_triton._twopass import splitk_plan
+    from kernels_triton.hopper._twopass import splitk_plan
 
     for N, K in ((1024, 130 * 128), (4096, 4224), (4096, 5248), (8192, 8192)):
         cfg = dec.decode_tile(16, N, K, 132)

@@ -16,7 +16,8 @@ import triton.language as tl
 
 import formats
 from conftest import DEVICE, assert_within_bound, gemm_bound, make_input
-from kernels_triton import _fp4_decode, _nvfp4_quant, interpreting, mxfp4, nvfp4
+from kernels_triton import _nvfp4_quant, interpreting, mxfp4, nvfp4
+from kernels_triton.hopper import _fp4_decode
 from kernels_triton._common import TileConfig
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}

@@ -24,7 +24,7 @@ from _e4m3_testlib import (
 )
 from conftest import make_input, rel_err
 from kernels_triton import fp8_block as mod
-from kernels_triton._fp8_decode import fp8_decode_config
+from kernels_triton.hopper._fp8_decode import fp8_decode_config
 
 FMT = "fp8_block"
 BLOCK = 128

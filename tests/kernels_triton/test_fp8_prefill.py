@@ -1,4 +1,4 @@
-"""kernels_triton._fp8_prefill (the sm_90 TMA prefill kernel of fp8_tensor and fp8_block) against
+"""kernels_triton.hopper._fp8_prefill (the sm_90 TMA prefill kernel of fp8_tensor and fp8_block) against
 the formats/ oracle. The kernel runs under the interpreter on the CPU (host tensor descriptors,
 codes decoded to fp32) with small tiles, and on a GPU with the shipped tiles; its sm_90 build is
 checked on the CPU (tools/h200_prefill_probe.py --compile: TMA copies in the PTX, two CTAs per SM
@@ -19,7 +19,7 @@ from _e4m3_testlib import check_gemm, gemm_bound, make_bias, make_weight, sm90_s
 from conftest import DEVICE, assert_within_bound, make_input
 from kernels_triton import fp8_block, fp8_tensor
 from kernels_triton._common import TileConfig, interpreting
-from kernels_triton._fp8_prefill import (BLOCK_PREFILL_TILE, TENSOR_PREFILL_TILE, launch_fp8_prefill,
+from kernels_triton.hopper._fp8_prefill import (BLOCK_PREFILL_TILE, TENSOR_PREFILL_TILE, launch_fp8_prefill,
                                          fp8_prefill_applies, tma_ok)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -23,7 +23,7 @@ from _e4m3_testlib import (
 )
 from conftest import DEVICE, make_input, rel_err
 from kernels_triton import fp8_tensor as mod
-from kernels_triton._fp8_decode import TENSOR_DECODE_TILE, fp8_decode_config
+from kernels_triton.hopper._fp8_decode import TENSOR_DECODE_TILE, fp8_decode_config
 
 FMT = "fp8_tensor"
 BF16, FP16 = torch.bfloat16, torch.float16

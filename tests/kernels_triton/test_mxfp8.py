@@ -28,9 +28,9 @@ from _e4m3_testlib import (
 from conftest import DEVICE, make_input, rel_err
 from kernels_triton import mxfp8 as mod
 from kernels_triton._common import interpreting
-from kernels_triton._e4m3_decode import decode_config as bf16_decode_config
-from kernels_triton._e4m3_decode import launch_e4m3_decode
-from kernels_triton._fp8_decode import (MX_DECODE_TILE, MX_SCALE, fp8_decode_applies, fp8_decode_config,
+from kernels_triton.hopper._e4m3_decode import decode_config as bf16_decode_config
+from kernels_triton.hopper._e4m3_decode import launch_e4m3_decode
+from kernels_triton.hopper._fp8_decode import (MX_DECODE_TILE, MX_SCALE, fp8_decode_applies, fp8_decode_config,
                                         launch_fp8_decode)
 
 FMT = "mxfp8"

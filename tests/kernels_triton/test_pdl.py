@@ -17,7 +17,9 @@ import formats
 from conftest import device_name, make_input
 import kernels_triton as kt
 from dispatch.registry import VARIANTS
-from kernels_triton import _pdl, interpreting
+from kernels_triton import interpreting
+
+from kernels_triton.hopper import _pdl
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +40,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels_triton import _twopass
+from kernels_triton.hopper import _twopass
 sig = {"ws_ptr": "*fp32", "y_ptr": "*bf16", "s1_ptr": "*fp32", "s2_ptr": "*fp32", "bias_ptr": "*fp32",
        "M": "i32", "N": "i32", "stride_ym": "i32"}
 consts = dict(SPLIT_K=2, ALPHA_MODE=1, HAS_BIAS=False, ROUND_BF16=False, BLOCK_M=16, BLOCK_N=256)
@@ -122,17 +124,19 @@ def _pdl_kernels():
     import triton
 
     import kernels_triton
+    import kernels_triton.hopper
 
     found = {}
-    for info in pkgutil.iter_modules(kernels_triton.__path__):
-        if info.name == "_pdl":  # the helpers themselves take USE_PDL
-            continue
-        mod = importlib.import_module(f"kernels_triton.{info.name}")
-        for name, obj in vars(mod).items():
-            # JITFunction on a GPU, InterpretedFunction under the interpreter: both KernelInterface
-            if isinstance(obj, triton.runtime.jit.KernelInterface) and "USE_PDL" in getattr(obj, "arg_names", ()) \
-                    and obj.fn.__module__ == mod.__name__:
-                found[f"{info.name}.{name}"] = obj
+    for pkg, prefix in ((kernels_triton, ""), (kernels_triton.hopper, "hopper.")):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if info.name == "_pdl" or info.ispkg:  # the helpers themselves take USE_PDL
+                continue
+            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            for name, obj in vars(mod).items():
+                # JITFunction on a GPU, InterpretedFunction under the interpreter: both KernelInterface
+                if isinstance(obj, triton.runtime.jit.KernelInterface) and "USE_PDL" in getattr(obj, "arg_names", ()) \
+                        and obj.fn.__module__ == mod.__name__:
+                    found[f"{prefix}{info.name}.{name}"] = obj
     return found
 
 
@@ -141,8 +145,9 @@ PDL_KERNELS = _pdl_kernels()
 
 def test_the_decode_chain_kernels_take_part():
     names = set(PDL_KERNELS)
-    for k in ("_fp8_decode.fp8_decode_gemm_kernel", "_fp4_decode.fp4_decode_gemm_kernel",
-              "_fp4_decode.act_planes_kernel", "_e4m3_decode.act_decoded_kernel", "_twopass.splitk_reduce_kernel", "fp8_tensor._quantize_kernel",
+    for k in ("hopper._fp8_decode.fp8_decode_gemm_kernel", "hopper._fp4_decode.fp4_decode_gemm_kernel",
+              "hopper._fp4_decode.act_planes_kernel", "hopper._e4m3_decode.act_decoded_kernel",
+              "hopper._twopass.splitk_reduce_kernel", "fp8_tensor._quantize_kernel",
               "_nvfp4_quant._quantize_kernel"):
         assert k in names, (k, sorted(names))
     assert len(names) >= 10, sorted(names)

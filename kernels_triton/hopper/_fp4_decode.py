@@ -32,7 +32,7 @@ up to the order of the fp32 additions.
 
 bf16 decode (mxfp4 W4A4, and W4A16 with bf16 activations): E8M0 scales exceed fp16's range. The
 magnitude bits at bf16 bits 8..6 and the sign at bit 15 are value * 2^-126 (as for fp32 in
-``_common.decode_e2m1``), and one ``mul.rn.bf16x2`` by 2^126 restores the value (``_BF16_LO/HI_ASM``;
+``_codecs.dequantize_e2m1``), and one ``mul.rn.bf16x2`` by 2^126 restores the value (``_BF16_LO/HI_ASM``;
 the multiply keeps the subnormal 0.5 * 2^-126); the scale, bf16 by bit placement (``e8m0_bf16``)
 or from the e4m3 decode, multiplies in bf16, exactly (e2m1 * scale has at most 6 significant bits
 and stays in bf16's range whenever the lesson's fp32 product does).
@@ -57,8 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (TileConfig, decode_e2m1, decode_e4m3, decode_e8m0, global_alpha, interpreting,
-                      round_to_bf16_rne)
+from .._codecs import dequantize_e2m1, dequantize_e4m3, dequantize_e8m0, global_alpha, round_to_bf16_rne
+from .._common import TileConfig, interpreting
 from ._fp4_decode_tile import (DECODE_MAX_M, PLANE_DTYPES, check_planes, check_quantize_planes,  # noqa: F401
                                decode_applies, decode_config, decode_tile, min_block_k, plane_layout)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -88,7 +88,7 @@ prmt.b32 $0, m, 0, 0x1404; prmt.b32 $1, m, 0, 0x3424;
 
 # bf16 planes (mxfp4, W4A16): prmt spreads bytes (0, 1) / (2, 3) into the two 16-bit lanes, the
 # magnitude goes to bf16 bits 8..6 and the sign to bit 15 (value * 2^-126, the subnormal 0.5 too, as
-# for fp32 in _common.decode_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value;
+# for fp32 in _codecs.dequantize_e2m1), and one bf16x2 multiply by 2^126 (0x7E80) restores the value;
 # without it (``restore`` False) the planes stay value * 2^-126 (FOLD_E4M3 in fp4_planes).
 def _bf16_plane_asm(high: bool, restore: bool) -> str:
     mag, mag_shl, sgn, sgn_shl = ("0x00700070", 2, "0x00800080", 8) if high else ("0x00070007", 6, "0x00080008", 12)
@@ -166,21 +166,21 @@ def fp4_planes(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
     elif F16:
         lo = e2m1_f16_scaled(b & 0xF)
         hi = e2m1_f16_scaled(b >> 4)
-        sv = decode_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
+        sv = dequantize_e4m3(s).to(tl.float16)  # every e4m3 value is an fp16 value
     elif USE_ASM and FOLD_E4M3:
         lo = tl.inline_asm_elementwise(_BF16_LO_RAW_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
         hi = tl.inline_asm_elementwise(_BF16_HI_RAW_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
-        sv = (decode_e4m3(s) * E4M3_FOLD).to(tl.bfloat16)  # exact: a power of two, no overflow
+        sv = (dequantize_e4m3(s) * E4M3_FOLD).to(tl.bfloat16)  # exact: a power of two, no overflow
     elif USE_ASM:
         lo = tl.inline_asm_elementwise(_BF16_LO_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True,
                                        pack=4)
         hi = tl.inline_asm_elementwise(_BF16_HI_ASM, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True,
                                        pack=4)
-        sv = decode_e4m3(s).to(tl.bfloat16) if SCALE_E4M3 else e8m0_bf16(s)  # exact
+        sv = dequantize_e4m3(s).to(tl.bfloat16) if SCALE_E4M3 else e8m0_bf16(s)  # exact
     else:
-        lo = decode_e2m1(b & 0xF)
-        hi = decode_e2m1(b >> 4)
-        sv = decode_e4m3(s) if SCALE_E4M3 else decode_e8m0(s)
+        lo = dequantize_e2m1(b & 0xF)
+        hi = dequantize_e2m1(b >> 4)
+        sv = dequantize_e4m3(s) if SCALE_E4M3 else dequantize_e8m0(s)
     lo = scale_planes(fragment_order(lo, BLOCK_R, BLOCK_K // 2), sv, BLOCK_R, BLOCK_K // 2, GROUP)
     hi = scale_planes(fragment_order(hi, BLOCK_R, BLOCK_K // 2), sv, BLOCK_R, BLOCK_K // 2, GROUP)
     return lo, hi

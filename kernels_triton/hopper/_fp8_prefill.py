@@ -27,7 +27,7 @@ and row stride and unit column stride: ``tma_ok`` checks them, and the callers f
 lesson kernel where they fail (e.g. fp8_tensor with K not a multiple of 16).
 
 Under the interpreter (tests on the CPU; gemm never picks this kernel there) DOT_FP8 is False:
-the descriptors hold uint8 codes, decoded to fp32 with _common.decode_e4m3 before each dot.
+the descriptors hold uint8 codes, decoded to fp32 with _codecs.dequantize_e4m3 before each dot.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from formats.constants import FP8_BLOCK
 
-from ._common import TileConfig, decode_e4m3, interpreting
-from ._e4m3_gemm import grouped_tile
-from ._paths import is_sm90
+from .._codecs import dequantize_e4m3, grouped_tile
+from .._common import TileConfig, launch, interpreting
+from . import is_sm90
 from ._twopass import ALPHA_SCALES, NO_ALPHA, epilogue
 
 PREFILL_MIN_M = 257  # M above the medium tiles of gemm_config (M <= 256)
@@ -91,8 +91,8 @@ def fp8_prefill_kernel(
         a = x_desc.load([om, k0])
         b = w_desc.load([on, k0])
         if not DOT_FP8:
-            a = decode_e4m3(a)
-            b = decode_e4m3(b)
+            a = dequantize_e4m3(a)
+            b = dequantize_e4m3(b)
         if SCALE_K == 0:
             if DOT_FP8:
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=IMPRECISE_ACC)
@@ -154,7 +154,7 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
             128 (fp8_block): float32 sx [M, K/128] (1x128 groups), sw [ceil(N/128), K/128]
                 (128x128 blocks), K a multiple of 128;
                 y = sum_kb (x_kb . w_kb^T) * (sx[:, kb] * sw[n // 128, kb]) + bias.
-        bias: None or float32 [N] (kernel_bias's), added in fp32.
+        bias: None or a contiguous float32 / bf16 / fp16 [N] (kernel_bias's), added in fp32.
         y: the output, bfloat16 / float16 / float32 [M, N] with unit column stride; written and
             returned.
         scale_k: 0 or 128 (above).
@@ -191,7 +191,7 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
     w_desc = TensorDescriptor.from_tensor(w, [cfg.BLOCK_N, cfg.BLOCK_K])
     s_strides = (*sx.stride(), *sw.stride()) if scale_k else (0, 0, 0, 0)
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-    fp8_prefill_kernel[grid](
+    launch(fp8_prefill_kernel, grid,
         x_desc, w_desc, sx, sw, bias if bias is not None else y, y,
         M, N, K, y.stride(0), *s_strides,
         HAS_BIAS=bias is not None, SCALE_K=scale_k, IMPRECISE_ACC=min(imprecise_acc, cfg.BLOCK_K),

@@ -26,7 +26,7 @@ unless they sit at different k.
 Block and MX partials are already scaled, so the split-K reduction adds the bias only.
 
 Under the interpreter (tests on the CPU; gemm never picks this kernel there) DOT_FP8 is False: the
-codes arrive as uint8 and are decoded to fp32 with _common.decode_e4m3 before each dot, as in the
+codes arrive as uint8 and are decoded to fp32 with _codecs.dequantize_e4m3 before each dot, as in the
 lesson kernels (the interpreter's fp8 dot reads the NaN codes as +-480).
 """
 
@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e4m3, interpreting
-from ._e4m3_gemm import e4m3_operand
+from .._codecs import dequantize_e4m3
+from .._common import TileConfig, launch, e4m3_operand, interpreting, sm_count
 from ._fp8_prefill import prefill_config
-from ._paths import is_sm90, sm_count
+from . import is_sm90
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan,
                        splitk_workspace, store_splitk_partial, swapped_tile)
@@ -70,14 +70,14 @@ def _load_codes(ptr, rows, row_ok, stride, offs_k, K, MASK_K: tl.constexpr, DOT_
         mask = mask & (offs_k < K)[None, :]
     t = tl.load(ptr + rows.to(tl.int64)[:, None] * stride + offs_k[None, :], mask=mask, other=0.0)
     if not DOT_FP8:
-        t = decode_e4m3(t)
+        t = dequantize_e4m3(t)
     return t
 
 
 @triton.jit
 def _e8m0_byte(word, j: tl.constexpr):
     """E8M0 byte j of packed bytes -> 2^(b - 127) float32 (0x00 -> 2^-127, 0xFF -> NaN), as
-    _common.decode_e8m0 but in fewer instructions (it runs per scale block): the byte goes straight
+    _codecs.dequantize_e8m0 but in fewer instructions (it runs per scale block): the byte goes straight
     into fp32's exponent field. Bytes >= 1 give patterns >= 0x00800000 (2^-126), above 2^-127's
     subnormal pattern 0x00400000, so a max turns only byte 0's zero into 2^-127; 0xFF lands on
     Inf's pattern, which becomes NaN."""
@@ -259,7 +259,7 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
             MX_SCALE (32, mxfp8): uint8 E8M0 sx [M, K/32], sw [N, K/32] (linear layout), K a
                 multiple of 32; y = sum_kb (x_kb . w_kb^T) * 2^(sx[:, kb] - 127) * 2^(sw[n, kb] - 127)
                 + bias (OCP MX 1.0: byte 0x00 is 2^-127, 0xFF NaN).
-        bias: None or float32 [N] (kernel_bias's), added in fp32.
+        bias: None or a contiguous float32 / bf16 / fp16 [N] (kernel_bias's), added in fp32.
         y: the output, bfloat16 / float16 / float32 [M, N], row stride y.stride(0) and unit column
             stride; written and returned.
         scale_k: TENSOR_SCALE, FP8_BLOCK_SCALE or MX_SCALE (above).
@@ -296,7 +296,7 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
     s_strides = (*sx.stride(), *sw.stride()) if scale_k else (0, 0, 0, 0)
-    fp8_decode_gemm_kernel[(triton.cdiv(N, cfg.BLOCK_N), n_split)](
+    launch(fp8_decode_gemm_kernel, (triton.cdiv(N, cfg.BLOCK_N), n_split),
         x, w, sx, sw, bias if bias is not None else y, y, ws,
         M, N, K, k_per, x.stride(0), w.stride(0), y.stride(0), *s_strides,
         HAS_BIAS=bias is not None, IMPRECISE_ACC=min(imprecise_acc, scale_k or cfg.BLOCK_K), SCALE_K=scale_k,

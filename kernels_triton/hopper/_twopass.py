@@ -1,5 +1,5 @@
-"""Second kernels shared by the GEMMs of all five formats: the split-K reduction and the plain
-bf16 GEMM that follows a decode pre-pass.
+"""The second kernels of the Hopper (sm_90) GEMMs of all five formats: the split-K reduction and
+the plain bf16 GEMM that follows a dequantizing pre-pass.
 
 Both exist for the same reason: a quantized GEMM on Hopper has two regimes that one fused kernel
 serves badly.
@@ -23,14 +23,8 @@ value is exact in bf16: see _fp4_gemm and mxfp8), and ``bf16_gemm_kernel`` multi
 matrices with the scales already applied. Same function, same fp32 accumulation; the price is
 2 bytes per element of scratch traffic, small next to 2 * M * N * K FLOPs once M is a few hundred.
 
-alpha (ALPHA_MODE, constexpr), named:
-    ALPHA_NONE          1                        (every scale was applied in the K loop)
-    ALPHA_SCALES        s1 * s2                  (fp8_tensor: the two per-tensor scales)
-    ALPHA_GLOBAL_RECIP  (1 / s1) * (1 / s2)      (nvfp4: the global scales, read from device tensors,
-                                                  no host sync; two IEEE reciprocals, so g_x * g_w
-                                                  cannot overflow; their product underflows only when
-                                                  amax_x * amax_w < ~1e-31; NaN when a global scale
-                                                  is not finite and > 0: _common.global_alpha)
+alpha is the epilogue's ALPHA_MODE (kernels_triton._common.epilogue: none, s1 * s2, or nvfp4's
+(1 / s1) * (1 / s2)).
 """
 
 from __future__ import annotations
@@ -41,33 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, global_alpha, interpreting, round_to_bf16_rne
+from .._common import (  # noqa: F401  (the epilogue and its modes, re-exported for the hopper kernels)
+    ALPHA_GLOBAL_RECIP, ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, TileConfig, epilogue, interpreting, launch,
+)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-
-# epilogue modes (ALPHA_MODE): what multiplies the fp32 accumulator before the bias
-ALPHA_NONE = 0
-ALPHA_SCALES = 1
-ALPHA_GLOBAL_RECIP = 2
-NO_ALPHA = tl.constexpr(ALPHA_NONE)  # for kernels that call epilogue() with every scale already applied
-_ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
-_ALPHA_GLOBAL_RECIP = tl.constexpr(ALPHA_GLOBAL_RECIP)
-
-
-@triton.jit
-def epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
-              ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """acc * alpha + bias (see the module docstring), rounded for a bf16 store under the interpreter."""
-    if ALPHA_MODE == _ALPHA_SCALES:
-        # the scales meet each other first: acc * s1 alone can overflow where the result does not
-        acc = acc * (tl.load(s1_ptr) * tl.load(s2_ptr))
-    if ALPHA_MODE == _ALPHA_GLOBAL_RECIP:
-        acc = acc * global_alpha(tl.load(s1_ptr), tl.load(s2_ptr))
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ROUND_BF16:
-        acc = round_to_bf16_rne(acc)
-    return acc
-
 
 @triton.jit
 def swapped_tile(N, M, K, K_PER, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -156,7 +127,7 @@ def launch_splitk_reduce(ws, y, *, bias=None, alpha_mode=ALPHA_NONE, s1=None, s2
     bm, bn = (min(64, triton.next_power_of_2(M)), min(256, triton.next_power_of_2(N))) if interpreting() \
         else (16, 256)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    splitk_reduce_kernel[grid](
+    launch(splitk_reduce_kernel, grid,
         ws, y, s1 if s1 is not None else ws, s2 if s2 is not None else ws,
         bias if bias is not None else ws,
         M, N, y.stride(0),
@@ -233,7 +204,7 @@ def launch_bf16_gemm(a, b, y, *, bias=None, alpha_mode=ALPHA_NONE, s1=None, s2=N
     interp = interpreting()
     cfg = config or bf16_gemm_config(M, N, K, interp)
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-    bf16_gemm_kernel[grid](
+    launch(bf16_gemm_kernel, grid,
         a, b, s1 if s1 is not None else a, s2 if s2 is not None else a, bias if bias is not None else y, y,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0),

@@ -37,7 +37,7 @@ import os
 import triton
 import triton.language as tl
 
-from ._paths import device_capability
+from .._common import device_capability
 
 PDL_ENV = "B12X_PDL"
 PDL_VALUES = ("", "0", "1")  # "" (unset) and "1": on where it applies; "0": off

@@ -33,7 +33,7 @@ sign-replicating selector spreads bytes (0, 1) / (2, 3) into 16-bit lanes, sign 
 shifted left by 4 and masked with 0x87F0, the sign lands at bit 15 and the 7 magnitude bits
 eeee mmm at bf16 bits 10..4 (the low exponent bits and the top mantissa bits). That is exactly
 value * 2^-120 for every code, the subnormals (eeee = 0) included, as for fp32 in
-``_common.decode_e4m3``; ``mul.rn.bf16x2`` by 2^120 restores it. The NaN codes 0x7F / 0xFF would
+``_codecs.dequantize_e4m3``; ``mul.rn.bf16x2`` by 2^120 restores it. The NaN codes 0x7F / 0xFF would
 read as +-480: per word, t = (w & 0x7F7F7F7F) + 0x01010101 has bit 7 of a byte set exactly for a
 NaN code, and a second sign-replicating ``prmt`` of t spreads it into a lane of ones that is OR'd
 over the placed bits (0xFFFF is a bf16 NaN), so a NaN weight code makes y[:, n] NaN and a NaN
@@ -61,10 +61,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import TileConfig, decode_e4m3, decode_e8m0, interpreting
-from ._e4m3_gemm import mx_e4m3_quantize
+from .._codecs import dequantize_e4m3, dequantize_e8m0
+from .._common import BIAS_DTYPES, TileConfig, launch, interpreting, sm_count
+from .._e4m3_gemm import mx_e4m3_quantize
 from ._fp4_decode import e8m0_bf16, fragment_order, scale_planes
-from ._paths import sm_count
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (NO_ALPHA, decode_split, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace,
                        store_splitk_partial, swapped_tile)
@@ -139,7 +139,7 @@ def e4m3_tile(data_ptr, s, rows, r_mask, k0, K, stride_dr,
         sv = e8m0_bf16(s)
     else:
         v = e4m3_bf16_bits(b).to(tl.bfloat16, bitcast=True).to(tl.float32) * _TWO_POW_120
-        sv = decode_e8m0(s)
+        sv = dequantize_e8m0(s)
     # a byte is one element, so the planes' helper sees blocks of 2 * 32 "plane bytes"
     return scale_planes(fragment_order(v, BLOCK_R, BLOCK_K), sv, BLOCK_R, BLOCK_K, 2 * _GROUP)
 
@@ -163,7 +163,7 @@ def act_decoded_kernel(
     x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
                 mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
     q, s = mx_e4m3_quantize(x.reshape(BLOCK_M, BLOCK_K // _GROUP, _GROUP), FLOOR_RULE)
-    v = (decode_e4m3(q) * decode_e8m0(s)[:, :, None]).reshape(BLOCK_M, BLOCK_K)  # fp32, exact
+    v = (dequantize_e4m3(q) * dequantize_e8m0(s)[:, :, None]).reshape(BLOCK_M, BLOCK_K)  # fp32, exact
     pdl_launch_dependents(USE_PDL)
     v = fragment_order(v, BLOCK_M, BLOCK_K)
     tl.store(p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_k[None, :], v.to(p_ptr.dtype.element_ty),
@@ -257,7 +257,7 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
         x: e4m3 codes [M, K], torch.float8_e4m3fn or uint8, M <= 16, K stride 1.
         sx: E8M0 bytes uint8 [M, K/32] (linear layout, K stride 1).
         w, sw: the weight's codes [N, K] and E8M0 bytes [N, K/32], as x and sx.
-        bias: None or float32 [N] (kernel_bias's), added in fp32.
+        bias: None or a contiguous float32 / bf16 / fp16 [N] (kernel_bias's), added in fp32.
         y: the output, bfloat16 / float16 / float32 [M, N], unit column stride; written, returned.
         config: the tile; None: decode_config's for y's device. BLOCK_M >= M, BLOCK_K a power of
             two >= 128 (MIN_BLOCK_K).
@@ -269,7 +269,7 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
     Raises:
         ValueError: naming the argument: x or w not 2-D, not e4m3 codes or not K-contiguous; their K
             differ; sx / sw not uint8 [rows, K/32] K-contiguous; y not bf16 / fp16 / fp32 [M, N] with
-            unit column stride; bias not a contiguous float32 [N]; operands on different devices;
+            unit column stride; bias not a contiguous float32 / bf16 / fp16 [N]; operands on different devices;
             M > 16, K not a positive multiple of 32, config.BLOCK_M < M, or config.BLOCK_K not a
             power of two >= 128.
     """
@@ -294,7 +294,7 @@ def launch_e4m3_decode_linear(x, w, sw, bias, y, *, floor_rule: bool = False, co
         x: bfloat16 / float16 [M, K], any strides; M <= 16, K a positive multiple of 32.
         w, sw: the weight's e4m3 codes [N, K] (float8_e4m3fn or uint8) and E8M0 bytes uint8
             [N, K/32], K stride 1 in both.
-        bias: None or float32 [N] (kernel_bias's), added in fp32.
+        bias: None or a contiguous float32 / bf16 / fp16 [N] (kernel_bias's), added in fp32.
         y: the output, bfloat16 / float16 / float32 [M, N], unit column stride; written, returned.
         floor_rule: the activation's scale rule, False for "ceil", True for "floor" (OCP MX 6.3).
         config, use_asm: as launch_e4m3_decode (the weight decode).
@@ -311,7 +311,7 @@ def launch_e4m3_decode_linear(x, w, sw, bias, y, *, floor_rule: bool = False, co
     bk = cfg.BLOCK_K
     k_tiles = triton.cdiv(K, bk)
     xd = torch.empty((M, k_tiles * bk), dtype=torch.float32 if interpreting() else torch.bfloat16, device=y.device)
-    act_decoded_kernel[(k_tiles,)](
+    launch(act_decoded_kernel, (k_tiles,),
         x, xd, M, K, x.stride(0), x.stride(1), xd.stride(0),
         FLOOR_RULE=floor_rule, BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(y.device),
     )
@@ -347,8 +347,9 @@ def _check_operands(x, sx, w, sw, bias, y, *, x_codes: bool) -> tuple[int, int, 
     if y.dtype not in (torch.bfloat16, torch.float16, torch.float32) or tuple(y.shape) != (M, N) or y.stride(1) != 1:
         raise ValueError(f"y must be bfloat16 / float16 / float32 [{M}, {N}] with unit column stride, got "
                          f"{y.dtype} {tuple(y.shape)} strides {y.stride()}")
-    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (N,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be None or a contiguous float32 [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    if bias is not None and (bias.dtype not in BIAS_DTYPES or tuple(bias.shape) != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be None or a contiguous float32 / bfloat16 / float16 [{N}], got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
     devices = {t.device for t in (x, sx, w, sw, bias, y) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"every operand must be on one device, got {sorted(map(str, devices))}")
@@ -381,7 +382,7 @@ def _launch_gemm(x, sx, w, sw, bias, y, cfg, use_asm, maxnreg, *, x_decoded: boo
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
     regs = {} if maxnreg is None or interp else {"maxnreg": maxnreg}
-    e4m3_decode_gemm_kernel[(triton.cdiv(N, cfg.BLOCK_N), n_split)](
+    launch(e4m3_decode_gemm_kernel, (triton.cdiv(N, cfg.BLOCK_N), n_split),
         x, sx, w, sw, bias if bias is not None else y, y, ws,
         M, N, K, k_per, x.stride(0), sx.stride(0), w.stride(0), sw.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, USE_ASM=(not interp) if use_asm is None else use_asm,
