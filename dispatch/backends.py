@@ -28,10 +28,7 @@ from .devices import CPU, DeviceInfo, current_device, interpreting
 from .policy import ImplementationUnavailable
 from .registry import Backend, Problem, UnsupportedEntry
 
-try:  # the contract: kernels_triton exports Route and record_launches
-    from kernels_triton import Route, record_launches  # noqa: F401
-except ImportError:  # pragma: no cover  (before kernels_triton re-exports them)
-    from kernels_triton._route import Route, record_launches  # noqa: F401
+from kernels_triton import Route, record_launches  # noqa: F401  (re-exported for tests and apps)
 
 INSTALL_CUTE = "pip install 'b12x-dual[cute]'"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -149,9 +146,9 @@ class _KernelBackend(Backend):
     def route(self, problem: Problem, device: DeviceInfo, **act_opts) -> Route:
         """The kernel module's own ``route(M, N, K, capability=, sm_count=, a16=)`` (what its linear
         executes), with the device's capability and SM count; where the module's route takes them,
-        ``x_dtype`` (the problem's dtype) and ``dynamic_scale`` (False when ``act_opts`` hold a
-        static activation scale: fp8_tensor ``scale``, nvfp4 ``global_scale``; the dynamic amax
-        kernel is then not launched)."""
+        ``x_dtype`` (the problem's dtype), the activation options by name (a static fp8_tensor
+        ``scale`` or nvfp4 ``global_scale`` drops the amax kernel), or ``dynamic_scale`` (False
+        when ``act_opts`` hold a static scale)."""
         mod = self._module()
         kw = self._route_args(device)
         if self.a16:
@@ -159,6 +156,7 @@ class _KernelBackend(Backend):
         takes = _route_parameters(mod)
         if "x_dtype" in takes:
             kw["x_dtype"] = problem.dtype
+        kw.update({k: v for k, v in act_opts.items() if k in takes and k not in kw})
         if "dynamic_scale" in takes:
             kw["dynamic_scale"] = all(act_opts.get(k) is None for k in STATIC_SCALE_OPTIONS)
         return mod.route(problem.M, problem.N, problem.K, **kw)
