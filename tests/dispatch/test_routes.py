@@ -105,3 +105,25 @@ def test_the_h200_routes_name_the_hopper_kernels():
     for M in (1, 16, 4096):
         r = api.route("fp8_tensor", M, 8192, 8192, dev)
         assert r.impl == "hopper" and r.kernels, (M, r)
+
+
+@pytest.mark.parametrize("variant,option", [("fp8_tensor", "scale"), ("nvfp4", "global_scale")])
+def test_a_static_activation_scale_is_part_of_the_route(variant, option):
+    # A static scale (vLLM's input_scale / input_global_scale) drops the amax kernel: the route
+    # given the same options says so, and the launch agrees.
+    N, K, M = 64, 256, 16
+    g = torch.Generator().manual_seed(7)
+    qw = api.quantize_weight(torch.randn(N, K, generator=g), variant).to(DEVICE)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    amax = x.float().abs().amax()
+    value = amax / 448.0 if option == "scale" else 448.0 * 6.0 / amax  # the formats' dynamic rules
+    for impl in _runnable_here(variant):
+        if impl in ("reference", "cute"):
+            continue
+        b = registry.get(impl, variant)
+        dynamic = b.route(registry.Problem(variant, M, N, K), HERE)
+        static = b.route(registry.Problem(variant, M, N, K), HERE, **{option: value})
+        assert len(static.kernels) < len(dynamic.kernels), (dynamic, static)
+        with record_launches() as log:
+            b.apply(x, b.prepare(qw), **{option: value})
+        assert tuple(log) == static.kernels, (impl, static)
