@@ -147,8 +147,9 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
 
     def mm(plan, out_dtype):
         alpha = torch.reciprocal(xq.global_scale.reshape(1)) * prepared.inv_global_scale
-        return getattr(C.blockscaled(), B12X_GEMM)(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
-                                        alpha, plan=plan, out_dtype=out_dtype)
+        b12x_gemm = getattr(C.blockscaled(), B12X_GEMM)
+        return b12x_gemm(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
+                         alpha, plan=plan, out_dtype=out_dtype)
 
     return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
 

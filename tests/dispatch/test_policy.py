@@ -335,7 +335,8 @@ def test_hopper_is_supported_on_sm90_only(key):
     else:
         _needs_hopper("nvfp4")
         assert ok, why
-    assert registry.get("hopper", "nvfp4").is_supported(ADA) == (False, "hopper needs an sm_90 GPU; NVIDIA L40S is sm_89")
+    assert registry.get("hopper", "nvfp4").is_supported(ADA) == (False,
+                                                                "hopper needs an sm_90 GPU; NVIDIA L40S is sm_89")
 
 
 def test_b12x_impl_hopper_forces_hopper(monkeypatch):

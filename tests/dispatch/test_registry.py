@@ -196,7 +196,8 @@ def test_cuda_tensors_under_the_interpreter_get_the_registrys_error(monkeypatch)
     b = registry.get("triton", "mxfp8")
     qw = _weight("mxfp8", 0, n=64, k=256).cuda()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(api.policy.ImplementationUnavailable, match="Triton's interpreter is on .* got a tensor on cuda"):
+    with pytest.raises(api.policy.ImplementationUnavailable,
+                       match="Triton's interpreter is on .* got a tensor on cuda"):
         b.apply(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), qw)
 
 
