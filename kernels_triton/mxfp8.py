@@ -31,26 +31,18 @@ in fp32) and accumulates in fp32. So the only rounding is fp32 accumulation, as 
 no scale is rounded. For this kernel's mma.sync tile we chose that over per-32 sub-dots (dot the
 e4m3 codes 32 deep, multiply the partial by 2^(ex+ew)): also exact per product, but one tl.dot per
 32 elements of K and a [BLOCK_M, BLOCK_N] scale multiply per sub-dot, which was slower there
-(docs/results.md). At decode M (1..16) on sm_90 gemm takes one of two swapped kernels, the weight
-on wgmma's 64-row side (DECODE_KERNEL): "bf16", _e4m3_decode, this kernel's own arithmetic with
-the weight decoded in registers (bit placement, the scale multiplied in bf16) as wgmma's register
-A operand, one bf16 dot per K step; or "fp8", _fp8_decode's SCALE_K = 32 kernel, four 32-deep
-e4m3 wgmmas per 128-K step into fresh accumulators, each partial times 2^ew[n] * 2^ex[m], whose
-result differs from this kernel's by the fp8 wgmma's sum inside each partial (docs/perf_notes.md,
-"Bounded, not bit-identical"; the choice between the two: row 21 there). On SM12x the native path
-below hands the codes and scales to the block-scaled MMA instead, which applies the scales inside
-the instruction.
+(docs/results.md). On SM12x the native path below hands the codes and scales to the block-scaled
+MMA instead, which applies the scales inside the instruction. (The Hopper production kernels for
+this format, decode-sized and prefill-sized, are kernels_triton.hopper.mxfp8.)
 
 DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
 there). The scales are loaded once per 32-element block, [BLOCK_M, BLOCK_K / 32], and broadcast by a
 reshape to [BLOCK_M, BLOCK_K / 32, 32] (a per-element gather sx[offs_m, offs_k // 32] would hit
 the cache but cost one load instruction per element).
 
-Launch regimes of this kernel (tile_config; _twopass explains both): decode-sized M splits K over
-several programs per output tile (split-K, fp32 workspace, ordered reduction; on sm_90 the decode
-kernel above instead, split-K too); large M decodes each operand once
-into bf16 scratch (``_dequant_kernel``) and runs a plain bf16 GEMM, instead of re-decoding every
-weight tile M / BLOCK_M times.
+One program per output tile at every M (``route`` names the kernels a call launches): a large M
+dequantizes each weight tile M / BLOCK_M times, which the Hopper implementation avoids with a
+pre-pass.
 
 Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
 no decoding at all. tl.dot_scaled takes the e4m3 codes and the E8M0 bytes and lowers to
@@ -76,48 +68,46 @@ from formats import QuantizedTensor
 from formats._mx import SCALE_RULES
 from formats.constants import MX_BLOCK
 
-from ._common import (
-    check_activation,
-    check_bias,
-    dequantize_e4m3,
-    dequantize_e8m0,
-    interpreting,
-    kernel_bias,
-    scale_offsets,
-)
-from ._e4m3_gemm import (check_gemm_operands, flatten_rows, gemm_config, grouped_tile, mx_e4m3_quantize, native_config,
-                         quant_config)
-from .hopper._e4m3_decode import decode_config as bf16_decode_config
-from .hopper._e4m3_decode import launch_e4m3_decode, launch_e4m3_decode_linear
-from .hopper._fp8_decode import MX_SCALE, fp8_decode_applies, hopper_config, launch_fp8_decode
-from ._paths import NATIVE_SCALE_LAYOUTS, check_native_weight, default_device, resolve_path, weight_scale_bytes
-from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from .hopper._twopass import (
-    NO_ALPHA,
-    epilogue,
-    launch_bf16_gemm,
-    launch_splitk_reduce,
-    scratch_dtype,
-    splitk_plan,
-    splitk_workspace,
-    store_splitk_partial,
-)
+from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS
+
+from ._codecs import (abs_or_inf, ceil_log2, dequantize_e4m3, dequantize_e8m0, encode_e4m3, exp2_int, floor_log2,
+                      grouped_tile, scale_offsets)
+from ._common import (NATIVE_SCALE_LAYOUTS, NO_ALPHA, Route, check_activation, check_bias, check_gemm_operands,
+                      check_native_weight, device_capability, e4m3_portable_config, epilogue, flatten_rows,
+                      interpreting, kernel_bias, launch, native_config, quant_config, route_path, weight_scale_bytes)
 
 FMT = "mxfp8"
 K_MULTIPLE = MX_BLOCK  # 32
 VEC_SIZE = tl.constexpr(MX_BLOCK)  # elements per E8M0 scale
-# sm_90 at M <= 16: "bf16" (_e4m3_decode) or "fp8" (_fp8_decode, SCALE_K = 32), the module docstring
-DECODE_KERNEL = "bf16"
-DECODE_KERNELS = ("bf16", "fp8")
-# linear on sm_90 with the "bf16" kernel, M <= this: the quantizer writes the dequantized activation
-# (_e4m3_decode.launch_e4m3_decode_linear); above, codes and scales as gemm: on the H200 it was
-# faster at M = 1 and slower at M = 16 (docs/perf_notes.md row 24; M = 2..15 not measured)
-DECODED_ACT_MAX_M = 1
+PORTABLE_BLOCK_K = 64  # GPU: the dequantized tiles live in registers before the dot
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_E4M3_EMAX = tl.constexpr(E4M3_EMAX)
+_E8M0_BIAS = tl.constexpr(E8M0_BIAS)
 
 
 # ---------------------------------------------------------------------------------------------
 # Activation quantization: one program per [BLOCK_M rows] x [GROUPS blocks of 32]
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def mx_e4m3_quantize(x, FLOOR_RULE: tl.constexpr):
+    """x fp32 [R, G, 32], one 1x32 block per last axis -> (codes uint8 [R, G, 32], E8M0 bytes uint8
+    [R, G]): e from the block amax (ceil or floor rule), code = e4m3(x * 2^-e), byte = e + 127; a
+    block holding a NaN/Inf gets codes 0x7F and the NaN byte 0xFF (the non-finite rule)."""
+    amax = tl.max(abs_or_inf(x), axis=2)  # [R, G]; +Inf marks a NaN/Inf in the block
+    bad = amax > 3.4028234663852886e38
+    amax = tl.maximum(amax, _AMAX_FLOOR)
+    if FLOOR_RULE:
+        e = floor_log2(amax) - _E4M3_EMAX
+    else:
+        e = ceil_log2(tl.math.div_rn(amax, _E4M3_MAX))
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    # x * 2^-e is exact (a power of two), like the oracle's ldexp; a bad block's codes are all 0x7F
+    # (times NaN)
+    q = encode_e4m3(x * tl.where(bad, float("nan"), exp2_int(-e))[:, :, None])
+    return q, tl.where(bad, 0xFF, e + _E8M0_BIAS).to(tl.uint8)
+
+
 @triton.jit
 def _quantize_kernel(
     # pointers
@@ -128,7 +118,6 @@ def _quantize_kernel(
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
     # meta-parameters
     FLOOR_RULE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """Per 1x32 block: e from the block amax (ceil or floor rule), q = e4m3(x * 2^-e), s = e + 127."""
     pid_m = tl.program_id(0)
@@ -137,12 +126,10 @@ def _quantize_kernel(
     offs_g = pid_k * GROUPS + tl.arange(0, GROUPS)              # [GROUPS] block index along K
     offs_k = offs_g[:, None] * VEC_SIZE + tl.arange(0, VEC_SIZE)[None, :]  # [GROUPS, 32]
     mask = (offs_m < M)[:, None, None] & (offs_g < num_groups)[None, :, None]
-    pdl_wait(USE_PDL)  # x is the previous kernel's output
     # x tile [BLOCK_M, GROUPS, 32]: the last axis is one scale block, so its amax is one reduction
     x_off = offs_m[:, None, None].to(tl.int64) * stride_xm + offs_k[None, :, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
     q, s = mx_e4m3_quantize(x, FLOOR_RULE)  # codes [BLOCK_M, GROUPS, 32], E8M0 bytes [BLOCK_M, GROUPS]
-    pdl_launch_dependents(USE_PDL)
     q_off = offs_m[:, None, None].to(tl.int64) * stride_qm + offs_k[None, :, :].to(tl.int64) * stride_qk
     tl.store(q_ptr + q_off, q, mask=mask)
     s_off = offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
@@ -173,30 +160,26 @@ def _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
-    ws_ptr,  # SPLIT_K > 1: fp32 workspace [SPLIT_K, M, N]; _twopass reduces it and adds the bias
     # dimensions
-    M, N, K, K_PER,  # K_PER: K elements per split (a multiple of BLOCK_K; K when SPLIT_K == 1)
+    M, N, K,
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym, stride_yn,
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
+    
 ):
     """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale block")
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = pid_k * K_PER
-    pdl_wait(USE_PDL)  # the quantized activation
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
         a = _dequant_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
                           BLOCK_M, BLOCK_K)
@@ -207,11 +190,6 @@ def _gemm_kernel(
             acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
-    pdl_launch_dependents(USE_PDL)
-
-    if SPLIT_K > 1:  # a partial sum of this K range; the bias comes in the reduction
-        store_splitk_partial(ws_ptr, acc, pid_k, offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
-        return
 
     # ----- epilogue: bias, cast, store (all scales were applied in the K loop) -----
     # (RNE_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
@@ -231,16 +209,13 @@ def _native_gemm_kernel(
     x_ptr, w_ptr,  # e4m3 codes as uint8: x [M, K], w [N, K] (K contiguous)
     sx_ptr, sw_ptr,  # E8M0 scale bytes: sx [M, K/32] linear, sw [N, K/32] linear or swizzled 128x4
     bias_ptr, y_ptr,
-    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and adds the bias
     # dimensions
-    M, N, K, K_PER,
+    M, N, K,
     # strides
     stride_xm, stride_wn, stride_sxm, stride_swn, stride_ym,
     # meta-parameters
     W_SWIZZLED: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     """One [BLOCK_M, BLOCK_N] tile of y = sum_k (qx * 2^ex) (qw * 2^ew): on SM12x each
     tl.dot_scaled is mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, one
@@ -252,10 +227,8 @@ def _native_gemm_kernel(
     n_ok = offs_n < N
     n_scales = K // VEC_SIZE
 
-    pdl_wait(USE_PDL)  # the quantized activation
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = tl.program_id(1) * K_PER
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         # codes [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; the K tail reads code 0
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
@@ -272,62 +245,57 @@ def _native_gemm_kernel(
                      mask=n_ok[:, None] & g_ok[None, :], other=127)
         acc = tl.dot_scaled(a, sa, "e4m3", b.T, sb, "e4m3", acc)
 
-    pdl_launch_dependents(USE_PDL)
-    if SPLIT:  # a partial sum of this K range; the bias comes in the reduction
-        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
-        return
     y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 # [/native-kernel]
 
 
-@triton.jit
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, K, stride_qr, stride_qk, stride_sr, stride_sk, stride_or,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Pre-pass for large M: out [R, K] = code * 2^e, the GEMM's own _dequant_tile, stored once."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k0 = tl.program_id(1) * BLOCK_K
-    r_ok = rows < R
-    v = _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk, BLOCK_R, BLOCK_K)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_or + offs_k[None, :], v.to(out_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & (offs_k[None, :] < K))
+# ---------------------------------------------------------------------------------------------
+# The route: which kernels a call launches, with which tile, and why
+# ---------------------------------------------------------------------------------------------
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False, path=None,
+          scale_rule: str = "ceil") -> Route:
+    """The kernels ``linear`` launches for an [M, K] x [N, K]^T mxfp8 problem.
+
+    Args:
+        M, N, K: activation rows, output features, reduction length (>= 0; K a multiple of 32).
+        capability: the device's (major, minor); None: no CUDA device (the interpreter).
+        sm_count: the device's SM count (one program per output tile: it does not change the route).
+        a16: must be False (mxfp8 has no weight-only mode).
+        path: None (gemm_path's choice), "native" or "portable".
+        scale_rule: ``linear``'s activation option ("ceil" or "floor"); it does not change the route.
+    Returns:
+        Route(impl="triton", kernels, tile, split_k=1, why).
+    Raises:
+        ValueError: a16=True, a negative size, an unknown scale_rule, or a bad path (route_path).
+    """
+    if a16:
+        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    if min(M, N, K) < 0:
+        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
+    gemm_path_, why = route_path(path, FMT, capability)
+    if M == 0:
+        return Route("triton", (), "", 1, "M=0: nothing to launch")
+    gemm = "_native_gemm_kernel" if gemm_path_ == "native" else "_gemm_kernel"
+    cfg = tile_config(M, N, K, gemm_path_, capability)
+    return Route("triton", ("_quantize_kernel", gemm), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
 
 
-def _dequant(q, s) -> torch.Tensor:
-    """Decoded [R, K] (bf16 on GPU, exact; fp32 in the interpreter) of MXFP8 codes q and scales s."""
-    R, K = q.shape
-    out = torch.empty((R, K), dtype=scratch_dtype(), device=q.device)
-    if R:
-        br, bk = (min(64, triton.next_power_of_2(R)), min(512, max(32, triton.next_power_of_2(K)))) \
-            if interpreting() else (32, 128)
-        _dequant_kernel[(triton.cdiv(R, br), triton.cdiv(K, bk))](
-            q, s, out, R, K, q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
-            BLOCK_R=br, BLOCK_K=bk, num_warps=4,
-        )
-    return out
+def tile_config(M: int, N: int, K: int, path=None, capability=None):
+    """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
+    device of ``capability`` (None: the interpreter), as ``route`` reports it and gemm launches it:
+    the SM12x table natively; portably, 64-deep K steps on a GPU (PORTABLE_BLOCK_K)."""
+    if route_path(path, FMT, capability)[0] == "native":
+        return native_config(M, N, K, capability)
+    return e4m3_portable_config(M, N, K, capability, block_k=None if capability is None else PORTABLE_BLOCK_K)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int, path=None):
-    """The GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's device
-    and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it). Native: the
-    SM12x table. Portable: on sm_90 at M <= 16 the decode kernel DECODE_KERNEL names; else
-    fused with 64-deep K steps on GPU (the decoded tiles live in registers before the dot),
-    split-K for decode, the bf16 pre-pass for large M."""
-    dev = default_device()
-    if resolve_path(path, FMT, dev) == "native":
-        return native_config(M, N, K, dev)
-    if _decode_route(M, dev) == "bf16":
-        return bf16_decode_config(M, N, K, dev)
-    interp = interpreting()
-    return (hopper_config(M, N, K, dev, scale_k=MX_SCALE)
-            or gemm_config(M, N, K, interp, block_k=None if interp else 64, prepass=True))
-
-
 def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
     """Quantize activations to MXFP8 with the Triton kernel, bit for bit as
     ``formats.quantize(x, "mxfp8", role="activation", scale_rule=scale_rule)``.
@@ -353,12 +321,11 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
         block_m, block_k = quant_config(M, K, interpreting(), group=MX_BLOCK)
         groups = block_k // MX_BLOCK
         q = data.view(torch.uint8)
-        _quantize_kernel[(triton.cdiv(M, block_m), triton.cdiv(num_groups, groups))](
-            x2, q, scale,
-            M, num_groups,
-            x2.stride(0), x2.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
-            FLOOR_RULE=scale_rule == "floor", BLOCK_M=block_m, GROUPS=groups, **pdl_launch(x.device),
-        )
+        launch(_quantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(num_groups, groups)),
+               x2, q, scale,
+               M, num_groups,
+               x2.stride(0), x2.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
+               FLOOR_RULE=scale_rule == "floor", BLOCK_M=block_m, GROUPS=groups)
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, MX_BLOCK), (M, K))
 
 
@@ -383,100 +350,55 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     # a forced native path also reads swizzled 128x4 weight scales
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT,
                                   NATIVE_SCALE_LAYOUTS if path == "native" else ("linear",))
-    bias = kernel_bias(bias)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
-    if resolve_path(path, FMT, qweight.device) == "native":
-        return _gemm_native(xq, qweight, bias, y)
-    route = _decode_route(M, qweight.device)  # M <= 16 on sm_90: a swapped wgmma kernel
-    if route == "bf16":
-        return launch_e4m3_decode(xq.data.contiguous(), xq.scale.contiguous(), qweight.data.contiguous(),
-                                  qweight.scale.contiguous(), bias, y)
-    if route == "fp8":
-        return launch_fp8_decode(xq.data.contiguous(), qweight.data.contiguous(), xq.scale, qweight.scale, bias, y,
-                                 scale_k=MX_SCALE)
-    return _gemm_portable(xq, qweight, bias, y)
+    cap = device_capability(qweight.device)
+    gemm_path_ = route_path(path, FMT, cap)[0]
+    return _run_gemm(gemm_path_, tile_config(M, N, K, gemm_path_, cap), xq, qweight, kernel_bias(bias), y)
 
 
-def _decode_route(M: int, device) -> str | None:
-    """The sm_90 decode GEMM for M rows on ``device``: None where none applies (fp8_decode_applies:
-    M <= 16 on sm_90), else _decode_kernel()'s."""
-    return _decode_kernel() if fp8_decode_applies(M, device) else None
-
-
-def _decode_kernel() -> str:
-    """DECODE_KERNEL, checked (a module knob: the decode probe sets it to time both kernels)."""
-    if DECODE_KERNEL not in DECODE_KERNELS:
-        raise ValueError(f"mxfp8.DECODE_KERNEL must be one of {DECODE_KERNELS}, got {DECODE_KERNEL!r}")
-    return DECODE_KERNEL
-
-
-def _gemm_portable(xq, qweight, bias, y, cfg=None) -> torch.Tensor:
-    """Launch the lesson kernel (or the pre-pass + bf16 GEMM) into y [M, N]; ``cfg`` None:
-    tile_config's (the decode probe passes the lesson's tile at M <= 16 on sm_90)."""
+def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y) -> torch.Tensor:
+    """Launch the GEMM kernel of ``gemm_path_`` with tile ``cfg`` into y [M, N] (bias: kernel_bias's)."""
     M, N = y.shape
     K = qweight.k
     interp = interpreting()
-    cfg = cfg or tile_config(M, N, K, path="portable")
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    if gemm_path_ == "native":
+        x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
+        sx = xq.scale.contiguous()
+        sw, swizzled = weight_scale_bytes(qweight, FMT, MX_BLOCK)
+        launch(_native_gemm_kernel, grid,
+               x, w, sx, sw, bias if bias is not None else y, y,
+               M, N, K,
+               x.stride(0), w.stride(0), sx.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
+               W_SWIZZLED=swizzled, HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
+               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y
     x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
     sx, sw = xq.scale, qweight.scale
-    if cfg.PREPASS:  # large M: decode each operand once, then a plain bf16 GEMM (_twopass)
-        return launch_bf16_gemm(_dequant(x, sx), _dequant(w, sw), y, bias=bias, config=cfg)
-    n_split, k_per = splitk_plan(K, cfg)
-    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
-    _gemm_kernel[grid](
-        x, w, sx, sw, bias if bias is not None else y, y, ws,
-        M, N, K, k_per,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, DOT_BF16=not interp, RNE_BF16=interp and y.dtype == torch.bfloat16,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        SPLIT_K=n_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
-    )
-    if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias)
-    return y
-
-
-def _gemm_native(xq, qweight, bias, y) -> torch.Tensor:
-    """Launch _native_gemm_kernel into y [M, N] (the SM12x tile table; split-K for small M)."""
-    M, N = y.shape
-    K = qweight.k
-    cfg = native_config(M, N, K, y.device)
-    x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
-    sx = xq.scale.contiguous()
-    sw, swizzled = weight_scale_bytes(qweight, FMT, MX_BLOCK)
-    n_split, k_per = splitk_plan(K, cfg)
-    ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
-    _native_gemm_kernel[grid](
-        x, w, sx, sw, bias if bias is not None else y, y, ws,
-        M, N, K, k_per,
-        x.stride(0), w.stride(0), sx.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
-        W_SWIZZLED=swizzled, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and y.dtype == torch.bfloat16,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        SPLIT=n_split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
-    )
-    if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias)
+    launch(_gemm_kernel, grid,
+           x, w, sx, sw, bias if bias is not None else y, y,
+           M, N, K,
+           x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+           sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
+           HAS_BIAS=bias is not None, DOT_BF16=not interp, RNE_BF16=interp and y.dtype == torch.bfloat16,
+           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly (quantize_activation then gemm; on
-    sm_90 at M <= DECODED_ACT_MAX_M, the same quantization written dequantized for the decode GEMM,
-    _e4m3_decode.launch_e4m3_decode_linear, with the same dot operands).
+    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly: ``route`` once, then exactly its
+    kernels (the quantizer, then the GEMM of its path and tile).
 
     Args:
         x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
         qweight: mxfp8 weight QuantizedTensor [N, K] on x's device (linear layout; swizzled 128x4 too
             with path="native").
-        bias: optional float [N].
+        bias: optional float32/bf16/fp16 [N].
         scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation).
         path: None (auto for x's device), "native" or "portable" (see gemm).
     Returns:
@@ -489,15 +411,13 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    cap = device_capability(qweight.device)
     x2 = flatten_rows(x)
-    if (x2.shape[0] <= DECODED_ACT_MAX_M and _decode_route(x2.shape[0], qweight.device) == "bf16"
-            and resolve_path(path, FMT, qweight.device) == "portable"):
-        # sm_90 decode: the quantizer writes the dequantized activation the GEMM dots (_e4m3_decode)
-        y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
-        launch_e4m3_decode_linear(x2, qweight.data.contiguous(), qweight.scale.contiguous(), kernel_bias(bias), y,
-                                  floor_rule=scale_rule == "floor")
-        return y.reshape(*x.shape[:-1], N)
-    xq = quantize_activation(x, scale_rule=scale_rule)
-    return gemm(xq, qweight, bias, out_dtype=x.dtype, path=path).reshape(*x.shape[:-1], N)
+    M = x2.shape[0]
+    r = route(M, N, K, capability=cap, path=path, scale_rule=scale_rule)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if r.kernels:
+        xq = quantize_activation(x2, scale_rule=scale_rule)
+        opts = dict(r.options)
+        _run_gemm(opts["path"], opts["config"], xq, qweight, kernel_bias(bias), y)
+    return y.reshape(*x.shape[:-1], N)
