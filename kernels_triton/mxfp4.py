@@ -1,4 +1,5 @@
-"""MXFP4 in Triton: activation quantization, the W4A4 GEMM and the W4A16 GEMM.
+"""MXFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM
+and the wrappers that check, allocate and launch them, in that order.
 
 What MXFP4 stores (formats/mxfp4.py and formats/_mx.py are the spec and the oracle): e2m1 codes
 packed two per byte along K (uint8 [rows, K/2], element 2i in the low nibble) and one E8M0 scale
@@ -10,46 +11,57 @@ byte per 32 elements (uint8 [rows, K/32]; byte b means 2^(b - 127)):
     code = e2m1(x * 2^-e)                                    (a power of two: exact, no division)
     x   ~= e2m1_value(code) * 2^e
 
-Quantization (``_quantize_kernel``), one program per [BLOCK_M, BLOCK_K] tile of x:
+1. The quantizer (``_quantize_kernel``), one program per [BLOCK_M, BLOCK_K] tile of x, bit for bit
+   as the oracle:
 
-    xb    = x tile as [BLOCK_M, BLOCK_K/32, 32] float32
-    amax  = max(max|xb|, FLOOR)                                   # [BLOCK_M, BLOCK_K/32]
-    e     = clamp(ceil_log2(div_rn(amax, 6)) or floor_log2(amax) - 2, -127, 127)
-    codes = encode_e2m1(xb * exp2_int(-e))                        # exp2_int builds 2^-e from bits
-    bytes = codes[..., 0::2] | codes[..., 1::2] << 4              # low nibble = even element
+       xb    = x tile as [BLOCK_M, BLOCK_K/32, 32] float32
+       amax  = max(max|xb|, FLOOR)                                   # [BLOCK_M, BLOCK_K/32]
+       e     = clamp(ceil_log2(div_rn(amax, 6)) or floor_log2(amax) - 2, -127, 127)
+       codes = encode_e2m1(xb * exp2_int(-e))                        # exp2_int builds 2^-e from bits
+       bytes = codes[..., 0::2] | codes[..., 1::2] << 4              # low nibble = even element
 
-ceil_log2/floor_log2 read the fp32 exponent bits and exp2_int writes them, so the exponent is exact
-on every backend (tl.exp2/tl.log2 may be approximate on GPU).
+   ceil_log2/floor_log2 read the fp32 exponent bits and exp2_int writes them, so the exponent is
+   exact on every backend (tl.exp2/tl.log2 may be approximate on GPU). A block with NaN/Inf input
+   gets the E8M0 NaN byte 0xFF (docs/formats.md), which dequantizes to NaN.
 
-GEMM, W4A4 (``gemm``), two paths (kernels_triton._paths.gemm_path picks by device; ``path=``
-forces one):
+2. The portable GEMM (``_portable_gemm_kernel``): dequantize each operand tile in registers, then a
+   plain tl.dot. An E8M0 scale is a power of two, so e2m1 * scale keeps e2m1's 2 significant bits
+   and is exact in bf16 (the GPU's dot dtype: fp32's exponent range; fp32 under the interpreter,
+   whose bf16 tl.dot is wrong); products of two such values are exact in the fp32 accumulator:
 
-    native    nvfp4.fp4_dot_scaled_kernel with VEC_SIZE=32 and E8M0 (uint8) scales: the SM12x
-              block-scaled MMA (mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::2X ue8m0)
-              applies one scale per 32 elements inside the instruction. nvfp4.py walks the kernel;
-              it is the same body, so the H200 and interpreter runs of this instance check the
-              code that the NVFP4 instance compiles to on sm_120a.
-    portable  decode in registers (_fp4_gemm.fp4_gemm_kernel with GROUP=32, E8M0 scales):
+       acc = 0                                                       fp32 [BLOCK_M, BLOCK_N]
+       for k0 in range(0, K, BLOCK_K):
+           a = e2m1(A bytes) * 2^(A scale - 127)[:, k // 32]         [BLOCK_M, BLOCK_K]
+           w = e2m1(W bytes) * 2^(W scale - 127)[:, k // 32]         [BLOCK_N, BLOCK_K]
+           acc += tl.dot(a, w^T)
+       y = acc + bias
 
-    for k0 in range(0, K, BLOCK_K):
-        a = e2m1(A bytes) * 2^(A scale - 127)[:, k // 32]    # [BLOCK_M, BLOCK_K], exact in bf16
-        w = e2m1(W bytes) * 2^(W scale - 127)[:, k // 32]    # [BLOCK_N, BLOCK_K]
-        acc += tl.dot(a, w^T)                                # fp32 accumulation
-    y = acc + bias
+   W4A16 (``gemm_w4a16``): the activation tile is loaded as it is. bf16 dots directly with the bf16
+   dequantized weight. fp16 has 3 more mantissa bits than bf16, and the dequantized weights (up to
+   6 * 2^127) do not fit fp16's range, so neither dtype holds both operands: on GPU each fp16 tile
+   is split exactly into bf16 hi + lo (hi = bf16(x), lo = bf16(x - hi)) and dotted twice into the
+   same fp32 accumulator; under the interpreter both operands are fp32.
 
-GEMM, W4A16 (``gemm_w4a16``, ``linear(..., a16=True)``): the activation tile is loaded as is
-(bf16/fp16, any strides) instead of being decoded. bf16 activations dot directly with the bf16
-decoded weights (exact products). fp16 activations: fp16 has 3 more mantissa bits than bf16, and the
-decoded weights (up to 6 * 2^127) do not fit fp16's range, so neither dtype holds both operands.
-On GPU each fp16 tile is split exactly into bf16 hi + lo (hi = bf16(x), lo = bf16(x - hi)) and
-dotted twice into the same fp32 accumulator; in the interpreter both operands are fp32. Nothing is
-rounded except the fp32 accumulation.
+3. The native SM12x GEMM (``_native_gemm_kernel``): tl.dot_scaled on the packed codes with one
+   E8M0 (uint8) scale per 32 elements; on SM120/SM121 it lowers to the block-scaled MMA
+
+       mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::2X.f32.e2m1.e2m1.f32.ue8m0
+
+   which applies the scales inside the instruction (so the K loop never dequantizes an element).
+   The weight scales may be linear [N, K/32] or swizzled 128x4 (formats.layout; ``scale_offsets``).
+   The interpreter runs it too (its dot_scaled is right for E8M0 scales), so CPU tests check it.
+
+4. The wrappers: ``route`` (which kernels a call launches, with which tile, and why: a pure function
+   of the problem and the device), ``linear`` (quantize + GEMM, executing exactly its route),
+   ``gemm``, ``gemm_w4a16``, ``quantize_activation``, ``tile_config``.
+
+Where each GEMM runs (kernels_triton._common.gemm_path): native on SM120/SM121 with a Triton that
+lowers it; the portable kernel on other GPUs (Hopper, Ada) and under the interpreter; W4A16 always
+portable. The Hopper production kernels (split-K, PDL, swapped-wgmma decode GEMMs) are
+kernels_triton.hopper.mxfp4.
 
 Constraints: K % 32 == 0; x bf16/fp16 [..., K], any leading dims and strides; weights with
-linear-layout scales (formats.quantize(w, "mxfp4")). E8M0 byte 0xFF (NaN) marks a block with NaN/Inf
-input (docs/formats.md) and decodes to NaN. At M <= 16 on sm_90, W4A4 and bf16 W4A16 take
-_fp4_decode's swapped kernel; otherwise W4A16 takes the portable kernel on every device (gemm_path
-says why).
+linear-layout scales (swizzled 128x4 too on the native path).
 """
 
 from __future__ import annotations
@@ -63,68 +75,45 @@ import triton.language as tl
 from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
-from ._common import (
-    abs_or_inf,
-    ceil_log2,
-    check_activation,
-    check_bias,
-    check_weight,
-    dequantize_e2m1,
-    dequantize_e8m0,
-    encode_e2m1,
-    exp2_int,
-    floor_log2,
-    interpreting,
-    kernel_bias,
-)
-from ._e4m3_gemm import quant_config
-from .hopper._fp4_decode import PLANE_DTYPES, check_quantize_planes, decode_applies, launch_fp4_decode, plane_layout, store_planes
-from ._fp4_gemm import launch_fp4_gemm, portable_config
-from ._paths import check_native_weight, default_device, device_capability, resolve_path, weight_scale_bytes
-from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from .nvfp4 import launch_fp4_dot_scaled, native_tile_config
+from ._codecs import (abs_or_inf, ceil_log2, dequantize_e2m1, dequantize_e8m0, encode_e2m1, exp2_int, floor_log2,
+                      grouped_tile, scale_offsets)
+from ._common import (NO_ALPHA, PREPASS_MIN_M, Route, TileConfig, check_activation, check_bias,
+                      check_native_weight, check_out_dtype, check_weight, default_device, device_capability,
+                      epilogue, gemm_path, interpreter_config, interpreting, kernel_bias, launch, native_config,
+                      quant_config, resolve_path, sm12x_config, sm_count, weight_scale_bytes)
+
+__all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "tile_config"]
 
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
 SCALE_RULES = ("ceil", "floor")
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _E2M1_MAX = tl.constexpr(E2M1_MAX)  # 6.0
 _E2M1_EMAX = tl.constexpr(E2M1_EMAX)  # 2: 6 = 1.5 * 2^2
 
 
-# ---------------------------------------------------------------------------------------------
-# Kernel
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
+# 1. The activation quantizer
+# =============================================================================================
 @triton.jit
 def _quantize_kernel(
-    # pointers
     x_ptr,  # bf16/fp16 [M, K], any strides
     q_ptr, s_ptr,  # out: packed uint8 [M, K/2], E8M0 bytes uint8 [M, K/32]
-    p_ptr,  # PLANE_K > 0, out instead of q and s: the decode GEMM's activation planes [M, K_PAD] (store_planes)
-    # dimensions
-    M, K, K_PAD,
-    # strides
-    stride_xm, stride_xk, stride_qm, stride_sm, stride_pm,
-    # meta-parameters
-    CEIL_RULE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
-    PLANE_K: tl.constexpr = 0,  # 0: codes and scales; else the planes of the sm_90 decode GEMM's BLOCK_K
+    M, K,
+    stride_xm, stride_xk, stride_qm, stride_sm,
+    CEIL_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pdl_wait(USE_PDL)  # x is the previous kernel's output
 
     # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     rows = offs_m.to(tl.int64)
     m_mask = offs_m < M
-    mask = m_mask[:, None] & (offs_k[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
-                mask=mask, other=0.0).to(tl.float32)
+                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
 
     # ----- per-32 block exponent e: [BLOCK_M, BLOCK_K / 32]
     xb = x.reshape(BLOCK_M, BLOCK_K // 32, 32)
@@ -137,41 +126,213 @@ def _quantize_kernel(
         e = floor_log2(amax) - _E2M1_EMAX
     e = tl.minimum(tl.maximum(e, -127), 127)
 
-    # ----- element codes: e2m1(x * 2^-e); the power-of-two product is exact (or one correctly
-    # rounded subnormal, like the oracle's float64 ldexp cast to float32)
-    # (a bad block: NaN byte 0xFF, all codes 0; e2m1 has no NaN code)
+    # ----- element codes e2m1(x * 2^-e): the power-of-two product is exact (or one correctly
+    # rounded subnormal, like the oracle's float64 ldexp cast to float32); a bad block gets the NaN
+    # byte 0xFF and codes 0 (e2m1 has no NaN code)
     codes = encode_e2m1(xb * exp2_int(-e)[:, :, None])
     codes = tl.where(bad[:, :, None], 0, codes).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
     s_bytes = tl.where(bad, 0xFF, e + 127).to(tl.uint8)
-    if PLANE_K:  # the decode linear: e2m1 * 2^e, exact in bf16 (_fp4_decode's docstring); NaN for a bad block
-        v = dequantize_e2m1(codes).reshape(BLOCK_M, BLOCK_K // 32, 32) * dequantize_e8m0(s_bytes)[:, :, None]
-        pdl_launch_dependents(USE_PDL)
-        store_planes(p_ptr, v.reshape(BLOCK_M, BLOCK_K), offs_m, m_mask, pid_k * BLOCK_K, K, K_PAD, stride_pm,
-                     BLOCK_M, BLOCK_K, PLANE_K)
-        return
 
     # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
     even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
-    packed = even | (odd << 4)
-    pdl_launch_dependents(USE_PDL)
     offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], even | (odd << 4),
              mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
     offs_ks = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], s_bytes,
              mask=m_mask[:, None] & (offs_ks[None, :] < K // 32))
 
 
-# ---------------------------------------------------------------------------------------------
-# Host wrappers
-# ---------------------------------------------------------------------------------------------
-def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K): whole small problems in the interpreter; on GPU the tiles of every
-    activation quantizer (_e4m3_gemm.quant_config: one row 1024 wide per program at decode, 32 x 128
-    above)."""
-    if interp:
-        return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
-    return quant_config(M, K, False, group=VEC_SIZE)
+# =============================================================================================
+# 2. The portable GEMM: dequantize in registers, then tl.dot
+# =============================================================================================
+@triton.jit
+def dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed MXFP4 matrix, block scales applied, as
+    float32 [BLOCK_R, BLOCK_K]; out-of-range rows and K columns read as 0, E8M0 0xFF as NaN."""
+    rows = offs_r.to(tl.int64)
+    # packed bytes [BLOCK_R, BLOCK_K // 2]: byte j holds elements 2j (low nibble) and 2j + 1 (high)
+    offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :],
+                mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
+    # join stacks along a new last axis: [BLOCK_R, BLOCK_K // 2, 2], so the row-major reshape puts
+    # the low nibble of byte j at column 2j and the high one at 2j + 1, the storage order
+    v = tl.join(dequantize_e2m1(b & 0xF), dequantize_e2m1(b >> 4)).reshape(BLOCK_R, BLOCK_K)
+    # scales [BLOCK_R, BLOCK_K // 32]; a masked scale reads 0 (2^-127) and multiplies a masked 0
+    offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
+                mask=r_mask[:, None] & (offs_ks[None, :] < K // 32), other=0)
+    # each scale over its 32 elements: [BLOCK_R, BLOCK_K / 32, 32] * [.., .., 1]
+    return (v.reshape(BLOCK_R, BLOCK_K // 32, 32) * dequantize_e8m0(s)[:, :, None]).reshape(BLOCK_R, BLOCK_K)
+
+
+@triton.jit
+def _portable_gemm_kernel(
+    a_ptr, a_scale_ptr,  # activation: packed uint8 [M, K/2] + E8M0 bytes [M, K/32], or (A16) x [M, K]
+    w_ptr, w_scale_ptr,  # weight: packed uint8 [N, K/2] + E8M0 bytes [N, K/32]
+    bias_ptr, c_ptr,  # bias [N] (any float dtype), output [M, N]
+    M, N, K,
+    stride_am, stride_ak, stride_asm, stride_wn, stride_wsn, stride_cm,
+    A16: tl.constexpr,  # the activation is unquantized bf16/fp16 (W4A16)
+    SPLIT_A16: tl.constexpr,  # A16 with fp16 x on GPU: dot the exact bf16 hi and lo halves
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # bf16 on GPU, fp32 under the interpreter
+    ROUND_BF16: tl.constexpr,  # interpreter + bf16 output: round to nearest even before the cast
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+
+    # ----- K loop: acc [BLOCK_M, BLOCK_N] fp32 += A tile [BLOCK_M, BLOCK_K] . W tile^T [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = dequantize_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn, BLOCK_N, BLOCK_K)
+        w_t = tl.trans(w.to(DOT_DTYPE))
+        if A16:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
+                        mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+            if SPLIT_A16:
+                x32 = x.to(tl.float32)
+                x_hi = x32.to(tl.bfloat16)
+                x_lo = (x32 - x_hi.to(tl.float32)).to(tl.bfloat16)  # exact: <= 3 significant bits
+                acc = tl.dot(x_hi, w_t, acc)
+                acc = tl.dot(x_lo, w_t, acc)
+            else:  # bf16 x on GPU: already the dot dtype; interpreter: widened to fp32 (exact)
+                acc = tl.dot(x.to(tl.float32).to(DOT_DTYPE), w_t, acc)
+        else:
+            a = dequantize_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm, BLOCK_M, BLOCK_K)
+            acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
+
+    # ----- epilogue: bias, cast, masked store
+    y = epilogue(acc, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+# =============================================================================================
+# 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA
+# =============================================================================================
+@triton.jit
+def _native_gemm_kernel(
+    a_ptr, a_scale_ptr,  # activation: packed e2m1 uint8 [M, K/2], E8M0 bytes [M, K/32] (linear)
+    w_ptr, w_scale_ptr,  # weight: packed e2m1 uint8 [N, K/2], E8M0 bytes (linear or swizzled 128x4)
+    bias_ptr, c_ptr,  # bias [N], output [M, N]
+    M, N, K,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,  # the K strides are 1
+    W_SWIZZLED: tl.constexpr,  # weight scales in the swizzled 128x4 layout
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows_m = offs_m.to(tl.int64)
+    rows_n = offs_n.to(tl.int64)
+    n_scales = K // 32
+
+    # ----- K loop: acc [BLOCK_M, BLOCK_N] fp32 += (A . SA) [BLOCK_M, BLOCK_K] . (W . SW)^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # packed bytes, two e2m1 codes each, low nibble first: [rows, BLOCK_K // 2]
+        offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        kb_ok = offs_kb < K // 2
+        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_kb[None, :], mask=m_ok[:, None] & kb_ok[None, :], other=0)
+        w = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=0)
+        # E8M0 block scales, one per 32 elements: [rows, BLOCK_K // 32] (masked: 0 x 0 = 0)
+        offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        ks_ok = offs_ks < n_scales
+        sa = tl.load(a_scale_ptr + scale_offsets(offs_m, offs_ks, n_scales, stride_asm, False),
+                     mask=m_ok[:, None] & ks_ok[None, :], other=0)
+        sw = tl.load(w_scale_ptr + scale_offsets(offs_n, offs_ks, n_scales, stride_wsn, W_SWIZZLED),
+                     mask=n_ok[:, None] & ks_ok[None, :], other=0)
+        # one block-scaled MMA per 64-deep slice; the scales never leave the instruction
+        acc = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1", acc)
+
+    # ----- epilogue: bias, cast, masked store
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    tl.store(c_ptr + rows_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# =============================================================================================
+# 4. The wrappers: route, check, allocate, launch
+# =============================================================================================
+_QUANTIZER = ("_quantize_kernel",)
+_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
+
+
+def gemm_tile(M: int, N: int, K: int, path: str, capability, sm_count: int = 1) -> TileConfig:
+    """The GEMM's tile for ``path`` on a device of ``capability`` (None: the interpreter).
+
+    Interpreter: _common.interpreter_config, tiles as large as the problem (a program x K step costs
+    milliseconds of Python there), BLOCK_K >= 64 (dot_scaled's e2m1 operands: triton#11776).
+    GPU: the SM12x tables of _common, sized for SM12x's 101,376 B of shared memory so they fit every
+    GPU: native, kind "e2m1"; portable, kind "e2m1_portable" (16 x 64 x 128 at M <= 16, 64 x 64 x 64
+    at M <= 64, 64 x 128 x 64 with 8 warps above; the lesson has no pre-pass, so M > PREPASS_MIN_M
+    keeps the last fused row). ``sm_count`` does not change the choice (one program per tile).
+    """
+    if capability is None:
+        return interpreter_config(M, N, K, block_k=max(64, min(512, triton.next_power_of_2(max(K, 1)))))
+    if path == "native":
+        return native_config(M, N, K, capability, kind="e2m1")
+    return sm12x_config("e2m1_portable", min(M, PREPASS_MIN_M), N, K, sm_count)
+
+
+def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool,
+          path: Optional[str]) -> tuple[Route, str, TileConfig]:
+    """The route with the GEMM's path and tile: the one place a call's kernels are decided."""
+    if min(M, N, K) < 0:
+        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
+    chosen, why = gemm_path(FMT, capability, a16=a16)
+    if path is not None:
+        if path not in _GEMM_KERNEL:
+            raise ValueError(f"path must be None or one of {tuple(_GEMM_KERNEL)}, got {path!r}")
+        if path == "native" and a16:
+            raise ValueError(f"{FMT} W4A16 has no native kernel: {why}")
+        chosen, why = path, f"path={path!r} forced"
+    cfg = gemm_tile(M, N, K, chosen, capability, sm_count)
+    quant = () if a16 or M == 0 else _QUANTIZER
+    if M == 0 or N == 0:
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), chosen, cfg
+    return Route("triton", quant + (_GEMM_KERNEL[chosen],), str(cfg), 1, why), chosen, cfg
+
+
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
+          path: Optional[str] = None) -> Route:
+    """The kernels ``linear`` launches for x [M, K] and a weight [N, K] on a device of
+    ``capability``, in order, with the GEMM's tile and why. Pure: no GPU needed.
+
+    Args:
+        M, N, K: the problem (M = prod(x.shape[:-1])).
+        capability: (major, minor) of the device, or None for the CPU interpreter.
+        sm_count: the device's SMs (the native tile table's input).
+        a16: W4A16 (x used as it is: no quantizer, the portable kernel).
+        path: None (gemm_path's choice), "native" or "portable".
+    Returns:
+        Route(impl="triton", kernels, tile, split_k=1, why).
+    Raises:
+        ValueError: a negative dimension, an unknown path, path="native" with a16.
+    """
+    return _plan(M, N, K, capability, sm_count, a16, path)[0]
+
+
+def _device_route(M, N, K, device, *, a16=False, path=None) -> tuple[Route, str, TileConfig]:
+    """_plan for ``device`` (path checked first by resolve_path: the errors of a forced path)."""
+    resolve_path(path, FMT, device, a16=a16)
+    return _plan(M, N, K, device_capability(device), sm_count(device), a16, path)
+
+
+def tile_config(M: int, N: int, K: int, path=None) -> TileConfig:
+    """The GEMM's tile for an [M, K] x [N, K]^T problem on this process's device and ``path`` (None:
+    gemm_path's choice), as gemm launches it (the bench reports it)."""
+    return _device_route(M, N, K, default_device(), path=path)[2]
 
 
 def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
@@ -179,7 +340,8 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     ``formats.quantize(x, "mxfp4", role="activation", scale_rule=scale_rule)``.
 
     Args:
-        x: bfloat16/float16 [..., K], K % 32 == 0, any leading dims and strides; NaN/Inf follow the non-finite rule (docs/formats.md).
+        x: bfloat16/float16 [..., K], K % 32 == 0, any leading dims and strides; NaN/Inf follow the
+            non-finite rule (docs/formats.md).
         scale_rule: "ceil" (default) or "floor" (see the module docstring).
     Returns:
         QuantizedTensor(fmt="mxfp4", role="activation", data=uint8 [M, K/2], scale=uint8 E8M0
@@ -196,59 +358,42 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=x.device)
     if M > 0:
-        _launch_quantize(x2, scale_rule, data, scale, None, 0)
+        block_m, block_k = quant_config(M, K, interpreting(), VEC_SIZE)
+        launch(_quantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(K, block_k)),
+               x2, data, scale, M, K, x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
+               CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k)
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, VEC_SIZE), (M, K))
 
 
-def quantize_planes(x2: torch.Tensor, planes: torch.Tensor, plane_k: int, *, scale_rule: str = "ceil") -> None:
-    """The sm_90 decode linear's activation quantizer: x2 quantized as quantize_activation does (the
-    same codes and scales), but written as the decode GEMM's bf16 planes (e2m1 * 2^e, exact; float32
-    under the interpreter) instead of codes and scales: a launch less than quantize then
-    _fp4_decode.act_planes_kernel.
-
-    Args:
-        x2: bfloat16/float16 [M, K] (any strides), K a positive multiple of 32.
-        planes: out, _fp4_decode.plane_layout's [M, K_pad] tensor (K_pad = K rounded up to plane_k;
-            bf16 / float32, K stride 1, on x2's device).
-        plane_k: plane_layout's PLANE_K (the GEMM's BLOCK_K), a power of two >= 128.
-        scale_rule: "ceil" or "floor", as quantize_activation.
-    Raises:
-        ValueError: as quantize_activation; x2 not 2-D; plane_k not a power of two >= 128; planes
-            not that tensor (_fp4_decode.check_planes: 2-D, shape, dtype, K stride 1, device).
-    """
-    check_activation(x2, None, VEC_SIZE, FMT)
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    check_quantize_planes(x2, planes, plane_k, 4 * VEC_SIZE, PLANE_DTYPES[FMT])
-    if x2.shape[0] > 0:
-        _launch_quantize(x2, scale_rule, planes, planes, planes, plane_k)
-
-
-def _launch_quantize(x2, scale_rule, data, scale, planes, plane_k: int) -> None:
-    """_quantize_kernel over x2 [M >= 1, K] into data and scale (plane_k 0) or planes."""
-    M, K = x2.shape
-    block_m, block_k = _quantize_tiles(M, K, interpreting())
-    block_k = max(block_k, plane_k)  # whole plane tiles per program (both powers of two)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-    _quantize_kernel[grid](
-        x2, data, scale, planes if plane_k else data, M, K, planes.shape[1] if plane_k else 0,
-        x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0), planes.stride(0) if plane_k else 0,
-        CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k, PLANE_K=plane_k, **pdl_launch(x2.device),
-    )
-
-
-def tile_config(M: int, N: int, K: int, path=None):
-    """The W4A4 GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's
-    device and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
-    dev = default_device()
-    if resolve_path(path, FMT, dev) == "native":
-        return native_tile_config(M, N, K, dev)
-    return portable_config(M, N, K, dev, decode_kernel=True, fmt=FMT)
-
-
-def _check_out_dtype(out_dtype) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, *, a16=False) -> torch.Tensor:
+    """y [M, N] = the GEMM of ``path`` with tile ``cfg`` (the route's); operands checked by the caller.
+    a, sa: the activation's packed bytes and E8M0 bytes, or with a16 the bf16/fp16 x [M, K]."""
+    N, K = qweight.shape
+    M = a.shape[0]
+    y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
+    if M == 0 or N == 0:
+        return y
+    bias = kernel_bias(bias)
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    common = dict(HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and out_dtype == torch.bfloat16,
+                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    bias_arg = bias if bias is not None else y  # an unused pointer still needs a tensor
+    # [native-call]
+    if path == "native":
+        sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)
+        launch(_native_gemm_kernel, grid, a, sa, qweight.data.contiguous(), sw, bias_arg, y, M, N, K,
+               a.stride(0), sa.stride(0), qweight.data.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
+               W_SWIZZLED=swizzled, **common)
+        return y
+    # [/native-call]
+    w = qweight.data.contiguous()
+    sw = qweight.scale.contiguous()
+    split = bool(a16 and a.dtype == torch.float16 and not interpreting())
+    launch(_portable_gemm_kernel, grid, a, sw if a16 else sa, w, sw, bias_arg, y, M, N, K,
+           a.stride(0), a.stride(1) if a16 else 1, 0 if a16 else sa.stride(0), w.stride(0), sw.stride(0), y.stride(0),
+           A16=a16, SPLIT_A16=split, DOT_DTYPE=tl.float32 if interpreting() else tl.bfloat16, **common)
+    return y
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
@@ -258,7 +403,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     Args:
         xq: MXFP4 activation [M, K] (data uint8 [M, K/2], scale uint8 E8M0 [M, K/32]).
         qweight: MXFP4 weight [N, K]; scales linear, or swizzled 128x4 on the native path.
-        bias: optional float tensor [N] on the weight's device, added in fp32 in the epilogue.
+        bias: optional float tensor [N] (any float dtype) on the weight's device, added in fp32.
         out_dtype: torch.bfloat16, torch.float16 or torch.float32.
         path: None (gemm_path's choice for the weight's device), "native" or "portable".
     Returns:
@@ -277,27 +422,17 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
     if xq.device != qweight.device:
         raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
-    bias = kernel_bias(bias)
-    a, sa = xq.data.contiguous(), xq.scale.contiguous()
-    # [native-call]
-    if resolve_path(path, FMT, qweight.device) == "native":
-        # nvfp4's kernel with one E8M0 (uint8) scale per 32 and no global scale
-        sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)
-        return launch_fp4_dot_scaled(a, sa, qweight.data.contiguous(), sw, M=xq.rows, N=N, K=K, vec_size=VEC_SIZE,
-                                     scale_e4m3=False, w_swizzled=swizzled, bias=bias, out_dtype=out_dtype)
-    # [/native-call]
-    return launch_fp4_gemm(
-        a, sa, qweight.data.contiguous(), qweight.scale.contiguous(),
-        M=xq.rows, N=N, K=K, group=VEC_SIZE, scale_e4m3=False, bias=bias, out_dtype=out_dtype,
-    )
+    _, chosen, cfg = _device_route(xq.rows, N, K, qweight.device, path=path)
+    return _launch_gemm(chosen, cfg, xq.data.contiguous(), xq.scale.contiguous(), qweight, bias, out_dtype)
 
 
 def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16).
+    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16): the portable
+    kernel on every device (bf16 x dequantized weight; gemm_path(fmt, cap, a16=True) says why).
 
     Args:
         x2d: bfloat16/float16 [M, K] (any strides), on the weight's device.
@@ -315,26 +450,23 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
     out_dtype = out_dtype or x2d.dtype
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
-    bias = kernel_bias(bias)
-    return launch_fp4_gemm(
-        x2d, None, qweight.data.contiguous(), qweight.scale.contiguous(),
-        M=x2d.shape[0], N=N, K=K, group=VEC_SIZE, scale_e4m3=False, bias=bias, out_dtype=out_dtype,
-        a16=True,
-    )
+    _, chosen, cfg = _device_route(x2d.shape[0], N, K, qweight.device, a16=True)
+    return _launch_gemm(chosen, cfg, x2d, None, qweight, bias, out_dtype, a16=True)
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            a16: bool = False, scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with MXFP4 weights: W4A4 (activations quantized to MXFP4 by
-    quantize_activation) or, with ``a16=True``, W4A16 (activations used as they are).
+    """y = x . W^T (+ bias) with MXFP4 weights: W4A4 (x quantized to MXFP4) or, with a16=True,
+    W4A16 (x used as it is); the kernels of ``route`` for this call, exactly.
 
     Args:
         x: bfloat16/float16 [..., K] (any leading dims, any strides).
-        qweight: MXFP4 weight QuantizedTensor [N, K], linear-layout scales, on x's device.
-        bias: optional [N] float tensor.
+        qweight: MXFP4 weight QuantizedTensor [N, K] on x's device (linear scales; swizzled 128x4
+            too with path="native").
+        bias: optional [N] float tensor (any float dtype).
         a16: keep the activations in bf16/fp16 (weight-only quantization).
         scale_rule: activation scale rule for W4A4, "ceil" or "floor" (ignored with a16).
         path: None (auto for x's device), "native" or "portable" (see gemm; W4A16 is portable).
@@ -347,28 +479,13 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     """
     check_native_weight(qweight, FMT, path)
     check_activation(x, qweight.k, VEC_SIZE, FMT, device=qweight.device)
-    N = qweight.shape[0]
+    N, K = qweight.shape
     check_bias(bias, N, qweight.device)
+    x2 = x.reshape(-1, K)
+    _, chosen, cfg = _device_route(x2.shape[0], N, K, qweight.device, a16=a16, path=path)
     if a16:
-        resolve_path(path, FMT, qweight.device, a16=True)  # rejects path="native"
-        y = gemm_w4a16(x.reshape(-1, x.shape[-1]), qweight, bias, out_dtype=x.dtype)
-    elif (decode_applies(x.numel() // x.shape[-1], device_capability(qweight.device), False, x.dtype)
-          and resolve_path(path, FMT, qweight.device) == "portable"):
-        y = _linear_decode(x.reshape(-1, x.shape[-1]), qweight, bias, scale_rule)
+        y = _launch_gemm(chosen, cfg, x2, None, qweight, bias, x.dtype, a16=True)
     else:
-        y = gemm(quantize_activation(x, scale_rule=scale_rule), qweight, bias, out_dtype=x.dtype, path=path)
+        xq = quantize_activation(x2, scale_rule=scale_rule)
+        y = _launch_gemm(chosen, cfg, xq.data, xq.scale, qweight, bias, x.dtype)
     return y.reshape(*x.shape[:-1], N)
-
-
-def _linear_decode(x2, qweight, bias, scale_rule) -> torch.Tensor:
-    """W4A4 at M <= 16 on sm_90 (linear has checked the operands): the quantizer writes the decode
-    GEMM's planes (quantize_planes: quantize_activation's codes and scales, decoded) and
-    _fp4_decode's GEMM dots them, a launch less than quantize -> act_planes_kernel -> GEMM."""
-    M, K = x2.shape
-    N = qweight.shape[0]
-    plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT)
-    planes = torch.empty((M, k_pad), dtype=dt, device=x2.device)
-    quantize_planes(x2, planes, plane_k, scale_rule=scale_rule)
-    return launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous(), M=M, N=N, K=K,
-                             group=VEC_SIZE, scale_e4m3=False, bias=kernel_bias(bias), out_dtype=x2.dtype,
-                             planes=planes, plane_k=plane_k)

@@ -1,4 +1,5 @@
-"""NVFP4 in Triton: the block-scaled FP4 GEMM as the SM12x tensor cores run it.
+"""NVFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM
+and the wrappers that check, allocate and launch them, in that order.
 
 What NVFP4 stores (formats/nvfp4.py is the spec and the oracle): e2m1 codes packed two per byte
 along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements and one
@@ -6,53 +7,59 @@ fp32 global scale g per tensor:
 
     x[m, k] ~= e2m1(qx[m, k]) * e4m3(sx[m, k // 16]) / g_x
 
-1. What the instruction computes. SM120/SM121 have a warp-level block-scaled MMA,
+1. The quantizer (``_amax_partial_kernel``, ``_quantize_kernel``), bit for bit as the oracle:
+
+       g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
+       s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
+       code = e2m1(div_rn(x * g, decode(s)))         code 0 where s == 0
+
+   The dynamic g needs the amax of the whole tensor before any block can be scaled: a first kernel
+   writes one partial amax per program (no atomics, so the result does not depend on timing) and
+   every program of the second reduces them itself, then quantizes its [BLOCK_M, BLOCK_K] tile.
+   Rounding to e4m3 / e2m1 uses the bit-arithmetic encoders of _common (never Triton's fp8 cast,
+   which is wrong in the interpreter) and IEEE division (tl.math.div_rn).
+
+2. The portable GEMM (``_portable_gemm_kernel``): dequantize each operand tile in registers, then a
+   plain tl.dot. An e2m1 value has 2 significant bits and an e4m3 scale 4, so their product has at
+   most 6 and is exact in bf16 (the GPU's dot dtype; fp32 under the interpreter, whose bf16 tl.dot
+   is wrong); products of two such values are exact in the fp32 accumulator, so only the
+   accumulation rounds:
+
+       acc = 0                                                       fp32 [BLOCK_M, BLOCK_N]
+       for k0 in range(0, K, BLOCK_K):
+           a = e2m1(A bytes) * e4m3(A scales)[:, k // 16]            [BLOCK_M, BLOCK_K]
+           w = e2m1(W bytes) * e4m3(W scales)[:, k // 16]            [BLOCK_N, BLOCK_K]
+           acc += tl.dot(a, w^T)
+       y = acc * (1 / g_x) * (1 / g_w) + bias
+
+   W4A16 (``gemm_w4a16``): A is the bf16/fp16 activation itself. bf16 dots as it is; fp16 has 3 more
+   mantissa bits than bf16, so on GPU each fp16 tile is split exactly into bf16 hi + lo (hi =
+   bf16(x), lo = bf16(x - hi), at most 3 significant bits) and dotted twice into the same
+   accumulator.
+
+3. The native SM12x GEMM (``_native_gemm_kernel``). SM120/SM121 have a block-scaled MMA,
 
        mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3
 
    D[16x8] = sum over a 64-deep K slice of (A[m, k] * SA[m, k // 16]) * (B[k, n] * SB[n, k // 16]) + C:
-   e2m1 operands, four e4m3 scales per row of A and per column of B ("scale_vec::4X"), exact
-   products, fp32 accumulation. The scales are applied inside the instruction, so the K loop never
-   decodes an element. Triton exposes it as
+   the scales are applied inside the instruction, so the K loop never dequantizes an element.
+   Triton exposes it as ``acc = tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)`` (a: uint8
+   [BLOCK_M, BLOCK_K/2] packed along K, b: uint8 [BLOCK_K/2, BLOCK_N], sa: [BLOCK_M, BLOCK_K/16],
+   sb: [BLOCK_N, BLOCK_K/16], scales as float8e4nv). The global scales are not part of the
+   instruction: alpha = (1 / g_x) * (1 / g_w) multiplies the accumulator once, in the epilogue (two
+   IEEE reciprocals, so g_x * g_w cannot overflow). The weight scales may be linear [N, K/16] or in
+   the swizzled 128x4 layout of formats.layout (cuBLAS / b12x: 512-byte tiles of 128 rows x 4
+   scales; ``scale_offsets``), so a checkpoint in the b12x layout needs no conversion.
 
-       acc = tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)
+4. The wrappers: ``route`` (which kernels a call launches, with which tile, and why: a pure function
+   of the problem and the device), ``linear`` (quantize + GEMM, executing exactly its route),
+   ``gemm``, ``gemm_w4a16``, ``quantize_activation``, ``tile_config``.
 
-   a: uint8 [BLOCK_M, BLOCK_K/2] (packed along K), b: uint8 [BLOCK_K/2, BLOCK_N], sa: [BLOCK_M,
-   BLOCK_K/16], sb: [BLOCK_N, BLOCK_K/16] (one row per output column, not transposed), scales as
-   float8e4nv. MXFP4 is the same instruction with one E8M0 (uint8) scale per 32, "scale_vec::2X";
-   kernels_triton/mxfp4.py launches this very kernel with VEC_SIZE=32. The global scales are not
-   part of the instruction: alpha = (1 / g_x) * (1 / g_w) multiplies the accumulator once, in the
-   epilogue (two IEEE reciprocals, so g_x * g_w cannot overflow).
-
-2. The scale layout it consumes. Each K step loads its scales as a register tile [rows, BLOCK_K/16],
-   from either the linear layout [rows, K/16] or the swizzled 128x4 layout of formats.layout
-   (cuBLAS / b12x: 512-byte tiles of 128 rows x 4 scales; ``scale_offsets``). The weight may come in
-   either; activations come linear from quantize_activation. Why not swizzled only: the 128x4 tiles
-   exist so that one bulk copy feeds a 128-row MMA tile's scales (tcgen05, CUTLASS SM120). Triton's
-   mma.sync lowering distributes the scales over the threads from registers anyway, so the layout
-   only changes the global load pattern (linear: BLOCK_K/16 contiguous bytes per row; swizzled: one
-   4-byte word per row and 4 scales) and a decode tile of 16 rows would read a 128-row tile's
-   padding. The kernel reads both, so a checkpoint in the b12x layout needs no conversion.
-
-3. The kernel (``fp4_dot_scaled_kernel``), one program per [BLOCK_M, BLOCK_N] output tile:
-
-       acc = 0                                                   fp32 [BLOCK_M, BLOCK_N]
-       for k0 in range(0, K, BLOCK_K):
-           a, sa = A bytes [BLOCK_M, BLOCK_K/2], A scales [BLOCK_M, BLOCK_K/16]
-           w, sw = W bytes [BLOCK_N, BLOCK_K/2], W scales [BLOCK_N, BLOCK_K/16]
-           acc   = dot_scaled(a, sa, w^T, sw, acc)
-       y = acc * (1 / g_x) * (1 / g_w) + bias
-
-4. The wrapper (``gemm``): check the operands, allocate y, pick the tile, launch.
-
-Where it runs (kernels_triton._paths.gemm_path): native on SM120/SM121; on other GPUs the portable
-path decodes each tile in registers to exact bf16 and runs a plain tl.dot (_fp4_gemm; Hopper has
-no block-scaled MMA, and Triton 3.6 cannot compile dot_scaled with e4m3 scales on sm_90); under the
-CPU interpreter the portable path too (its dot_scaled decodes e4m3 scales as E8M0). ``path=``
-forces one. W4A16 (``a16=True``) always takes the portable kernel: bf16 x decoded weight (see
-gemm_path's reason). At M <= 16 on sm_90 the portable path is _fp4_decode's swapped kernel (the
-weight as wgmma's register operand), for W4A4 and bf16 W4A16. Split-K, the decode pre-pass and the
-tile tables are performance machinery: _twopass, _fp4_gemm and _tiles.
+Where each GEMM runs (kernels_triton._common.gemm_path): native on SM120/SM121 with a Triton that
+lowers it; the portable kernel on other GPUs (Hopper, Ada: no block-scaled MMA Triton targets) and
+under the CPU interpreter, whose dot_scaled decodes e4m3 scales as E8M0 (the native kernel is the one
+kernel of this file that the interpreter cannot run). W4A16 is always portable. The Hopper
+production kernels (split-K, PDL, swapped-wgmma decode GEMMs) are kernels_triton.hopper.nvfp4.
 
 Constraints: K % 16 == 0 (the K tail of a tile is masked; BLOCK_K >= 64, triton#11776); x bf16/fp16
 [..., K], any leading dims and strides.
@@ -67,57 +74,191 @@ import triton
 import triton.language as tl
 
 from formats import QuantizedTensor
-from formats.constants import NVFP4_BLOCK
+from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+from formats.validate import nan_unless_positive, static_global_scale
 
-from ._common import TileConfig, check_activation, check_bias, check_weight, interpreting, kernel_bias, scale_offsets
-from ._e4m3_gemm import grouped_tile
-from ._fp4_gemm import fp4_gemm_config, launch_fp4_gemm, portable_config
-from .hopper._fp4_decode import decode_applies, launch_fp4_decode, plane_layout
-from ._nvfp4_quant import quantize_activation, quantize_planes
-from ._paths import check_native_weight, default_device, device_capability, resolve_path, sm_count, weight_scale_bytes
-from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._tiles import sm12x_config
-from .hopper._twopass import (
-    ALPHA_GLOBAL_RECIP,
-    ALPHA_NONE,
-    epilogue,
-    launch_splitk_reduce,
-    splitk_plan,
-    splitk_workspace,
-    store_splitk_partial,
-)
+from ._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3, dequantize_e4m3_finite, encode_e2m1,
+                      encode_e4m3, grouped_tile, nan_if_nonfinite, scale_offsets)
+from ._common import (ALPHA_GLOBAL_RECIP, PREPASS_MIN_M, Route, TileConfig, check_activation, check_bias,
+                      check_native_weight, check_out_dtype, check_weight, default_device, device_capability,
+                      epilogue, gemm_path, interpreter_config, interpreting, kernel_bias, launch, native_config,
+                      quant_config, resolve_path, sm12x_config, sm_count, weight_scale_bytes)
 
-__all__ = ["fp4_dot_scaled_kernel", "gemm", "gemm_w4a16", "linear", "quantize_activation", "tile_config"]
+__all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "tile_config"]
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_PARTIALS = 256  # programs of the amax kernel on a GPU (every quantize program reads all their results)
+MAX_PARTIALS_INTERPRETED = 4  # under the interpreter: few programs, each over several row tiles
+
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
+_ALPHA = tl.constexpr(ALPHA_GLOBAL_RECIP)  # the epilogue's alpha: (1 / g_x) * (1 / g_w)
 
 
-# ---------------------------------------------------------------------------------------------
-# The kernel
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
+# 1. The activation quantizer
+# =============================================================================================
+@triton.jit
+def _amax_partial_kernel(x_ptr, partial_ptr, M, K, stride_xm, stride_xk,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """partial[pid] = max |x| over the row tiles pid, pid + P, ... (all of K); +Inf marks a NaN/Inf."""
+    amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for m0 in range(tl.program_id(0) * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+            ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
+            amax = tl.maximum(amax, abs_or_inf(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)))
+    tl.store(partial_ptr + tl.program_id(0), tl.max(tl.max(amax, axis=1), axis=0))
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # bf16/fp16 [M, K], any strides
+    partial_ptr,  # float32 [num_partials] (DYNAMIC) or the static g, float32 [1]
+    q_ptr, s_ptr,  # out: packed uint8 [M, K/2], e4m3 scale bytes uint8 [M, K/16]
+    g_out_ptr,  # out: float32 [1], the global scale used
+    M, K, num_partials,
+    stride_xm, stride_xk, stride_qm, stride_sm,
+    DYNAMIC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+
+    # ----- global scale: reduce the partial amaxes (dynamic) or read the static g
+    if DYNAMIC:
+        offs_p = tl.arange(0, BLOCK_P)
+        amax = tl.max(tl.load(partial_ptr + offs_p, mask=offs_p < num_partials, other=0.0), axis=0)
+        # g = 2688 / max(amax, AMAX_FLOOR), one IEEE division as the oracle; NaN if amax is +Inf
+        g = tl.math.div_rn(tl.zeros_like(amax) + _G_NUM, amax_or_nan(amax, _FLOOR))
+    else:
+        # a static g given as a tensor is not checked on the host (that would sync): a bad one
+        # (<= 0, Inf, NaN) becomes NaN here, so every consumer of g yields NaN, never zeros
+        g = tl.load(partial_ptr)
+        g = nan_if_nonfinite(tl.where(g > 0, g, float("nan")))
+    tl.store(g_out_ptr, g, mask=(pid_m == 0) & (pid_k == 0))
+
+    # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = offs_m.to(tl.int64)
+    m_mask = offs_m < M
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
+                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+
+    # ----- per-16 block scale s = e4m3(amax_b / 6 * g): [BLOCK_M, BLOCK_K / 16]
+    xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
+    amax_b = amax_or_nan(tl.max(abs_or_inf(xb), axis=2), _FLOOR)  # NaN for a block with NaN/Inf
+    s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
+    s_val = dequantize_e4m3(s_code)[:, :, None]
+
+    # ----- element codes e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf) or s is
+    # NaN (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf; the non-finite rule)
+    codes = encode_e2m1(tl.math.div_rn(xb * g, tl.where(s_val > 0, s_val, 1.0)))
+    codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
+
+    # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
+    even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
+    offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], even | (odd << 4),
+             mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
+    offs_ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], s_code,
+             mask=m_mask[:, None] & (offs_ks[None, :] < K // 16))
+
+
+# =============================================================================================
+# 2. The portable GEMM: dequantize in registers, then tl.dot
+# =============================================================================================
+@triton.jit
+def dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NAN_SCALES: tl.constexpr = True):
+    """Rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed NVFP4 matrix, block scales applied, as
+    float32 [BLOCK_R, BLOCK_K]; out-of-range rows and K columns read as 0. NAN_SCALES: scale code
+    0x7F decodes to NaN (False only for load-checked weight scales: dequantize_e4m3_finite)."""
+    rows = offs_r.to(tl.int64)
+    # packed bytes [BLOCK_R, BLOCK_K // 2]: byte j holds elements 2j (low nibble) and 2j + 1 (high)
+    offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    b = tl.load(data_ptr + rows[:, None] * stride_dr + offs_kb[None, :],
+                mask=r_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
+    # join stacks along a new last axis: [BLOCK_R, BLOCK_K // 2, 2], so the row-major reshape puts
+    # the low nibble of byte j at column 2j and the high one at 2j + 1, the storage order
+    v = tl.join(dequantize_e2m1(b & 0xF), dequantize_e2m1(b >> 4)).reshape(BLOCK_R, BLOCK_K)
+    # scales [BLOCK_R, BLOCK_K // 16]; a masked scale reads 0 and multiplies a masked 0
+    offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    s = tl.load(scale_ptr + rows[:, None] * stride_sr + offs_ks[None, :],
+                mask=r_mask[:, None] & (offs_ks[None, :] < K // 16), other=0)
+    sv = dequantize_e4m3(s) if NAN_SCALES else dequantize_e4m3_finite(s)
+    # each scale over its 16 elements: [BLOCK_R, BLOCK_K / 16, 16] * [.., .., 1]
+    return (v.reshape(BLOCK_R, BLOCK_K // 16, 16) * sv[:, :, None]).reshape(BLOCK_R, BLOCK_K)
+
+
+@triton.jit
+def _portable_gemm_kernel(
+    a_ptr, a_scale_ptr,  # activation: packed uint8 [M, K/2] + e4m3 scale bytes [M, K/16], or (A16) x [M, K]
+    w_ptr, w_scale_ptr,  # weight: packed uint8 [N, K/2] + e4m3 scale bytes [N, K/16]
+    gx_ptr, gw_ptr,  # the global scales, float32 [1] each (A16: gx = 1)
+    bias_ptr, c_ptr,  # bias [N] (any float dtype), output [M, N]
+    M, N, K,
+    stride_am, stride_ak, stride_asm, stride_wn, stride_wsn, stride_cm,
+    A16: tl.constexpr,  # the activation is unquantized bf16/fp16 (W4A16)
+    SPLIT_A16: tl.constexpr,  # A16 with fp16 x on GPU: dot the exact bf16 hi and lo halves
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # bf16 on GPU, fp32 under the interpreter
+    ROUND_BF16: tl.constexpr,  # interpreter + bf16 output: round to nearest even before the cast
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+
+    # ----- K loop: acc [BLOCK_M, BLOCK_N] fp32 += A tile [BLOCK_M, BLOCK_K] . W tile^T [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = dequantize_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                            BLOCK_N, BLOCK_K, not A16)  # W4A16: at its register limit
+        w_t = tl.trans(w.to(DOT_DTYPE))
+        if A16:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
+                        mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+            if SPLIT_A16:
+                x32 = x.to(tl.float32)
+                x_hi = x32.to(tl.bfloat16)
+                x_lo = (x32 - x_hi.to(tl.float32)).to(tl.bfloat16)  # exact: <= 3 significant bits
+                acc = tl.dot(x_hi, w_t, acc)
+                acc = tl.dot(x_lo, w_t, acc)
+            else:  # bf16 x on GPU: already the dot dtype; interpreter: widened to fp32 (exact)
+                acc = tl.dot(x.to(tl.float32).to(DOT_DTYPE), w_t, acc)
+        else:
+            a = dequantize_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm, BLOCK_M, BLOCK_K)
+            acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
+
+    # ----- epilogue: alpha = (1/g_x)(1/g_w) (NaN for a bad global scale), bias, cast, masked store
+    y = epilogue(acc, offs_n, n_mask, gx_ptr, gw_ptr, bias_ptr, _ALPHA, HAS_BIAS, ROUND_BF16)
+    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+# =============================================================================================
+# 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA
+# =============================================================================================
 # [native-kernel]
 @triton.jit
-def fp4_dot_scaled_kernel(
-    # pointers
-    a_ptr, a_scale_ptr,  # activation: packed e2m1 uint8 [M, K/2], scale bytes [M, K/VEC_SIZE] (linear)
-    w_ptr, w_scale_ptr,  # weight: packed e2m1 uint8 [N, K/2], scale bytes (linear or swizzled 128x4)
-    gx_ptr, gw_ptr,  # nvfp4 global scales, float32 [1] each (ALPHA_MODE == ALPHA_GLOBAL_RECIP)
+def _native_gemm_kernel(
+    a_ptr, a_scale_ptr,  # activation: packed e2m1 uint8 [M, K/2], e4m3 scale bytes [M, K/16] (linear)
+    w_ptr, w_scale_ptr,  # weight: packed e2m1 uint8 [N, K/2], e4m3 scale bytes (linear or swizzled 128x4)
+    gx_ptr, gw_ptr,  # the global scales, float32 [1] each
     bias_ptr, c_ptr,  # bias [N], output [M, N]
-    ws_ptr,  # SPLIT: fp32 workspace [split, M, N]; _twopass sums it and runs the epilogue
-    # dimensions
-    M, N, K, K_PER,  # K_PER: K elements per program (K unless split-K), a multiple of BLOCK_K
-    # strides (the K strides are 1)
-    stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
-    # meta-parameters
-    VEC_SIZE: tl.constexpr,  # elements per scale: 16 (nvfp4) or 32 (mxfp4)
-    SCALE_E4M3: tl.constexpr,  # scale bytes are e4m3 (nvfp4: ue4m3 in the MMA) or E8M0 (mxfp4)
+    M, N, K,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,  # the K strides are 1
     W_SWIZZLED: tl.constexpr,  # weight scales in the swizzled 128x4 layout
-    ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -126,114 +267,186 @@ def fp4_dot_scaled_kernel(
     n_ok = offs_n < N
     rows_m = offs_m.to(tl.int64)
     rows_n = offs_n.to(tl.int64)
-    n_scales = K // VEC_SIZE
+    n_scales = K // 16
 
     # ----- K loop: acc [BLOCK_M, BLOCK_N] fp32 += (A . SA) [BLOCK_M, BLOCK_K] . (W . SW)^T
-    k_lo = tl.program_id(1) * K_PER
-    pdl_wait(USE_PDL)  # the quantized activation
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         # packed bytes, two e2m1 codes each, low nibble first: [rows, BLOCK_K // 2]
         offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         kb_ok = offs_kb < K // 2
-        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_kb[None, :],
-                    mask=m_ok[:, None] & kb_ok[None, :], other=0)
-        w = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_kb[None, :],
-                    mask=n_ok[:, None] & kb_ok[None, :], other=0)
-        # block scales, one per VEC_SIZE elements: [rows, BLOCK_K // VEC_SIZE] (masked: 0 x 0 = 0)
-        offs_ks = k0 // VEC_SIZE + tl.arange(0, BLOCK_K // VEC_SIZE)
+        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_kb[None, :], mask=m_ok[:, None] & kb_ok[None, :], other=0)
+        w = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_kb[None, :], mask=n_ok[:, None] & kb_ok[None, :], other=0)
+        # block scales, one per 16 elements: [rows, BLOCK_K // 16] (masked: 0 x 0 = 0)
+        offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         ks_ok = offs_ks < n_scales
         sa = tl.load(a_scale_ptr + scale_offsets(offs_m, offs_ks, n_scales, stride_asm, False),
                      mask=m_ok[:, None] & ks_ok[None, :], other=0)
         sw = tl.load(w_scale_ptr + scale_offsets(offs_n, offs_ks, n_scales, stride_wsn, W_SWIZZLED),
                      mask=n_ok[:, None] & ks_ok[None, :], other=0)
-        if SCALE_E4M3:
-            sa = sa.to(tl.float8e4nv, bitcast=True)
-            sw = sw.to(tl.float8e4nv, bitcast=True)
         # one block-scaled MMA per 64-deep slice; the scales never leave the instruction
-        acc = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1", acc)
+        acc = tl.dot_scaled(a, sa.to(tl.float8e4nv, bitcast=True), "e2m1",
+                            w.T, sw.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
 
-    pdl_launch_dependents(USE_PDL)
-    if SPLIT:  # a partial sum of this K range; splitk_reduce_kernel adds them, then the epilogue
-        store_splitk_partial(ws_ptr, acc, tl.program_id(1), offs_m, offs_n, M, N, m_ok[:, None] & n_ok[None, :])
-        return
-
-    # ----- epilogue: global scales (nvfp4), bias, cast, masked store
-    y = epilogue(acc, offs_n, n_ok, gx_ptr, gw_ptr, bias_ptr, ALPHA_MODE, HAS_BIAS, ROUND_BF16)
-    c_ptrs = c_ptr + rows_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    # ----- epilogue: global scales, bias, cast, masked store
+    y = epilogue(acc, offs_n, n_ok, gx_ptr, gw_ptr, bias_ptr, _ALPHA, HAS_BIAS, ROUND_BF16)
+    tl.store(c_ptr + rows_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 # [/native-kernel]
 
 
-# ---------------------------------------------------------------------------------------------
-# Launch (shared with mxfp4): allocate, pick the tile, launch
-# ---------------------------------------------------------------------------------------------
-def native_tile_config(M: int, N: int, K: int, device) -> TileConfig:
-    """The native kernel's tile: the SM12x table (kernels_triton._tiles) on a GPU, whole small
-    problems under the interpreter (each program costs milliseconds there)."""
-    if interpreting():
-        return fp4_gemm_config(M, N, K, True)
-    return sm12x_config("e2m1", M, N, K, sm_count(device))
+# =============================================================================================
+# 4. The wrappers: route, check, allocate, launch
+# =============================================================================================
+_QUANTIZER = {True: ("_amax_partial_kernel", "_quantize_kernel"), False: ("_quantize_kernel",)}
+_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
 
 
-# [native-launch]
-def launch_fp4_dot_scaled(a, a_scale, w, w_scale, *, M, N, K, vec_size, scale_e4m3, w_swizzled, bias,
-                          out_dtype, gx=None, gw=None, config: Optional[TileConfig] = None) -> torch.Tensor:
-    """y [M, N] = dot_scaled GEMM of packed e2m1 operands (uint8 views of data and scale bytes;
-    the format modules have checked them). gx, gw: float32 [1] device tensors (nvfp4) or None."""
-    y = torch.empty((M, N), dtype=out_dtype, device=w.device)
+def gemm_tile(M: int, N: int, K: int, path: str, capability, sm_count: int = 1) -> TileConfig:
+    """The GEMM's tile for ``path`` on a device of ``capability`` (None: the interpreter).
+
+    Interpreter: _common.interpreter_config, tiles as large as the problem (a program x K step costs
+    milliseconds of Python there), BLOCK_K >= 64 (dot_scaled's e2m1 operands: triton#11776).
+    GPU: the SM12x tables of _common, sized for SM12x's 101,376 B of shared memory so they fit every
+    GPU: native, kind "e2m1"; portable, kind "e2m1_portable" (16 x 64 x 128 at M <= 16, 64 x 64 x 64
+    at M <= 64, 64 x 128 x 64 with 8 warps above; the lesson has no pre-pass, so M > PREPASS_MIN_M
+    keeps the last fused row). ``sm_count`` does not change the choice (one program per tile).
+    """
+    if capability is None:
+        return interpreter_config(M, N, K, block_k=max(64, min(512, triton.next_power_of_2(max(K, 1)))))
+    if path == "native":
+        return native_config(M, N, K, capability, kind="e2m1")
+    return sm12x_config("e2m1_portable", min(M, PREPASS_MIN_M), N, K, sm_count)
+
+
+def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool, path: Optional[str],
+          dynamic_scale: bool) -> tuple[Route, str, TileConfig]:
+    """The route with the GEMM's path and tile: the one place a call's kernels are decided."""
+    if min(M, N, K) < 0:
+        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
+    chosen, why = gemm_path(FMT, capability, a16=a16)
+    if path is not None:
+        if path not in _GEMM_KERNEL:
+            raise ValueError(f"path must be None or one of {tuple(_GEMM_KERNEL)}, got {path!r}")
+        if path == "native" and (a16 or capability is None):
+            raise ValueError(f"{FMT} path='native' is not available here: "
+                             f"{why if a16 else 'the interpreter decodes e4m3 dot_scaled scales as E8M0'}")
+        chosen, why = path, f"path={path!r} forced"
+    cfg = gemm_tile(M, N, K, chosen, capability, sm_count)
+    quant = () if a16 or M == 0 else _QUANTIZER[bool(dynamic_scale)]
+    if M == 0 or N == 0:
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), chosen, cfg
+    return Route("triton", quant + (_GEMM_KERNEL[chosen],), str(cfg), 1, why), chosen, cfg
+
+
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
+          path: Optional[str] = None, dynamic_scale: bool = True) -> Route:
+    """The kernels ``linear`` launches for x [M, K] and a weight [N, K] on a device of
+    ``capability``, in order, with the GEMM's tile and why. Pure: no GPU needed.
+
+    Args:
+        M, N, K: the problem (M = prod(x.shape[:-1])).
+        capability: (major, minor) of the device, or None for the CPU interpreter.
+        sm_count: the device's SMs (the native tile table's input).
+        a16: W4A16 (x used as it is: no quantizer, the portable kernel).
+        path: None (gemm_path's choice), "native" or "portable".
+        dynamic_scale: W4A4 with the dynamic global scale (the amax kernel first); False for a
+            static global_scale.
+    Returns:
+        Route(impl="triton", kernels, tile, split_k=1, why).
+    Raises:
+        ValueError: a negative dimension, an unknown path, path="native" with a16 or under the
+            interpreter (its dot_scaled decodes e4m3 scales as E8M0).
+    """
+    return _plan(M, N, K, capability, sm_count, a16, path, dynamic_scale)[0]
+
+
+def tile_config(M: int, N: int, K: int, path=None) -> TileConfig:
+    """The GEMM's tile for an [M, K] x [N, K]^T problem on this process's device and ``path`` (None:
+    gemm_path's choice), as gemm launches it (the bench reports it)."""
+    return _device_route(M, N, K, default_device(), path=path)[2]
+
+
+def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None) -> QuantizedTensor:
+    """Quantize activations to NVFP4 with the Triton kernels, bit for bit as
+    ``formats.quantize(x, "nvfp4", role="activation", global_scale=global_scale)``.
+
+    Args:
+        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; NaN/Inf follow the
+            non-finite rule (docs/formats.md).
+        global_scale: static g (e.g. a calibrated input_global_scale = 2688 / amax), a Python number
+            or a one-element float tensor; None = dynamic, 2688 / max(amax(x), 2^-100).
+    Returns:
+        QuantizedTensor(fmt="nvfp4", role="activation", data=uint8 [M, K/2],
+        scale=float8_e4m3fn [M, K/16], global_scale=float32 0-d, shape=(M, K)), M = prod(x.shape[:-1]).
+    Raises:
+        ValueError: x not a bf16/fp16 tensor, K not a positive multiple of 16, or a bad global_scale.
+    """
+    check_activation(x, None, VEC_SIZE, FMT)
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)  # a view when the strides allow; the kernels take both strides
+    M = x2.shape[0]
+    device = x.device
+    data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
+    scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=device)
+    dynamic = global_scale is None
+    g_in = None if dynamic else static_global_scale(global_scale, device)
+    if M == 0:  # no launch; the oracle's g for an empty tensor is 2688 / AMAX_FLOOR
+        g = (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
+             / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else nan_unless_positive(g_in)
+    else:
+        block_m, block_k = quant_config(M, K, interpreting(), VEC_SIZE)
+        num_partials = 1
+        if dynamic:
+            num_partials = min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interpreting() else MAX_PARTIALS)
+            g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
+            launch(_amax_partial_kernel, (num_partials,), x2, g_in, M, K, x2.stride(0), x2.stride(1),
+                   BLOCK_M=block_m, BLOCK_K=block_k)
+        g = torch.empty((1,), dtype=torch.float32, device=device)
+        launch(_quantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(K, block_k)),
+               x2, g_in, data, scale, g, M, K, num_partials,
+               x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
+               DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)), BLOCK_M=block_m, BLOCK_K=block_k)
+    return QuantizedTensor(FMT, "activation", data, scale.view(torch.float8_e4m3fn), g.reshape(()),
+                           (1, VEC_SIZE), (M, K))
+
+
+def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, gx, *, a16=False) -> torch.Tensor:
+    """y [M, N] = the GEMM of ``path`` with tile ``cfg`` (the route's); operands checked by the caller.
+    a, sa: the activation's packed bytes and scale bytes (uint8), or with a16 the bf16/fp16 x [M, K]."""
+    N, K = qweight.shape
+    M = a.shape[0]
+    y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0 or N == 0:
         return y
-    cfg = config or native_tile_config(M, N, K, w.device)
-    n_split, k_per = splitk_plan(K, cfg)
-    ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else y
-    alpha = ALPHA_GLOBAL_RECIP if gx is not None else ALPHA_NONE
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
-    fp4_dot_scaled_kernel[grid](
-        a, a_scale, w, w_scale,
-        gx if gx is not None else w_scale, gw if gw is not None else w_scale,
-        bias if bias is not None else y, y, ws,
-        M, N, K, k_per,
-        a.stride(0), a_scale.stride(0), w.stride(0), 0 if w_swizzled else w_scale.stride(0), y.stride(0),
-        VEC_SIZE=vec_size, SCALE_E4M3=scale_e4m3, W_SWIZZLED=w_swizzled,
-        ALPHA_MODE=alpha, HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and out_dtype == torch.bfloat16,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        SPLIT=n_split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(w.device),
-    )
-    if n_split > 1:
-        launch_splitk_reduce(ws, y, bias=bias, alpha_mode=alpha, s1=gx, s2=gw)
+    gw = qweight.global_scale.reshape(1).to(torch.float32)
+    bias = kernel_bias(bias)
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    common = dict(HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and out_dtype == torch.bfloat16,
+                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    bias_arg = bias if bias is not None else y  # an unused pointer still needs a tensor
+    # [native-launch]
+    if path == "native":
+        sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)  # linear or swizzled 128x4 scale bytes
+        launch(_native_gemm_kernel, grid, a, sa, qweight.data.contiguous(), sw, gx, gw, bias_arg, y, M, N, K,
+               a.stride(0), sa.stride(0), qweight.data.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
+               W_SWIZZLED=swizzled, **common)
+        return y
+    # [/native-launch]
+    w = qweight.data.contiguous()
+    sw = qweight.scale.contiguous().view(torch.uint8)
+    split = bool(a16 and a.dtype == torch.float16 and not interpreting())
+    launch(_portable_gemm_kernel, grid, a, sw if a16 else sa, w, sw, gx, gw, bias_arg, y, M, N, K,
+           a.stride(0), a.stride(1) if a16 else 1, 0 if a16 else sa.stride(0), w.stride(0), sw.stride(0), y.stride(0),
+           A16=a16, SPLIT_A16=split, DOT_DTYPE=tl.float32 if interpreting() else tl.bfloat16, **common)
     return y
-# [/native-launch]
 
 
-# ---------------------------------------------------------------------------------------------
-# The wrappers: check, allocate, launch
-# ---------------------------------------------------------------------------------------------
-def tile_config(M: int, N: int, K: int, path=None):
-    """The W4A4 GEMM's launch configuration for an [M, K] x [N, K]^T problem on this process's
-    device and ``path`` (None: gemm_path's choice), as gemm uses it (the bench reports it)."""
-    dev = default_device()
-    if resolve_path(path, FMT, dev) == "native":
-        return native_tile_config(M, N, K, dev)
-    return portable_config(M, N, K, dev, decode_kernel=True, fmt=FMT)
-
-
-def _check_activation_q(xq, qweight) -> None:
-    if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != FMT:
-        got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
-        raise ValueError(f"xq must be an {FMT} activation QuantizedTensor, got {got}")
-    if xq.scale_layout != "linear":
-        raise ValueError(f"xq.scale_layout must be 'linear', got {xq.scale_layout!r}")
-    if xq.k != qweight.k:
-        raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
-    if xq.device != qweight.device:
-        raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
-
-
-def _check_out_dtype(out_dtype) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+def _device_route(M, N, K, device, *, a16=False, path=None, dynamic_scale=True) -> tuple[Route, str, TileConfig]:
+    """_plan for ``device`` (path checked first by resolve_path: the errors of a forced path)."""
+    resolve_path(path, FMT, device, a16=a16)
+    return _plan(M, N, K, device_capability(device), sm_count(device), a16, path, dynamic_scale)
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
@@ -243,7 +456,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     Args:
         xq: NVFP4 activation [M, K] (data uint8 [M, K/2], scale e4m3 [M, K/16], global_scale).
         qweight: NVFP4 weight [N, K]; scales linear, or swizzled 128x4 on the native path.
-        bias: optional float tensor [N] on the weight's device, added in fp32 in the epilogue.
+        bias: optional float tensor [N] (any float dtype) on the weight's device, added in fp32.
         out_dtype: torch.bfloat16, torch.float16 or torch.float32.
         path: None (gemm_path's choice for the weight's device), "native" or "portable".
     Returns:
@@ -254,28 +467,27 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
             be wrong (the interpreter) or does not compile (sm_90 with Triton < 3.7).
     """
     check_native_weight(qweight, FMT, path)
-    _check_activation_q(xq, qweight)
-    _check_out_dtype(out_dtype)
+    if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != FMT:
+        got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
+        raise ValueError(f"xq must be an {FMT} activation QuantizedTensor, got {got}")
+    if xq.scale_layout != "linear":
+        raise ValueError(f"xq.scale_layout must be 'linear', got {xq.scale_layout!r}")
+    if xq.k != qweight.k:
+        raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
+    if xq.device != qweight.device:
+        raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
-    bias = kernel_bias(bias)
-    gx = xq.global_scale.reshape(1).to(torch.float32)
-    gw = qweight.global_scale.reshape(1).to(torch.float32)
-    a, sa = xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8)
-    if resolve_path(path, FMT, qweight.device) == "native":
-        sw, swizzled = weight_scale_bytes(qweight, FMT, VEC_SIZE)
-        return launch_fp4_dot_scaled(a, sa, qweight.data.contiguous(), sw, M=xq.rows, N=N, K=K, vec_size=VEC_SIZE,
-                                     scale_e4m3=True, w_swizzled=swizzled, bias=bias, out_dtype=out_dtype,
-                                     gx=gx, gw=gw)
-    return launch_fp4_gemm(a, sa, qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
-                           M=xq.rows, N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=bias,
-                           out_dtype=out_dtype, gx=gx, gw=gw)
+    _, chosen, cfg = _device_route(xq.rows, N, K, qweight.device, path=path)
+    return _launch_gemm(chosen, cfg, xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8), qweight, bias,
+                        out_dtype, xq.global_scale.reshape(1).to(torch.float32))
 
 
 def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16), the portable
-    kernel on every device (bf16 x decoded weight; gemm_path(fmt, cap, a16=True) says why).
+    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16): the portable
+    kernel on every device (bf16 x dequantized weight; gemm_path(fmt, cap, a16=True) says why).
 
     Args:
         x2d: bfloat16/float16 [M, K] (any strides), on the weight's device.
@@ -283,10 +495,8 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
         bias: optional float tensor [N].
         out_dtype: torch.bfloat16, torch.float16 or torch.float32; default x2d's dtype.
     Returns:
-        [M, N] tensor of out_dtype: fp32 sums of exact products, times 1/g_w once in the epilogue
-        (fp16 x: split into two bf16 halves, see _fp4_gemm). On sm_90 at M <= 16 (bf16 x, the
-        decode kernel's scale fold) the products are summed 2^8 smaller: below ~2^-141 (x near
-        1e-38) they underflow to 0 where unfolded they were fp32 subnormals (_fp4_decode.fp4_planes).
+        [M, N] tensor of out_dtype: fp32 sums of exact products (fp16 x: two exact bf16 halves on
+        GPU), times 1/g_w once in the epilogue.
     Raises:
         ValueError: x2d not a 2-D bf16/fp16 tensor, K not a multiple of 16 or not the weight's K,
             device mismatch, wrong weight format or layout, bad bias, unsupported out_dtype.
@@ -296,29 +506,25 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
     out_dtype = out_dtype or x2d.dtype
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
-    bias = kernel_bias(bias)
+    _, chosen, cfg = _device_route(x2d.shape[0], N, K, qweight.device, a16=True)
     one = torch.ones(1, dtype=torch.float32, device=qweight.device)  # alpha = (1/1) * (1/g_w)
-    return launch_fp4_gemm(
-        x2d, None, qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
-        M=x2d.shape[0], N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=bias, out_dtype=out_dtype,
-        gx=one, gw=qweight.global_scale.reshape(1).to(torch.float32), a16=True,
-    )
+    return _launch_gemm(chosen, cfg, x2d, None, qweight, bias, out_dtype, one, a16=True)
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            a16: bool = False, global_scale: Union[None, float, torch.Tensor] = None,
            path: Optional[str] = None) -> torch.Tensor:
     """y = x . W^T (+ bias) with NVFP4 weights: W4A4 (x quantized to NVFP4) or, with a16=True,
-    W4A16 (x used as it is).
+    W4A16 (x used as it is); the kernels of ``route`` for this call, exactly.
 
     Args:
         x: bfloat16/float16 [..., K] (any leading dims, any strides).
         qweight: NVFP4 weight QuantizedTensor [N, K] on x's device (linear scales; swizzled 128x4
             too with path="native").
-        bias: optional [N] float tensor.
+        bias: optional [N] float tensor (any float dtype).
         a16: keep the activations in bf16/fp16 (weight-only quantization; the portable kernel).
         global_scale: static activation global scale (see quantize_activation); None = dynamic.
             Ignored with a16.
@@ -332,29 +538,16 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     """
     check_native_weight(qweight, FMT, path)
     check_activation(x, qweight.k, VEC_SIZE, FMT, device=qweight.device)
-    N = qweight.shape[0]
+    N, K = qweight.shape
     check_bias(bias, N, qweight.device)
+    x2 = x.reshape(-1, K)
+    _, chosen, cfg = _device_route(x2.shape[0], N, K, qweight.device, a16=a16, path=path,
+                                   dynamic_scale=global_scale is None)
     if a16:
-        resolve_path(path, FMT, qweight.device, a16=True)  # rejects path="native"
-        y = gemm_w4a16(x.reshape(-1, x.shape[-1]), qweight, bias, out_dtype=x.dtype)
-    elif (decode_applies(x.numel() // x.shape[-1], device_capability(qweight.device), False, x.dtype)
-          and resolve_path(path, FMT, qweight.device) == "portable"):
-        y = _linear_decode(x.reshape(-1, x.shape[-1]), qweight, bias, global_scale)
+        one = torch.ones(1, dtype=torch.float32, device=qweight.device)
+        y = _launch_gemm(chosen, cfg, x2, None, qweight, bias, x.dtype, one, a16=True)
     else:
-        y = gemm(quantize_activation(x, global_scale=global_scale), qweight, bias, out_dtype=x.dtype, path=path)
+        xq = quantize_activation(x2, global_scale=global_scale)
+        y = _launch_gemm(chosen, cfg, xq.data, xq.scale.view(torch.uint8), qweight, bias, x.dtype,
+                         xq.global_scale.reshape(1))
     return y.reshape(*x.shape[:-1], N)
-
-
-def _linear_decode(x2, qweight, bias, global_scale) -> torch.Tensor:
-    """W4A4 at M <= 16 on sm_90: the quantizer writes the decode GEMM's activation planes
-    (quantize_planes: the codes, scales and g of quantize_activation, decoded) and
-    _fp4_decode's GEMM dots them, a launch less than quantize -> act_planes_kernel -> GEMM."""
-    M, K = x2.shape
-    N = qweight.shape[0]
-    plane_k, k_pad, dt = plane_layout(M, N, K, qweight.device, FMT)
-    planes = torch.empty((M, k_pad), dtype=dt, device=x2.device)
-    gx = quantize_planes(x2, planes, plane_k, global_scale=global_scale)
-    return launch_fp4_decode(None, None, qweight.data.contiguous(), qweight.scale.contiguous().view(torch.uint8),
-                             M=M, N=N, K=K, group=VEC_SIZE, scale_e4m3=True, bias=kernel_bias(bias),
-                             out_dtype=x2.dtype, gx=gx, gw=qweight.global_scale.reshape(1).to(torch.float32),
-                             planes=planes, plane_k=plane_k)

@@ -58,6 +58,13 @@ def cases():
     return out
 
 
+def _native_tile(fmt, m, n, k, device):
+    """The FP4 lesson's native tile on ``device`` (its gemm_tile, as its route takes it)."""
+    from kernels_triton._paths import device_capability, sm_count
+
+    return kernels_triton.module(fmt).gemm_tile(m, n, k, "native", device_capability(device), sm_count(device))
+
+
 def run_cell(fmt, opts, m, n, k, gen, timing: bool) -> dict:
     dev = DEV
     mod = kernels_triton.module(fmt)
@@ -74,10 +81,8 @@ def run_cell(fmt, opts, m, n, k, gen, timing: bool) -> dict:
     try:
         if spec(fmt).scale.startswith("e4m3") and _cap()[0] != 12:
             # bypass resolve_path's refusal to record what Triton itself says
-            yn = nvfp4.launch_fp4_dot_scaled(
-                xq.data, xq.scale.view(torch.uint8), qw.data, qw.scale.view(torch.uint8), M=m, N=n, K=k,
-                vec_size=16, scale_e4m3=True, w_swizzled=False, bias=bias, out_dtype=torch.float32,
-                gx=xq.global_scale.reshape(1), gw=qw.global_scale.reshape(1))
+            yn = nvfp4._launch_gemm("native", _native_tile(fmt, m, n, k, w.device), xq.data,
+                                    xq.scale.view(torch.uint8), qw, bias, torch.float32, xq.global_scale.reshape(1))
         else:
             yn = mod.gemm(xq, qw, bias, out_dtype=torch.float32, path="native", **opts)
         if DEV == "cuda":
@@ -87,7 +92,7 @@ def run_cell(fmt, opts, m, n, k, gen, timing: bool) -> dict:
         return rec
     rec["native_ratio"] = ratio(yn, ref, b)
     rec["native_vs_portable_ratio"] = float(((yn.double() - yp.double()).abs() / (2 * b)).max())
-    rec["native_tile"] = str(nvfp4.native_tile_config(m, n, k, w.device) if spec(fmt).element == "e2m1"
+    rec["native_tile"] = str(_native_tile(fmt, m, n, k, w.device) if spec(fmt).element == "e2m1"
                              else kernels_triton._e4m3_gemm.native_config(
                                  m, n, k, w.device, kind="fp8_block" if fmt == "fp8_block" and not opts else "e4m3",
                                  block_k=128 if fmt == "fp8_block" else None))

@@ -1,6 +1,6 @@
 """Decode-sized FP4 GEMM (M <= 16) for GPUs without block-scaled MMA (sm_90): the performance path.
 
-The lesson kernel (``_fp4_gemm.fp4_gemm_kernel``) puts the activation on the MMA's M side, so at
+The lessons' portable kernel (kernels_triton.nvfp4 / mxfp4, ``_portable_gemm_kernel``) puts the activation on the MMA's M side, so at
 M <= 16 the decoded weight is the MMA's B operand: on Hopper it makes a round trip through shared
 memory before every MMA, and each element costs ~6 instructions to decode (fp32 bit placement,
 two fmuls, a cvt). Here the product is computed transposed ("swap AB"):
@@ -41,11 +41,11 @@ The activation is decoded once per call (``act_planes_kernel``) into a 16-bit [M
 K loop's dot order, and the GEMM loads it with a plain pipelined load: then no dot operand is
 stored to shared memory inside the loop, which is what Triton's WGMMA pipeliner needs to make the
 wgmmas asynchronous (the dot split along K), so the weight decode of later slices runs while earlier
-slices' MMAs execute (docs/perf_notes.md row 22). With the activation decoded in the loop, its
-tile went through shared memory each step and the loop waited for all its MMAs before the next
-decode. The W4A4 decode linears (nvfp4.linear, mxfp4.linear) skip that launch: their activation
+slices' MMAs execute (an activation dequantized inside the loop would go through shared memory
+each step, and the loop would wait for all its MMAs before the next weight decode). The W4A4
+decode linears (hopper.nvfp4.linear, hopper.mxfp4.linear) skip that launch: their activation
 quantizers, which hold the values, write the same planes themselves (``store_planes``,
-``plane_layout``; perf_notes row 24) and pass them as ``planes``.
+``plane_layout``) and pass them as ``planes``.
 
 Under TRITON_INTERPRET=1 the dot runs on fp32 operands (exact: the decoded values are fp32 numbers)
 and the integer decode runs as plain Triton ops instead of inline PTX.
@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from .._codecs import dequantize_e2m1, dequantize_e4m3, dequantize_e8m0, global_alpha, round_to_bf16_rne
-from .._common import TileConfig, interpreting
+from .._common import TileConfig, interpreting, launch
 from ._fp4_decode_tile import (DECODE_MAX_M, PLANE_DTYPES, check_planes, check_quantize_planes,  # noqa: F401
                                decode_applies, decode_config, decode_tile, min_block_k, plane_layout)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -336,7 +336,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
                       use_asm: bool | None = None, fold_scale: bool | None = None,
                       planes: torch.Tensor | None = None, plane_k: int | None = None) -> torch.Tensor:
     """y [M, N] = dequant(a) . dequant(w)^T (* alpha) (+ bias) for M <= 16, as
-    ``_fp4_gemm.launch_fp4_gemm`` computes it (up to the order of the fp32 additions). Launches
+    the lessons' portable GEMM computes it (up to the order of the fp32 additions). Launches
     act_planes_kernel (the activation decoded into an [M, K rounded up to BLOCK_K] scratch of the
     dot dtype: fp16 for nvfp4 W4A4, bf16 otherwise, fp32 under the interpreter), the GEMM, and
     with split-K the ordered reduction, all with PDL where it applies (_pdl).
@@ -345,7 +345,7 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         a: W4A4: packed e2m1 uint8 [M, K/2] (element 2j in the low nibble of byte j; row stride
             free, K stride 1), with a_scale: block-scale bytes uint8 [M, K/group] (e4m3 for
             nvfp4, E8M0 for mxfp4; row stride free). a16: the bf16 activation [M, K] (any
-            strides; fp16 is for the lesson kernel, decode_applies), a_scale ignored.
+            strides; fp16 takes hopper._fp4_gemm's exact hi/lo kernel, decode_applies), a_scale ignored.
         w, w_scale: the weight, packed uint8 [N, K/2] and its block-scale bytes uint8 [N, K/group],
             K stride 1 in both.
         M, N, K: the problem (M <= 16; K a multiple of group). group: 16 (nvfp4) or 32 (mxfp4).
@@ -402,7 +402,8 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
         else:
             stride_am, stride_ak, stride_asm = a.stride(0), 1, a_scale.stride(0)
         planes = torch.empty((M, k_tiles * bk), dtype=_TORCH_DTYPE[dot], device=w.device)
-        act_planes_kernel[(k_tiles,)](
+        launch(
+            act_planes_kernel, (k_tiles,),
             a, a_scale, planes, M, K, stride_am, stride_ak, stride_asm, planes.stride(0),
             GROUP=group, SCALE_E4M3=scale_e4m3, A16=a16, F16_DECODE=f16, USE_ASM=asm, DOT_DTYPE=dot, EVEN_K=even_k,
             BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(w.device),
@@ -415,7 +416,8 @@ def launch_fp4_decode(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bia
     ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
     has_global = gx is not None
     grid = (triton.cdiv(N, cfg.BLOCK_N), n_split)
-    fp4_decode_gemm_kernel[grid](
+    launch(
+        fp4_decode_gemm_kernel, grid,
         planes, w, w_scale, gx if has_global else w_scale, gw if has_global else w_scale,
         bias if bias is not None else out, out, ws,
         M, N, K, k_per,

@@ -24,11 +24,8 @@ def decode_tile(M: int, N: int, K: int, n_sms: int, fmt: str = "mxfp4", a16: boo
     programs per SM still fit), 128 for the bf16 planes. Split-K: the largest power of two that keeps
     the grid within two programs per SM and each program >= 4 K steps, then the count splitk_plan
     launches for it (fewer where whole BLOCK_K steps per program cannot fill that many ranges: 7 for
-    K = 4224 at 8), so the reported SPLIT_K is the launched one (docs/perf_notes.md, issue 13 rows
-    17, 22: with async MMAs split 4 beat split 8 for the bf16 planes at M = 16 and tied for nvfp4,
-    where BLOCK_K 256 with split 4 won). The BLOCK_K 256 threshold
-    (K >= 1024) and the split rule were measured only at N = K = 8192 on the H200 (132 SMs);
-    elsewhere they are extrapolations.
+    K = 4224 at 8), so the reported SPLIT_K is the launched one (docs/perf_notes.md has the
+    measurements behind the rule and the shapes they cover; elsewhere it is an extrapolation).
 
     Raises ValueError for a ``fmt`` other than "nvfp4" / "mxfp4"."""
     if fmt not in ("nvfp4", "mxfp4"):
@@ -69,18 +66,19 @@ def decode_applies(M: int, capability, a16: bool, a_dtype: torch.dtype) -> bool:
     return True
 
 
-def plane_layout(M: int, N: int, K: int, device, fmt: str) -> tuple[int, int, torch.dtype]:
+def plane_layout(M: int, N: int, K: int, device, fmt: str, config: TileConfig | None = None) -> tuple[int, int, torch.dtype]:
     """(PLANE_K, K_pad, dtype) of the decoded W4A4 activation that launch_fp4_decode dots for ``fmt``
     ("nvfp4" / "mxfp4") with decode_config's tile: its BLOCK_K, K rounded up to it, and the dot dtype
     (fp16, value * 2^-14, for nvfp4; bf16 for mxfp4; float32 under the interpreter). The planes are
     a K-contiguous [M, K_pad] tensor of that dtype (check_planes); PLANE_K goes with them to the
-    quantizer and to launch_fp4_decode (``plane_k``).
+    quantizer and to launch_fp4_decode (``plane_k``). ``config``: the tile the GEMM will launch (the
+    route's), instead of decode_config's for the device.
 
     Raises ValueError for a ``fmt`` other than "nvfp4" / "mxfp4" (decode_tile; under the interpreter
     too)."""
     if fmt not in PLANE_DTYPES:
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4' for the FP4 decode planes, got {fmt!r}")
-    bk = decode_config(M, N, K, device, fmt).BLOCK_K
+    bk = (config or decode_config(M, N, K, device, fmt)).BLOCK_K
     dt = torch.float32 if interpreting() else PLANE_DTYPES[fmt][0]
     return bk, triton.cdiv(K, bk) * bk, dt
 

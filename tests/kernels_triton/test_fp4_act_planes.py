@@ -1,7 +1,7 @@
 """The W4A4 activation quantizers that write the sm_90 FP4 decode GEMM's planes themselves
-(nvfp4: _nvfp4_quant.quantize_planes, mxfp4: mxfp4.quantize_planes, both through
-_fp4_decode.store_planes) against the two-launch chain they replace: quantize_activation (bit for
-bit the oracle's codes and scales, its own tests) then _fp4_decode.act_planes_kernel.
+(nvfp4: hopper._nvfp4_quant.quantize_planes, mxfp4: hopper.mxfp4.quantize_planes, both through
+hopper._fp4_decode.store_planes) against the two-launch chain they replace: quantize_activation (bit
+for bit the oracle's codes and scales, its own tests) then hopper._fp4_decode.act_planes_kernel.
 
 Every plane value is exact in the plane dtype (e2m1 * scale, _fp4_decode's docstring), so the
 planes must be equal bit for bit wherever finite and NaN where the chain's are; the GEMM then reads
@@ -16,8 +16,8 @@ import triton.language as tl
 
 import formats
 from conftest import DEVICE, assert_within_bound, gemm_bound, make_input
-from kernels_triton import _nvfp4_quant, interpreting, mxfp4, nvfp4
-from kernels_triton.hopper import _fp4_decode
+from kernels_triton import interpreting
+from kernels_triton.hopper import _fp4_decode, _nvfp4_quant, mxfp4, nvfp4
 from kernels_triton._common import TileConfig
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}

@@ -1,6 +1,6 @@
-"""The decode-sized FP4 kernel of the performance module (kernels_triton/_fp4_decode.py: swapped
-operands, fp16 bit-placement decode for nvfp4, bf16 planes for mxfp4 / W4A16, split-K), against the
-lesson kernel and the oracle.
+"""The decode-sized FP4 kernel of the hopper implementation (kernels_triton/hopper/_fp4_decode.py:
+swapped operands, fp16 bit-placement decode for nvfp4, bf16 planes for mxfp4 / W4A16, split-K),
+against hopper's fused kernel (hopper._fp4_gemm) and the oracle.
 
 Both kernels sum exact products (every decoded value and every product is exact in the dot dtype,
 see the modules' docstrings) in fp32, so with fp32 output they may differ only by the order of the
@@ -21,8 +21,7 @@ from triton.runtime.errors import InterpreterError
 import formats
 from _e4m3_testlib import sm90_sm_count
 from conftest import DEVICE, make_input
-from kernels_triton import _fp4_gemm, mxfp4, nvfp4
-from kernels_triton.hopper import _fp4_decode, _twopass
+from kernels_triton.hopper import _fp4_decode, _fp4_gemm, _twopass, mxfp4, nvfp4
 from kernels_triton._common import TileConfig, interpreting
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -204,7 +203,7 @@ def test_tile_policy_of_an_sm_count(fmt, a16, n_sms, M, N, K):
     """decode_tile for a device given by its SM count (the value tile_config and the launcher both
     pass): 128 x 16 x BLOCK_K w4 s3, BLOCK_K 256 for nvfp4 W4A4 with K >= 1024 and 128 otherwise,
     SPLIT_K from the largest power of two p that keeps the grid within two programs per SM and each
-    program >= 4 K steps (docs/perf_notes.md rows 17 and 22), as launched: K in ranges of
+    program >= 4 K steps (docs/perf_notes.md), as launched: K in ranges of
     cdiv(K steps, p) whole steps, so cdiv(K steps, that) programs, which is what splitk_plan (the
     launcher's rule) gives back for the reported tile."""
     cfg = _fp4_decode.decode_tile(M, N, K, n_sms, fmt, a16)
@@ -252,10 +251,11 @@ def test_tile_policy_follows_the_sm_count():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mod", [nvfp4, mxfp4], ids=["nvfp4", "mxfp4"])
 def test_reported_tile_is_the_launched_tile_on_sm90(mod):
-    """tile_config (what the bench reports) and launch_fp4_decode (config=None) both take
-    decode_config: decode_tile with this GPU's SM count."""
+    """The route (what the bench reports) and launch_fp4_decode (config=None) both take decode_tile
+    with this GPU's SM count."""
     n_sms = sm90_sm_count()
     dev = torch.device(DEVICE)
     for M, N, K in ((1, 8192, 8192), (16, 8192, 8192), (5, 1024, 2048)):
-        assert mod.tile_config(M, N, K) == _fp4_decode.decode_config(M, N, K, dev, mod.FMT) \
-            == _fp4_decode.decode_tile(M, N, K, n_sms, mod.FMT)
+        tile = _fp4_decode.decode_tile(M, N, K, n_sms, mod.FMT)
+        assert _fp4_decode.decode_config(M, N, K, dev, mod.FMT) == tile
+        assert mod.route(M, N, K, capability=(9, 0), sm_count=n_sms).tile == str(tile)

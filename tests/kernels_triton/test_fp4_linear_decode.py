@@ -1,7 +1,7 @@
-"""The W4A4 decode linears' branch (nvfp4._linear_decode, mxfp4._linear_decode: the quantizer writes
-the decode GEMM's planes, then _fp4_decode's GEMM) against the formats oracle.
+"""The W4A4 decode linears' branch (hopper.nvfp4._linear_decode, hopper.mxfp4._linear_decode: the
+quantizer writes the decode GEMM's planes, then hopper._fp4_decode's GEMM) against the formats oracle.
 
-nvfp4.linear / mxfp4.linear take that branch only at M <= 16 on sm_90 (decode_applies), so here
+hopper.nvfp4.linear / hopper.mxfp4.linear take that branch at M <= 16 on sm_90 (the route), so here
 the branch's function is called directly (under the interpreter it runs the same host code and
 kernels in plain-op form). Its activation codes, scales and g equal formats.quantize's bit for bit
 (test_fp4_act_planes: the planes equal the chain's), the products are exact and only the fp32
@@ -14,7 +14,7 @@ import torch
 
 import formats
 from conftest import DEVICE, assert_within_bound, gemm_bound, make_input
-from kernels_triton import mxfp4, nvfp4
+from kernels_triton.hopper import mxfp4, nvfp4
 
 SHAPES = [(1, 72, 256), (5, 40, 320), (16, 72, 512)]  # M = 1 / 16: the domain's ends; K = 320: a K tail
 

@@ -21,7 +21,7 @@ from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_
 import formats
 from formats.codecs import pack_e2m1
 from kernels_triton import mxfp4
-from kernels_triton._fp4_gemm import dequant_e2m1_tile
+from kernels_triton.mxfp4 import dequantize_tile
 
 FMT = "mxfp4"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -119,8 +119,7 @@ def test_gemm_matches_reference_on_identical_operands(m, n, k, has_bias, out_dty
 @triton.jit
 def _dequant_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_r = tl.arange(0, BLOCK_R)
-    v = dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, offs_r < R, 0, K, K // 2, K // 32,
-                          BLOCK_R, BLOCK_K, 32, False)
+    v = dequantize_tile(data_ptr, scale_ptr, offs_r, offs_r < R, 0, K, K // 2, K // 32, BLOCK_R, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_r[:, None] * K + offs_k[None, :], v, mask=(offs_r[:, None] < R) & (offs_k[None, :] < K))
 

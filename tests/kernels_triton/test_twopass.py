@@ -15,8 +15,8 @@ import torch
 import formats
 from _e4m3_testlib import make_bias, tolerance
 from conftest import DEVICE, make_input, rel_err
-from kernels_triton import _fp4_gemm, fp8_block, fp8_tensor, module
-from kernels_triton.hopper import _twopass
+from kernels_triton import fp8_block, fp8_tensor, module
+from kernels_triton.hopper import _fp4_gemm, _twopass
 from kernels_triton._common import TileConfig, interpreting
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -1,6 +1,8 @@
-"""The portable block-scaled FP4 GEMM shared by nvfp4 and mxfp4 (and their W4A16 variant): decode
-in registers, then a plain tl.dot. GPUs without block-scaled MMA (Hopper, Ada) and the interpreter
-run it for W4A4, every device for W4A16; the native SM12x kernel is nvfp4.fp4_dot_scaled_kernel.
+"""The sm_90 FP4 GEMMs above the decode sizes (M > 16), shared by hopper.nvfp4 and hopper.mxfp4
+(W4A4 and W4A16): the fused kernel (decode in registers, then a plain tl.dot, with split-K and PDL)
+for M <= PREPASS_MIN_M, and above it the pre-pass (each operand dequantized once into bf16) and a
+bf16 GEMM. The readable form of the fused kernel is the lessons' portable GEMM
+(kernels_triton.nvfp4 / mxfp4); this one adds split-K, PDL and the sm_90 tile table.
 
 Both formats store e2m1 codes packed two per byte along K (uint8 [rows, K/2], element 2i in the low
 nibble) with one scale per GROUP elements along K (nvfp4: GROUP = 16, e4m3 scale bytes; mxfp4:
@@ -13,8 +15,8 @@ K loop of one [BLOCK_M, BLOCK_N] output tile (``fp4_gemm_kernel``):
 
     acc = zeros([BLOCK_M, BLOCK_N], fp32)
     for k0 in range(0, K, BLOCK_K):
-        a = dequant_e2m1_tile(A bytes [BLOCK_M, BLOCK_K/2], A scales [BLOCK_M, BLOCK_K/GROUP])  # [BLOCK_M, BLOCK_K]
-        w = dequant_e2m1_tile(W bytes [BLOCK_N, BLOCK_K/2], W scales [BLOCK_N, BLOCK_K/GROUP])  # [BLOCK_N, BLOCK_K]
+        a = dequantize_e2m1_tile(A bytes [BLOCK_M, BLOCK_K/2], A scales [BLOCK_M, BLOCK_K/GROUP])  # [BLOCK_M, BLOCK_K]
+        w = dequantize_e2m1_tile(W bytes [BLOCK_N, BLOCK_K/2], W scales [BLOCK_N, BLOCK_K/GROUP])  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(a.to(DOT), w.to(DOT).T, acc)                                              # fp32 accumulation
     y = acc * alpha + bias
 
@@ -44,13 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (TileConfig, dequantize_e2m1, dequantize_e4m3, dequantize_e4m3_finite, dequantize_e8m0, global_alpha, interpreting,
-                      round_to_bf16_rne)
-from .hopper._fp4_decode import decode_applies, decode_config, launch_fp4_decode
-from ._paths import device_capability, sm_count
-from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._tiles import sm12x_config
-from .hopper._twopass import (
+from .._codecs import (dequantize_e2m1, dequantize_e4m3, dequantize_e4m3_finite, dequantize_e8m0, global_alpha,
+                       round_to_bf16_rne)
+from .._common import TileConfig, interpreting, launch
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from ._twopass import (
     ALPHA_GLOBAL_RECIP,
     ALPHA_NONE,
     store_splitk_partial,
@@ -71,8 +71,8 @@ def _pow2_clamp(v: int, lo: int, hi: int) -> int:
 
 
 def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
-    """Tile sizes for the portable FP4 GEMM off SM12x (the SM90 table; SM12x takes
-    ``_tiles.sm12x_config("e2m1_portable", ...)``, see ``portable_config``).
+    """Tile sizes of the fused FP4 GEMM on sm_90 (M <= 16 there only for fp16 W4A16: the decode
+    kernel takes the rest, hopper._fp4_decode_tile).
 
     Interpreter: a (program x K-iteration) costs milliseconds of Python and numpy, so take tiles as
     large as the problem, up to 256 x 256 x 512 (one big program is an order of magnitude faster
@@ -112,19 +112,6 @@ def fp4_gemm_config(M: int, N: int, K: int, interp: bool) -> TileConfig:
 PREPASS_MIN_M = 128  # above this M the decode pre-pass + bf16 GEMM beats the fused kernel
 
 
-def portable_config(M: int, N: int, K: int, device, *, decode_kernel: bool = False, fmt: str = "mxfp4") -> TileConfig:
-    """The portable kernel's tile on ``device``: the SM12x table on SM120/SM121 (101,376 B of shared
-    memory per block), fp4_gemm_config elsewhere and under the interpreter; with ``decode_kernel``
-    (a W4A4 caller of format ``fmt`` whose GEMM takes _fp4_decode at M <= 16 on sm_90) that
-    kernel's tile."""
-    cap = device_capability(device)
-    if cap is not None and cap[0] == 12:
-        return sm12x_config("e2m1_portable", M, N, K, sm_count(device))
-    if decode_kernel and not interpreting() and cap is not None and cap[0] == 9 and 1 <= M <= 16:
-        return decode_config(M, N, K, device, fmt)  # _fp4_decode's swapped kernel, the tile it launches
-    return fp4_gemm_config(M, N, K, interpreting())
-
-
 def dot_dtype(interp: bool):
     """The tl.dot operand dtype: bf16 on GPU (exact for decoded FP4 values), fp32 in the interpreter."""
     return tl.float32 if interp else tl.bfloat16
@@ -134,7 +121,7 @@ def dot_dtype(interp: bool):
 # Device helpers
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+def dequantize_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                       SCALE_E4M3: tl.constexpr, NAN_SCALES: tl.constexpr = True):
     """Decode rows ``offs_r`` x K-columns [k0, k0 + BLOCK_K) of a packed e2m1 matrix, with block
@@ -220,7 +207,7 @@ def fp4_gemm_kernel(
     pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # W tile, scales applied: [BLOCK_N, BLOCK_K] -> transposed to [BLOCK_K, BLOCK_N]
-        w = dequant_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+        w = dequantize_e2m1_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
                               BLOCK_N, BLOCK_K, GROUP, SCALE_E4M3, not A16)  # W4A16: at its register limit
         w_t = tl.trans(w.to(DOT_DTYPE))
         if A16:
@@ -239,7 +226,7 @@ def fp4_gemm_kernel(
                 # bf16 x on GPU: already the DOT dtype; interpreter: widen to fp32 (exact)
                 acc = tl.dot(x.to(tl.float32).to(DOT_DTYPE), w_t, acc)
         else:
-            a = dequant_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
+            a = dequantize_e2m1_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm,
                                   BLOCK_M, BLOCK_K, GROUP, SCALE_E4M3)
             acc = tl.dot(a.to(DOT_DTYPE), w_t, acc)
     pdl_launch_dependents(USE_PDL)
@@ -270,73 +257,74 @@ def fp4_gemm_kernel(
 # Pre-pass for large M: decode a packed operand once into a scratch matrix (scales applied)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def fp4_dequant_kernel(
+def fp4_dequantize_kernel(
     data_ptr, scale_ptr, out_ptr,  # packed uint8 [R, K/2], scale bytes [R, K/GROUP] -> out [R, K]
     R, K,
     stride_dr, stride_sr, stride_or,
     GROUP: tl.constexpr, SCALE_E4M3: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[rows, k-tile] = e2m1(codes) * scale, the same dequant_e2m1_tile the fused GEMM runs, so
+    """out[rows, k-tile] = e2m1(codes) * scale, the same dequantize_e2m1_tile the fused GEMM runs, so
     the pre-pass GEMM sees the same (exact) operand values."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
     r_mask = offs_r < R
-    v = dequant_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+    v = dequantize_e2m1_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                           BLOCK_R, BLOCK_K, GROUP, SCALE_E4M3)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     ptrs = out_ptr + offs_r.to(tl.int64)[:, None] * stride_or + offs_k[None, :]
     tl.store(ptrs, v.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & (offs_k[None, :] < K))
 
 
-def dequant_fp4(data, scale, K: int, group: int, scale_e4m3: bool) -> torch.Tensor:
-    """Decoded [R, K] matrix (scratch_dtype(): bf16 on GPU, exact) of a packed operand."""
+def dequantize_fp4(data, scale, K: int, group: int, scale_e4m3: bool) -> torch.Tensor:
+    """Dequantized [R, K] matrix (scratch_dtype(): bf16 on GPU, exact) of a packed operand."""
     R = data.shape[0]
     out = torch.empty((R, K), dtype=scratch_dtype(), device=data.device)
     if R:
         br, bk = (min(64, triton.next_power_of_2(R)), min(512, max(64, triton.next_power_of_2(K)))) \
             if interpreting() else (32, 128)
-        fp4_dequant_kernel[(triton.cdiv(R, br), triton.cdiv(K, bk))](
-            data, scale, out, R, K, data.stride(0), scale.stride(0), out.stride(0),
-            GROUP=group, SCALE_E4M3=scale_e4m3, BLOCK_R=br, BLOCK_K=bk, num_warps=4,
-        )
+        launch(fp4_dequantize_kernel, (triton.cdiv(R, br), triton.cdiv(K, bk)),
+               data, scale, out, R, K, data.stride(0), scale.stride(0), out.stride(0),
+               GROUP=group, SCALE_E4M3=scale_e4m3, BLOCK_R=br, BLOCK_K=bk, num_warps=4)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Host launcher (the format modules check arguments before calling it)
+# Host launcher (hopper.nvfp4 / hopper.mxfp4 check the arguments and choose the tile: their route)
 # ---------------------------------------------------------------------------------------------
-def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype,
-                    gx=None, gw=None, a16=False, config: TileConfig | None = None) -> torch.Tensor:
-    """Allocate the [M, N] output and launch fp4_gemm_kernel.
+def gemm_kernels(cfg: TileConfig, a16: bool, a_dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
+    """The kernels launch_fp4_gemm launches with tile ``cfg`` (in order): the pre-pass's dequantize
+    kernels and the bf16 GEMM, or the fused kernel and, with split-K, the ordered reduction."""
+    if cfg.PREPASS and not (a16 and a_dtype == torch.float16):
+        return ("fp4_dequantize_kernel",) * (1 if a16 else 2) + ("bf16_gemm_kernel",)
+    return ("fp4_gemm_kernel",) + (("splitk_reduce_kernel",) if cfg.SPLIT_K > 1 else ())
+
+
+def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias, out_dtype, config: TileConfig,
+                    gx=None, gw=None, a16=False) -> torch.Tensor:
+    """Allocate the [M, N] output and launch the GEMM of tile ``config`` (gemm_kernels names them).
 
     a: packed uint8 [M, K/2] with scales a_scale [M, K/group] (row stride free, K stride 1), or,
     with a16, the bf16/fp16 activation [M, K] (any strides; a_scale ignored). w, w_scale: the
     weight's packed bytes [N, K/2] and scale bytes [N, K/group] (uint8 views). gx, gw: float32
-    one-element device tensors (nvfp4), or None.
+    one-element device tensors (nvfp4), or None. config: fp4_gemm_config's tile (the route's);
+    with PREPASS the pre-pass and the bf16 GEMM, except for fp16 W4A16, which keeps the fused
+    kernel (exact hi/lo halves; the route gives it the fused tile of M <= PREPASS_MIN_M).
     """
     out = torch.empty((M, N), dtype=out_dtype, device=w.device)
     if M == 0 or N == 0:
         return out
     interp = interpreting()
-    if config is None and not interp and decode_applies(M, device_capability(w.device), a16, a.dtype):
-        # M <= 16 on sm_90: the swapped decode kernel of the performance module
-        return launch_fp4_decode(a, a_scale, w, w_scale, M=M, N=N, K=K, group=group, scale_e4m3=scale_e4m3,
-                                 bias=bias, out_dtype=out_dtype, gx=gx, gw=gw, a16=a16)
+    cfg = config
     split = bool(a16 and a.dtype == torch.float16 and not interp)
-    if split and config is None and M <= 16 and (device_capability(w.device) or (0,))[0] == 9:
-        config = fp4_gemm_config(M, N, K, interp)  # fp16 W4A16 keeps the lesson kernel's decode tile
-    # fp16 W4A16 keeps the fused hi/lo kernel at every M, so it never takes the pre-pass GEMM's tile
-    # (128 x 256 spills in the fused kernel): it uses the fused config of M <= 128 instead.
-    cfg = config or portable_config(min(M, PREPASS_MIN_M) if split else M, N, K, w.device)
     has_global = gx is not None
     if cfg.PREPASS and not split:
-        # Large M: decode each operand once (bf16 scratch), then one plain GEMM; alpha and bias in
-        # its epilogue. W4A16 with bf16 x uses x itself (fp16 x keeps the fused hi/lo path).
-        wd = dequant_fp4(w, w_scale, K, group, scale_e4m3)
-        ad = a.to(wd.dtype) if a16 else dequant_fp4(a, a_scale, K, group, scale_e4m3)
-        return launch_bf16_gemm(ad, wd, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE, s1=gx, s2=gw,
-                                config=cfg)
+        # Large M: dequantize each operand once (bf16 scratch), then one plain GEMM; alpha and bias
+        # in its epilogue. W4A16 with bf16 x uses x itself (fp16 x keeps the fused hi/lo path).
+        wd = dequantize_fp4(w, w_scale, K, group, scale_e4m3)
+        ad = a.to(wd.dtype) if a16 else dequantize_fp4(a, a_scale, K, group, scale_e4m3)
+        return launch_bf16_gemm(ad, wd, out, bias=bias, alpha_mode=ALPHA_GLOBAL_RECIP if has_global else ALPHA_NONE,
+                                s1=gx, s2=gw, config=cfg)
     if a16:
         stride_am, stride_ak, stride_asm, a_scale = a.stride(0), a.stride(1), 0, w_scale
     else:
@@ -345,7 +333,8 @@ def launch_fp4_gemm(a, a_scale, w, w_scale, *, M, N, K, group, scale_e4m3, bias,
     ws = splitk_workspace(n_split, M, N, w.device) if n_split > 1 else out
     # Unused pointer arguments still need a tensor; the weight's bytes stand in for them.
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split)
-    fp4_gemm_kernel[grid](
+    launch(
+        fp4_gemm_kernel, grid,
         a, a_scale, w, w_scale,
         gx if has_global else w_scale, gw if has_global else w_scale,
         bias if bias is not None else out, out, ws,

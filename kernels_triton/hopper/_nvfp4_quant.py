@@ -1,5 +1,6 @@
-"""NVFP4 activation quantization in Triton, bit for bit as the oracle (kernels_triton.nvfp4 is
-the format's public module; this file holds its quantization kernels).
+"""NVFP4 activation quantization for sm_90, bit for bit as the oracle: the lesson's quantizer
+(kernels_triton.nvfp4) with PDL, a grid of amax partials sized for the GPU, and the variant that
+writes the decode GEMM's activation planes (hopper._fp4_decode) instead of codes and scales.
 
 What NVFP4 stores (formats/nvfp4.py is the spec and the oracle): e2m1 codes packed two per byte
 along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements
@@ -38,11 +39,11 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 from formats.validate import nan_unless_positive, static_global_scale
 
-from ._common import (abs_or_inf, amax_or_nan, check_activation, dequantize_e2m1, dequantize_e4m3, encode_e2m1, encode_e4m3,
-                      interpreting, nan_if_nonfinite)
-from .hopper._fp4_decode import PLANE_DTYPES, check_quantize_planes, store_planes
-from ._e4m3_gemm import quant_config
-from .hopper._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from .._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3, encode_e2m1, encode_e4m3,
+                       nan_if_nonfinite)
+from .._common import check_activation, interpreting, launch, quant_config
+from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, store_planes
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
@@ -246,12 +247,12 @@ def _launch(x2, global_scale, data, scale, planes, plane_k: int) -> torch.Tensor
         pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
         num_partials = pm * pk
         g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
-        _amax_partial_kernel[(pm, pk)](
-            x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device))
+        launch(
+            _amax_partial_kernel, (pm, pk), x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device))
     p = planes if plane_k else g
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-    _quantize_kernel[grid](
-        x2, g_in, data, scale, g, p,
+    launch(
+        _quantize_kernel, grid, x2, g_in, data, scale, g, p,
         M, K, num_partials, planes.shape[1] if plane_k else 0,
         x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0), planes.stride(0) if plane_k else 0,
         DYNAMIC=dynamic, BLOCK_P=max(16, triton.next_power_of_2(num_partials)),

@@ -1,0 +1,172 @@
+"""Routes as data for the FP4 family: the route a module reports is the route its launch takes.
+
+For each variant (nvfp4, nvfp4 W4A16, mxfp4, mxfp4 W4A16) and each M bucket (0, 1, 16: decode;
+17..256; thousands of rows with a small K), ``record_launches()`` around ``linear`` must list
+exactly ``route(...).kernels`` for the device the call ran on: the lesson (kernels_triton.nvfp4 /
+mxfp4) on whatever device this is (the CPU interpreter here), the hopper implementation
+(kernels_triton.hopper.nvfp4 / mxfp4) on an sm_90 GPU only (skipped elsewhere, naming the device).
+The outputs are checked against the float64 oracle too (conftest.gemm_bound: exact products, fp32
+sums, one rounding to the output dtype), so a route that launches the wrong kernel cannot pass by
+launching nothing. The routes for described devices name only kernels their module defines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
+
+import formats
+from kernels_triton import interpreting, mxfp4, nvfp4, record_launches
+from kernels_triton._common import device_capability, sm_count
+from kernels_triton.hopper import _fp4_decode, _fp4_gemm, _nvfp4_quant, _twopass
+from kernels_triton.hopper import mxfp4 as hopper_mxfp4
+from kernels_triton.hopper import nvfp4 as hopper_nvfp4
+
+VARIANTS = [("nvfp4", False), ("nvfp4", True), ("mxfp4", False), ("mxfp4", True)]
+IDS = ["nvfp4", "nvfp4_w4a16", "mxfp4", "mxfp4_w4a16"]
+# (M, N, K): the M buckets; small N and K keep the interpreter fast
+SHAPES = [(0, 40, 64), (1, 40, 64), (16, 72, 128), (37, 40, 96), (4096, 16, 64)]
+CAPABILITIES = [None, (8, 9), (9, 0), (12, 0), (12, 1)]
+LESSON = {"nvfp4": nvfp4, "mxfp4": mxfp4}
+HOPPER = {"nvfp4": hopper_nvfp4, "mxfp4": hopper_mxfp4}
+
+
+def _weight(fmt, N, K):
+    return formats.quantize(make_input((N, K), block=16) * 0.05, fmt, role="weight").to(DEVICE)
+
+
+def _check_output(y, x, qw, a16, **opts):
+    if x.shape[0] == 0:
+        assert y.shape == (0, qw.shape[0])
+        return
+    xr = x.cpu() if a16 else formats.quantize(x.cpu(), qw.fmt, role="activation", **opts)
+    ref = formats.reference_linear(xr, qw.to("cpu"), a16=a16, out_dtype=x.dtype)
+    assert ref.abs().max() > 0
+    assert_within_bound(y, ref, gemm_bound(xr, qw, None, x.dtype, ref))
+
+
+def _jit_names(*modules) -> set[str]:
+    return {name for m in modules for name, v in vars(m).items() if isinstance(v, triton.runtime.KernelInterface)}
+
+
+@pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_lesson_launches_its_route(fmt, a16, M, N, K):
+    mod = LESSON[fmt]
+    qw = _weight(fmt, N, K)
+    x = make_input((M, K), torch.bfloat16, block=16)
+    dev = torch.device(DEVICE)
+    r = mod.route(M, N, K, capability=device_capability(dev), sm_count=sm_count(dev), a16=a16)
+    assert r.impl == "triton" and r.split_k == 1
+    with record_launches() as log:
+        y = mod.linear(x, qw, a16=a16)
+    assert tuple(log) == r.kernels, r.describe()
+    _check_output(y, x, qw, a16)
+
+
+def test_lesson_static_scale_and_forced_native_routes():
+    """nvfp4 with a static global scale skips the amax kernel; mxfp4's native kernel runs under the
+    interpreter too (its dot_scaled is right for E8M0 scales), and path= reaches the route."""
+    dev = torch.device(DEVICE)
+    cap, sms = device_capability(dev), sm_count(dev)
+    x = make_input((5, 64), torch.bfloat16, block=16)
+    qw = _weight("nvfp4", 24, 64)
+    r = nvfp4.route(5, 24, 64, capability=cap, sm_count=sms, dynamic_scale=False)
+    assert r.kernels[0] == "_quantize_kernel"
+    with record_launches() as log:
+        y = nvfp4.linear(x, qw, global_scale=30.0)
+    assert tuple(log) == r.kernels
+    _check_output(y, x, qw, False, global_scale=30.0)
+    qw4 = _weight("mxfp4", 24, 64)
+    for path in ("portable", "native"):
+        r = mxfp4.route(5, 24, 64, capability=cap, sm_count=sms, path=path)
+        with record_launches() as log:
+            y = mxfp4.linear(x, qw4, path=path)
+        assert tuple(log) == r.kernels and r.kernels[-1] == f"_{path}_gemm_kernel"
+        _check_output(y, x, qw4, False)
+
+
+@pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("capability", CAPABILITIES, ids=str)
+def test_lesson_routes_name_kernels_of_the_module(fmt, a16, capability):
+    """Pure: no GPU needed. Every route of the lesson is impl "triton", names kernels the lesson
+    defines, never a split-K, and the native kernel only on SM12x W4A4."""
+    mod = LESSON[fmt]
+    names = _jit_names(mod)
+    for M, N, K in SHAPES:
+        r = mod.route(M, N, K, capability=capability, sm_count=132, a16=a16)
+        assert r.impl == "triton" and r.split_k == 1 and set(r.kernels) <= names, r.describe()
+        native = "_native_gemm_kernel" in r.kernels
+        assert native == (not a16 and M > 0 and capability is not None and capability[0] == 12), r.describe()
+
+
+def test_lesson_route_refuses_what_the_launch_refuses():
+    with pytest.raises(ValueError, match="path must be None or one of"):
+        mxfp4.route(1, 8, 64, path="fast")
+    with pytest.raises(ValueError, match="W4A16 has no native kernel"):
+        mxfp4.route(1, 8, 64, a16=True, path="native")
+    with pytest.raises(ValueError, match="nvfp4 path='native' is not available"):
+        nvfp4.route(1, 8, 64, path="native")  # the interpreter
+    with pytest.raises(ValueError, match=r"M, N, K must be >= 0, got \(-1, 8, 64\)"):
+        nvfp4.route(-1, 8, 64)
+
+
+@pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("M", [0, 1, 16, 17, 128, 129, 4096])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hopper_routes_name_kernels_of_the_implementation(fmt, a16, M, x_dtype):
+    """Pure: hopper's route on sm_90 names only kernels of kernels_triton.hopper (and the shared
+    split-K reduction and bf16 GEMM); decode GEMMs at 1 <= M <= 16 except fp16 W4A16."""
+    names = _jit_names(_fp4_decode, _fp4_gemm, _nvfp4_quant, hopper_mxfp4, _twopass)
+    r = HOPPER[fmt].route(M, 8192, 8192, capability=(9, 0), sm_count=132, a16=a16, x_dtype=x_dtype)
+    assert r.impl == "hopper" and set(r.kernels) <= names, r.describe()
+    decode = 1 <= M <= 16 and not (a16 and x_dtype == torch.float16)
+    assert ("fp4_decode_gemm_kernel" in r.kernels) == decode, r.describe()
+    assert (r.split_k > 1) == ("splitk_reduce_kernel" in r.kernels), r.describe()
+
+
+@pytest.mark.parametrize("capability", [None, (8, 9), (10, 0), (12, 0), (12, 1)], ids=str)
+def test_hopper_is_sm90_only(capability):
+    for mod in HOPPER.values():
+        ok, why = mod.supported(capability)
+        assert not ok and why
+        with pytest.raises(ValueError, match="capability must be an sm_90 one"):
+            mod.route(1, 8, 64, capability=capability, sm_count=1)
+    assert hopper_nvfp4.supported((9, 0))[0]
+
+
+@pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
+def test_hopper_linear_refuses_a_device_that_is_not_sm90(fmt, a16):
+    dev = torch.device(DEVICE)
+    if hopper_nvfp4.supported(device_capability(dev))[0]:
+        pytest.skip(f"this device is sm_90 ({device_name()}): the hopper kernels run here")
+    qw = _weight(fmt, 8, 64)
+    with pytest.raises(ValueError, match=r"qweight\.device must be an sm_90 GPU for the hopper kernels, got"):
+        HOPPER[fmt].linear(make_input((2, 64), torch.bfloat16), qw, a16=a16)
+
+
+def _require_sm90():
+    if interpreting() or not torch.cuda.is_available():
+        pytest.skip(f"the hopper kernels run on sm_90 only; found {device_name()}")
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        pytest.skip(f"the hopper kernels run on sm_90 only; found {device_name()} (sm_{cap[0]}{cap[1]})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("M", [0, 1, 16, 17, 128, 129, 2048])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hopper_launches_its_route(fmt, a16, M, x_dtype):
+    _require_sm90()
+    N, K = 1024, 2048
+    mod = HOPPER[fmt]
+    qw = _weight(fmt, N, K)
+    x = make_input((M, K), x_dtype, block=16)
+    dev = torch.device(DEVICE)
+    r = mod.route(M, N, K, capability=device_capability(dev), sm_count=sm_count(dev), a16=a16, x_dtype=x_dtype)
+    with record_launches() as log:
+        y = mod.linear(x, qw, a16=a16)
+    assert tuple(log) == r.kernels, r.describe()
+    _check_output(y, x, qw, a16)
