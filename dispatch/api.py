@@ -178,6 +178,6 @@ def route_text(r) -> str:
     parts = [" -> ".join(r.kernels) if r.kernels else "no kernel"]
     if r.tile:
         parts.append(f"tile {r.tile}")
-    if r.split_k > 1:
+    if r.split_k > 1 and "splitk" not in r.tile:  # TileConfig's text names split-K itself
         parts.append(f"SPLIT_K={r.split_k}")
     return ", ".join(parts) + (f": {r.why}" if r.why else "")

@@ -41,7 +41,7 @@ def test_info_shows_every_variant_for_a_described_device(capsys, monkeypatch):
     ok, why = registry.get("hopper", "fp8_tensor").is_supported(KNOWN_DEVICES["h200"])
     if not ok:
         pytest.skip(f"needs kernels_triton.hopper: {why}")
-    assert out.count("hopper: kernels_triton.hopper.") == 3 * len(registry.VARIANTS)
+    assert out.count(f"hopper: {why}"[:20]) == 3 * len(registry.VARIANTS)
     assert out.count("route: ") == 3 * len(registry.VARIANTS)
     assert "cute" not in out.split("auto's choice", 1)[1]
 
