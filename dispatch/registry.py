@@ -56,6 +56,10 @@ kernels and the oracle everywhere (other CUDA GPUs and the CPU interpreter)."""
 # [/priority]
 
 
+PRODUCTION = ("cute", "hopper")
+"""The production implementations: auto not picking the one at the head of the list warns."""
+
+
 def device_class(device: DeviceInfo) -> str:
     """The key of :data:`PRIORITY` for a device: "sm_90", "sm_12x" or "other"."""
     if device.kind == "cuda" and tuple(device.capability) == (9, 0):
@@ -348,8 +352,10 @@ def _log_once(c: Choice, device: DeviceInfo, variant_: str) -> None:
     if key in _logged:
         return
     _logged.add(key)
-    # On SM12x anything but cute means the production path was missed: worth a warning.
-    level = logging.WARNING if device.is_sm12x and c.impl != "cute" else logging.INFO
+    # Where a production implementation heads the priority list (cute on SM12x, hopper on sm_90),
+    # anything else means the production path was missed: worth a warning.
+    production = PRIORITY[device_class(device)][0]
+    level = logging.WARNING if production in PRODUCTION and c.impl != production else logging.INFO
     log.log(level, "b12x-dual: %s on %s: auto chose %s: %s", variant_, device.describe(), c.impl, c.reason)
 
 

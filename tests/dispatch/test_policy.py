@@ -382,3 +382,13 @@ def test_explain_on_sm90_reports_the_hopper_route():
         assert r.impl == "hopper" and r.kernels
         assert f"    route: {api.route_text(r)}" in text
     assert "auto -> hopper: " in text and "triton portable path" not in text
+
+
+def test_missing_the_hopper_path_on_sm90_warns(monkeypatch, caplog):
+    # sm_90's production implementation is hopper: auto settling for another one is a WARNING.
+    monkeypatch.setattr(backends, "_hopper_module_present", lambda fmt: False)
+    with caplog.at_level(logging.INFO, logger="dispatch.registry"):
+        c = choose("mxfp8", 16, 4096, 4096, KNOWN_DEVICES["h200"])
+    assert c.impl == "triton" and "kernels_triton.hopper.mxfp8 is not in this installation" in c.reason
+    records = [r for r in caplog.records if r.name == "dispatch.registry"]
+    assert [r.levelno for r in records] == [logging.WARNING]
