@@ -1,10 +1,11 @@
-"""dispatch: picks the implementation (cute, triton, reference) per device, format and shape.
+"""dispatch: picks the implementation (cute, hopper, triton, reference) per device, format and shape.
 
 Public API (see docs/dispatch.md):
 
     quantize_weight(w, fmt, **opts)             oracle quantization of a weight [N, K]
     linear(x, qweight, bias=None, *, impl=None) y = x . W^T (+ bias), backend per registry.choose
-    explain(fmt, M, N, K, device=None)          which backend auto picks, and every reason
+    explain(fmt, M, N, K, device=None)          which backend auto picks, every reason, and its route
+    route(fmt, M, N, K, device=None)            the Route that call takes: kernels, tile, split-K, why
     use_impl("triton")                          context manager overriding B12X_IMPL
     registry.get(impl, variant), choose(...)    the backends with vLLM's four verbs
     QuantLinear, quantize_model, save_quantized, load_quantized
@@ -19,7 +20,7 @@ docs/architecture.md shows the packages, the registry and where a call flows.
 import kernels_triton  # noqa: F401,I001
 
 from . import registry
-from .api import explain, library_versions, linear, quantize_weight
+from .api import explain, library_versions, linear, quantize_weight, route
 from .devices import CPU, KNOWN_DEVICES, DeviceInfo, current_device
 from .policy import ENV_VAR, IMPLS, ImplementationUnavailable, InvalidImplementation, use_impl
 from .registry import VARIANTS, Backend, Choice, NoBackend, Problem, Unsupported, choose
@@ -50,6 +51,7 @@ __all__ = [
     "quantize_weight",
     "read_quantized",
     "registry",
+    "route",
     "save_quantized",
     "use_impl",
 ]

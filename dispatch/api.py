@@ -2,7 +2,8 @@
 
     qw = quantize_weight(w, "nvfp4")          # w [N, K] -> formats.QuantizedTensor (role "weight")
     y  = linear(x, qw, bias)                  # x [..., K] -> y [..., N], backend per registry.choose
-    print(explain("nvfp4", 1, 4096, 4096))    # which backend auto picks here, and why
+    print(explain("nvfp4", 1, 4096, 4096))    # which backend auto picks here, why, and its route
+    route("nvfp4", 1, 4096, 4096, "h200")     # the Route: kernels launched, tile, split-K, why
 
 Every call goes through the backend registry (dispatch.registry): ``choose`` picks the backend,
 ``prepare`` repacks the weight once (cached per weight and backend), ``apply`` is the call.
@@ -122,7 +123,8 @@ def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInf
     or None for the one this process runs on), the library versions, what B12X_IMPL/use_impl
     currently request, and for the given shape and for decode (M=1, 16) and prefill (M=4096)
     shapes of the same N, K: auto's pick, then every backend of the priority list with its
-    verdict and reason (and, for the chosen one, the kernel path it takes where it says).
+    verdict and reason, and the chosen backend's route: the kernels it launches (by name, in
+    order), the tile, split-K and why (``Backend.route``, the route ``apply`` executes).
     ``fmt`` is a variant name (a format, or "nvfp4_w4a16" / "mxfp4_w4a16").
     Raises ValueError for an unknown format or device.
     """
@@ -149,13 +151,33 @@ def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInf
         if len(c.considered) > 1:  # something was skipped: show every step of the walk
             for name, ok, why in c.considered:
                 lines.append(f"    {name}: {'yes' if ok else 'no'}: {why}")
-        detail = c.backend.describe(registry.Problem(fmt, m, n, k, dtype), dev)
-        if detail:
-            lines.append(f"    {c.impl} {detail}")
+        lines.append(f"    route: {route_text(c.backend.route(registry.Problem(fmt, m, n, k, dtype), dev))}")
     if requested != "auto":
         try:
             c = registry.choose(fmt, M, N, K, dev, dtype=dtype, log_choice=False)
             lines.append(f"{fmt} M={M} N={N} K={K}: {source}={requested} -> {c.impl}: {c.reason}")
+            lines.append(f"    route: {route_text(c.backend.route(registry.Problem(fmt, M, N, K, dtype), dev))}")
         except policy.ImplementationUnavailable as e:
             lines.append(f"{fmt} M={M} N={N} K={K}: {source}={requested} -> error: {e}")
     return "\n".join(lines)
+
+
+def route(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInfo, torch.device] = None, *,
+          impl: Optional[str] = None, dtype: torch.dtype = torch.bfloat16):
+    """The route a call of ``fmt`` (a variant name) with this shape takes on ``device``: the
+    chosen backend's ``route(problem, device)`` (a ``kernels_triton.Route``: impl, kernels launched
+    in order, tile, split-K, why). ``impl`` / use_impl() / B12X_IMPL are honoured as in linear.
+    Raises what :func:`registry.choose` raises (ValueError subclasses)."""
+    dev = resolve(device)
+    c = registry.choose(fmt, M, N, K, dev, impl=impl, dtype=dtype, log_choice=False)
+    return c.backend.route(registry.Problem(fmt, M, N, K, dtype), dev)
+
+
+def route_text(r) -> str:
+    """One line of a Route: "kernels a -> b, tile T, SPLIT_K=s: why" (no kernel: the why alone)."""
+    parts = [" -> ".join(r.kernels) if r.kernels else "no kernel"]
+    if r.tile:
+        parts.append(f"tile {r.tile}")
+    if r.split_k > 1 and "splitk" not in r.tile:  # TileConfig's text names split-K itself
+        parts.append(f"SPLIT_K={r.split_k}")
+    return ", ".join(parts) + (f": {r.why}" if r.why else "")

@@ -1,5 +1,6 @@
-"""The three implementations as registry backends: reference (the formats/ oracle), triton
-(kernels_triton) and cute (kernels_cute over b12x).
+"""The four implementations as registry backends: reference (the formats/ oracle), triton (the
+readable kernels of kernels_triton), hopper (kernels_triton.hopper, the sm_90 production kernels)
+and cute (kernels_cute over b12x).
 
 Each class serves every variant of its implementation; :func:`make` builds the table cell for one
 (impl, variant), an :class:`~dispatch.registry.UnsupportedEntry` where an implementation has no
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -22,8 +24,11 @@ import torch
 from formats import QuantizedTensor, quantize, reference_linear, spec
 from formats.validate import check_weight
 
-from .devices import DeviceInfo, current_device, interpreting
+from .devices import CPU, DeviceInfo, current_device, interpreting
+from .policy import ImplementationUnavailable
 from .registry import Backend, Problem, UnsupportedEntry
+
+from kernels_triton import Route, record_launches  # noqa: F401  (re-exported for tests and apps)
 
 INSTALL_CUTE = "pip install 'b12x-dual[cute]'"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -79,6 +84,10 @@ class ReferenceBackend(Backend):
                 return False, f"reference: {why}"
         return True, "float64 oracle (formats.reference_linear)"
 
+    def route(self, problem: Problem, device: DeviceInfo, **act_opts) -> Route:
+        return Route("reference", (), "", 1, "formats.reference_linear: dequantize both operands, float64 matmul, "
+                     "one rounding (torch on the host or device, no kernel of ours)")
+
     def prepare(self, qweight, into=None):
         check_weight(qweight, self.fmt)
         return qweight if into is None else copy_quantized_into(into, qweight)
@@ -94,6 +103,15 @@ class ReferenceBackend(Backend):
         return reference_linear(xq, prepared, bias, out_dtype=out_dtype)
 
 
+STATIC_SCALE_OPTIONS = ("scale", "global_scale")
+"""Activation options that replace the dynamic (amax) activation scale by a static one."""
+
+
+@functools.lru_cache(maxsize=None)
+def _route_parameters(mod) -> frozenset[str]:
+    return frozenset(inspect.signature(mod.route).parameters)
+
+
 class _KernelBackend(Backend):
     """What the two kernel packages' backends share: each format module has linear (with
     ``a16=True`` for W4A16), quantize_activation and gemm."""
@@ -107,10 +125,41 @@ class _KernelBackend(Backend):
         return mod.linear(x, prepared, bias, **act_opts)
 
     def quantize_activation(self, x, **act_opts):
+        self.check_tensor_device(x)
         return self._module().quantize_activation(x, **act_opts)
 
     def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        self.check_tensor_device(xq.data)
         return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
+
+    def check_tensor_device(self, x: torch.Tensor) -> None:
+        """Raise before any kernel when ``x`` lives where this backend's kernels cannot run (the
+        Triton backends check; b12x checks its own operands)."""
+
+    @staticmethod
+    def _route_args(device: DeviceInfo) -> dict:
+        """The device's part of a kernel module's route(): capability (None: the CPU interpreter) and SMs."""
+        if device.kind == "cpu":
+            return {"capability": None, "sm_count": 1}
+        return {"capability": tuple(device.capability), "sm_count": max(int(device.sm_count), 1)}
+
+    def route(self, problem: Problem, device: DeviceInfo, **act_opts) -> Route:
+        """The kernel module's own ``route(M, N, K, capability=, sm_count=, a16=)`` (what its linear
+        executes), with the device's capability and SM count; where the module's route takes them,
+        ``x_dtype`` (the problem's dtype), the activation options by name (a static fp8_tensor
+        ``scale`` or nvfp4 ``global_scale`` drops the amax kernel), or ``dynamic_scale`` (False
+        when ``act_opts`` hold a static scale)."""
+        mod = self._module()
+        kw = self._route_args(device)
+        if self.a16:
+            kw["a16"] = True
+        takes = _route_parameters(mod)
+        if "x_dtype" in takes:
+            kw["x_dtype"] = problem.dtype
+        kw.update({k: v for k, v in act_opts.items() if k in takes and k not in kw})
+        if "dynamic_scale" in takes:
+            kw["dynamic_scale"] = all(act_opts.get(k) is None for k in STATIC_SCALE_OPTIONS)
+        return mod.route(problem.M, problem.N, problem.K, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,12 +201,23 @@ class TritonBackend(_KernelBackend):
                 return False, f"triton: {why}"
         return True, f"kernels_triton.{self.fmt}" + (" W4A16" if self.a16 else "")
 
-    def describe(self, problem: Problem, device: DeviceInfo) -> str:
-        path = getattr(importlib.import_module("kernels_triton"), "gemm_path", None)
-        if path is None or device.kind == "cpu":
-            return ""
-        name, why = path(self.fmt, device.capability, a16=self.a16)
-        return f"{name} path: {why}"
+    def check_tensor_device(self, x: torch.Tensor) -> None:
+        """ImplementationUnavailable (naming this implementation, the device and why) when ``x``
+        lives where these kernels cannot run: CPU tensors without Triton's interpreter (a GPU
+        machine), or CUDA tensors while the interpreter is on. Checked before any kernel, so Triton's
+        "Pointer argument cannot be accessed from Triton" never reaches the caller."""
+        if not isinstance(x, torch.Tensor):
+            return
+        on_cpu = x.device.type == "cpu"
+        if on_cpu and not interpreting():
+            ok, why = self.is_supported(CPU)
+            raise ImplementationUnavailable(self.impl, CPU, why if not ok else
+                                            "the tensors are on the CPU and Triton's interpreter is off")
+        if not on_cpu and interpreting():
+            raise ImplementationUnavailable(self.impl, current_device(x.device), (
+                f"Triton's interpreter is on (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}), so the "
+                f"kernels take CPU tensors only; got a tensor on {x.device}: unset TRITON_INTERPRET or move the "
+                "inputs to the CPU"))
 
     def prepare(self, qweight, into=None):
         check_weight(qweight, self.fmt)
@@ -165,8 +225,45 @@ class TritonBackend(_KernelBackend):
 
     def apply(self, x, prepared, bias=None, **act_opts):
         self.check_options(act_opts)
-        mod = self._module()
-        return self._linear(mod, x, prepared, bias, act_opts)
+        self.check_tensor_device(x)
+        return self._linear(self._module(), x, prepared, bias, act_opts)
+
+
+# ---------------------------------------------------------------------------------------------
+# hopper
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _hopper_module_present(fmt: str) -> bool:
+    try:
+        return importlib.util.find_spec(f"kernels_triton.hopper.{fmt}") is not None
+    except ImportError:
+        return False
+
+
+class HopperBackend(TritonBackend):
+    """kernels_triton.hopper.<fmt>: the sm_90 production kernels (swapped-wgmma decode GEMMs for
+    M <= 16, the TMA prefill, split-K, PDL), on sm_90 only; W4A16 through ``linear(a16=True)``."""
+
+    impl = "hopper"
+
+    def _module(self):
+        return importlib.import_module("kernels_triton.hopper").module(self.fmt)
+
+    def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
+        if device.kind == "cpu":
+            return False, "hopper needs an sm_90 GPU; this call runs on the CPU"
+        if tuple(device.capability) != (9, 0):
+            return False, f"hopper needs an sm_90 GPU; {device.name} is {device.arch}"
+        if not _hopper_module_present(self.fmt):
+            return False, f"kernels_triton.hopper.{self.fmt} is not in this installation"
+        ok, why = self._module().supported(tuple(device.capability))
+        return ok, why
+
+    def can_implement(self, problem: Problem) -> tuple[bool, str]:
+        for ok, why in (_dtype_ok(problem, KERNEL_DTYPES), _k_ok(problem)):
+            if not ok:
+                return False, f"hopper: {why}"
+        return True, f"kernels_triton.hopper.{self.fmt}" + (" W4A16" if self.a16 else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +340,13 @@ class CuteBackend(_KernelBackend):
             return mod.supported(problem.M, problem.N, problem.K, a16=True, dtype=problem.dtype)
         return mod.supported(problem.M, problem.N, problem.K)
 
+    def route(self, problem: Problem, device: DeviceInfo, *, quantizer: str = "cute", **act_opts) -> Route:
+        """What kernels_cute says its linear launches (``kernels_cute.route``: our CuTe DSL
+        quantizer, then the b12x function the format module calls); b12x picks the tile in its plan."""
+        kernels, tile, why = importlib.import_module("kernels_cute").route(
+            self.variant, problem.M, problem.N, problem.K, quantizer=quantizer)
+        return Route("cute", kernels, tile, 1, why)
+
     def prepare(self, qweight, into=None):
         check_weight(qweight, self.fmt)
         return self._module().prepare_weight(qweight, into=into, a16=self.a16)
@@ -263,7 +367,7 @@ class CuteBackend(_KernelBackend):
         return self._linear(mod, x, prepared, bias, act_opts)
 
 
-_CLASSES = {"reference": ReferenceBackend, "triton": TritonBackend, "cute": CuteBackend}
+_CLASSES = {"reference": ReferenceBackend, "triton": TritonBackend, "hopper": HopperBackend, "cute": CuteBackend}
 
 
 def make(impl: str, variant: str):
@@ -276,5 +380,5 @@ def make(impl: str, variant: str):
     return _CLASSES[impl](variant)
 
 
-__all__ = ["B12xProbe", "CuteBackend", "ReferenceBackend", "TritonBackend", "b12x_probe", "copy_quantized_into",
-           "make"]
+__all__ = ["B12xProbe", "CuteBackend", "HopperBackend", "ReferenceBackend", "Route", "TritonBackend", "b12x_probe",
+           "copy_quantized_into", "make", "record_launches"]

@@ -1,20 +1,23 @@
 """What the caller asked for: ``impl=``, ``use_impl()``, ``B12X_IMPL`` or auto, and the errors.
 
-Three implementations can compute a quantized linear layer:
+Four implementations can compute a quantized linear layer:
 
     cute       b12x's CuTe DSL kernels (kernels_cute/): the production path, SM120/SM121 only.
-    triton     the readable Triton kernels (kernels_triton/): any CUDA GPU, and the CPU through
-               Triton's interpreter (TRITON_INTERPRET=1).
+    hopper     the Hopper production Triton kernels (kernels_triton/hopper/): sm_90 only.
+    triton     the readable Triton kernels (kernels_triton/<fmt>.py): any CUDA GPU, and the CPU
+               through Triton's interpreter (TRITON_INTERPRET=1).
     reference  the formats/ oracle (dequantize, float64 matmul): every device, slow.
 
 What the caller asks for, highest priority first: the per-call ``impl=`` argument, the innermost
 ``use_impl(...)`` context, the ``B12X_IMPL`` environment variable, and finally "auto". The decision
 itself (which backend serves a call, and why) is :func:`dispatch.registry.choose`:
 
-    auto       walks the format's priority list (cute, triton, reference) and takes the first
-               backend whose ``is_supported(device)`` and ``can_implement(problem)`` both pass; the
-               choice is logged once with the reasons of the ones skipped.
-    cute | triton | reference
+    auto       walks the device's priority list (``registry.priority(device)``: sm_90 hopper,
+               triton, reference; SM120/SM121 cute, triton, reference; elsewhere triton,
+               reference) and takes the first backend whose ``is_supported(device)`` and
+               ``can_implement(problem)`` both pass; the choice is logged once with the reasons
+               of the ones skipped.
+    cute | hopper | triton | reference
                that implementation, or ImplementationUnavailable naming it, the device and the
                reason. A forced implementation never falls back silently.
 """
@@ -29,7 +32,7 @@ from typing import Iterator, Optional
 from .devices import DeviceInfo
 
 ENV_VAR = "B12X_IMPL"
-IMPLS = ("auto", "cute", "triton", "reference")
+IMPLS = ("auto", "cute", "hopper", "triton", "reference")
 """Values B12X_IMPL / use_impl / impl= accept."""
 DECODE_M = (1, 16)
 PREFILL_M = 4096

@@ -9,7 +9,9 @@ the vLLM plugin) reaches an implementation the same way:
     p = b.prepare(qweight, into=None)              # repack once (into=: reuse storage)
     y = b.apply(x, p, bias, **act_opts)            # the hot path
 
-    c = registry.choose("nvfp4", M, N, K, device)  # walks PRIORITY["nvfp4"], cached per
+    b.route(problem, device)    -> Route           # the kernels apply launches, tile, split-K, why
+
+    c = registry.choose("nvfp4", M, N, K, device)  # walks priority(device), cached per
                                                    # (device, variant, M bucket, N, K, dtype, request)
 
 A variant is a format (formats.FORMAT_NAMES) or its weight-only W4A16 form ("nvfp4_w4a16",
@@ -38,17 +40,46 @@ from .policy import ImplementationUnavailable, requested_impl
 
 log = logging.getLogger(__name__)
 
-IMPLS = ("cute", "triton", "reference")
-"""The concrete implementations, in auto's default priority order."""
+IMPLS = ("cute", "hopper", "triton", "reference")
+"""The concrete implementations: cute (b12x, SM120/SM121), hopper (kernels_triton.hopper, sm_90),
+triton (the readable kernels, every device) and reference (the formats/ oracle)."""
+
+# [priority]
+PRIORITY: dict[str, tuple[str, ...]] = {
+    "sm_90": ("hopper", "triton", "reference"),
+    "sm_12x": ("cute", "triton", "reference"),
+    "other": ("triton", "reference"),
+}
+"""The order auto tries the implementations in, per device class (:func:`device_class`): on sm_90
+the Hopper production kernels, on SM120/SM121 b12x's CuTe DSL kernels, then the readable Triton
+kernels and the oracle everywhere (other CUDA GPUs and the CPU interpreter)."""
+# [/priority]
+
+
+PRODUCTION = ("cute", "hopper")
+"""The production implementations: auto not picking the one at the head of the list warns."""
+
+
+def device_class(device: DeviceInfo) -> str:
+    """The key of :data:`PRIORITY` for a device: "sm_90", "sm_12x" or "other"."""
+    if device.kind == "cuda" and tuple(device.capability) == (9, 0):
+        return "sm_90"
+    if device.is_sm12x:
+        return "sm_12x"
+    return "other"
+
+
+def priority(device: DeviceInfo) -> tuple[str, ...]:
+    """The implementations auto tries on ``device``, in order (``PRIORITY[device_class(device)]``)."""
+    return PRIORITY[device_class(device)]
 
 
 @dataclass(frozen=True)
 class FormatEntry:
     """What the registry needs to know of a format beyond formats/: whether it has a weight-only
-    (W4A16) variant, and the order auto tries the implementations in."""
+    (W4A16) variant."""
 
     w4a16: bool = False
-    priority: tuple[str, ...] = IMPLS
 
 
 # [format-entries]
@@ -86,8 +117,6 @@ def _variants() -> dict[str, Variant]:
 
 
 VARIANTS: dict[str, Variant] = _variants()
-PRIORITY: dict[str, tuple[str, ...]] = {v: FORMATS.get(spec.fmt, FormatEntry()).priority
-                                        for v, spec in VARIANTS.items()}
 
 
 def variant(name: str) -> Variant:
@@ -193,9 +222,13 @@ class Backend:
             raise ValueError(f"{self.name}: unknown option(s) {sorted(bad)} for {self.variant} on {self.impl}; "
                              f"allowed: {allowed}")
 
-    def describe(self, problem: Problem, device: DeviceInfo) -> str:
-        """Extra detail for explain (e.g. which kernel path); empty by default."""
-        return ""
+    def route(self, problem: Problem, device: DeviceInfo, **act_opts):
+        """The route ``apply(x, prepared, bias, **act_opts)`` takes for ``problem`` on ``device``: a
+        ``kernels_triton.Route`` with the kernels it launches (by name, in order), the tile
+        (split-K included) and why. Pure: a described device gives the same answer as the real
+        one. ``explain``, ``b12x-dual info``, bench and sweep report it (with the default, dynamic
+        activation scales); a test checks it against the launches ``apply`` makes."""
+        raise NotImplementedError
 
     # Two optional verbs for the test sweeps and benchmarks, which look inside a call: the
     # activation quantizer alone (compared bit for bit with the oracle) and the GEMM alone.
@@ -319,8 +352,10 @@ def _log_once(c: Choice, device: DeviceInfo, variant_: str) -> None:
     if key in _logged:
         return
     _logged.add(key)
-    # On SM12x anything but cute means the production path was missed: worth a warning.
-    level = logging.WARNING if device.is_sm12x and c.impl != "cute" else logging.INFO
+    # Where a production implementation heads the priority list (cute on SM12x, hopper on sm_90),
+    # anything else means the production path was missed: worth a warning.
+    production = PRIORITY[device_class(device)][0]
+    level = logging.WARNING if production in PRODUCTION and c.impl != production else logging.INFO
     log.log(level, "b12x-dual: %s on %s: auto chose %s: %s", variant_, device.describe(), c.impl, c.reason)
 
 
@@ -362,7 +397,7 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
     else:
         # [auto-walk]
         considered, skipped = [], []
-        for name in PRIORITY[variant_]:
+        for name in priority(device):
             ok, why = check(table[(name, variant_)], problem, device)
             considered.append((name, ok, why))
             if ok:

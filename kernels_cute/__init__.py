@@ -66,7 +66,7 @@ _GATES, DECLARED_UNSUPPORTED = _gates()
 SERVED = tuple(v for v in VARIANTS if v in _GATES and v not in DECLARED_UNSUPPORTED)
 
 __all__ = ["FORMATS", "VARIANTS", "SERVED", "CuteWeight", "Preparation", "device_gate", "module", "not_served",
-           "supported", "prepare_weight", "gemm", "linear", "prepare", "B12X_VERSION"]
+           "supported", "route", "prepare_weight", "gemm", "linear", "prepare", "B12X_VERSION"]
 
 
 def not_served(variant: str) -> Optional[str]:
@@ -160,6 +160,35 @@ def supported(fmt: str, M: int, N: int, K: int, device, *, dtype: Optional[torch
         if not ok:
             return False, why
     return mod.supported(M, N, K, a16=True, dtype=dtype) if a16 else mod.supported(M, N, K)
+
+
+def route(variant: str, M: int, N: int, K: int, *, quantizer: str = "cute") -> tuple[tuple[str, ...], str, str]:
+    """What ``linear`` launches for y[M, N] = x[M, K] . W[N, K]^T in ``variant``, without a GPU.
+
+    Returns:
+        (kernels, tile, why): the launches in order, named as this package calls them (our CuTe DSL
+        activation quantizer ``kernels_cute.quant.<fmt>`` unless ``quantizer="triton"`` names
+        kernels_triton's, then the ``b12x.gemm.blockscaled`` function the format module declares
+        as ``B12X_GEMM`` / ``A16_GEMM``); tile: "" (b12x picks the MMA tile inside its plan); why:
+        one sentence naming the plan's row capacity (the smallest prepared one >= M, else the next
+        power of two, as ``_common.plan_for_call``). M == 0 launches nothing.
+    Raises:
+        ValueError: a variant kernels_cute does not serve (as :func:`module`).
+    """
+    mod = module(variant)
+    base, a16 = _split(variant)
+    if not_served(variant):
+        raise ValueError(f"kernels_cute does not serve {variant!r}: {not_served(variant)}")
+    if M <= 0:
+        return (), "", "M = 0: an empty output, no kernel"
+    cap = mod.cap_for(_common.next_pow2(M), K)
+    plan = f"a b12x plan of >= {M} rows (a prepared capacity, else {cap})"
+    if a16:
+        gemm = f"b12x.gemm.blockscaled.{mod.A16_GEMM}"
+        return (gemm,), "", f"b12x's W4A16 GEMM {mod.A16_GEMM} on bf16 activations, {plan}"
+    quant = f"kernels_cute.quant.{base}" if quantizer == "cute" else f"kernels_triton.{base}.quantize_activation"
+    gemm = f"b12x.gemm.blockscaled.{mod.B12X_GEMM}"
+    return (quant, gemm), "", f"the {quantizer} activation quantizer, then b12x's {mod.B12X_GEMM}, {plan}"
 
 
 def prepare_weight(qweight, *, a16: bool = False, into: Optional[CuteWeight] = None) -> CuteWeight:

@@ -37,6 +37,7 @@ from . import _common as C
 
 FMT = "fp8_block"
 B12X_GATE = "b12x.gemm.blockscaled"  # the b12x module whose is_supported() gates this entry point on the running GPU
+B12X_GEMM = "mm_block_fp8"  # the b12x.gemm.blockscaled function the W4A4 / W8A8 GEMM calls (what route() reports)
 K_MULTIPLE = 128
 N_MULTIPLE = 128
 
@@ -86,8 +87,9 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     """
 
     def mm(plan, out_dtype):
-        return C.blockscaled().mm_block_fp8(xq.data.contiguous(), xq.scale.contiguous(), prepared.data, prepared.scale,
-                                            plan=plan, out_dtype=out_dtype)
+        b12x_gemm = getattr(C.blockscaled(), B12X_GEMM)
+        return b12x_gemm(xq.data.contiguous(), xq.scale.contiguous(), prepared.data, prepared.scale,
+                         plan=plan, out_dtype=out_dtype)
 
     return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
 

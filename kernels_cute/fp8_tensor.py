@@ -42,6 +42,7 @@ from . import _common as C
 
 FMT = "fp8_tensor"
 B12X_GATE = "b12x.gemm.tensor_fp8_linear"  # the b12x module whose is_supported() gates this entry point on the running GPU
+B12X_GEMM = "mm"  # the b12x.gemm.blockscaled function the W4A4 / W8A8 GEMM calls (what route() reports)
 K_MULTIPLE = 128
 N_MULTIPLE = 8
 
@@ -99,7 +100,7 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     def mm(plan, out_dtype):
         # a per-call copy of the frozen packed weight whose combined scale is the device tensor sx * sw
         weight = replace(prepared.packed, output_scale=(xq.scale.reshape(1).float() * prepared.scale).contiguous())
-        return C.blockscaled().mm(xq.data.contiguous(), weight, plan=plan, out_dtype=out_dtype)
+        return getattr(C.blockscaled(), B12X_GEMM)(xq.data.contiguous(), weight, plan=plan, out_dtype=out_dtype)
 
     return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
 

@@ -44,6 +44,7 @@ from . import _common as C
 
 FMT = "mxfp4"
 B12X_GATE = "b12x.gemm.blockscaled"  # the b12x module whose is_supported() gates this entry point on the running GPU
+B12X_GEMM = "mm_mxfp4"  # the b12x.gemm.blockscaled function the W4A4 / W8A8 GEMM calls (what route() reports)
 K_MULTIPLE = 256
 N_MULTIPLE = 8
 VEC_SIZE = 32
@@ -111,8 +112,9 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     """
 
     def mm(plan, out_dtype):
-        return C.blockscaled().mm_mxfp4(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
-                                        plan=plan, out_dtype=out_dtype)
+        b12x_gemm = getattr(C.blockscaled(), B12X_GEMM)
+        return b12x_gemm(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
+                         plan=plan, out_dtype=out_dtype)
 
     return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
 

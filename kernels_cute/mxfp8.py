@@ -41,6 +41,7 @@ from . import _common as C
 
 FMT = "mxfp8"
 B12X_GATE = "b12x.gemm.mxfp8_linear"  # the b12x module whose is_supported() gates this entry point on the running GPU
+B12X_GEMM = "mm"  # the b12x.gemm.blockscaled function the W4A4 / W8A8 GEMM calls (what route() reports)
 K_MULTIPLE = 128
 N_MULTIPLE = 8
 
@@ -98,7 +99,7 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     """
 
     def mm(plan, out_dtype):
-        return C.blockscaled().mm((xq.data.contiguous(), C.swizzled_scale(xq)), prepared.packed,
+        return getattr(C.blockscaled(), B12X_GEMM)((xq.data.contiguous(), C.swizzled_scale(xq)), prepared.packed,
                                   plan=plan, out_dtype=out_dtype)
 
     return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)

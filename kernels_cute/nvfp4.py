@@ -59,6 +59,8 @@ from . import _common as C
 
 FMT = "nvfp4"
 B12X_GATE = "b12x.gemm.blockscaled"  # the b12x module whose is_supported() gates this entry point on the running GPU
+B12X_GEMM = "mm_nvfp4"  # the b12x.gemm.blockscaled function the W4A4 / W8A8 GEMM calls (what route() reports)
+A16_GEMM = "mm"  # the b12x.gemm.blockscaled function the W4A16 GEMM calls
 A16_GATE = "b12x.gemm.blockscaled"  # nvfp4_w4a16: b12x's A16 route
 K_MULTIPLE = 128
 N_MULTIPLE = 8
@@ -145,8 +147,9 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
 
     def mm(plan, out_dtype):
         alpha = torch.reciprocal(xq.global_scale.reshape(1)) * prepared.inv_global_scale
-        return C.blockscaled().mm_nvfp4(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
-                                        alpha, plan=plan, out_dtype=out_dtype)
+        b12x_gemm = getattr(C.blockscaled(), B12X_GEMM)
+        return b12x_gemm(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
+                         alpha, plan=plan, out_dtype=out_dtype)
 
     return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
 
@@ -160,7 +163,7 @@ def _linear_a16(x2: torch.Tensor, prepared: C.CuteWeight) -> torch.Tensor:
         x2 = x2.clone()
     N, K = prepared.shape
     plan, _ = C.plan_for_call("nvfp4_w4a16", x2.shape[0], N, K, x2.dtype, x2.device, make_query_a16, cap_for)
-    return C.blockscaled().mm(x2, prepared.packed, plan=plan, required_mode="a16")
+    return getattr(C.blockscaled(), A16_GEMM)(x2, prepared.packed, plan=plan, required_mode="a16")
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,

@@ -130,6 +130,21 @@ def check(entry, variant: str, M: int, N: int, K: int, dtype: torch.dtype, devic
     return registry.check(entry, registry.Problem(variant, M, N, K, dtype), device)
 
 
+def route_record(backend, variant: str, M: int, N: int, K: int, device: DeviceInfo,
+                 dtype: torch.dtype = torch.bfloat16) -> Optional[dict[str, Any]]:
+    """The route ``backend.apply`` takes for (variant, M, N, K) on ``device``, as JSON: {"impl",
+    "kernels" (names, in launch order), "tile", "split_k", "why", "text" (api.route_text)}; None for
+    a backend without a route (an extra one) or when the route cannot be computed."""
+    try:
+        r = backend.route(registry.Problem(variant, M, N, K, dtype), device)
+    except Exception:  # noqa: BLE001  (a row records what it can; the call itself reports its errors)
+        return None
+    from dispatch.api import route_text
+
+    return {"impl": r.impl, "kernels": list(r.kernels), "tile": r.tile, "split_k": r.split_k, "why": r.why,
+            "text": route_text(r)}
+
+
 def has_quantizer(backend) -> bool:
     """True when ``backend`` has its own quantize_activation (not W4A16, not the base class's)."""
     return (not backend.a16
@@ -141,6 +156,7 @@ def impl_note(name: str) -> str:
     return {
         "reference": "formats/ oracle, float64 output",
         "triton": "Triton interpreter (CPU)" if interpreting() else "Triton on GPU",
+        "hopper": "Hopper production Triton kernels (sm_90)",
         "cute": "b12x CuTe DSL (SM120/SM121)",
     }.get(name, "")
 

@@ -59,7 +59,7 @@ from . import argtypes as A
 from .bench_peers import PEERS, print_peers
 from .bench_plan import BASELINES, GRAPH_MAX_M, QUICK_M, QUICK_SHAPES, select_shapes
 from .bench_record import plot, print_results, summarize
-from .bench_run import run_bench
+from .bench_run import BENCH_IMPLS, run_bench
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,8 +84,9 @@ def _shape_spec(value: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", type=A.choice_list(VARIANTS, "format"), default=None,
                    help=f"comma list from {list(VARIANTS)} (default: all)")
-    p.add_argument("--impls", type=A.choice_list(("triton", "cute"), "implementation"), default=None,
-                   help="comma list from triton,cute (default: both; cute skips off SM12x)")
+    p.add_argument("--impls", type=A.choice_list(BENCH_IMPLS, "implementation"), default=None,
+                   help="comma list from triton,hopper,cute (default: all three; hopper runs on sm_90 only, "
+                        "cute on SM12x only, each skips elsewhere with the registry's reason)")
     p.add_argument("--shapes", type=_shape_spec, default=None,
                    help="ids, model prefixes, 'default', 'all' or NxK (default: 'default' on GPU, 'tiny' on CPU)")
     p.add_argument("--m", type=A.int_list, default=None,

@@ -175,14 +175,3 @@ def check_output(y: torch.Tensor, ref_rows: torch.Tensor, rows: torch.Tensor, to
     return {"norm_rel": m["norm_rel"], "max_rel": m["max_rel"], "cosine": m["cosine"],
             "norm_rel_rounded": mr["norm_rel"], "tol_norm_rel": tol, "rows": int(rows.numel()),
             "ok": bool(m["norm_rel"] <= tol)}
-
-
-def tile_config(fmt: str, M: int, N: int, K: int) -> Optional[str]:
-    """kernels_triton.<fmt>.tile_config(M, N, K) when the module offers it (recorded per row)."""
-    try:
-        import kernels_triton
-
-        f = getattr(kernels_triton.module(fmt), "tile_config", None)
-        return None if f is None else str(f(M, N, K))
-    except Exception:
-        return None

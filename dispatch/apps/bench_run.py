@@ -24,7 +24,7 @@ from dispatch.devices import CPU, DeviceInfo
 
 from . import _harness as H
 from .bench_plan import (BASELINE_NOTES, BASELINES, CPU_NOTE, GRAPH_MAX_M, Shape, ShapeCache, check_output,
-                         check_rows, n_sets_for, plan, rand_x, select_shapes, tile_config)
+                         check_rows, n_sets_for, plan, rand_x, select_shapes)
 from .bench_peers import peer_info, time_peers, unquantized_error
 from .bench_record import ratios, targets
 
@@ -280,8 +280,9 @@ def open_session(*, warmup_ms: float, rep_ms: float, graph_max_m: int, check: bo
     return session, dev_rep
 
 
-BENCH_IMPLS = ("triton", "cute")
-"""The implementations bench times by default (the oracle is never timed)."""
+BENCH_IMPLS = ("triton", "hopper", "cute")
+"""The implementations bench times by default (the oracle is never timed): on sm_90 both the
+readable kernels (triton) and the production ones (hopper) get rows; cute runs on SM12x."""
 
 
 def new_shape_cache(session: Session, shape: Shape, seed: int) -> ShapeCache:
@@ -371,7 +372,9 @@ def time_impl(session: Session, cfg: Config, variant: str, iname: str, backend, 
         fns, w_bytes, act_bytes = _impl_calls(cfg, backend, fmt, mode, session.l2, session.gpu)
         row["bytes"] = w_bytes + act_bytes + M * N * 2
         row["n_sets"] = len(fns)
-        row["tile_config"] = tile_config(fmt, M, N, K) if iname == "triton" else None
+        route = H.route_record(backend, variant, M, N, K, session.device_info)
+        row["route"] = route
+        row["tile_config"] = None if route is None else route["text"]
         row.update(session.timer(fns, M))
         if session.check:
             rows_d = cfg.rows.to(session.device)

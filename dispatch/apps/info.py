@@ -1,4 +1,5 @@
-"""``b12x-dual info``: the device, library versions, and auto's pick per format and shape class."""
+"""``b12x-dual info``: the device, library versions, and auto's pick per format and shape class
+with the route it takes (kernels launched, tile, split-K, why)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="device, library versions, and which implementation serves each format",
         description="Show the device found, the versions of torch, triton, b12x and nvidia-cutlass-dsl, "
                     "and for every format which implementation B12X_IMPL=auto picks for decode "
-                    "(M=1, 16) and prefill (M=4096) shapes, and why.",
+                    "(M=1, 16) and prefill (M=4096) shapes, why, and the route it takes (the kernels "
+                    "launched, their tile and split-K).",
     )
     p.add_argument("--device", type=A.known_device, default=None,
                    help=f"a torch device (default: the one found) or a known part: {', '.join(KNOWN_DEVICES)}")
@@ -32,6 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # rich assumes 80 columns in a pipe
@@ -53,7 +56,8 @@ def run(args) -> int:
         cells = []
         for m, n, k in shapes.values():
             c = registry.choose(variant, m, n, k, dev, impl="auto", log_choice=False)
-            cells.append(f"[bold]{c.impl}[/]: {c.reason}")
+            route = api.route_text(c.backend.route(registry.Problem(variant, m, n, k), dev))
+            cells.append(f"[bold]{c.impl}[/]: {c.reason}\n[dim]route[/]: {escape(route)}")
         table.add_row(variant, *cells)
     console.print(table)
     if args.vllm:

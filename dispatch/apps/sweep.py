@@ -3,8 +3,11 @@
 formats x implementations available here x a shape grid x output dtypes. Rows are the variants of
 dispatch.registry.VARIANTS: the five formats and the weight-only ones (``nvfp4_w4a16``,
 ``mxfp4_w4a16``: 4-bit weights, bf16/fp16 activations). Implementations are registry backends:
-reference (formats/ oracle, float64 output), triton (kernels_triton), cute (kernels_cute); one that
-``registry.check`` says cannot run a cell on this device is skipped there with the registry's reason.
+reference (formats/ oracle, float64 output), triton (the readable kernels_triton), hopper
+(kernels_triton.hopper, sm_90 only), cute (kernels_cute, SM12x only); one that ``registry.check``
+says cannot run a cell on this device is skipped there with the registry's reason. Each cell records
+the route every implementation took (``Backend.route``: kernels, tile, split-K, why; ``--verbose``
+prints them).
 Every cell draws fresh random inputs (normal values, outliers, all-zero blocks; a fresh weight
 quantized by the oracle) and gives every implementation the same ones.
 
@@ -14,9 +17,9 @@ Per cell:
     as bytes. Not applicable to W4A16.
   * output agreement between every pair of implementations: norm_rel = ||a - b|| / ||b||, max_rel,
     mean_rel and cosine (dispatch.apps._harness.compare_outputs), b the earlier one in the order
-    reference, triton, cute (so reference is the denominator whenever it is in the pair).
+    reference, triton, hopper, cute (so reference is the denominator whenever it is in the pair).
 
-Tolerances: norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; for cute vs triton
+Tolerances: norm_rel <= 4e-3 for bf16 output, <= 1e-3 for fp16; for cute vs triton or hopper
 on fp8_block (b12x's split-K with bf16 atomics) norm_rel <= 3e-3 and cosine >= 0.99999 (the wider
 of the two norm bounds applies). NaN or Inf never passes. An implementation that raises on a cell it
 claimed to support fails the cell.
@@ -57,7 +60,7 @@ GRIDS: dict[str, dict[str, list]] = {
     "small": {"m": [1, 3, 16], "nk": [(40, 128), (64, 256)]},
     "large": {"m": [1, 16, 128, 4096], "nk": [(4096, 4096), (4096, 8192), (8192, 4096), (8192, 8192)]},
 }
-IMPL_ORDER = ("reference", "triton", "cute")
+IMPL_ORDER = ("reference", "triton", "hopper", "cute")
 
 TOL_NORM = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
 SPLITK_NORM, SPLITK_COSINE = 3e-3, 0.99999
@@ -66,7 +69,7 @@ SPLITK_NORM, SPLITK_COSINE = 3e-3, 0.99999
 def tolerance(fmt: str, out_dtype: torch.dtype, a: str, b: str) -> dict[str, Optional[float]]:
     """{"norm_rel": bound, "cosine": bound or None} for the pair (a, b) of implementations."""
     tol: dict[str, Optional[float]] = {"norm_rel": TOL_NORM.get(out_dtype, 1e-3), "cosine": None}
-    if fmt == "fp8_block" and {a, b} == {"cute", "triton"}:
+    if fmt == "fp8_block" and {a, b} in ({"cute", "triton"}, {"cute", "hopper"}):  # b12x's bf16-atomic split-K
         tol = {"norm_rel": max(tol["norm_rel"], SPLITK_NORM), "cosine": SPLITK_COSINE}
     return tol
 
@@ -85,7 +88,7 @@ def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: di
     cell: dict[str, Any] = {
         "variant": variant, "fmt": fmt, "a16": a16, "M": M, "N": N, "K": K,
         "out_dtype": H.DTYPE_NAMES[dtype], "seed": seed,
-        "ran": [], "skipped": {}, "errors": {}, "quant": {}, "pairs": [],
+        "ran": [], "skipped": {}, "errors": {}, "quant": {}, "pairs": [], "routes": {},
     }
     outs: dict[str, torch.Tensor] = {}
     backends = {}
@@ -96,6 +99,7 @@ def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: di
             cell["skipped"][name] = why
             continue
         backends[name] = entry
+        cell["routes"][name] = H.route_record(entry, variant, M, N, K, dev_info, dtype)
         # the oracle in float64: the exact product of the quantized operands, rounded once
         opts = {"out_dtype": torch.float64} if name == "reference" else {}
         try:
@@ -234,9 +238,10 @@ def summarize(result: dict[str, Any], *, verbose: bool = False, plain: bool = Fa
                 rows.append([c["variant"], c["out_dtype"], c["M"], c["N"], c["K"],
                              "-" if p is None else f"{p['a']} vs {p['b']}", _quant_str([c]),
                              "-" if p is None else H.fmt_num(p["norm_rel"]),
-                             "-" if p is None else H.fmt_num(p["cosine"], ".7f"), c["status"]])
+                             "-" if p is None else H.fmt_num(p["cosine"], ".7f"), c["status"],
+                             "; ".join(f"{n}: {r['text']}" for n, r in c.get("routes", {}).items() if r)[:400]])
         H.print_table("every cell", ["variant", "out", "M", "N", "K", "pair", "act. bits", "norm rel",
-                                     "cosine", "status"], rows, plain=plain)
+                                     "cosine", "status", "routes"], rows, plain=plain)
 
     bad = [c for c in cells if not c["ok"]]
     if bad:

@@ -15,6 +15,7 @@ from ..devices import DeviceInfo
 from ..policy import requested_impl  # noqa: F401  (re-exported: what B12X_IMPL / use_impl() ask for)
 
 IMPLS = registry.IMPLS
+priority = registry.priority  # the implementations auto walks on a device, in order
 
 
 def choose(variant: str, M: int, N: int, K: int, device: DeviceInfo, dtype: torch.dtype) -> registry.Choice:

@@ -4,9 +4,11 @@ Each subclasses vLLM's base for its format and implements vLLM's four verbs:
 
     is_supported(compute_capability)  platform, device and request (see placement.py)
     can_implement(config)             format constraints; the reason names the value and what is allowed
-    process_weights_after_loading     layer tensors -> QuantizedTensor (convert.py) -> backend.prepare,
+    process_weights_after_loading     layer tensors -> QuantizedTensor (convert.py) -> prepare for each
+                                      backend registry.choose picks over the M buckets (one in practice),
                                       once; on a reload, into the existing storage; frees what it copied
-    apply_weights                     one torch.ops.b12x_dual.linear call (ops.py)
+    apply_weights                     one torch.ops.b12x_dual.linear call (ops.py): registry.choose for
+                                      the call's M bucket, then that backend's apply
 
 Importing this module imports vLLM's linear-kernel package (and whatever that imports), never our
 kernel packages: those load on the first prepare/apply.
@@ -93,18 +95,25 @@ class _Adapter:
                 raise convert.CheckpointError(
                     f"layer {name}: reloaded weight is {variant} N={n} K={k}, but the layer was loaded as "
                     f"{st.variant} N={st.n} K={st.k}; a reload must keep the format and shape")
-            st.prepared = st.chosen.backend.prepare(qw, into=st.prepared)
+            for name, (backend, old) in list(st.backends.items()):
+                st.backends[name] = (backend, backend.prepare(qw, into=old))
             for key, t in act_opts.items():
                 if t is not None and st.act_opts.get(key) is not None:
                     st.act_opts[key].copy_(t)
         else:
-            try:
-                chosen = _backend.choose(variant, 1, n, k, current_device(qw.device), dtype)
-            except ValueError as e:
-                raise RuntimeError(f"b12x-dual: layer {name} ({variant}, N={n}, K={k}): {e}") from e
-            placement.log_once(logging.INFO, "b12x-dual: %s %s N=%d K=%d -> %s (%s=%s): %s", type(self).__name__,
-                               variant, n, k, chosen.impl, chosen.source, chosen.requested, chosen.reason)
-            st = ops.LayerState(variant, n, k, dtype, chosen, chosen.backend.prepare(qw), act_opts, name)
+            device = current_device(qw.device)
+            backends = {}
+            for m in ops.LOAD_M:  # every M bucket's choice, so each call finds its prepared weight
+                try:
+                    chosen = _backend.choose(variant, m, n, k, device, dtype)
+                except ValueError as e:
+                    raise RuntimeError(f"b12x-dual: layer {name} ({variant}, M={m}, N={n}, K={k}): {e}") from e
+                if chosen.backend.name not in backends:
+                    placement.log_once(logging.INFO, "b12x-dual: %s %s N=%d K=%d -> %s (%s=%s) from M=%d: %s",
+                                       type(self).__name__, variant, n, k, chosen.impl, chosen.source,
+                                       chosen.requested, m, chosen.reason)
+                    backends[chosen.backend.name] = (chosen.backend, chosen.backend.prepare(qw))
+            st = ops.LayerState(variant, n, k, dtype, device, backends, act_opts, name)
             layer.b12x_dual_handle = ops.new_handle(st)
         if _check.WATCHDOG is not None:  # B12X_CHECK on: the oracle needs the weight as loaded
             st.qweight = qw if st.prepared is qw else _check_copy(qw)

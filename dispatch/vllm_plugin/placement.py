@@ -2,8 +2,10 @@
 the environment and a described device).
 
 - ``--linear-backend b12x`` (or ``linear_backend_per_quant``): our class serves wherever one of
-  our implementations can (cute on SM12x, triton on any CUDA GPU or the CPU interpreter,
-  reference everywhere); B12X_IMPL narrows that to one.
+  the implementations of the registry's priority list for the device can (``registry.priority``:
+  cute on SM12x, hopper on sm_90, triton on any CUDA GPU or the CPU interpreter, reference
+  everywhere); B12X_IMPL narrows that to one. Which backend runs a call is ``registry.choose``'s
+  decision per M bucket (ops.py), not this module's.
 - ``auto``: our class goes first only on SM120/SM121, only where our CuTe path serves the format
   and shape; everywhere else it declines, with the reason, and vLLM's own order applies.
   ``B12X_VLLM_AUTO=0`` turns this placement off.
@@ -83,7 +85,7 @@ def placement(variant: str, quantization: str, compute_capability: Optional[int]
     dev = device or device_for(compute_capability)
     if requested_backend(quantization) == BACKEND_NAME:
         requested, source = _backend.requested_impl()
-        impls = _backend.IMPLS if requested == "auto" else (requested,)
+        impls = _backend.priority(dev) if requested == "auto" else (requested,)
         reasons = []
         for impl in impls:
             ok, why = _backend.support(impl, variant, dev)
@@ -104,10 +106,15 @@ def placement(variant: str, quantization: str, compute_capability: Optional[int]
 
 
 def shape_placement(variant: str, quantization: str, n: int, k: int, dtype: torch.dtype) -> tuple[bool, str]:
-    """Under auto, our class takes only the shapes the CuTe path serves (asked for, every shape)."""
+    """Under auto, our class takes only the shapes the CuTe path serves at every M bucket the layer
+    is prepared for (``ops.LOAD_M``); asked for, every shape."""
     if requested_backend(quantization) == BACKEND_NAME:
         return True, f"--linear-backend {BACKEND_NAME}"
-    ok, why = _backend.can_implement("cute", variant, 1, n, k, dtype)
-    if not ok:
-        return False, f"under --linear-backend auto b12x-dual takes only shapes its CuTe path serves: {why}"
+    from .ops import LOAD_M
+
+    why = ""
+    for m in LOAD_M:
+        ok, why = _backend.can_implement("cute", variant, m, n, k, dtype)
+        if not ok:
+            return False, f"under --linear-backend auto b12x-dual takes only shapes its CuTe path serves: {why}"
     return True, why

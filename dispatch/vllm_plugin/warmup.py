@@ -4,7 +4,7 @@ vLLM's kernel warmup (``vllm/model_executor/warmup/b12x_warmup.py``, run on SM12
 ``B12xWarmupUnit`` from every layer whose ``b12x_warmup_provider`` has ``get_b12x_warmup_unit``,
 dedupes them by ``key`` and calls ``compile()``; the token counts are 1, every CUDA-graph capture
 size, the compile sizes and max_num_batched_tokens. Our kernels answer with :func:`unit`: the key
-is the layer's signature (implementation, variant, N, K, dtype, activation options), so identical
+is the layer's signature (backends, variant, N, K, dtype, activation options), so identical
 layers share one compile. :func:`warmup_model` does the same walk for any device (vLLM skips its
 own outside SM12x), and records what ran so nothing is compiled twice.
 
@@ -99,7 +99,8 @@ def _run(st: ops.LayerState, counts: Iterable[int], device: torch.device,
         key = (st.signature, bias is not None, m)
         if key not in _done:
             x = torch.randn(m, st.k, generator=g).to(device=device, dtype=st.dtype)
-            st.chosen.backend.apply(x, st.prepared, bias, **st.act_opts)
+            backend, prepared = st.backend_for(m)
+            backend.apply(x, prepared, bias, **st.act_opts)
             _done.add(key)
             compiles += 1
             ran += 1
@@ -108,8 +109,9 @@ def _run(st: ops.LayerState, counts: Iterable[int], device: torch.device,
 
 
 def _device(st: ops.LayerState) -> torch.device:
-    """Where the prepared weight lives (QuantizedTensor and CuteWeight both have ``.device``)."""
-    return torch.device(getattr(st.prepared, "device", "cpu"))
+    """Where the prepared weights live (QuantizedTensor and CuteWeight both have ``.device``)."""
+    _, prepared = next(iter(st.backends.values()))
+    return torch.device(getattr(prepared, "device", "cpu"))
 
 
 def served_bias(layer: torch.nn.Module) -> Optional[torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 
 import kernels_cute
 from dispatch import api, backends, policy, registry
-from dispatch.devices import CPU, KNOWN_DEVICES, current_device, interpreting
+from dispatch.devices import CPU, KNOWN_DEVICES, DeviceInfo, current_device, interpreting
 from dispatch.policy import ImplementationUnavailable, InvalidImplementation, use_impl
 from dispatch.registry import choose
 
@@ -37,6 +37,14 @@ def _b12x(monkeypatch, installed: bool, version: str = "1.5.1"):
     monkeypatch.setattr(backends, "b12x_probe", lambda: probe)
 
 
+def _needs_b12x():
+    """Skip, naming what is missing, where b12x's GEMMs cannot be imported (the cute backend then
+    refuses every call with that reason, whatever the probe says)."""
+    err = kernels_cute._common.b12x_import_error()
+    if err:
+        pytest.skip(f"needs b12x with CuTe DSL importable for the cute rows: {err}")
+
+
 def _cute_shape_rule(variant, M, N, K):
     """kernels_cute's own predicate for the shape (the production rule, called directly)."""
     spec = registry.VARIANTS[variant]
@@ -50,17 +58,23 @@ def _cute_shape_rule(variant, M, N, K):
 # The table: every device x variant x shape class
 # ---------------------------------------------------------------------------------------------
 def _expected_without_b12x(key):
+    """(implementation auto picks, the reasons of the ones skipped before it, "" for none)."""
     if key == "cpu":
-        why = "cute needs an SM120/SM121 GPU; this call runs on the CPU"
         if interpreting():
-            return "triton", why
+            return "triton", ""
         # on a GPU machine the interpreter is off, so CPU tensors can only go to the oracle
-        tri = registry.get("triton", "fp8_tensor").is_supported(CPU)[1]
-        return "reference", f"{why}; {tri}"
+        return "reference", registry.get("triton", "fp8_tensor").is_supported(CPU)[1]
     if key in SM90:
-        return "triton", f"cute needs an SM120/SM121 GPU; {KNOWN_DEVICES[key].name} is sm_90"
+        return "hopper", ""
     return "triton", "b12x is not installed (ModuleNotFoundError: No module named 'b12x'); " \
                      "install it with: pip install 'b12x-dual[cute]'"
+
+
+def _needs_hopper(variant="fp8_tensor"):
+    """Skip, naming the module, where kernels_triton.hopper is not in this installation."""
+    ok, why = registry.get("hopper", variant).is_supported(KNOWN_DEVICES["h200"])
+    if not ok:
+        pytest.skip(f"needs kernels_triton.hopper: {why}")
 
 
 def _reason_of(impl, variant, M, N, K, dev):
@@ -76,16 +90,17 @@ def test_auto_without_b12x_picks_triton_everywhere_and_says_why(monkeypatch, key
     _b12x(monkeypatch, installed=False)
     M, N, K = SHAPES[shape]
     dev = KNOWN_DEVICES[key]
+    if key in SM90:
+        _needs_hopper(variant)
     c = choose(variant, M, N, K, dev)
     impl, skipped = _expected_without_b12x(key)
-    if kernels_cute.not_served(variant):
+    if kernels_cute.not_served(variant) and dev.is_sm12x:
         skipped = f"cute does not implement {variant}: {kernels_cute.not_served(variant)}"
-        if key == "cpu" and not interpreting():
-            skipped += "; " + registry.get("triton", variant).is_supported(CPU)[1]
     assert c.impl == impl
-    assert c.reason == f"{skipped}; {_reason_of(impl, variant, M, N, K, dev)}"
+    own = _reason_of(impl, variant, M, N, K, dev)
+    assert c.reason == (f"{skipped}; {own}" if skipped else own)
     assert (c.requested, c.source) == ("auto", "default")
-    assert [name for name, _, _ in c.considered] == list(registry.PRIORITY[variant][:len(c.considered)])
+    assert [name for name, _, _ in c.considered] == list(registry.priority(dev)[:len(c.considered)])
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
@@ -95,10 +110,13 @@ def test_auto_with_b12x_picks_cute_on_sm12x_for_the_supported_set(monkeypatch, k
     _b12x(monkeypatch, installed=True)
     M, N, K = SHAPES[shape]
     dev = KNOWN_DEVICES[key]
-    c = choose(variant, M, N, K, dev)
+    if key in SM90:
+        _needs_hopper(variant)
     if key not in SM12X:
-        assert c.impl == _expected_without_b12x(key)[0]
+        assert choose(variant, M, N, K, dev).impl == _expected_without_b12x(key)[0]
         return
+    _needs_b12x()
+    c = choose(variant, M, N, K, dev)
     head = f"b12x 1.5.1 targets {dev.arch} (described device, not probed)"
     ok, why = _cute_shape_rule(variant, M, N, K)
     assert c.impl == ("cute" if ok else "triton")
@@ -107,6 +125,7 @@ def test_auto_with_b12x_picks_cute_on_sm12x_for_the_supported_set(monkeypatch, k
 
 def test_an_unaligned_shape_on_sm12x_goes_to_triton_with_kernels_cute_reason(monkeypatch):
     _b12x(monkeypatch, installed=True)
+    _needs_b12x()
     c = choose("nvfp4", 16, 4100, 4096, KNOWN_DEVICES["gb10"])
     assert c.impl == "triton"
     assert c.reason.startswith("nvfp4: b12x needs N % 8 == 0, got N=4100; ")
@@ -124,13 +143,18 @@ def test_auto_without_the_triton_module_falls_back_to_the_reference(monkeypatch)
 
 
 def test_auto_with_nothing_that_serves_lists_every_reason():
-    # K = 100 is not a multiple of any format's block: every backend refuses, each says why.
+    # K = 100 is not a multiple of any format's block: every backend refuses, each says why, in
+    # the order of the sm_90 priority list (hopper, triton, reference).
     with pytest.raises(registry.NoBackend) as e:
         choose("nvfp4", 4, 64, 100, KNOWN_DEVICES["h200"])
     msg = str(e.value)
-    assert "cute: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90" in msg
-    assert "triton: triton: nvfp4 needs K to be a positive multiple of 16, got K=100" in msg
-    assert "reference: reference: nvfp4 needs K to be a positive multiple of 16, got K=100" in msg
+    hopper_why = registry.check(registry.entries()[("hopper", "nvfp4")], registry.Problem("nvfp4", 4, 64, 100),
+                                KNOWN_DEVICES["h200"])[1]
+    lines = [f"hopper: {hopper_why}",
+             "triton: triton: nvfp4 needs K to be a positive multiple of 16, got K=100",
+             "reference: reference: nvfp4 needs K to be a positive multiple of 16, got K=100"]
+    assert msg.endswith("; ".join(lines))
+    assert "cute" not in msg  # not in the sm_90 priority list
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +184,7 @@ def test_forced_cute_on_sm12x_without_b12x_says_how_to_install(monkeypatch):
 
 def test_forced_cute_outside_the_supported_set_raises_with_kernels_cute_reason(monkeypatch):
     _b12x(monkeypatch, installed=True)
+    _needs_b12x()
     with pytest.raises(ImplementationUnavailable, match=r"mxfp4: b12x needs K % 256 == 0, got K=4160"):
         choose("mxfp4", 8, 4096, 4160, KNOWN_DEVICES["gb10"], impl="cute")
     with pytest.raises(ImplementationUnavailable, match="b12x 1.5.1 has no W4A16 kernel for MXFP4"):
@@ -192,7 +217,7 @@ def test_a16_is_only_defined_for_the_fp4_formats():
 # B12X_IMPL, use_impl, impl=
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("raw,parsed", [("auto", "auto"), ("CUTE", "cute"), (" triton ", "triton"),
-                                        ("Reference", "reference")])
+                                        ("Reference", "reference"), ("Hopper", "hopper")])
 def test_b12x_impl_values_are_case_and_blank_insensitive(monkeypatch, raw, parsed):
     monkeypatch.setenv(policy.ENV_VAR, raw)
     assert policy.requested_impl() == (parsed, "B12X_IMPL")
@@ -208,7 +233,7 @@ def test_invalid_b12x_impl_names_the_variable_the_value_and_the_allowed_set(monk
     monkeypatch.setenv(policy.ENV_VAR, raw)
     with pytest.raises(InvalidImplementation) as e:
         choose("nvfp4", 1, 64, 64, CPU)
-    assert str(e.value) == f"B12X_IMPL={raw!r} is not an implementation; allowed: auto, cute, triton, reference"
+    assert str(e.value) == f"B12X_IMPL={raw!r} is not an implementation; allowed: auto, cute, hopper, triton, reference"
     assert isinstance(e.value, ValueError)
 
 
@@ -257,19 +282,113 @@ def test_a_decision_is_cached_per_m_bucket_and_request(monkeypatch):
     assert choose("mxfp8", 17, 256, 256, dev).impl == "reference"  # the request is part of the key
 
 
-def test_explain_reports_device_versions_and_every_reason_of_the_walk(monkeypatch):
+def test_the_cache_key_holds_every_field_of_the_decision(monkeypatch):
+    # Key: (device, variant, M bucket, N, K, dtype, request, source). Changing any one field gives a
+    # decision of its own (a key missing a field would hand back the cached one: the same object).
+    base = dict(variant_="mxfp8", M=17, N=256, K=256, device=KNOWN_DEVICES["h200"], dtype=torch.bfloat16)
+    first = choose(**base, impl="triton")
+    assert choose(**base, impl="triton") is first
+    changes = {"device": KNOWN_DEVICES["h100_sxm"], "variant_": "fp8_block", "M": 33, "N": 512, "K": 512,
+               "dtype": torch.float16}
+    for name, value in changes.items():
+        c = choose(**{**base, name: value}, impl="triton")
+        assert c is not first, name
+        assert c.impl == "triton", name
+    assert choose(**base, impl="reference").impl == "reference"          # the request
+    with use_impl("triton"):
+        c = choose(**base)                                               # same request, another source
+        assert c is not first and (c.impl, c.source) == ("triton", "use_impl()")
+    assert choose(**base, impl="triton") is first                        # and the first is still cached
+
+
+# ---------------------------------------------------------------------------------------------
+# The priority per device, and the hopper implementation
+# ---------------------------------------------------------------------------------------------
+ADA = DeviceInfo("NVIDIA L40S", (8, 9), 142, 101_376, 864.0, "cuda")
+
+
+@pytest.mark.parametrize("key", list(KNOWN_DEVICES))
+def test_priority_is_hopper_on_sm90_cute_on_sm12x_and_triton_elsewhere(key):
+    dev = KNOWN_DEVICES[key]
+    expected = {"sm_90": ("hopper", "triton", "reference"), "sm_12x": ("cute", "triton", "reference")}
+    want = expected["sm_90"] if dev.capability == (9, 0) and dev.kind == "cuda" else \
+        expected["sm_12x"] if dev.is_sm12x else ("triton", "reference")
+    assert registry.priority(dev) == want
+    assert registry.PRIORITY[registry.device_class(dev)] == want
+    assert set(want) <= set(registry.IMPLS)
+
+
+def test_another_cuda_gpu_walks_triton_then_the_reference():
+    assert registry.priority(ADA) == ("triton", "reference")
+    c = choose("nvfp4", 16, 4096, 4096, ADA)
+    assert (c.impl, [n for n, _, _ in c.considered]) == ("triton", ["triton"])
+
+
+@pytest.mark.parametrize("key", list(KNOWN_DEVICES))
+def test_hopper_is_supported_on_sm90_only(key):
+    dev = KNOWN_DEVICES[key]
+    ok, why = registry.get("hopper", "nvfp4_w4a16").is_supported(dev)
+    if dev.kind == "cpu":
+        assert (ok, why) == (False, "hopper needs an sm_90 GPU; this call runs on the CPU")
+    elif dev.capability != (9, 0):
+        assert (ok, why) == (False, f"hopper needs an sm_90 GPU; {dev.name} is {dev.arch}")
+    else:
+        _needs_hopper("nvfp4")
+        assert ok, why
+    assert registry.get("hopper", "nvfp4").is_supported(ADA) == (False,
+                                                                "hopper needs an sm_90 GPU; NVIDIA L40S is sm_89")
+
+
+def test_b12x_impl_hopper_forces_hopper(monkeypatch):
+    monkeypatch.setenv(policy.ENV_VAR, "hopper")
+    with pytest.raises(ImplementationUnavailable, match="'hopper' cannot serve this call on CPU .*: hopper needs an "
+                                                        "sm_90 GPU; this call runs on the CPU"):
+        choose("mxfp8", 16, 256, 256, CPU)
+    with pytest.raises(ImplementationUnavailable, match="hopper needs an sm_90 GPU; NVIDIA GeForce RTX 5090 is sm_120"):
+        choose("mxfp8", 16, 256, 256, KNOWN_DEVICES["rtx_5090"])
+    _needs_hopper("mxfp8")
+    c = choose("mxfp8", 16, 256, 256, KNOWN_DEVICES["h200"])
+    assert (c.impl, c.requested, c.source) == ("hopper", "hopper", "B12X_IMPL")
+
+
+def test_explain_reports_device_versions_every_reason_of_the_walk_and_the_route(monkeypatch):
     _b12x(monkeypatch, installed=False)
-    text = api.explain("nvfp4", 8, 4096, 4096, device="h200")
-    assert text.splitlines()[0] == ("device: NVIDIA H200 (sm_90, 132 SMs, 232448 B shared memory per block, "
-                                    "4800 GB/s)")
+    text = api.explain("nvfp4", 8, 4096, 4096, device="gb10")
+    assert text.splitlines()[0] == ("device: NVIDIA DGX Spark GB10 (sm_121, 48 SMs, 101376 B shared memory per "
+                                    "block, 273 GB/s)")
     versions = api.library_versions()
     assert text.splitlines()[1] == "libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items())
     assert list(versions) == ["torch", "triton", "b12x", "nvidia-cutlass-dsl", "numpy", "python", "cuda"]
     for label in ("M=8 ", "decode M=1 ", "decode M=16 ", "prefill M=4096 "):
         assert f"nvfp4 {label}" in text
-    assert ("auto -> triton: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90; Triton kernels on sm_90; "
-            "kernels_triton.nvfp4") in text
-    assert "    cute: no: cute needs an SM120/SM121 GPU; NVIDIA H200 is sm_90" in text
-    assert "    triton: yes: Triton kernels on sm_90; kernels_triton.nvfp4" in text
+    install = "b12x is not installed (ModuleNotFoundError: No module named 'b12x'); install it with: " \
+              "pip install 'b12x-dual[cute]'"
+    assert f"auto -> triton: {install}; Triton kernels on sm_121; kernels_triton.nvfp4" in text
+    assert f"    cute: no: {install}" in text
+    assert "    triton: yes: Triton kernels on sm_121; kernels_triton.nvfp4" in text
+    for m in (8, 1, 16, 4096):  # every shape's route, as the backend reports it
+        r = registry.get("triton", "nvfp4").route(registry.Problem("nvfp4", m, 4096, 4096), KNOWN_DEVICES["gb10"])
+        assert f"    route: {api.route_text(r)}" in text
     monkeypatch.setenv(policy.ENV_VAR, "cute")
     assert "B12X_IMPL=cute -> error: implementation 'cute' cannot serve" in api.explain("nvfp4", 8, 64, 64, "h200")
+
+
+def test_explain_on_sm90_reports_the_hopper_route():
+    _needs_hopper("fp8_tensor")
+    text = api.explain("fp8_tensor", 1, 8192, 8192, device=KNOWN_DEVICES["h200"])
+    hopper = registry.get("hopper", "fp8_tensor")
+    for m in (1, 16, 4096):
+        r = hopper.route(registry.Problem("fp8_tensor", m, 8192, 8192), KNOWN_DEVICES["h200"])
+        assert r.impl == "hopper" and r.kernels
+        assert f"    route: {api.route_text(r)}" in text
+    assert "auto -> hopper: " in text and "triton portable path" not in text
+
+
+def test_missing_the_hopper_path_on_sm90_warns(monkeypatch, caplog):
+    # sm_90's production implementation is hopper: auto settling for another one is a WARNING.
+    monkeypatch.setattr(backends, "_hopper_module_present", lambda fmt: False)
+    with caplog.at_level(logging.INFO, logger="dispatch.registry"):
+        c = choose("mxfp8", 16, 4096, 4096, KNOWN_DEVICES["h200"])
+    assert c.impl == "triton" and "kernels_triton.hopper.mxfp8 is not in this installation" in c.reason
+    records = [r for r in caplog.records if r.name == "dispatch.registry"]
+    assert [r.levelno for r in records] == [logging.WARNING]

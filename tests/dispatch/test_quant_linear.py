@@ -222,8 +222,9 @@ def test_reload_keeps_every_prepared_address_and_serves_the_new_weight(tmp_path,
     # A CUDA graph captured over a layer holds the addresses of its prepared weights: a reload
     # (load_quantized, load_state_dict) must write into them, not allocate new ones.
     torch.manual_seed(1)
-    model = quantize_model(_Toy(), variant, act_dtype=torch.bfloat16)
-    x = torch.randn(4, 128)
+    # on the GPU where there is one (the interpreter, which runs triton on CPU tensors, is off there)
+    model = quantize_model(_Toy(), variant, act_dtype=torch.bfloat16).to(DEVICE)
+    x = torch.randn(4, 128).to(DEVICE)
     for impl in ("reference", "triton"):
         with policy.use_impl(impl), torch.no_grad():
             model.up(x)
@@ -237,7 +238,7 @@ def test_reload_keeps_every_prepared_address_and_serves_the_new_weight(tmp_path,
     load_quantized(model, path)
     assert {k: [t.data_ptr() for t in v] for k, v in _prepared_tensors(model.up).items()} == ptrs
     with policy.use_impl("reference"), torch.no_grad():
-        assert torch.equal(model.up(x), other.up(x))
+        assert torch.equal(model.up(x), other.to(DEVICE).up(x))
 
     torch.manual_seed(3)
     third = quantize_model(_Toy(), variant, act_dtype=torch.bfloat16)

@@ -8,10 +8,11 @@ import torch
 import formats
 from dispatch import api, registry
 from dispatch.backends import copy_quantized_into
-from dispatch.devices import KNOWN_DEVICES
+from dispatch.devices import KNOWN_DEVICES, interpreting
 from dispatch.registry import Backend, Problem, UnsupportedEntry
+from kernels_cute._common import b12x_import_error
 
-from conftest import device_name
+from conftest import DEVICE, device_name
 
 VARIANTS = tuple(registry.VARIANTS)
 # b12x's pack_weight (tensor FP8, MXFP8, NVFP4 W4A16) checks that the weight is on a CUDA device.
@@ -35,7 +36,7 @@ def test_every_cell_is_a_backend_or_says_why_not(impl, variant):
         return
     assert isinstance(entry, Backend)
     assert (entry.impl, entry.variant, entry.name) == (impl, variant, f"{impl}:{variant}")
-    for verb in ("is_supported", "can_implement", "prepare", "apply"):
+    for verb in ("is_supported", "can_implement", "prepare", "apply", "route"):
         assert getattr(type(entry), verb) is not getattr(Backend, verb), f"{entry} does not implement {verb}"
     assert registry.get(impl, variant) is entry
     # every verdict comes with a reason, on every known device
@@ -88,12 +89,18 @@ def test_prepare_into_keeps_every_address_and_takes_the_new_values(impl, variant
     entry = registry.entries()[(impl, variant)]
     if isinstance(entry, UnsupportedEntry):
         pytest.skip(f"{impl}:{variant} is declared unsupported: {entry.reason}")
-    if (impl, variant) in PREPARE_NEEDS_CUDA and not torch.cuda.is_available():
-        pytest.skip(f"{impl}:{variant} prepares through b12x's pack_weight, which needs a CUDA device; "
-                    f"found {device_name()}")
-    old = entry.prepare(_weight(variant, 0))
+    dev = "cpu"
+    if (impl, variant) in PREPARE_NEEDS_CUDA:
+        if not torch.cuda.is_available():
+            pytest.skip(f"{impl}:{variant} prepares through b12x's pack_weight, which needs a CUDA device; "
+                        f"found {device_name()}")
+        err = b12x_import_error()
+        if err:
+            pytest.skip(f"{impl}:{variant} prepares through b12x's pack_weight, which needs b12x: {err}")
+        dev = "cuda"
+    old = entry.prepare(_weight(variant, 0).to(dev))
     ptrs = [t.data_ptr() for t in _leaves(old)]
-    new_qw = _weight(variant, 1)
+    new_qw = _weight(variant, 1).to(dev)
     fresh = entry.prepare(new_qw)
     again = entry.prepare(new_qw, into=old)
     assert again is old
@@ -121,9 +128,9 @@ def test_prepare_refuses_another_format_or_shape():
 def test_reference_and_triton_backends_agree_through_apply(variant):
     # The Triton products of exact decoded operands are exact in fp32; bf16 output rounding allows
     # 1 bf16 ulp (2^-8 relative) per element, so ||diff|| / ||ref|| <= 2^-8 (rounding both ways).
-    qw = _weight(variant, 3, n=64, k=256)
+    qw = _weight(variant, 3, n=64, k=256).to(DEVICE)  # the GPU when there is one, else the interpreter
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16).to(DEVICE)
     ref = registry.get("reference", variant)
     tri = registry.get("triton", variant)
     y_ref = ref.apply(x, ref.prepare(qw)).double()
@@ -156,10 +163,51 @@ def test_each_backend_takes_its_formats_activation_options():
 def test_a_bad_static_fp8_scale_tensor_gives_nan_never_zeros():
     # A tensor scale is not read on the host (no sync per call); a bad one becomes NaN on the device.
     b = registry.get("triton", "fp8_tensor")
-    qw = _weight("fp8_tensor", 0, n=64, k=256)
-    x = torch.randn(3, 256).to(torch.bfloat16)
+    qw = _weight("fp8_tensor", 0, n=64, k=256).to(DEVICE)
+    x = torch.randn(3, 256).to(torch.bfloat16).to(DEVICE)
     for bad in (0.0, -1.0, float("inf"), float("nan")):
-        assert bool(b.apply(x, b.prepare(qw), scale=torch.tensor(bad)).isnan().all()), bad
+        assert bool(b.apply(x, b.prepare(qw), scale=torch.tensor(bad, device=DEVICE)).isnan().all()), bad
+
+
+@pytest.mark.parametrize("impl", ["triton", "hopper"])
+@pytest.mark.parametrize("verb", ["apply", "quantize_activation", "gemm"])
+def test_cpu_tensors_without_the_interpreter_get_the_registrys_error_not_tritons(monkeypatch, impl, verb):
+    # A GPU machine runs Triton without its interpreter; CPU tensors must be refused by name before
+    # any kernel (Triton's own message, "Pointer argument cannot be accessed from Triton", names
+    # neither the implementation nor the fix). TRITON_INTERPRET=0 describes that machine here.
+    b = registry.get(impl, "fp8_block")
+    qw = _weight("fp8_block", 0, n=64, k=256)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reason = ("CPU tensors need Triton's interpreter but TRITON_INTERPRET='0'" if impl == "triton"
+              else "hopper needs an sm_90 GPU; this call runs on the CPU")
+    call = {"apply": lambda: b.apply(x, b.prepare(qw)),
+            "quantize_activation": lambda: b.quantize_activation(x),
+            "gemm": lambda: b.gemm(formats.quantize(x, "fp8_block", role="activation"), qw)}[verb]
+    with pytest.raises(api.policy.ImplementationUnavailable) as e:
+        call()
+    assert str(e.value).startswith(f"implementation {impl!r} cannot serve this call on CPU (Triton interpreter) "
+                                   f"(no CUDA device): {reason}")
+
+
+def test_cuda_tensors_under_the_interpreter_get_the_registrys_error(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip(f"needs a CUDA device for CUDA tensors; found {device_name()}")
+    b = registry.get("triton", "mxfp8")
+    qw = _weight("mxfp8", 0, n=64, k=256).cuda()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(api.policy.ImplementationUnavailable,
+                       match="Triton's interpreter is on .* got a tensor on cuda"):
+        b.apply(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), qw)
+
+
+def test_real_cpu_tensors_on_a_gpu_machine_get_the_registrys_error():
+    if not torch.cuda.is_available() or interpreting():
+        pytest.skip(f"needs a CUDA device with Triton's interpreter off; found {device_name()}")
+    b = registry.get("triton", "nvfp4")
+    qw = _weight("nvfp4", 0, n=64, k=256)
+    with pytest.raises(api.policy.ImplementationUnavailable, match="CPU tensors need Triton's interpreter"):
+        b.apply(torch.randn(3, 256, dtype=torch.bfloat16), qw)
 
 
 def test_cute_quantizer_option_is_checked_before_any_kernel():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatch import policy, registry
+from dispatch import KNOWN_DEVICES, policy, registry
 from dispatch.apps import cli
 
 
@@ -36,10 +36,14 @@ def test_info_shows_every_variant_for_a_described_device(capsys, monkeypatch):
     for variant in registry.VARIANTS:
         assert variant in out
     assert "decode M=1" in out and "decode M=16" in out and "prefill M=4096" in out
-    # auto picks triton in every cell: cute needs SM12x, and has no mxfp4_w4a16 entry at all
-    a16_only = [v for v in registry.VARIANTS if v == "mxfp4_w4a16"]
-    assert out.count("triton: cute needs an SM120/SM121 GPU") == 3 * (len(registry.VARIANTS) - len(a16_only))
-    assert out.count("triton: cute does not implement mxfp4_w4a16") == 3 * len(a16_only)
+    # sm_90's priority is hopper, triton, reference: auto picks hopper in every cell (cute is not
+    # in the list), and every cell shows its route
+    ok, why = registry.get("hopper", "fp8_tensor").is_supported(KNOWN_DEVICES["h200"])
+    if not ok:
+        pytest.skip(f"needs kernels_triton.hopper: {why}")
+    assert out.count(f"hopper: {why}"[:20]) == 3 * len(registry.VARIANTS)
+    assert out.count("route: ") == 3 * len(registry.VARIANTS)
+    assert "cute" not in out.split("auto's choice", 1)[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,7 +58,7 @@ def _bad_values(tmp_path):
         (["bench", "--m", "abc"], "--m", "invalid int list 'abc' (expected comma-separated positive integers)"),
         (["bench", "--m", "16,0"], "--m", "invalid int list '16,0'"),
         (["bench", "--formats", "int4"], "--formats", "unknown format 'int4'"),
-        (["bench", "--impls", "reference"], "--impls", "expected comma-separated names from triton, cute"),
+        (["bench", "--impls", "reference"], "--impls", "expected comma-separated names from triton, hopper, cute"),
         (["bench", "--baselines", "cublas"], "--baselines", "unknown baseline 'cublas'"),
         (["bench", "--shapes", "12xab"], "--shapes", "unknown shape '12xab'"),
         (["bench", "--budget-s", "-1"], "--budget-s", "expected a number >= 0"),
@@ -67,7 +71,7 @@ def _bad_values(tmp_path):
         (["bench", "--sweep-json", d], "--sweep-json", "it is a directory"),
         (["sweep", "--m", "1.5"], "--m", "invalid int list '1.5'"),
         (["sweep", "--dtypes", "fp8"], "--dtypes", "unknown dtype 'fp8'"),
-        (["sweep", "--impls", "cuda"], "--impls", "expected comma-separated names from reference, triton, cute"),
+        (["sweep", "--impls", "cuda"], "--impls", "expected comma-separated names from reference, triton, hopper, cute"),
         (["sweep", "--formats", ""], "--formats", "invalid format list ''"),
         (["sweep", "--seed", "-3"], "--seed", "expected an integer >= 0"),
         (["sweep", "--json", d], "--json", "it is a directory"),

@@ -72,7 +72,13 @@ def test_sweep_small_subset_agrees_and_writes_json(tmp_path):
             assert key in c
         assert c["ran"][:2] == ["reference", "triton"]
         assert "cute" in c["skipped"] or "cute" in c["ran"]
+        assert "hopper" in c["skipped"] or "hopper" in c["ran"]
         assert c["errors"] == {}, c["errors"]
+        # every implementation that ran records its route: the kernels it launched, tile, why
+        assert set(c["routes"]) == set(c["ran"])
+        assert c["routes"]["reference"]["kernels"] == []
+        tri = c["routes"]["triton"]
+        assert tri["impl"] == "triton" and tri["kernels"] and tri["why"], tri
         for name, why in c["skipped"].items():
             assert EXPLICIT_SKIP.search(why), f"{name} skipped without naming the device or library: {why!r}"
             # the reason is the registry's own, for this cell on the device the tensors are on
@@ -179,6 +185,14 @@ def test_bench_tiny_grid_writes_json_and_plot(tmp_path, capsys):
     timed = [r for r in rows if r["kind"] == "impl" and r["name"] == "triton"]
     assert {(r["variant"], r["mode"]) for r in timed} == {
         ("fp8_tensor", "linear"), ("fp8_tensor", "gemm"), ("mxfp4_w4a16", "linear")}
+    for r in timed:  # the route of what ran, recorded with the row
+        assert r["route"]["impl"] == "triton" and r["route"]["kernels"] and r["tile_config"] == r["route"]["text"]
+    hopper = [r for r in rows if r["kind"] == "impl" and r["name"] == "hopper"]
+    assert {(r["variant"], r["mode"]) for r in hopper} == {(r["variant"], r["mode"]) for r in timed}
+    if res["device"].get("capability") == "sm_90":
+        assert all(r.get("us") and r["route"]["impl"] == "hopper" for r in hopper), hopper  # rows for both
+    else:
+        assert all(r.get("skipped") for r in hopper), hopper
     for r in timed:
         for key in ("shape", "model", "M", "N", "K", "us", "us_p20", "us_p80", "method", "flops", "bytes",
                     "tflops", "gbps", "roofline_share", "speedup_vs", "check", "n_sets"):
