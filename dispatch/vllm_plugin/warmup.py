@@ -44,39 +44,43 @@ def _specialization(m: int) -> str:
     return "1" if m == 1 else ("16" if m % 16 == 0 else "")
 
 
-def route_key(impl: str, variant: str, m: int, n: int, k: int) -> tuple:
+def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
+              dtype: torch.dtype = torch.bfloat16) -> tuple:
     """What an ``impl`` call of ``variant`` at M tokens (N, K) compiles, as far as M decides it.
 
-    triton: the format module's ``tile_config`` on this process's device (the GEMM's tile, split-K
-    and route as it prints), the activation quantizer's tile (``_e4m3_gemm.quant_config``, the
-    same M rule for every format) and M's Triton specialization. cute: the b12x plan capacity
-    ``cap_for(next_pow2(M), K)`` that kernels_cute plans for an unprepared M. reference: nothing
-    (torch only). Raises ValueError for another impl.
+    triton / hopper: the backend's route on ``device`` (a DeviceInfo; None: this process's device),
+    i.e. the kernels it launches, their tile and split-K, plus the activation quantizer's tile
+    (``kernels_triton._common.quant_config``, the same M rule for every format) and M's Triton
+    specialization. cute: the b12x plan capacity ``cap_for(next_pow2(M), K)`` that kernels_cute
+    plans for an unprepared M. reference: nothing (torch only). Raises ValueError for another impl.
     """
     fmt = variant.removesuffix("_w4a16")
     if impl == "reference":
         return ()
-    if impl == "triton":
-        import kernels_triton
-        from kernels_triton._common import interpreting
-        from kernels_triton._e4m3_gemm import quant_config
+    if impl in ("triton", "hopper"):
+        from kernels_triton._common import interpreting, quant_config
 
-        tile = kernels_triton.module(fmt).tile_config(m, n, k)
-        return (str(tile), quant_config(m, k, interpreting(), 32), _specialization(m))
+        from .. import registry
+        from ..devices import current_device
+
+        dev = current_device() if device is None else device
+        r = registry.get(impl, variant).route(registry.Problem(variant, m, n, k, dtype), dev)
+        return (r.kernels, r.tile, r.split_k, quant_config(m, k, interpreting(), 32), _specialization(m))
     if impl == "cute":
         import kernels_cute
         from kernels_cute._common import next_pow2
 
         return (kernels_cute.module(variant).cap_for(next_pow2(m), k),)
-    raise ValueError(f"impl must be one of reference, triton, cute, got {impl!r}")
+    raise ValueError(f"impl must be one of reference, triton, hopper, cute, got {impl!r}")
 
 
-def buckets(impl: str, variant: str, n: int, k: int, max_tokens: int) -> tuple[int, ...]:
+def buckets(impl: str, variant: str, n: int, k: int, max_tokens: int, device=None,
+            dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
     """The smallest M of every distinct :func:`route_key` for M in 1..max_tokens (sorted): running a
     layer once at each compiles everything a call of up to ``max_tokens`` tokens can use."""
     first: dict[tuple, int] = {}
     for m in range(1, int(max_tokens) + 1):
-        first.setdefault(route_key(impl, variant, m, n, k), m)
+        first.setdefault(route_key(impl, variant, m, n, k, device, dtype), m)
     return tuple(sorted(first.values()))
 
 
@@ -85,7 +89,8 @@ def layer_counts(st: ops.LayerState, counts: Iterable[int], device: torch.device
     (On the CPU nothing compiles: Triton runs in its interpreter and the reference is torch.)"""
     counts = set(counts)
     if counts and torch.device(device).type == "cuda":
-        counts.update(buckets(st.chosen.impl, st.variant, st.n, st.k, max(counts)))
+        for impl in sorted({backend.impl for backend, _ in st.backends.values()}):
+            counts.update(buckets(impl, st.variant, st.n, st.k, max(counts), st.device, st.dtype))
     return tuple(sorted(counts))
 
 

@@ -23,7 +23,8 @@ from dispatch import registry
 from dispatch.devices import current_device
 from dispatch.vllm_plugin import ops, warmup
 from kernels_triton._common import interpreting
-from kernels_triton._e4m3_gemm import quant_config
+from dispatch.devices import KNOWN_DEVICES
+from kernels_triton._common import quant_config
 
 VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_w4a16", "mxfp4_w4a16")
 SHAPES = ((1024, 2048), (384, 1536))  # (N, K): K a multiple of 128 (block FP8)
@@ -68,12 +69,36 @@ def test_cute_buckets_one_per_plan_capacity():
     assert warmup.buckets("cute", "nvfp4", 1024, 2048, 1000) == (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
     assert warmup.buckets("cute", "mxfp4", 1024, 4096, 1000) == (1, 129, 257, 513)
     assert warmup.buckets("reference", "nvfp4", 1024, 2048, 1000) == (1,)
-    with pytest.raises(ValueError, match="impl must be one of reference, triton, cute, got 'hopper'"):
-        warmup.route_key("hopper", "nvfp4", 1, 1024, 2048)
+    with pytest.raises(ValueError, match="impl must be one of reference, triton, hopper, cute, got 'gpu'"):
+        warmup.route_key("gpu", "nvfp4", 1, 1024, 2048)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hopper_buckets_cover_every_token_count_on_a_described_h200(variant):
+    """On an H200 (described) the hopper routes change with M (decode kernels up to 16 rows, split-K,
+    the prefill tile): warmup's buckets hold every distinct route of M = 1..max_tokens, read off
+    kernels_triton.hopper's own route() (the registry's route is not consulted here)."""
+    import kernels_triton.hopper as hopper
+
+    h200 = KNOWN_DEVICES["h200"]
+    n, k, max_tokens = 1024, 2048, 1024
+    a16 = variant.endswith("_w4a16")
+    mod = hopper.module(variant.removesuffix("_w4a16"))
+
+    def key(m):
+        kw = {"a16": True} if a16 else {}
+        r = mod.route(m, n, k, capability=h200.capability, sm_count=h200.sm_count, **kw)
+        return r.kernels, r.tile, r.split_k, m == 1, m % 16 == 0
+
+    b = warmup.buckets("hopper", variant, n, k, max_tokens, device=h200)
+    warm = {key(m) for m in b}
+    assert [m for m in range(1, max_tokens + 1) if key(m) not in warm] == []
+    assert any(len(key(m)[0]) != len(key(max_tokens)[0]) or key(m)[1] != key(max_tokens)[1] for m in b)
 
 
 def test_layer_counts_add_buckets_only_where_kernels_compile():
-    st = types.SimpleNamespace(chosen=types.SimpleNamespace(impl="triton"), variant="mxfp8", n=1024, k=2048)
+    st = types.SimpleNamespace(backends={"triton:mxfp8": (registry.get("triton", "mxfp8"), None)}, variant="mxfp8",
+                               n=1024, k=2048, device=current_device(), dtype=torch.bfloat16)
     counts = (1, 8, 512)
     on_gpu = warmup.layer_counts(st, counts, torch.device("cuda"))
     assert set(counts) <= set(on_gpu) and set(warmup.buckets("triton", "mxfp8", 1024, 2048, 512)) <= set(on_gpu)
