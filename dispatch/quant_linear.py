@@ -149,8 +149,7 @@ class QuantLinear(nn.Module):
                                impl=self.impl, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x.shape[-1] must be {self.in_features}, got {tuple(x.shape)}")
+        api.check_input(x, self.variant, self.in_features, self.impl, act_dtype=self.act_dtype)
         c = self.choose(x)
         self.last_impl = c.impl
         xin = x if self.act_dtype is None else x.to(self.act_dtype)
