@@ -141,9 +141,9 @@ def _check_qt(q, name: str, fmt: Optional[str], role: str, layouts: Sequence[str
         t = getattr(q, field)
         if t is not None and t.device != q.data.device:
             raise ValueError(f"{name}.{field} must be on {name}.data's device {q.data.device}, got {t.device}")
-    if q.data.is_meta:
+    if role == "weight" and q.data.is_meta:
         raise ValueError(f"{name} is on the meta device (its tensors hold no values); "
-                         f"quantize or load a materialized {role} (cpu or cuda)")
+                         "quantize or load a materialized weight (cpu or cuda)")
 
 
 def check_weight(qweight, fmt: Optional[str] = None, *, name: str = "qweight",
@@ -161,7 +161,8 @@ def check_weight(qweight, fmt: Optional[str] = None, *, name: str = "qweight",
         a block shape other than the format's; data of the wrong dtype (e.g. bf16 in place of
         codes) or a shape other than the declared one; a scale of the wrong dtype (e.g. e4m3 or E8M0
         scales stored as float32) or shape (e.g. a per-channel [N] scale in a per-tensor weight, too
-        few rows or columns); a missing, extra or misshapen global scale; tensors on several devices.
+        few rows or columns); a missing, extra or misshapen global scale; tensors on several devices,
+        or on the meta device (no values: a kernel or the oracle would read nothing).
     """
     _check_qt(qweight, name, fmt, "weight", layouts)
 
@@ -257,11 +258,10 @@ def check_bias(bias, N: int, device, *, name: str = "bias") -> None:
         raise ValueError(f"{name} must be a tensor of shape ({N},), got {got}")
     if bias.dtype not in BIAS_DTYPES:
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {bias.dtype}")
-    if bias.is_meta:
-        raise ValueError(f"{name} is on the meta device (it holds no values); pass a materialized bias"
-                         + ("" if device is None else f" on {device}"))
     if device is not None and bias.device != torch.device(device):
         raise ValueError(f"{name} must be on {device}, got {bias.device}")
+    if bias.is_meta:
+        raise ValueError(f"{name} is on the meta device (it holds no values); pass a materialized bias")
 
 
 def static_scale(scale, device, *, name: str = "scale") -> torch.Tensor:

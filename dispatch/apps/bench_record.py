@@ -213,6 +213,19 @@ COLORS = {v: f"C{i}" for i, v in enumerate(registry.VARIANTS)}
 """One colour per variant, in the registry's order (matplotlib's colour cycle)."""
 
 
+def relative_luminance(rgb) -> float:
+    """WCAG 2.x relative luminance of an sRGB colour (components in [0, 1]): 0 black, 1 white."""
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def text_color(background) -> str:
+    """"black" or "white", whichever has the higher WCAG contrast ratio on ``background`` (an sRGB
+    triple); the worse of the two choices is never below 4.58:1 (at luminance 0.179)."""
+    lum = relative_luminance(background)
+    return "black" if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "white"
+
+
 def plot(result: dict, path: str) -> Optional[str]:
     """Roofline (achieved TFLOP/s vs FLOP/byte, measured ceilings) and a heat map of the whole
     linear's speed-up over torch's bf16 F.linear (cuBLAS on a GPU, torch's CPU matmul on the
@@ -279,10 +292,11 @@ def plot(result: dict, path: str) -> Optional[str]:
         size, rotation = (across, 0) if across >= along else (along, 90)
         size = max(4.0, min(12.0, size))
         for (i, j), text in texts.items():
-            # the ends of RdYlGn are dark: white text there, black on the light middle
-            dark = abs(math.log2(grid[i, j])) > 1.8
+            # black or white, whichever contrasts more with the cell's colour (white on the dark ends
+            # of RdYlGn, black on its light middle)
+            ink = text_color(im.cmap(im.norm(math.log2(grid[i, j])))[:3])
             ax2.text(j, i, text, ha="center", va="center", fontsize=size, fontweight="bold",
-                     rotation=rotation, color="white" if dark else "black")
+                     rotation=rotation, color=ink)
         ax2.set_xticks(range(len(cols)))
         ax2.set_xticklabels([f"{s} M={m}" for s, m in cols], rotation=90 if len(cols) > 6 else 0, fontsize=8)
         ax2.set_yticks(range(len(rlabels)))
