@@ -152,3 +152,13 @@ def test_cute_apply_names_a_wrong_dtype_where_it_runs():
         pytest.skip(f"cute does not run here ({device_name()})")
     _, b, prepared = next(t for t in _applicable_backends(qw) if t[0] == "cute")
     _raises_value_error(lambda: b.apply(_x(torch.float32), prepared), r"x must be one of \(bfloat16, float16\) here")
+
+
+def test_a_quantlinear_act_dtype_its_implementation_does_not_take_is_named():
+    # act_dtype casts x for the call: the cast dtype is what the implementation must take
+    qw = _qweight()
+    layer = QuantLinear(qw, impl="triton", act_dtype=torch.float32)
+    _raises_value_error(lambda: layer(_x()), r"^act_dtype must be one of \(bfloat16, float16\) here, got float32$")
+    ok = QuantLinear(qw, impl="reference", act_dtype=torch.float32)  # the reference takes float32
+    y = ok(_x())
+    assert y.dtype == torch.bfloat16 and torch.equal(y, formats.reference_linear(_x().float(), qw).to(torch.bfloat16))
