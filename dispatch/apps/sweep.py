@@ -29,8 +29,9 @@ Grids (--grid):
 Exit status: 0 when every cell agrees and at least one comparison was made; 1 when any cell
 disagrees, an implementation raised, or nothing was compared (every implementation asked for was
 skipped here, or the one that ran has no activation quantizer to check against the oracle); 2 for
-bad arguments (a ``--json`` path that cannot be written is refused before the run). ``--json PATH`` writes every cell; the table gives one line per (variant, out dtype,
-pair) with the worst cell, and every failing cell.
+bad arguments (a ``--json`` path that cannot be written is refused before the run). ``--json PATH``
+writes every cell; the table gives one line per (variant, out dtype, pair) with the worst cell (a
+cell without a pair says what ran: "(triton alone)", "(nothing ran)"), and every failing cell.
 
     b12x-dual sweep --grid small
     python -m dispatch.apps.sweep --grid large --json out/sweep.json      (no console script needed)
