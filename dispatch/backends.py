@@ -62,7 +62,8 @@ def copy_quantized_into(into: QuantizedTensor, new: QuantizedTensor) -> Quantize
             shape); its storage is on the meta device (a copy there would go nowhere).
     """
     if not isinstance(into, QuantizedTensor):
-        raise ValueError(f"into= must be a {new.fmt} weight QuantizedTensor prepared earlier, got {type(into).__name__}")
+        raise ValueError(f"into= must be a {new.fmt} weight QuantizedTensor prepared earlier, "
+                         f"got {type(into).__name__}")
     a, b = into.tensors(), new.tensors()
     if (into.fmt, into.shape, into.scale_layout) != (new.fmt, new.shape, new.scale_layout) or a.keys() != b.keys() or any(
             a[k].shape != b[k].shape or a[k].dtype != b[k].dtype for k in a):

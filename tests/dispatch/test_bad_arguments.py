@@ -73,10 +73,12 @@ def test_a_wrong_activation_dtype_names_x_its_dtype_and_the_allowed_ones(request
     for name, call in _entry_points(qw, request_):
         _raises_value_error(lambda: call(_x(torch.float64)),
                             rf"^x must be one of \({ALLOWED[request_]}\) here, got dtype float64$")
-        _raises_value_error(lambda: call(_x(torch.int32)), rf"x must be one of \({ALLOWED[request_]}\) here, got dtype int32")
+        _raises_value_error(lambda: call(_x(torch.int32)),
+                            rf"x must be one of \({ALLOWED[request_]}\) here, got dtype int32")
     if request_ in ("triton", "cute"):
         for name, call in _entry_points(qw, request_):
-            _raises_value_error(lambda: call(_x(torch.float32)), r"x must be one of \(bfloat16, float16\) here, got dtype float32")
+            _raises_value_error(lambda: call(_x(torch.float32)),
+                                r"x must be one of \(bfloat16, float16\) here, got dtype float32")
 
 
 def test_every_backends_apply_names_a_wrong_activation_dtype():
@@ -135,13 +137,15 @@ def test_prepare_into_names_both_layouts_and_refuses_meta_storage():
         b = registry.get(impl, "fp8_block")
         old, new = b.prepare(_qweight("fp8_block", 0)), _qweight("fp8_block", 1)
         other = dataclasses.replace(old, scale=old.scale.double())
-        msg = _raises_value_error(lambda: b.prepare(new, into=other), r"into= must be a fp8_block weight of shape \(64, 256\)")
+        msg = _raises_value_error(lambda: b.prepare(new, into=other),
+                                  r"into= must be a fp8_block weight of shape \(64, 256\)")
         assert "scale float32 (1, 2)" in msg and "scale float64 (1, 2)" in msg, msg  # what is expected, what came
         _raises_value_error(lambda: b.prepare(new, into=old.to("meta")),
                             r"into= has storage on the meta device \(data, scale\)")
         # the refusals changed nothing; a good into= takes the new values in place
         assert b.prepare(new, into=old) is old and torch.equal(old.data.view(torch.uint8), new.data.view(torch.uint8))
-    _raises_value_error(lambda: copy_quantized_into("storage", _qweight()), r"into= must be a nvfp4 weight QuantizedTensor")
+    _raises_value_error(lambda: copy_quantized_into("storage", _qweight()),
+                        r"into= must be a nvfp4 weight QuantizedTensor")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=f"cute apply needs a GPU; {device_name()}")
