@@ -41,7 +41,8 @@ def test_quick_use_prints_what_the_readme_shows():
     assert out.returncode == 0, out.stderr[-3000:]
     printed = out.stdout.splitlines()
     # The README shows a run without an SM12x GPU; where auto picks another implementation for the
-    # layer (cute on SM120/SM121 with b12x), the line names that one, as the README's text says.
+    # layer on this device (cute on SM120/SM121 with b12x), the line names that one, as the
+    # README's text says.
     import torch
 
     import dispatch
