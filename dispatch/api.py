@@ -10,6 +10,7 @@ Every call goes through the backend registry (dispatch.registry): ``choose`` pic
 
 from __future__ import annotations
 
+import functools
 import platform
 import weakref
 from typing import Optional, Union
@@ -66,8 +67,12 @@ def act_dtypes(variant_: str, impl: Optional[str] = None) -> tuple[torch.dtype, 
     over the variant's priority list (bfloat16, float16 and, through the reference, float32).
     Raises InvalidImplementation for an unknown name, ValueError for an unknown variant."""
     registry.variant(variant_)
-    requested, _ = policy.requested_impl(impl)
-    table = registry.entries()
+    return _act_dtypes(variant_, policy.requested_impl(impl)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _act_dtypes(variant_: str, requested: str) -> tuple[torch.dtype, ...]:
+    table = registry.entries()  # fixed once built: the answer is cached per (variant, request)
     names = registry.PRIORITY[variant_] if requested == "auto" else (requested,)
     found = [d for n in names for d in getattr(table[(n, variant_)], "act_dtypes", ())]
     if not found:  # a forced implementation with no backend for the variant: choose says why
