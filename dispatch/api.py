@@ -11,6 +11,7 @@ Every call goes through the backend registry (dispatch.registry): ``choose`` pic
 
 from __future__ import annotations
 
+import functools
 import platform
 import weakref
 from typing import Optional, Union
@@ -18,6 +19,7 @@ from typing import Optional, Union
 import torch
 
 from formats import QuantizedTensor, quantize
+from formats.validate import check_linear_input
 
 from . import policy, registry
 from .devices import DeviceInfo, current_device, resolve
@@ -60,6 +62,44 @@ def tokens(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
 
 
+def act_dtypes(variant_: str, impl: Optional[str] = None) -> tuple[torch.dtype, ...]:
+    """The activation dtypes a call of ``variant_`` can take under the request ``impl`` (None: what
+    use_impl() / B12X_IMPL / auto ask for): the forced implementation's, or under auto the union
+    over the variant's priority list (bfloat16, float16 and, through the reference, float32).
+    Raises InvalidImplementation for an unknown name, ValueError for an unknown variant."""
+    registry.variant(variant_)
+    return _act_dtypes(variant_, policy.requested_impl(impl)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _act_dtypes(variant_: str, requested: str) -> tuple[torch.dtype, ...]:
+    table = registry.entries()  # fixed once built: the answer is cached per (variant, request)
+    names = registry.PRIORITY[variant_] if requested == "auto" else (requested,)
+    found = [d for n in names for d in getattr(table[(n, variant_)], "act_dtypes", ())]
+    if not found:  # a forced implementation with no backend for the variant: choose says why
+        found = [d for (n, v), e in table.items() if v == variant_ for d in getattr(e, "act_dtypes", ())]
+    return tuple(dict.fromkeys(found))
+
+
+def check_input(x, variant_: str, K: int, impl: Optional[str] = None, *,
+                act_dtype: Optional[torch.dtype] = None) -> None:
+    """The argument checks of a linear call before any implementation is chosen, so that a bad
+    argument is reported as one (not as an implementation that cannot serve the call).
+
+    x: [..., K] float tensor; its dtype (or ``act_dtype``, the dtype QuantLinear casts it to) must
+    be one of :func:`act_dtypes` for the request ``impl``. Raises ValueError naming ``x`` (or
+    ``act_dtype``), the value found and what is allowed (formats.validate.check_linear_input): a
+    QuantizedTensor, not a tensor, another dtype, a 0-d tensor, another K, the meta device."""
+    allowed = act_dtypes(variant_, impl)
+    if act_dtype is None:
+        check_linear_input(x, K, allowed)
+        return
+    check_linear_input(x, K, (x.dtype,) if isinstance(x, torch.Tensor) and x.is_floating_point() else allowed)
+    if act_dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"act_dtype must be one of ({names}) here, got {str(act_dtype).removeprefix('torch.')}")
+
+
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            impl: Optional[str] = None, a16: bool = False, **opts) -> torch.Tensor:
     """y = x . W^T (+ bias) for a quantized weight, through the backend the registry picks.
@@ -73,7 +113,10 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         **opts: passed to the backend's apply (activation options: fp8_tensor ``scale``, nvfp4
             ``global_scale``, fp8_block ``ue8m0``, MX ``scale_rule``; cute ``quantizer``).
     Raises:
-        ValueError: qweight is not a weight QuantizedTensor, or a16 on a format without W4A16.
+        ValueError: qweight is not a weight QuantizedTensor, or a16 on a format without W4A16; x is
+            not a float tensor [..., K] of a dtype the requested implementation(s) take (a
+            QuantizedTensor, another dtype, another K, the meta device: :func:`check_input`); a
+            bias that is not [N] on x's device; a weight on the meta device.
         ImplementationUnavailable: a forced implementation cannot serve this call.
         InvalidImplementation: an unknown implementation name.
         NoBackend: auto found nothing that serves the call (the message lists every reason).
@@ -82,6 +125,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         raise ValueError("qweight must be a QuantizedTensor with role 'weight' (see quantize_weight)")
     n, k = qweight.shape
     variant = registry.variant_name(qweight.fmt, a16)
+    check_input(x, variant, k, impl)
     c = registry.choose(variant, tokens(x), n, k, device_of(x), impl=impl, dtype=x.dtype)
     return c.backend.apply(x, _prepared_for(c.backend, qweight), bias, **opts)
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from formats import QuantizedTensor, quantize, reference_linear, spec
-from formats.validate import check_weight
+from formats.validate import check_bias, check_linear_input, check_weight
 
 from .devices import CPU, DeviceInfo, current_device, interpreting
 from .policy import ImplementationUnavailable
@@ -51,14 +51,33 @@ def _k_ok(problem: Problem) -> tuple[bool, str]:
     return True, ""
 
 
+def _layout(q: QuantizedTensor) -> str:
+    """'nvfp4 (128, 256), scale_layout linear: data uint8 (128, 128), scale float8_e4m3fn (128, 16), ...'"""
+    parts = [f"{k} {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}" for k, t in q.tensors().items()]
+    return f"{q.fmt} {q.shape}, scale_layout {q.scale_layout}: " + ", ".join(parts)
+
+
 def copy_quantized_into(into: QuantizedTensor, new: QuantizedTensor) -> QuantizedTensor:
-    """Copy ``new``'s tensors into ``into``'s storage (same format, shape, dtypes) and return
-    ``into``: a reload that keeps every data_ptr(). ValueError when the layouts differ."""
+    """Copy ``new``'s tensors into ``into``'s storage (same format, shape, tensor dtypes and shapes)
+    and return ``into``: a reload that keeps every data_ptr().
+
+    Raises:
+        ValueError: ``into`` is not a weight QuantizedTensor; its layout differs from ``new``'s (the
+            message gives both layouts: format, shape, scale layout and each tensor's dtype and
+            shape); its storage is on the meta device (a copy there would go nowhere).
+    """
+    if not isinstance(into, QuantizedTensor):
+        raise ValueError(f"into= must be a {new.fmt} weight QuantizedTensor prepared earlier, "
+                         f"got {type(into).__name__}")
     a, b = into.tensors(), new.tensors()
     if (into.fmt, into.shape, into.scale_layout) != (new.fmt, new.shape, new.scale_layout) or a.keys() != b.keys() or any(
             a[k].shape != b[k].shape or a[k].dtype != b[k].dtype for k in a):
-        raise ValueError(f"into= must be a {new.fmt} weight of shape {new.shape} with the same tensor layout, "
-                         f"got {into.fmt} {into.shape}")
+        raise ValueError(f"into= must be a {new.fmt} weight of shape {new.shape} with the same tensor layout "
+                         f"({_layout(new)}), got {_layout(into)}")
+    meta = [k for k, t in a.items() if t.is_meta]
+    if meta:
+        raise ValueError(f"into= has storage on the meta device ({', '.join(meta)}): the new weight would go "
+                         "nowhere; prepare into a materialized weight (cpu or cuda)")
     with torch.no_grad():
         for k in a:
             if a[k].data_ptr() != b[k].data_ptr():
@@ -74,6 +93,7 @@ class ReferenceBackend(Backend):
 
     impl = "reference"
     extra_options = ("out_dtype",)
+    act_dtypes = REFERENCE_DTYPES
 
     def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
         return True, "the formats/ oracle runs on every device"
@@ -94,6 +114,7 @@ class ReferenceBackend(Backend):
 
     def apply(self, x, prepared, bias=None, **act_opts):
         self.check_options(act_opts)
+        check_call(self, x, prepared, bias)
         return reference_linear(x, prepared, bias, a16=self.a16, **act_opts)
 
     def quantize_activation(self, x, **act_opts):
@@ -112,9 +133,21 @@ def _route_parameters(mod) -> frozenset[str]:
     return frozenset(inspect.signature(mod.route).parameters)
 
 
+def check_call(backend: Backend, x, prepared, bias) -> None:
+    """The argument checks of ``backend.apply`` (formats.validate): x a float tensor [..., K] of a
+    dtype in ``backend.act_dtypes``, not on the meta device; bias None or [N] on x's device.
+    ``prepared`` is what the backend's prepare returned (its ``shape`` is (N, K)). Raises
+    ValueError naming the argument, the value and what is allowed."""
+    n, k = prepared.shape
+    check_linear_input(x, k, backend.act_dtypes)
+    check_bias(bias, n, x.device)
+
+
 class _KernelBackend(Backend):
     """What the two kernel packages' backends share: each format module has linear (with
     ``a16=True`` for W4A16), quantize_activation and gemm."""
+
+    act_dtypes = KERNEL_DTYPES
 
     def _module(self):
         raise NotImplementedError
@@ -225,6 +258,7 @@ class TritonBackend(_KernelBackend):
 
     def apply(self, x, prepared, bias=None, **act_opts):
         self.check_options(act_opts)
+        check_call(self, x, prepared, bias)
         self.check_tensor_device(x)
         return self._linear(self._module(), x, prepared, bias, act_opts)
 
@@ -356,6 +390,7 @@ class CuteBackend(_KernelBackend):
         if quantizer not in ("cute", "triton") or (quantizer == "triton" and self.a16):
             allowed = "'cute' (W4A16 quantizes no activation)" if self.a16 else "'cute' or 'triton'"
             raise ValueError(f"{self.name}: quantizer must be {allowed}, got {quantizer!r}")
+        check_call(self, x, prepared, bias)
         mod = self._module()
         if quantizer == "triton" and not self.a16:
             import kernels_triton
@@ -381,4 +416,4 @@ def make(impl: str, variant: str):
 
 
 __all__ = ["B12xProbe", "CuteBackend", "HopperBackend", "ReferenceBackend", "Route", "TritonBackend", "b12x_probe",
-           "copy_quantized_into", "make", "record_launches"]
+           "check_call", "copy_quantized_into", "make", "record_launches"]

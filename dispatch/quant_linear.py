@@ -52,7 +52,9 @@ class QuantLinear(nn.Module):
             ``scale`` (fp8_tensor) or ``global_scale`` (nvfp4), number or tensor, is checked here
             (finite and > 0; reading a tensor's value synchronizes once, at build, never per call).
     Raises:
-        ValueError: a malformed weight, a meta weight, bad scale values, or a bad static act_opts scale.
+        ValueError: a malformed weight, a meta weight, bad scale values, or a bad static act_opts scale;
+            at a call, an x that is not a float tensor [..., K] of a dtype the implementation takes
+            (or an act_dtype it does not take), as dispatch.api.check_input says.
     """
 
     def __init__(self, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *, a16: bool = False,
@@ -150,8 +152,7 @@ class QuantLinear(nn.Module):
                                impl=self.impl, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x.shape[-1] must be {self.in_features}, got {tuple(x.shape)}")
+        api.check_input(x, self.variant, self.in_features, self.impl, act_dtype=self.act_dtype)
         c = self.choose(x)
         self.last_impl = c.impl
         xin = x if self.act_dtype is None else x.to(self.act_dtype)

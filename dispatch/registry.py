@@ -175,6 +175,8 @@ class Backend:
     """
 
     impl: str = ""
+    act_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    """The activation (and output) dtypes apply takes; can_implement refuses the others."""
 
     def __init__(self, variant_name: str):
         self.variant = variant_name

@@ -122,11 +122,14 @@ def reference_linear(
         for the quantized paths), and every row for fp8_tensor's dynamic scale and nvfp4's dynamic
         global scale (docs/formats.md, "Non-finite values").
     Raises:
-        ValueError: mismatched K, formats or roles, bad bias shape, bad out_dtype.
+        ValueError: mismatched K, formats or roles, bad bias shape, bad out_dtype, a weight or bias
+            on the meta device.
     Source: the GEMM column of each format's spec (formats.<fmt> docstrings).
     """
     if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
         raise ValueError("qweight must be a QuantizedTensor with role 'weight'")
+    if qweight.data.is_meta:
+        raise ValueError("qweight is on the meta device (its tensors hold no values); pass a materialized weight")
     n, k = qweight.shape
     if isinstance(x, QuantizedTensor):
         if x.role != "activation" or x.fmt != qweight.fmt:
@@ -149,5 +152,7 @@ def reference_linear(
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        if bias.is_meta:
+            raise ValueError("bias is on the meta device (it holds no values); pass a materialized bias")
         y = y + bias.to(torch.float64)
     return y.to(out_dtype).reshape(*lead, n)

@@ -42,6 +42,7 @@ __all__ = [
     "LAYOUTS",
     "check_activation",
     "check_bias",
+    "check_linear_input",
     "check_quantized_activation",
     "check_scale_values",
     "check_weight",
@@ -135,11 +136,14 @@ def _check_qt(q, name: str, fmt: Optional[str], role: str, layouts: Sequence[str
         raise ValueError(f"{name}.global_scale must be None for {q.fmt} (only {', '.join(with_global)} has one), "
                          f"got {_desc(q.global_scale)}")
 
-    # ----- one device for every tensor
+    # ----- one device for every tensor, a real one
     for field in ("scale", "global_scale"):
         t = getattr(q, field)
         if t is not None and t.device != q.data.device:
             raise ValueError(f"{name}.{field} must be on {name}.data's device {q.data.device}, got {t.device}")
+    if role == "weight" and q.data.is_meta:
+        raise ValueError(f"{name} is on the meta device (its tensors hold no values); "
+                         "quantize or load a materialized weight (cpu or cuda)")
 
 
 def check_weight(qweight, fmt: Optional[str] = None, *, name: str = "qweight",
@@ -157,7 +161,8 @@ def check_weight(qweight, fmt: Optional[str] = None, *, name: str = "qweight",
         a block shape other than the format's; data of the wrong dtype (e.g. bf16 in place of
         codes) or a shape other than the declared one; a scale of the wrong dtype (e.g. e4m3 or E8M0
         scales stored as float32) or shape (e.g. a per-channel [N] scale in a per-tensor weight, too
-        few rows or columns); a missing, extra or misshapen global scale; tensors on several devices.
+        few rows or columns); a missing, extra or misshapen global scale; tensors on several devices,
+        or on the meta device (no values: a kernel or the oracle would read nothing).
     """
     _check_qt(qweight, name, fmt, "weight", layouts)
 
@@ -211,8 +216,41 @@ def check_activation(x, K: Optional[int], fmt: str, *, name: str = "x", device=N
         raise ValueError(f"{name} must be on the weight's device {device}, got {x.device}")
 
 
+def check_linear_input(x, K: int, dtypes: Sequence[torch.dtype], *, name: str = "x") -> None:
+    """The argument checks of a whole linear call's activation x [..., K] (``dispatch.linear``,
+    ``QuantLinear``, every backend's ``apply``), made before any implementation is asked whether it
+    can serve the call, so that a bad argument reads as one (no device synchronization).
+
+    Args:
+        x: the activation. K: the weight's K.
+        dtypes: the activation dtypes the caller's implementation(s) take (e.g. bfloat16, float16;
+            the reference also float32).
+    Raises:
+        ValueError naming ``name``: a formats.QuantizedTensor (a whole linear call quantizes x
+        itself; a quantized activation goes to a backend's ``gemm`` or ``formats.reference_linear``);
+        not a tensor; a dtype outside ``dtypes`` (naming it and the allowed ones); a 0-d tensor;
+        ``x.shape[-1]`` other than K; a tensor on the meta device.
+    """
+    if isinstance(x, QuantizedTensor):
+        raise ValueError(f"{name} must be an unquantized float tensor [..., K], got a formats.QuantizedTensor "
+                         f"({x.fmt} {x.role} of shape {x.shape}); pass a quantized activation to a backend's "
+                         "gemm() or to formats.reference_linear")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor [..., K], got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be one of ({names}) here, got dtype {str(x.dtype).removeprefix('torch.')}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have shape [..., K], got a 0-d tensor")
+    if x.shape[-1] != K:
+        raise ValueError(f"{name}.shape[-1] must equal the weight's K={K}, got shape {tuple(x.shape)}")
+    if x.is_meta:
+        raise ValueError(f"{name} is on the meta device (it holds no values); pass a materialized tensor")
+
+
 def check_bias(bias, N: int, device, *, name: str = "bias") -> None:
-    """None, or a float32/bf16/fp16 tensor of shape (N,) on ``device``; else ValueError naming ``name``."""
+    """None, or a float32/bf16/fp16 tensor of shape (N,) on ``device`` (never the meta device); else
+    ValueError naming ``name``."""
     if bias is None:
         return
     if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,):
@@ -222,6 +260,8 @@ def check_bias(bias, N: int, device, *, name: str = "bias") -> None:
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {bias.dtype}")
     if device is not None and bias.device != torch.device(device):
         raise ValueError(f"{name} must be on {device}, got {bias.device}")
+    if bias.is_meta:
+        raise ValueError(f"{name} is on the meta device (it holds no values); pass a materialized bias")
 
 
 def static_scale(scale, device, *, name: str = "scale") -> torch.Tensor:

@@ -319,13 +319,15 @@ def print_table(title: str, columns: list[str], rows: list[list], *, plain: bool
     """A table with rich when it is installed (and ``plain`` is false), else fixed-width text."""
     rows = [[("" if c is None else str(c)) for c in r] for r in rows]
     if HAVE_RICH and not plain:
+        from rich.markup import escape
         from rich.table import Table
 
-        t = Table(title=title, show_lines=False)
+        # cells are text, not rich markup: "[hopper] ..." must print as written
+        t = Table(title=escape(title), show_lines=False)
         for c in columns:
-            t.add_column(c, overflow="fold")
+            t.add_column(escape(c), overflow="fold")
         for r in rows:
-            t.add_row(*r)
+            t.add_row(*(escape(v) for v in r))
         console().print(t)
         return
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -102,23 +103,36 @@ def torch_device(value: str) -> str:
 
 def output_path(value: str) -> str:
     """A file to write: not a directory, writable if it exists, else its nearest existing ancestor a
-    writable directory (the missing folders are created when the file is written)."""
+    writable directory (the missing folders are created when the file is written).
+
+    Writability is tried, not only looked up (``os.access`` says yes to root everywhere, also where
+    no file can be made, e.g. /proc or a read-only mount): an existing file is opened for appending
+    (its contents untouched), and a temporary file is created and removed in the nearest existing
+    folder."""
     if not value:
         raise Invalid("invalid output path '' (expected a file path)")
     p = Path(value).expanduser().absolute()
     if p.is_dir():
         raise Invalid(f"invalid output path {value!r} (it is a directory; expected a file path)")
     if p.exists():
-        if not os.access(p, os.W_OK):
-            raise Invalid(f"invalid output path {value!r} (the file exists and is not writable)")
+        try:
+            with open(p, "ab"):
+                pass
+        except OSError as e:
+            raise Invalid(f"invalid output path {value!r} (the file exists and is not writable: "
+                          f"{e.strerror or e})") from None
         return value
     anc = p.parent
     while not anc.exists():
         anc = anc.parent
     if not anc.is_dir():
         raise Invalid(f"invalid output path {value!r} ({str(anc)!r} is a file, not a folder)")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise Invalid(f"invalid output path {value!r} (cannot create files under {str(anc)!r})")
+    try:
+        with tempfile.NamedTemporaryFile(dir=anc, prefix=".b12x-dual-write-probe-"):
+            pass
+    except OSError as e:
+        raise Invalid(f"invalid output path {value!r} (cannot create files under {str(anc)!r}: "
+                      f"{e.strerror or e})") from None
     return value
 
 

@@ -162,16 +162,29 @@ def print_compact(result: dict, *, shape: str = "square", ms=(16, 4096, 8192), p
 
 
 def print_targets(result: dict, *, plain: bool = False) -> None:
+    """The targets table: only the targets this run measured something for; one line for those it
+    did not run (their square-shape rows are not in the run), and one line instead of the table on
+    the CPU interpreter (the targets are GPU timings)."""
+    ts = result.get("targets", [])
+    if result["cpu_interpreter"]:
+        print(f"performance targets: {len(ts)} defined, none judged here (they are GPU timings of the square "
+              "8192 x 8192 shape; this run used the CPU interpreter)")
+        return
+    shown = [t for t in ts if t.get("why") != "not run"]
     rows = []
-    for t in result.get("targets", []):
+    for t in shown:
         met = {True: "MET", False: "missed", None: "n/a"}[t["met"]]
         extra = f" max_rel {t['max_rel']:.1e}" if "max_rel" in t else ""
         rows.append([t["target"], _x(t.get("ratio")), f">= {t['threshold']}x", H.fmt_num(t.get("us"), ".1f"),
                      _pct(t.get("roofline_share")), (t.get("tile_config") or "-")[:60], met + extra
                      + (f" ({t['why']})" if t.get("why") else "")])
-    H.print_table("performance targets (square 8192 x 8192, triton)" +
-                  (" -- CPU: meaningless" if result["cpu_interpreter"] else ""),
-                  ["target", "ratio", "need", "us", "roof", "tile", "status"], rows, plain=plain)
+    if rows:
+        H.print_table("performance targets (square 8192 x 8192, triton)",
+                      ["target", "ratio", "need", "us", "roof", "tile", "status"], rows, plain=plain)
+    if len(shown) < len(ts):
+        missing = sorted({t["M"] for t in ts if t.get("why") == "not run"})
+        print(f"performance targets: {len(ts) - len(shown)} of {len(ts)} not run (this run has no triton row of "
+              f"the square 8192 x 8192 shape at M in {missing}; run with --shapes square)")
 
 
 def print_sweep_summary(sweep: dict, *, plain: bool = False) -> None:
@@ -188,7 +201,8 @@ def print_sweep_summary(sweep: dict, *, plain: bool = False) -> None:
     H.print_table(f"sweep ({sweep['grid']} grid): per variant", ["variant", "cells", "act. bit-exact",
                                                                  "worst norm rel", "failed"], rows, plain=plain)
     s = sweep["summary"]
-    print(f"sweep: {s['cells']} cells, {s['failed']} failed -> {'OK' if s['ok'] else 'DISAGREEMENT'}")
+    verdict = "OK" if s["ok"] else "DISAGREEMENT" if s["failed"] else "NOTHING COMPARED"
+    print(f"sweep: {s['cells']} cells, {s['failed']} failed, {s['compared']} compared -> {verdict}")
 
 
 
@@ -199,9 +213,24 @@ COLORS = {v: f"C{i}" for i, v in enumerate(registry.VARIANTS)}
 """One colour per variant, in the registry's order (matplotlib's colour cycle)."""
 
 
+def relative_luminance(rgb) -> float:
+    """WCAG 2.x relative luminance of an sRGB colour (components in [0, 1]): 0 black, 1 white."""
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def text_color(background) -> str:
+    """"black" or "white", whichever has the higher WCAG contrast ratio on ``background`` (an sRGB
+    triple); the worse of the two choices is never below 4.58:1 (at luminance 0.179)."""
+    lum = relative_luminance(background)
+    return "black" if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "white"
+
+
 def plot(result: dict, path: str) -> Optional[str]:
     """Roofline (achieved TFLOP/s vs FLOP/byte, measured ceilings) and a heat map of the whole
-    linear's speed-up over bf16 cuBLAS. Returns None, or why nothing was written."""
+    linear's speed-up over torch's bf16 F.linear (cuBLAS on a GPU, torch's CPU matmul on the
+    interpreter), each cell labelled with its ratio in a colour readable on its background.
+    Returns None, or why nothing was written."""
     try:
         import matplotlib
 
@@ -251,15 +280,29 @@ def plot(result: dict, path: str) -> Optional[str]:
         for r in lin:
             grid[rlabels.index((r["name"], r["variant"])), cols.index((r["shape"], r["M"]))] = r["speedup_vs"]["torch_bf16"]
         im = ax2.imshow(np.log2(grid), cmap="RdYlGn", vmin=-3, vmax=3, aspect="auto")
-        for i in range(len(rlabels)):
-            for j in range(len(cols)):
-                if not np.isnan(grid[i, j]):
-                    ax2.text(j, i, f"{grid[i, j]:.2g}", ha="center", va="center", fontsize=6)
+        texts = {(i, j): f"{grid[i, j]:.2g}x" for i in range(len(rlabels)) for j in range(len(cols))
+                 if not np.isnan(grid[i, j])}
+        # the largest font whose widest label fits a cell (the axes span about 650 x 500 points; a
+        # character is about 0.6 em wide), written across the cell or, when that fits a larger
+        # font (many narrow columns), along it; at most 12 points
+        chars = max(len(t) for t in texts.values())
+        cell_w, cell_h = 650 / len(cols), 500 / len(rlabels)
+        across = min(cell_w / (0.6 * chars + 1), cell_h / 2)
+        along = min(cell_h / (0.6 * chars + 1), cell_w / 2)
+        size, rotation = (across, 0) if across >= along else (along, 90)
+        size = max(4.0, min(12.0, size))
+        for (i, j), text in texts.items():
+            # black or white, whichever contrasts more with the cell's colour (white on the dark ends
+            # of RdYlGn, black on its light middle)
+            ink = text_color(im.cmap(im.norm(math.log2(grid[i, j])))[:3])
+            ax2.text(j, i, text, ha="center", va="center", fontsize=size, fontweight="bold",
+                     rotation=rotation, color=ink)
         ax2.set_xticks(range(len(cols)))
-        ax2.set_xticklabels([f"{s} M={m}" for s, m in cols], rotation=90, fontsize=6)
+        ax2.set_xticklabels([f"{s} M={m}" for s, m in cols], rotation=90 if len(cols) > 6 else 0, fontsize=8)
         ax2.set_yticks(range(len(rlabels)))
         ax2.set_yticklabels([f"{n} {v}" for n, v in rlabels], fontsize=8)
-        ax2.set_title("whole linear: speed-up over torch bf16 (cuBLAS); >1 is faster")
+        base = "torch's CPU matmul" if result["cpu_interpreter"] else "cuBLAS"
+        ax2.set_title(f"whole linear: speed-up over torch bf16 F.linear ({base}); >1 is faster")
         fig.colorbar(im, ax=ax2, label="log2 speed-up")
     title = f"b12x-dual bench on {result['device']['name']}"
     if result["cpu_interpreter"]:

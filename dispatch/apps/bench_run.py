@@ -267,15 +267,14 @@ class Config:
 
 
 def open_session(*, warmup_ms: float, rep_ms: float, graph_max_m: int, check: bool) -> tuple[Session, dict]:
-    """The session and the device report; prints the CPU note; measures the ceilings."""
+    """The session and the device report; measures the ceilings (the CPU note is printed once, with
+    the results)."""
     gpu = H.on_gpu()
     timer = Timer(gpu=gpu, warmup_ms=warmup_ms, rep_ms=rep_ms, graph_max_m=graph_max_m)
     dev_rep = H.device_report()
     device = "cuda" if gpu else "cpu"
     session = Session(gpu=gpu, device=device, timer=timer, l2=dev_rep.get("l2_bytes", 0) or (50 << 20),
                       check=check, device_info=H.running_device(device))
-    if not gpu:
-        print(CPU_NOTE, file=sys.stderr)
     session.ceilings = measure_ceilings(timer)
     return session, dev_rep
 

@@ -4,12 +4,17 @@ with the route it takes (kernels launched, tile, split-K, why)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+import torch
 
 from dispatch import api, policy, registry
 from dispatch.devices import KNOWN_DEVICES, resolve
 
 from . import argtypes as A
+
+VLLM_DEVICE_ENV = "VLLM_TARGET_DEVICE"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,6 +66,11 @@ def run(args) -> int:
         table.add_row(variant, *cells)
     console.print(table)
     if args.vllm:
+        if not torch.cuda.is_available() and not os.environ.get(VLLM_DEVICE_ENV):
+            # vLLM cannot infer a platform on a machine without a GPU unless told: its CPU platform
+            # is the one this report can describe here (set before vLLM reads it, at first use)
+            os.environ[VLLM_DEVICE_ENV] = "cpu"
+            console.print(f"[bold]vLLM platform[/]: cpu (no CUDA device: {VLLM_DEVICE_ENV}=cpu set for this report)")
         from dispatch.vllm_plugin import report
 
         try:

@@ -29,9 +29,12 @@ Grids (--grid):
          in well under a minute.
   large  M in {1, 16, 128, 4096}, (N, K) in {4096, 8192}^2: for the GPU.
 
-Exit status: 0 when every cell agrees, 1 when any disagrees (or an implementation raised), 2 for
-bad arguments. ``--json PATH`` writes every cell; the table gives one line per (variant, out dtype,
-pair) with the worst cell, and every failing cell.
+Exit status: 0 when every cell agrees and at least one comparison was made; 1 when any cell
+disagrees, an implementation raised, or nothing was compared (every implementation asked for was
+skipped here, or the one that ran has no activation quantizer to check against the oracle); 2 for
+bad arguments (a ``--json`` path that cannot be written is refused before the run). ``--json PATH``
+writes every cell; the table gives one line per (variant, out dtype, pair) with the worst cell (a
+cell without a pair says what ran: "(triton alone)", "(nothing ran)"), and every failing cell.
 
     b12x-dual sweep --grid small
     python -m dispatch.apps.sweep --grid large --json out/sweep.json      (no console script needed)
@@ -134,8 +137,8 @@ def run_cell(variant: str, M: int, N: int, K: int, dtype: torch.dtype, impls: di
     quant_ok = all(q.get("ok") is not False for q in cell["quant"].values())
     cell["ok"] = bool(not cell["errors"] and quant_ok and all(p["ok"] for p in cell["pairs"]))
     cell["status"] = "ok" if cell["ok"] else "FAIL"
-    if len(cell["ran"]) < 2 and cell["ok"]:
-        cell["status"] = "ok (nothing to compare)"
+    if cell["ok"] and not cell["pairs"] and not cell["quant"]:
+        cell["status"] = "nothing ran" if not cell["ran"] else "nothing compared"
     return cell
 
 
@@ -174,6 +177,8 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
             bar.advance(f"{v} {dt} M={M} N={N} K={K} {cell['status']}")
     failed = [c for c in cells if not c["ok"]]
     compared = sum(1 for c in cells if c["pairs"] or c["quant"])
+    outputs = sum(1 for c in cells if c["pairs"])
+    activations = sum(1 for c in cells if c["quant"])
     return {
         "tool": "b12x-dual sweep",
         "device": H.device_report(),
@@ -188,13 +193,21 @@ def run_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
         "cells": cells,
         "skipped": skipped,
         "summary": {"cells": len(cells), "failed": len(failed), "compared": compared,
-                    "skipped_for_time": len(skipped), "ok": not failed, "seconds": round(clock(), 2)},
+                    "compared_outputs": outputs, "checked_activations": activations,
+                    "nothing_compared": len(cells) - compared, "skipped_for_time": len(skipped),
+                    "ok": not failed and compared > 0, "seconds": round(clock(), 2)},
     }
 
 
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
+def _pair_label(cell) -> str:
+    """What a cell without an output pair ran: '(triton alone)', '(nothing ran)'."""
+    ran = cell["ran"]
+    return "(nothing ran)" if not ran else f"({ran[0]} alone)" if len(ran) == 1 else "(no pair)"
+
+
 def _quant_str(cells) -> str:
     res = [q.get("ok") for c in cells for q in c["quant"].values()]
     res = [r for r in res if r is not None]
@@ -210,7 +223,7 @@ def summarize(result: dict[str, Any], *, verbose: bool = False, plain: bool = Fa
     groups: dict[tuple, list] = {}
     for c in cells:
         for p in c["pairs"] or [None]:
-            key = (c["variant"], c["out_dtype"], None if p is None else f"{p['a']} vs {p['b']}")
+            key = (c["variant"], c["out_dtype"], _pair_label(c) if p is None else f"{p['a']} vs {p['b']}")
             groups.setdefault(key, []).append((c, p))
     for (variant, dt, pair), items in groups.items():
         pcs = [(c, p) for c, p in items if p is not None]
@@ -224,8 +237,9 @@ def summarize(result: dict[str, Any], *, verbose: bool = False, plain: bool = Fa
                          H.fmt_num(min(p["cosine"] for _, p in pcs), ".7f"), shape,
                          H.fmt_num(worst["tol_norm_rel"]), "ok" if nfail == 0 else f"FAIL x{nfail}"])
         else:
-            rows.append([variant, dt, "(one implementation)", len(cs), _quant_str(cs), "-", "-", "-", "-", "-",
-                         "-", "ok" if all(c["ok"] for c in cs) else "FAIL"])
+            status = "FAIL" if not all(c["ok"] for c in cs) else (
+                "ok" if any(c["quant"] for c in cs) else cs[0]["status"])
+            rows.append([variant, dt, pair, len(cs), _quant_str(cs), "-", "-", "-", "-", "-", "-", status])
     title = (f"sweep on {result['device']['name']} ({'interpreter' if result['interpreter'] else 'GPU'}), "
              f"grid {result['grid']}: worst cell per variant / out dtype / pair")
     H.print_table(title, ["variant", "out", "pair", "cells", "act. bits", "norm rel", "max rel", "mean rel",
@@ -236,7 +250,7 @@ def summarize(result: dict[str, Any], *, verbose: bool = False, plain: bool = Fa
         for c in cells:
             for p in c["pairs"] or [None]:
                 rows.append([c["variant"], c["out_dtype"], c["M"], c["N"], c["K"],
-                             "-" if p is None else f"{p['a']} vs {p['b']}", _quant_str([c]),
+                             _pair_label(c) if p is None else f"{p['a']} vs {p['b']}", _quant_str([c]),
                              "-" if p is None else H.fmt_num(p["norm_rel"]),
                              "-" if p is None else H.fmt_num(p["cosine"], ".7f"), c["status"],
                              "; ".join(f"{n}: {r['text']}" for n, r in c.get("routes", {}).items() if r)[:400]])
@@ -263,10 +277,21 @@ def summarize(result: dict[str, Any], *, verbose: bool = False, plain: bool = Fa
     for (n, why), count in skipped.items():
         print(f"skipped {n} in {count} cells: {why}")
     s = result["summary"]
-    verdict = "all cells agree" if s["ok"] else f"{s['failed']} of {s['cells']} cells DISAGREE"
+    outputs = sum(1 for c in cells if c["pairs"])
+    activations = sum(1 for c in cells if c["quant"])
+    nothing = sum(1 for c in cells if not c["pairs"] and not c["quant"])
+    if s["failed"]:
+        verdict = f"{s['failed']} of {s['cells']} cells DISAGREE"
+    elif s["compared"] == 0:
+        verdict = ("NOTHING COMPARED: no cell ran two implementations or an activation quantizer "
+                   "(see the skip reasons above)")
+    else:
+        verdict = "all compared cells agree"
     if s.get("skipped_for_time"):
         verdict += f"; {s['skipped_for_time']} cells NOT RUN (time budget)"
-    print(f"sweep: {s['cells']} cells, {s['compared']} with comparisons, {verdict} ({s['seconds']} s)")
+    counts = (f"{outputs} compared two implementations' outputs, {activations} checked activation bits "
+              f"against the oracle" + (f", {nothing} compared nothing" if nothing else ""))
+    print(f"sweep: {s['cells']} cells: {counts}; {verdict} ({s['seconds']} s)")
     sys.stdout.flush()
 
 

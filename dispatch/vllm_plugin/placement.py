@@ -39,9 +39,26 @@ def log_once(level: int, msg: str, *args) -> None:
         log.log(level, msg, *args)
 
 
+AUTO_ON = ("", "1", "true", "on", "yes")
+AUTO_OFF = ("0", "false", "off", "no")
+
+
 def auto_enabled() -> bool:
-    """False when B12X_VLLM_AUTO is 0/false/off/no (the auto placement is on by default)."""
-    return os.environ.get(ENV_AUTO, "1").strip().lower() not in ("0", "false", "off", "no")
+    """False when B12X_VLLM_AUTO is 0/false/off/no, True when it is unset, empty or 1/true/on/yes
+    (case and surrounding blanks ignored: the auto placement is on by default).
+
+    Raises:
+        ValueError: any other value, naming the variable, the value and what is allowed (as
+            B12X_IMPL and B12X_PDL do), so that a typo never silently leaves the placement on.
+    """
+    raw = os.environ.get(ENV_AUTO, "")
+    value = raw.strip().lower()
+    if value in AUTO_OFF:
+        return False
+    if value in AUTO_ON:
+        return True
+    raise ValueError(f"{ENV_AUTO}={raw!r} is not allowed; allowed: {', '.join(AUTO_OFF)} (off) "
+                     f"or {', '.join(AUTO_ON[1:])} / unset (on)")
 
 
 def requested_backend(quantization: str) -> str:
@@ -78,11 +95,13 @@ def _platform_ok() -> tuple[bool, str]:
 
 def placement(variant: str, quantization: str, compute_capability: Optional[int] = None,
               device: Optional[DeviceInfo] = None) -> tuple[bool, str]:
-    """Can our class for ``variant`` run here, given what was requested? (ok, reason)."""
+    """Can our class for ``variant`` run here, given what was requested? (ok, reason).
+    Raises ValueError for a B12X_VLLM_AUTO value other than those :func:`auto_enabled` allows."""
     ok, why = _platform_ok()
     if not ok:
         return False, why
     dev = device or device_for(compute_capability)
+    auto_on = auto_enabled()  # read (and a bad value refused) whatever the backend asked for
     if requested_backend(quantization) == BACKEND_NAME:
         requested, source = _backend.requested_impl()
         impls = _backend.priority(dev) if requested == "auto" else (requested,)
@@ -93,7 +112,7 @@ def placement(variant: str, quantization: str, compute_capability: Optional[int]
                 return True, f"--linear-backend {BACKEND_NAME}: {impl} serves {variant} on {dev.describe()} ({why})"
             reasons.append(f"{impl}: {why}")
         return False, f"no b12x-dual implementation serves {variant} on {dev.describe()}: " + "; ".join(reasons)
-    if not auto_enabled():
+    if not auto_on:
         return False, (f"auto placement is off ({ENV_AUTO}={os.environ.get(ENV_AUTO)!r}); "
                        f"select b12x-dual with --linear-backend {BACKEND_NAME}")
     if not dev.is_sm12x:

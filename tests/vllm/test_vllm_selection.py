@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,30 @@ def test_auto_placement_switch(dist, monkeypatch):
     assert _choose(False, 120, backend="b12x").__name__ == "B12xDualFp8TensorKernel"  # still when asked
 
 
+@pytest.mark.parametrize("value,on", [("", True), ("1", True), (" Yes ", True), ("on", True), ("0", False),
+                                      ("false", False), ("OFF", False), ("no", False)])
+def test_b12x_vllm_auto_values(value, on, monkeypatch):
+    from dispatch.vllm_plugin import placement
+
+    monkeypatch.setenv("B12X_VLLM_AUTO", value)
+    assert placement.auto_enabled() is on
+
+
+@pytest.mark.parametrize("backend", ["auto", "b12x"])
+def test_an_unknown_b12x_vllm_auto_value_is_refused_naming_the_variable_the_value_and_the_allowed_set(
+        backend, dist, monkeypatch):
+    """B12X_VLLM_AUTO=maybe once read as on; now it is refused where vLLM asks our classes, under
+    either backend (a typo never silently leaves the placement on or off)."""
+    from dispatch.vllm_plugin import placement
+
+    monkeypatch.setenv("B12X_VLLM_AUTO", "maybe")
+    want = "B12X_VLLM_AUTO='maybe' is not allowed; allowed: 0, false, off, no (off) or 1, true, on, yes / unset (on)"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        placement.auto_enabled()
+    with pytest.raises(ValueError, match=re.escape(want)):
+        _choose(False, 120, backend=backend)
+
+
 def test_disabled_kernels_honoured(dist, monkeypatch):
     monkeypatch.setenv("VLLM_DISABLED_KERNELS", "B12xDualFp8TensorKernel")
     assert _choose(False, 120).__name__ == "PerTensorTorchFP8ScaledMMLinearKernel"
@@ -213,8 +238,10 @@ def test_choice_logged_once_with_reason(dist, ckpt, impl, caplog):
 
 def test_info_vllm_prints_the_selection_table():
     """`b12x-dual info --vllm` (a subprocess: vLLM's platform is chosen at import): every scheme's
-    row, ours chosen under --linear-backend b12x with the plugin, the reasons along the walk."""
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    row, ours chosen under --linear-backend b12x with the plugin, the reasons along the walk. Run
+    as a new user would, without VLLM_TARGET_DEVICE: on a machine without a GPU the command picks
+    vLLM's CPU platform itself (it once crashed: "Failed to infer device type")."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     out = subprocess.run([sys.executable, "-m", "dispatch.apps.cli", "info", "--vllm", "-N", "256", "-K", "256"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -224,3 +251,5 @@ def test_info_vllm_prints_the_selection_table():
     for scheme in report.SCHEMES:
         assert f"\n{scheme}" in out.stdout
     assert "B12xDualNvFp4Kernel" in out.stdout and "- CPUFp8BlockScaledMMKernel" in out.stdout
+    if not torch.cuda.is_available():
+        assert "vLLM platform: cpu (no CUDA device: VLLM_TARGET_DEVICE=cpu set for this report)" in out.stdout

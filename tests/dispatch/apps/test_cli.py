@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dispatch import KNOWN_DEVICES, policy, registry
@@ -106,6 +108,27 @@ def test_output_path_accepts_a_new_folder_and_rejects_what_cannot_be_written(tmp
     for bad in ("", str(tmp_path), str(existing / "below.json")):
         with pytest.raises(A.Invalid):
             A.output_path(bad)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be created")
+def test_an_unwritable_json_path_fails_before_the_run(tmp_path, capsys):
+    """os.access says yes to root everywhere; the path is tried (a file created and removed, an
+    existing one opened for appending), so /proc fails at parse time, exit 2, naming the flag, and
+    a good path is left as it was (no file created, an existing one's contents kept)."""
+    from dispatch.apps import argtypes as A
+    from dispatch.apps import sweep
+
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--json", "/proc/b12x-dual-sweep.json", "--formats", "fp8_tensor", "--m", "1", "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --json: invalid output path '/proc/b12x-dual-sweep.json' (cannot create files under '/proc'" in err
+    with pytest.raises(A.Invalid, match="the file exists and is not writable"):
+        A.output_path("/proc/version")
+    existing = tmp_path / "old.json"
+    existing.write_text("{}")
+    assert A.output_path(str(existing)) == str(existing) and existing.read_text() == "{}"
+    assert A.output_path(str(tmp_path / "new.json")) and list(tmp_path.iterdir()) == [existing]
 
 
 def test_list_options_parse_to_lists():

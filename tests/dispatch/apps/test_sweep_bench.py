@@ -234,11 +234,53 @@ def test_sweep_skips_an_unsupported_entry_with_its_reason(tmp_path):
     out = tmp_path / "sweep.json"
     why = "no kernel for this variant in this test"
     rc = sweep.main(["--grid", "small", "--formats", "fp8_tensor", "--m", "1", "--dtypes", "bf16",
-                     "--impls", "reference", "--json", str(out), "--no-progress", "--plain"],
+                     "--impls", "reference,triton", "--json", str(out), "--no-progress", "--plain"],
                     extra_backends={"none": lambda v: registry.UnsupportedEntry("none", v, why)})
     assert rc == 0
     for c in _load(out)["cells"]:
-        assert c["skipped"] == {"none": f"none does not implement fp8_tensor: {why}"}
+        assert c["skipped"].get("none") == f"none does not implement fp8_tensor: {why}"
+        assert "none" not in c["ran"] and c["ran"][:2] == ["reference", "triton"]
+
+
+def test_a_sweep_that_compares_nothing_says_so_and_exits_1(tmp_path, capsys):
+    """The reference alone (no pair, no activation quantizer to check against the oracle), or only
+    implementations that are all skipped here: NOTHING COMPARED, exit 1, never "all cells agree"."""
+    out = tmp_path / "sweep.json"
+    rc = sweep.main(["--grid", "small", "--formats", "fp8_tensor", "--m", "1", "--dtypes", "bf16",
+                     "--impls", "reference", "--json", str(out), "--no-progress", "--plain"])
+    printed = capsys.readouterr().out
+    assert rc == 1
+    s = _load(out)["summary"]
+    assert s["ok"] is False and s["failed"] == 0 and s["compared"] == 0 and s["nothing_compared"] == s["cells"] == 2
+    assert "(reference alone)" in printed and "agree" not in printed
+    assert ("sweep: 2 cells: 0 compared two implementations' outputs, 0 checked activation bits against the "
+            "oracle, 2 compared nothing; NOTHING COMPARED") in printed
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 12):  # cute runs on SM12x only
+        rc = sweep.main(["--grid", "small", "--formats", "nvfp4", "--m", "1", "--dtypes", "bf16",
+                         "--impls", "cute", "--no-progress", "--plain"])
+        printed = capsys.readouterr().out
+        assert rc == 1 and "(nothing ran)" in printed and "NOTHING COMPARED" in printed
+        assert "skipped cute in 2 cells: cute needs an SM120/SM121 GPU" in printed
+
+
+def test_with_one_implementation_the_footer_counts_only_what_the_rows_show(tmp_path, capsys):
+    """triton alone: no output pair; its activation bits checked against the oracle in the W4A4
+    cells, nothing compared in the W4A16 ones (no activation quantizer). The rows and the footer
+    say the same."""
+    out = tmp_path / "sweep.json"
+    rc = sweep.main(["--grid", "small", "--formats", "nvfp4,nvfp4_w4a16", "--m", "1", "--dtypes", "bf16",
+                     "--impls", "triton", "--json", str(out), "--no-progress", "--plain"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    cells = _load(out)["cells"]
+    assert all(c["pairs"] == [] and c["ran"] == ["triton"] for c in cells)
+    assert [bool(c["quant"]) for c in cells if not c["a16"]] == [True, True]
+    assert all(q["ok"] for c in cells for q in c["quant"].values())
+    rows = [line.split() for line in printed.splitlines() if "(triton alone)" in line]
+    assert [(r[0], r[-1]) for r in rows] == [("nvfp4", "ok"), ("nvfp4_w4a16", "compared")], rows
+    assert "2/2 exact" in printed
+    assert ("sweep: 4 cells: 0 compared two implementations' outputs, 2 checked activation bits against the oracle, "
+            "2 compared nothing; all compared cells agree") in printed
 
 
 def test_implementations_rejects_bad_names():
@@ -277,6 +319,82 @@ def test_bench_shape_table_and_plan():
     plan = bench_plan.plan(bench_plan.select_shapes("default", gpu=True, quick=False), None, gpu=True, quick=False)
     assert plan[:3] == [(bench_plan.SHAPE_BY_ID["square"], m) for m in (16, 4096, 8192)]
     assert len(plan) == 10 * 5 + 1
+
+
+def test_bench_on_this_device_prints_the_cpu_note_once_and_no_unrun_target_rows(tmp_path, capsys):
+    """One CPU note (on the CPU interpreter; none on a GPU); no target row that was not run: one
+    line on the CPU, and on a GPU a count of the targets whose square-shape rows are not in the
+    run; every target name printed once (the "[hopper]" prefix is text, not rich markup)."""
+    from dispatch.apps.bench_plan import CPU_NOTE
+
+    rc = bench.main(["--shapes", "tiny", "--m", "1", "--formats", "fp8_tensor", "--impls", "triton",
+                     "--baselines", "torch_bf16", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert (out + err).count(CPU_NOTE) == (1 if ON_CPU else 0)
+    assert "n/a (not run)" not in out
+    n = len(bench_record.TARGETS)
+    if ON_CPU:
+        assert f"performance targets: {n} defined, none judged here" in out
+    else:
+        assert f"performance targets: {n} of {n} not run" in out
+
+
+def test_target_names_print_as_written_and_once_each(capsys):
+    """Every target of a run that has them all prints its own name, "[hopper]" included (rich once
+    read it as a style tag and dropped it, so two targets printed the same name)."""
+    labels = [t[0] for t in bench_record.TARGETS]
+    assert len(set(labels)) == len(labels)
+    rows = [{"shape": "square", "M": m, "name": "triton", "variant": v, "mode": mode, "us": 10.0, "kind": "impl",
+             "speedup_vs": {b: 1.0}} for _, v, m, mode, b, _ in bench_record.TARGETS]
+    result = {"results": rows, "cpu_interpreter": False}
+    result["targets"] = bench_record.targets(result)
+    bench_record.print_targets(result)  # rich when installed (the CLI's default)
+    out = capsys.readouterr().out
+    for label in labels:
+        assert label in out, label
+
+
+def test_heat_map_names_the_baseline_of_the_device_and_its_text_contrasts(monkeypatch, tmp_path):
+    """The heat map's title names torch's CPU matmul on the interpreter and cuBLAS on a GPU; every
+    cell's ratio is written in white on the dark ends of the colour map and black on its light
+    middle (WCAG contrast ratio >= 4.5 against the cell's colour), at >= 4 points."""
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e '.[dev]')")
+    import matplotlib
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    figs = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+
+    def luminance(rgb):
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    ratios = [2.0 ** e for e in (-3.5, -2.5, -1.7, -1.0, -0.3, 0.0, 0.4, 1.2, 1.9, 2.6, 3.5)]
+    rows = [{"shape": "tiny", "M": m, "name": "triton", "variant": "nvfp4", "mode": "linear", "kind": "impl",
+             "us": 1.0, "flops": 1.0, "bytes": 1.0, "tflops": 1.0, "speedup_vs": {"torch_bf16": r}}
+            for m, r in enumerate(ratios, 1)]
+    for cpu, base in ((True, "torch's CPU matmul"), (False, "cuBLAS")):
+        result = {"results": rows, "ceilings": {}, "shapes": [{"id": "tiny"}], "cpu_interpreter": cpu,
+                  "device": {"name": "test"}}
+        assert bench_record.plot(result, str(tmp_path / "p.png")) is None
+        fig = figs.pop()
+        ax = fig.axes[1]
+        assert f"speed-up over torch bf16 F.linear ({base})" in ax.get_title()
+        image = ax.images[0]
+        texts = [t for t in ax.texts]
+        assert len(texts) == len(ratios)
+        for t in texts:
+            j, i = (round(v) for v in t.get_position())
+            bg = to_rgb(image.cmap(image.norm(image.get_array()[i, j])))
+            fg = to_rgb(t.get_color())
+            hi, lo = sorted((luminance(bg), luminance(fg)), reverse=True)
+            assert (hi + 0.05) / (lo + 0.05) >= 4.5, (t.get_text(), bg, fg)
+            assert t.get_fontsize() >= 4
+        real_close(fig)
+    assert matplotlib.get_backend().lower() == "agg"
 
 
 def test_output_without_rich_or_tqdm(monkeypatch, capsys):
