@@ -65,7 +65,7 @@ def tokens(x: torch.Tensor) -> int:
 def act_dtypes(variant_: str, impl: Optional[str] = None) -> tuple[torch.dtype, ...]:
     """The activation dtypes a call of ``variant_`` can take under the request ``impl`` (None: what
     use_impl() / B12X_IMPL / auto ask for): the forced implementation's, or under auto the union
-    over the variant's priority list (bfloat16, float16 and, through the reference, float32).
+    over the implementations (bfloat16, float16 and, through the reference, float32).
     Raises InvalidImplementation for an unknown name, ValueError for an unknown variant."""
     registry.variant(variant_)
     return _act_dtypes(variant_, policy.requested_impl(impl)[0])
@@ -74,7 +74,7 @@ def act_dtypes(variant_: str, impl: Optional[str] = None) -> tuple[torch.dtype, 
 @functools.lru_cache(maxsize=None)
 def _act_dtypes(variant_: str, requested: str) -> tuple[torch.dtype, ...]:
     table = registry.entries()  # fixed once built: the answer is cached per (variant, request)
-    names = registry.PRIORITY[variant_] if requested == "auto" else (requested,)
+    names = registry.IMPLS if requested == "auto" else (requested,)
     found = [d for n in names for d in getattr(table[(n, variant_)], "act_dtypes", ())]
     if not found:  # a forced implementation with no backend for the variant: choose says why
         found = [d for (n, v), e in table.items() if v == variant_ for d in getattr(e, "act_dtypes", ())]

@@ -339,18 +339,15 @@ def describe_first(first: Optional[dict[str, Any]]) -> str:
             f"(columns {c0}-{c0 + TILE_N - 1}), {first['ratio']:.3g}x the bound")
 
 
-def route_of(backend, M: int, N: int, K: int, dtype: torch.dtype, device) -> str:
-    """The route a backend takes for this call: ``backend.route(problem, device).describe()``
-    where backends have routes, else ``backend.describe(problem, device)``; "" when neither says."""
+def route_of(backend, M: int, N: int, K: int, dtype: torch.dtype, device, act_opts: Optional[dict] = None) -> str:
+    """The route a backend takes for this call, as one line: ``backend.route(problem, device,
+    **act_opts).describe()`` (the kernels launched, their tile and split-K, why). A route that cannot
+    be computed is reported as such, never raised (it must not hide the divergence report)."""
     from .registry import Problem
 
     problem = Problem(backend.variant, M, N, K, dtype)
     try:
-        route = getattr(backend, "route", None)
-        if route is not None:
-            r = route(problem, device)
-            return r.describe() if hasattr(r, "describe") else str(r)
-        return backend.describe(problem, device) or ""
+        return backend.route(problem, device, **(act_opts or {})).describe()
     except Exception as e:  # noqa: BLE001  (a route that cannot be described must not hide the report)
         return f"(route unavailable: {type(e).__name__}: {e})"
 
@@ -456,7 +453,7 @@ class Watchdog:
         from . import replay
 
         x2 = _as_2d(x)
-        res["route"] = route_of(backend, x2.shape[0], qweight.rows, qweight.k, x.dtype, device_of(x))
+        res["route"] = route_of(backend, x2.shape[0], qweight.rows, qweight.k, x.dtype, device_of(x), act_opts)
         res["layer"] = layer
         path = None
         try:

@@ -89,7 +89,7 @@ def diff_layer(layer: DM.Layer, x: torch.Tensor, device: str, impls: Optional[li
         with torch.no_grad():
             results[impl] = check.compare_backend(backend, qw, x2, bias, act_opts=opts,
                                                   device_kind=torch.device(device).type)
-        routes[impl] = check.route_of(backend, M, N, K, x2.dtype, dev)
+        routes[impl] = check.route_of(backend, M, N, K, x2.dtype, dev, opts)
     firsts = [(impl, r["first"]) for impl, r in results.items() if r["first"] is not None]
     errors = {impl: r["error"] for impl, r in results.items() if r["error"]}
     first = None

@@ -217,25 +217,23 @@ def test_capture_is_not_checked(watchdog, caplog):
     assert (y.double() - ref.double()).abs().max().item() < 1
 
 
-def test_route_is_named_from_route_or_describe():
-    """route_of: Backend.route(problem, device).describe() where a backend has routes, else describe()."""
+def test_route_is_the_backends_route_with_the_calls_options():
+    """route_of: Backend.route(problem, device, **act_opts).describe(); a static nvfp4 global scale
+    drops the amax kernel from the route; a route that raises is reported, not raised."""
     from dispatch.devices import CPU
 
-    class Route:
-        def describe(self):
-            return "kernels _e2m1_gemm, tile 64x128x128, split-K 1"
+    b = TritonBackend("nvfp4")
+    dynamic = check.route_of(b, 4, N, K, torch.bfloat16, CPU)
+    assert dynamic == b.route(registry.Problem("nvfp4", 4, N, K), CPU).describe()
+    assert "_amax_partial_kernel" in dynamic and "_portable_gemm_kernel" in dynamic
+    static = check.route_of(b, 4, N, K, torch.bfloat16, CPU, {"global_scale": 100.0})
+    assert "_amax_partial_kernel" not in static and "_portable_gemm_kernel" in static
 
-    class Routed(TritonBackend):
-        def route(self, problem, device):
-            assert (problem.M, problem.N, problem.K, problem.variant) == (4, N, K, "nvfp4") and device is CPU
-            return Route()
+    class Broken(TritonBackend):
+        def route(self, problem, device, **opts):
+            raise RuntimeError("no route")
 
-    class Described(TritonBackend):
-        def describe(self, problem, device):
-            return "portable GEMM path"
-
-    assert check.route_of(Routed("nvfp4"), 4, N, K, torch.bfloat16, CPU) == Route().describe()
-    assert check.route_of(Described("nvfp4"), 4, N, K, torch.bfloat16, CPU) == "portable GEMM path"
+    assert check.route_of(Broken("nvfp4"), 4, N, K, torch.bfloat16, CPU) == "(route unavailable: RuntimeError: no route)"
 
 
 def test_a_check_that_fails_is_logged_not_raised(watchdog, caplog, monkeypatch):
