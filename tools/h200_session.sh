@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The lent H200's calls for a change to kernels, launchers or dispatch, in one script:
+#   bash tools/h200_session.sh tests    # the GPU suite: tests/kernels_triton tests/formats tests/dispatch
+#   bash tools/h200_session.sh debug    # b12x-dual diff of a tiny transformers Llama (built here, random
+#                                       # weights) across reference / triton / hopper, and the watchdog's cost
+#   bash tools/h200_session.sh bench    # bench --shapes square --m 1,16,4096 --impls hopper,triton --peers gemlite
+# Results go under $OUT (default ./out); each step prints a short table last. gemlite must be staged in
+# .gemlite (docs/bench.md) and carried for the bench.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/.gemlite${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 -c "import torch, triton, platform; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
+git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/env.txt" || true
+for step in "$@"; do
+case "$step" in
+tests)
+  timeout -k 10 ${TESTS_S:-330} python3 -m pytest -q -n ${NPROC:-12} -p no:cacheprovider -rs \
+    tests/kernels_triton tests/formats tests/dispatch > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
+  grep -E "^SKIPPED" "$OUT/pytest.log" | sed -E 's/^SKIPPED \[[0-9]+\] //' | cut -c1-160 | sort | uniq -c | sort -rn | head -12
+  tail -n 2 "$OUT/pytest.log" ;;
+debug)
+  python3 - "$OUT/llama" <<'PY'
+import sys, torch, transformers
+cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+                               num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+torch.manual_seed(0)
+transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
+PY
+  for f in nvfp4 mxfp4 mxfp8 fp8_block fp8_tensor nvfp4_w4a16 mxfp4_w4a16; do
+    timeout -k 5 60 python3 -m dispatch.apps.cli diff "$OUT/llama" --format $f --tokens 16 --device cuda --no-progress --plain \
+      --json "$OUT/diff_$f.json" > "$OUT/diff_$f.log" 2>&1; echo "diff $f rc=$?"; done
+  timeout -k 5 120 python3 tools/watchdog_cost.py --variants nvfp4,fp8_block,mxfp8,mxfp4_w4a16 \
+    --shapes 16x4096x4096,128x4096x4096 --json "$OUT/watchdog.json" > "$OUT/watchdog.log" 2>&1; echo "watchdog rc=$?"
+  tail -n 12 "$OUT/watchdog.log"; tail -n 4 "$OUT/diff_nvfp4.log" ;;
+bench)
+  timeout -k 10 ${BENCH_S:-540} python3 -m dispatch.apps.bench --shapes square --m 1,16,4096 --impls hopper,triton \
+    --peers gemlite --budget-s ${BUDGET_S:-480} --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; tail -n 45 "$OUT/bench.log" | cut -c1-200 ;;
+*) echo "unknown step $step (tests, debug, bench)"; exit 2 ;;
+esac
+done
