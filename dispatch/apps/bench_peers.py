@@ -197,8 +197,11 @@ def print_peers(result: dict, *, plain: bool = False) -> None:
     for p, info in (result.get("peers") or {}).items():
         print(f"{p}: " + (f"{info.get('version')} -- {info.get('config_note')}" if info.get("available")
                           else f"not run: {info.get('why')}"))
-    ours = {(r["shape"], r["M"], r["variant"]): r for r in result["results"]
-            if r["kind"] == "impl" and r["name"] == "triton" and r["mode"] == "linear"}
+    # ours: the production row where it ran (hopper on sm_90), else the readable kernels' row
+    ours = {}
+    for name in ("triton", "hopper"):
+        ours.update({(r["shape"], r["M"], r["variant"]): r for r in result["results"]
+                     if r["kind"] == "impl" and r["name"] == name and r["mode"] == "linear"})
     table = []
     for r in rows:
         o = ours.get((r["shape"], r["M"], r["variant"]), {})
@@ -207,7 +210,7 @@ def print_peers(result: dict, *, plain: bool = False) -> None:
                       H.fmt_num(pu, ".1f") if pu else "-", f"{pu / ou:.2f}x" if ou and pu else "-",
                       H.fmt_num(o.get("err_vs_unquantized")), H.fmt_num(r.get("err_vs_unquantized")),
                       (r.get("error") or r.get("skipped") or r.get("peer_note") or "")[:90]])
-    H.print_table("ours (triton, whole linear) vs peers: us, speed-up of ours = t(peer) / t(ours), "
+    H.print_table("ours (hopper where it ran, else triton; whole linear) vs peers: us, speed-up of ours = t(peer) / t(ours), "
                   "||y - x.W^T|| / ||x.W^T|| vs the unquantized weight",
                   ["shape", "M", "variant", "ours us", "peer us", "ours faster", "ours err", "peer err", "peer note / error"],
                   table, plain=plain)

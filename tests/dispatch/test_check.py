@@ -14,7 +14,7 @@ import torch
 
 import formats
 from conftest import gemm_bound as conftest_bound
-from conftest import make_input
+from conftest import DEVICE, make_input
 from dispatch import QuantLinear, check, registry, replay
 from dispatch.apps import diff
 from dispatch.backends import TritonBackend
@@ -44,7 +44,7 @@ def _layer(fmt="nvfp4", bias=True, name="model.layers.3.mlp.up_proj"):
     lin = torch.nn.Linear(K, N, bias=bias)
     with torch.no_grad():
         lin.weight.copy_(make_input((N, K), torch.float32, block=16) * 0.05)
-    q = QuantLinear.from_linear(lin, fmt, impl="triton")
+    q = QuantLinear.from_linear(lin.to(DEVICE), fmt, impl="triton")
     q.b12x_name = name
     return q
 
@@ -54,7 +54,7 @@ def test_bound_is_the_kernel_tests_bound():
     x = make_input((M, K), torch.bfloat16)
     w = formats.quantize(make_input((N, K), torch.float32) * 0.05, "mxfp8", role="weight")
     xq = formats.quantize(x, "mxfp8", role="activation")
-    b = torch.randn(N)
+    b = torch.randn(N, device=xq.device)
     ref = formats.reference_linear(xq, w, b, out_dtype=torch.bfloat16)
     for L in (0, 32):
         assert torch.equal(gemm_bound(xq, w, b, torch.bfloat16, ref, fp8_interval=L),

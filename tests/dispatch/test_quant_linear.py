@@ -245,7 +245,7 @@ def test_reload_keeps_every_prepared_address_and_serves_the_new_weight(tmp_path,
     model.load_state_dict(third.state_dict())
     assert {k: [t.data_ptr() for t in v] for k, v in _prepared_tensors(model.up).items()} == ptrs
     with policy.use_impl("reference"), torch.no_grad():
-        assert torch.equal(model.up(x), third.up(x))
+        assert torch.equal(model.up(x), third.to(DEVICE).up(x))
 
 
 # ---------------------------------------------------------------------------------------------

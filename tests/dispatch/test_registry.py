@@ -194,7 +194,7 @@ def test_cuda_tensors_under_the_interpreter_get_the_registrys_error(monkeypatch)
     if not torch.cuda.is_available():
         pytest.skip(f"needs a CUDA device for CUDA tensors; found {device_name()}")
     b = registry.get("triton", "mxfp8")
-    qw = _weight("mxfp8", 0, n=64, k=256).cuda()
+    qw = _weight("mxfp8", 0, n=64, k=256).to("cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(api.policy.ImplementationUnavailable,
                        match="Triton's interpreter is on .* got a tensor on cuda"):

@@ -151,24 +151,42 @@ def _b12x_frozen():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
                     reason=f"needs a CUDA GPU with compiled Triton kernels; found {device_name()}")
+@pytest.mark.parametrize("impl", ("triton", "hopper"))
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_no_compile_while_serving_after_warmup(variant):
-    """A layer (N=1024, K=2048, with bias) on the Triton backend, warmed up with vLLM's counts,
-    then served through the plugin's op at 18 token counts from 1 to max_tokens: Triton compiles
-    nothing and b12x resolves nothing; every output has its shape and is finite."""
+def test_no_compile_while_serving_after_warmup(variant, impl):
+    """A layer (N=1024, K=2048, with bias) on one implementation (B12X_IMPL forced: the readable
+    Triton kernels, and on sm_90 the Hopper ones), prepared as the plugin does for every M bucket,
+    warmed up with vLLM's counts, then served through the plugin's op at 18 token counts from 1 to
+    max_tokens: Triton compiles nothing and b12x resolves nothing; every output has its shape and is
+    finite."""
+    from dispatch import policy
+
     n, k = 1024, 2048
     fmt = variant.removesuffix("_w4a16")
+    dev = current_device(torch.device("cuda"))
+    ok, why = registry.check(registry.entries()[(impl, variant)], registry.Problem(variant, 1, n, k), dev)
+    if not ok:
+        pytest.skip(f"{impl} does not run {variant} on {device_name()}: {why}")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g) * 0.05
     qw = formats.quantize(w, fmt, role="weight").to("cuda")
-    backend = registry.get("triton", variant)
-    dev = current_device(torch.device("cuda"))
-    chosen = types.SimpleNamespace(impl="triton", backend=backend, source="test", requested="triton", reason="")
-    st = ops.LayerState(variant, n, k, torch.bfloat16, chosen, backend.prepare(qw), {}, f"test.{variant}")
+    with policy.use_impl(impl):
+        backends = {}
+        for m in ops.LOAD_M:
+            c = registry.choose(variant, m, n, k, dev, dtype=torch.bfloat16)
+            backends.setdefault(c.backend.name, (c.backend, c.backend.prepare(qw)))
+        assert set(backends) == {f"{impl}:{variant}"}
+        st = ops.LayerState(variant, n, k, torch.bfloat16, dev, backends, {}, f"test.{variant}")
+        _serve(st, n, k, g, variant)
+
+
+def _serve(st, n, k, g, variant):
+    """Warm one layer of state ``st`` up with vLLM's counts, then serve SERVED token counts through
+    the plugin's op, counting compiles in both phases."""
     layer = torch.nn.Module()
     layer.b12x_dual_handle = ops.new_handle(st)
     layer.bias = torch.randn(n, generator=g).to("cuda", torch.bfloat16)
-    assert dev.kind == "cuda"
+    assert st.device.kind == "cuda"
     with _Compiles() as during_warmup:
         warmup.warmup_model(layer, VLLM_COUNTS)
     assert during_warmup.seen, "warmup compiled nothing: the hook is not counting"

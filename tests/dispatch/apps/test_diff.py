@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_input
+from conftest import DEVICE, make_input
 from dispatch import quantize_model, save_quantized
 from dispatch.apps import diff
 from dispatch.apps.cli import main
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "vllm"))
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:
-    rc = main(["diff", *map(str, argv), "--no-progress", "--plain", "--device", "cpu"])
+    rc = main(["diff", *map(str, argv), "--no-progress", "--plain", "--device", DEVICE])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
