@@ -43,4 +43,4 @@ def test_missing_weight_scale_fails_at_engine_start(kind, model_dir, tmp_path):
         chain.append(str(e))
         e = e.__cause__ or e.__context__
     text = "\n".join(chain)
-    assert "layers.1.mlp.down_proj" in text and TENSOR in text, text[-2000:]
+    assert "layers.1.mlp.down_proj" in text and TENSOR in text and "missing" in text, text[-2000:]

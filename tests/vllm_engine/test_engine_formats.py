@@ -33,7 +33,8 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 
 
 def _layers(model) -> dict:
-    """{layer name: (kernel class name, implementation)} for every linear of the decoder layers."""
+    """{layer name: (kernel class names, implementation, whether ``weight`` kept its weight_loader)}
+    for every linear of the decoder layers."""
     from dispatch.vllm_plugin import kernels as K
     from dispatch.vllm_plugin import ops
 
@@ -44,7 +45,9 @@ def _layers(model) -> dict:
         scheme = getattr(mod, "scheme", None)
         found = [v for v in vars(scheme).values() if isinstance(v, K.KERNELS)] if scheme is not None else []
         handle = getattr(mod, "b12x_dual_handle", None)
-        out[name] = ([type(k).__name__ for k in found], None if handle is None else ops.state(handle).chosen.impl)
+        loader = callable(getattr(getattr(mod, "weight", None), "weight_loader", None))
+        out[name] = ([type(k).__name__ for k in found], None if handle is None else ops.state(handle).chosen.impl,
+                     loader)
     return out
 
 
@@ -91,9 +94,11 @@ def test_plugin_classes_selected_and_generates(served):
     kind, _, llm = served
     layers = llm.apply_model(_layers)[0]
     assert len(layers) == 2 * len(LINEARS), layers
-    for name, (classes, impl) in layers.items():
+    for name, (classes, impl, loader) in layers.items():
         assert classes == [EXPECTED[kind]], f"{kind} {name}: kernels {classes}"
         assert impl == "reference", f"{kind} {name}: implementation {impl}"
+        if kind != "ct_mxfp4":  # vLLM's CT MXFP4 scheme itself swaps in a loader-less Parameter first
+            assert loader, f"{kind} {name}: the weight's weight_loader did not survive loading"
     ref = engine_env.generate(llm)
     assert [len(s) for s in ref] == [engine_env.MAX_TOKENS] * len(engine_env.prompts())
     assert all(lp <= 0 and lp > float("-inf") for s in ref for _, lp, _ in s)
@@ -105,7 +110,7 @@ def test_reference_and_triton_agree(served):
     ref = engine_env.REFERENCE.get(kind) or engine_env.generate(llm)
     assert llm.apply_model(_switch("triton"))[0] == 2 * len(LINEARS)
     try:
-        assert {impl for _, impl in llm.apply_model(_layers)[0].values()} == {"triton"}
+        assert {impl for _, impl, _ in llm.apply_model(_layers)[0].values()} == {"triton"}
         tri = engine_env.generate(llm)
     finally:
         llm.apply_model(_switch("reference"))
