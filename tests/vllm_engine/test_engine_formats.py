@@ -101,7 +101,7 @@ def test_plugin_classes_selected_and_generates(served):
             assert loader, f"{kind} {name}: the weight's weight_loader did not survive loading"
     ref = engine_env.generate(llm)
     assert [len(s) for s in ref] == [engine_env.MAX_TOKENS] * len(engine_env.prompts())
-    assert all(lp <= 0 and lp > float("-inf") for s in ref for _, lp, _ in s)
+    assert all(-1e4 < d[t] <= 0 for s in ref for t, d in s)
     engine_env.REFERENCE[kind] = ref
 
 
@@ -117,4 +117,4 @@ def test_reference_and_triton_agree(served):
     # Both implementations compute the same quantized GEMM; the oracle rounds the float64 sum once
     # to bf16, the Triton kernel accumulates in fp32 and then rounds: at most one bf16 step apart.
     bound = engine_env.logprob_bound(d)
-    assert engine_env.compare_runs(ref, tri, bound) >= len(ref)
+    assert engine_env.compare_runs(ref, tri, bound) >= len(ref)  # at least the first position of each prompt
