@@ -15,9 +15,10 @@ engine_env.setup_environment()
 KIND = "ct_nvfp4"
 SHM = "/dev/shm/vllm_dist_*"
 # RowParallelLinear at TP = 2 rounds each rank's partial sum to bf16 and the all-reduce rounds their
-# sum again (tests/vllm/test_vllm_tp.py: 4e-3 relative per row-parallel output, ROW_TOL); the column-
-# parallel linears are exact shards. Per token path: 4 row-parallel linears, counted as 8 roundings.
-PER_LINEAR = 4e-3 / 2
+# sum again: two bf16 steps (2^-8 each) where TP = 1 has one rounding, in each of the 4 row-parallel
+# linears on a token's path; the column-parallel linears are exact shards. That is the 8 * 2^-8 of
+# engine_env.logprob_bound's default. (NVFP4 re-quantizes each linear's input to e2m1, so a last-bit
+# change can move a code: the measured difference is larger than bf16's, still far inside the bound.)
 
 
 def _run(d, **kw):
@@ -47,5 +48,5 @@ def test_tp2_logprobs_within_bound_of_tp1(model_dir):
     # shuts down (vLLM's, not ours): remove the ones this engine made, named by its VLLM_DIST_IDENT.
     for f in set(glob.glob(SHM)) - shm_before:
         os.unlink(f)
-    bound = engine_env.logprob_bound(d, PER_LINEAR)
+    bound = engine_env.logprob_bound(d)
     assert engine_env.compare_runs(tp1, tp2, bound) >= len(tp1)  # at least the first position of each prompt
