@@ -29,6 +29,7 @@ from formats.base import check_positive_scalar
 from formats.validate import check_scale_values, check_weight
 
 from . import api, policy, registry
+from . import check as _check
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class QuantLinear(nn.Module):
         xin = x if self.act_dtype is None else x.to(self.act_dtype)
         opts = {**self.act_opts, **{k: getattr(self, f"act_{k}").view(torch.float32) for k in self._act_scales}}
         y = c.backend.apply(xin, self.prepared(c.backend), self.bias, **opts)
+        if _check.WATCHDOG is not None:  # B12X_CHECK on (dispatch.check); off: this test is all
+            _check.WATCHDOG.after_call(_check.layer_name(self), c.backend, xin, y, self.qweight, self.bias, opts)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -229,6 +232,8 @@ def quantize_model(model: nn.Module, fmt: str, skip: Skip = None, **opts) -> nn.
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(new, QuantLinear):
+        new.b12x_name = name  # what the watchdog (B12X_CHECK) calls the layer
     setattr(parent, child, new)
 
 

@@ -30,6 +30,7 @@ from vllm.model_executor.utils import replace_parameter
 
 from formats.validate import check_scale_values
 
+from .. import check as _check
 from ..devices import current_device
 from . import _backend, convert, ops, placement
 
@@ -49,6 +50,14 @@ def _check_dtypes(config) -> tuple[bool, Optional[str]]:
         return False, (f"output dtype {_dtype_name(config.out_dtype)} differs from the input dtype "
                        f"{_dtype_name(config.input_dtype)}; b12x-dual writes the input's dtype")
     return True, None
+
+
+def _check_copy(qw):
+    """A copy of the weight for the watchdog (the layer's own tensors are freed after prepare)."""
+    g = None if qw.global_scale is None else qw.global_scale.clone()
+    from dataclasses import replace
+
+    return replace(qw, data=qw.data.clone(), scale=qw.scale.clone(), global_scale=g)
 
 
 class _Adapter:
@@ -97,6 +106,8 @@ class _Adapter:
                                variant, n, k, chosen.impl, chosen.source, chosen.requested, chosen.reason)
             st = ops.LayerState(variant, n, k, dtype, chosen, chosen.backend.prepare(qw), act_opts, name)
             layer.b12x_dual_handle = ops.new_handle(st)
+        if _check.WATCHDOG is not None:  # B12X_CHECK on: the oracle needs the weight as loaded
+            st.qweight = qw if st.prepared is qw else _check_copy(qw)
         layer.b12x_dual_n = n
         for pname in self.FREED:
             p = getattr(layer, pname, None)

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from .. import check as _check
 from ..api import tokens
 
 log = logging.getLogger("dispatch.vllm_plugin")
@@ -44,6 +45,8 @@ class LayerState:
     act_opts: dict
     layer: str
     warmed: set = field(default_factory=set)
+    qweight: object = None
+    """The layer's weight as a QuantizedTensor, kept for the watchdog (B12X_CHECK on at load)."""
 
     @property
     def signature(self) -> tuple:
@@ -82,7 +85,10 @@ def linear(x: torch.Tensor, bias: Optional[torch.Tensor], handle: int, n: int) -
             f"b12x-dual: layer {st.layer} ({st.variant}, N={st.n}, K={st.k}) was not warmed up for "
             f"{m} tokens before CUDA-graph capture; run dispatch.vllm_plugin.warmup.warmup_model "
             "(vLLM's kernel warmup calls it on SM12x) with the capture sizes")
-    return st.chosen.backend.apply(x, st.prepared, bias, **st.act_opts)
+    y = st.chosen.backend.apply(x, st.prepared, bias, **st.act_opts)
+    if _check.WATCHDOG is not None and st.qweight is not None:  # B12X_CHECK on (dispatch.check)
+        _check.WATCHDOG.after_call(st.layer, st.chosen.backend, x, y, st.qweight, bias, st.act_opts)
+    return y
 
 
 @linear.register_fake

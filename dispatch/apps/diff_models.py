@@ -1,0 +1,313 @@
+"""What ``b12x-dual diff`` reads: a model's quantized linears as (name, weight, bias, options), and
+their inputs.
+
+MODEL is one of:
+
+* a checkpoint folder (config.json with a ``quantization_config`` + ``*.safetensors``):
+  compressed-tensors (NVFP4, NVFP4A16, FP8 per tensor, FP8_BLOCK, MXFP8, MXFP4), ModelOpt (NVFP4,
+  MXFP8) or DeepSeek-style ``Fp8Config`` block FP8. Each module's tensors are recognised by name and
+  dtype and converted by the vLLM plugin's converters (dispatch.vllm_plugin.convert, which check
+  them), after renaming them the way vLLM leaves them on a layer:
+
+      CT nvfp4      weight_packed -> weight; weight_global_scale g_w -> 1/g_w; input_global_scale g_x
+      ModelOpt nvfp4  weight_scale_2 (= 1/g_w) as is; input_scale (= 1/g_x) -> g_x
+      mxfp4         weight_packed -> weight; W4A16 when the config quantizes no input activations
+      fp8 block     weight_scale or weight_scale_inv [ceil(N/128), K/128] (fp32 or E8M0)
+      fp8 tensor    weight_scale with one element; input_scale when static
+      mxfp8         weight e4m3, weight_scale E8M0 bytes
+
+  Modules with a plain float weight (ignored layers) are not quantized linears and are left out.
+* this project's safetensors file (``save_quantized``; dispatch.quant_linear.read_quantized);
+* a folder whose config.json builds a transformers model (no quantization_config): the model is
+  loaded with transformers and every nn.Linear quantized to ``--format`` (quantize_model).
+
+Inputs: seeded random activations (dispatch.apps._harness.make_input); the model's own forward on
+``--text`` (hooks on each nn.Linear capture its input; the checkpoint families through
+transformers' compressed-tensors support where it can build the model); or ``--inputs FILE``, a
+safetensors file {layer name: activations [..., K]} (``--save-inputs`` writes one).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from formats import QuantizedTensor
+from formats.validate import check_scale_values
+
+
+@dataclass
+class Layer:
+    """One quantized linear: name, variant, weight [N, K], bias [N] or None, activation options."""
+
+    name: str
+    variant: str
+    qweight: QuantizedTensor
+    bias: Optional[torch.Tensor] = None
+    act_opts: dict = field(default_factory=dict)
+
+
+@dataclass
+class Model:
+    """The layers of a MODEL and what it is (``kind``); ``float_model`` is the transformers model
+    for --text (None when there is none)."""
+
+    path: str
+    kind: str
+    layers: list[Layer]
+    skipped: dict = field(default_factory=dict)
+    float_model: object = None
+
+
+E4M3 = torch.float8_e4m3fn
+E8M0 = (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+
+
+def _read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"MODEL {str(folder)!r}: config.json has a quantization_config but the folder has no "
+                         "*.safetensors files")
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def _has_input_activations(qcfg: dict) -> bool:
+    """Whether a quantization_config quantizes activations (CT config_groups' input_activations)."""
+    groups = qcfg.get("config_groups") or {}
+    if groups:
+        return any((g or {}).get("input_activations") for g in groups.values())
+    algo = str(qcfg.get("quant_algo", "")).upper()
+    return "W4A16" not in algo
+
+
+def _recip(t: torch.Tensor) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32) / t.float().reshape(())
+
+
+class _Params:
+    """The tensors of one module, named as vLLM leaves them on a layer (for convert.py)."""
+
+    def __init__(self, prefix: str, **tensors):
+        self.prefix = prefix
+        for k, v in tensors.items():
+            setattr(self, k, v)
+
+
+def convert_module(prefix: str, t: dict[str, torch.Tensor], qcfg: dict) -> tuple[Optional[Layer], Optional[str]]:
+    """One checkpoint module's tensors (leaf name -> tensor) -> (Layer, None), or (None, why it is
+    not a quantized linear). Raises dispatch.vllm_plugin.convert.CheckpointError (a ValueError)
+    naming the module and tensor for a malformed quantized module."""
+    from dispatch.vllm_plugin import convert
+
+    bias = t.get("bias")
+    packed = t.get("weight_packed", t.get("weight"))
+    scale = t.get("weight_scale", t.get("weight_scale_inv"))
+    if packed is None:
+        return None, "no weight"
+    if scale is None:
+        return None, f"weight is {str(packed.dtype).replace('torch.', '')} with no scale (not quantized)"
+    if packed.dtype == torch.uint8:  # e2m1 codes, two per byte
+        if scale.dtype == E4M3:
+            a16 = "input_global_scale" not in t and "input_scale" not in t
+            if "weight_scale_2" in t:  # ModelOpt: the dequantization multiplier 1/g_w, input 1/g_x
+                wgs, igs = t["weight_scale_2"], (None if a16 else _recip(t["input_scale"]))
+            else:  # compressed-tensors: the divisors g_w, g_x
+                wgs, igs = _recip(t["weight_global_scale"]), t.get("input_global_scale")
+            p = _Params(prefix, weight=packed, weight_scale=scale, weight_global_scale=wgs,
+                        input_global_scale_inv=igs)
+            qw, opts = convert.nvfp4(p, a16=a16)
+            variant = "nvfp4_w4a16" if a16 else "nvfp4"
+        else:
+            qw, opts = convert.mxfp4(_Params(prefix, weight=packed, weight_scale=scale))
+            variant = "mxfp4" if _has_input_activations(qcfg) else "mxfp4_w4a16"
+    elif packed.dtype == E4M3:
+        n, k = packed.shape
+        if scale.dtype in E8M0 and tuple(scale.shape) == (n, k // 32):
+            qw, opts = convert.mxfp8(_Params(prefix, weight=packed, weight_scale=scale), n, k)
+            variant = "mxfp8"
+        elif scale.numel() == 1:
+            p = _Params(prefix, weight=packed, weight_scale=scale, input_scale=t.get("input_scale"))
+            qw, opts = convert.fp8_tensor(p, n, k, static_input="input_scale" in t)
+            opts = {k2: v for k2, v in opts.items() if v is not None}
+            variant = "fp8_tensor"
+        elif scale.dim() == 2 and tuple(scale.shape) == (-(-n // 128), k // 128):
+            name = "weight_scale_inv" if "weight_scale_inv" in t else "weight_scale"
+            qw, opts = convert.fp8_block(_Params(prefix, weight=packed, **{name: scale}), n, k)
+            variant = "fp8_block"
+        else:
+            return None, (f"e4m3 weight {tuple(packed.shape)} with scale {tuple(scale.shape)} "
+                          f"{str(scale.dtype).replace('torch.', '')}: not a scheme b12x-dual serves "
+                          "(per-tensor, 128x128 blocks or MX 1x32)")
+    else:
+        return None, f"weight is {str(packed.dtype).replace('torch.', '')} (not quantized)"
+    check_scale_values(qw, name=f"module {prefix} weight")
+    return Layer(prefix, variant, qw, None if bias is None else bias.to(torch.bfloat16), opts), None
+
+
+def load_checkpoint(folder: Path, config: dict) -> Model:
+    """A compressed-tensors / ModelOpt / Fp8Config checkpoint folder -> its quantized linears."""
+    qcfg = config.get("quantization_config") or {}
+    tensors = _read_folder_tensors(folder)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        prefix, _, leaf = key.rpartition(".")
+        modules.setdefault(prefix, {})[leaf] = t
+    layers, skipped = [], {}
+    for prefix, t in modules.items():
+        if "weight" not in t and "weight_packed" not in t:
+            continue
+        layer, why = convert_module(prefix, t, qcfg)
+        if layer is None:
+            skipped[prefix] = why
+        else:
+            layers.append(layer)
+    kind = str(qcfg.get("quant_method", "?"))
+    return Model(str(folder), f"checkpoint ({kind})", layers, skipped)
+
+
+def load_own(path: Path) -> Model:
+    """This project's safetensors file (save_quantized) -> its layers."""
+    from dispatch.quant_linear import read_quantized
+
+    layers = [Layer(name, m["variant"], q, None if b is None else b.to(torch.bfloat16))
+              for name, (q, b, m) in read_quantized(path).items()]
+    return Model(str(path), "b12x-dual safetensors", layers)
+
+
+def _transformers(what: str):
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"{what} needs transformers, which is not importable ({e}); install it with: "
+                         "pip install 'b12x-dual[demo]'") from None
+    return transformers
+
+
+def load_transformers(folder: Path, fmt: str, patterns: Optional[list[str]] = None) -> Model:
+    """A folder whose config.json builds a transformers model: every nn.Linear the format allows (of
+    those ``patterns`` select, see :func:`select`) quantized with the oracle (dispatch.quantize_model)."""
+    import copy
+
+    transformers = _transformers(f"MODEL {str(folder)!r} (a transformers model folder)")
+    from transformers import AutoModel
+
+    from dispatch.quant_linear import QuantLinear, quantize_model
+
+    transformers.logging.set_verbosity_error()
+    try:
+        model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"MODEL {str(folder)!r}: transformers cannot build the model from its config.json "
+                         f"({type(e).__name__}: {e})") from None
+    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    wanted = {lay.name for lay in select([Layer(n, fmt, None) for n in names], patterns)}
+    qmodel = quantize_model(copy.deepcopy(model), fmt, skip=lambda name, _m: name not in wanted)
+    layers = [Layer(name, m.variant, m.qweight, None if m.bias is None else m.bias.detach().to(torch.bfloat16),
+                    dict(m.act_opts))
+              for name, m in qmodel.named_modules() if isinstance(m, QuantLinear)]
+    return Model(str(folder), f"transformers model quantized to {fmt}", layers,
+                 {k: v for k, v in getattr(qmodel, "b12x_skipped", {}).items() if k in wanted}, float_model=model)
+
+
+def load_model(path: str, fmt: str = "nvfp4", patterns: Optional[list[str]] = None) -> Model:
+    """MODEL -> Model. ``patterns``: the --layers selection (a transformers model quantizes only
+    those; the other kinds are selected from afterwards, by :func:`select`). Raises ValueError naming
+    MODEL: no such file or folder, a folder without config.json, a file that is not a b12x-dual
+    safetensors file, a model with no quantized linears; or a pattern that matches no layer."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"MODEL {path!r}: no such file or folder")
+    if p.is_file():
+        m = load_own(p)
+    else:
+        cfg_path = p / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"MODEL {path!r}: the folder has no config.json (expected a checkpoint folder, a "
+                             "transformers model folder or a b12x-dual .safetensors file)")
+        config = json.loads(cfg_path.read_text())
+        m = load_checkpoint(p, config) if config.get("quantization_config") else load_transformers(p, fmt, patterns)
+    if not m.layers:
+        raise ValueError(f"MODEL {path!r}: no quantized linear layers found ({m.kind})")
+    return m
+
+
+def select(layers: list[Layer], patterns: Optional[list[str]]) -> list[Layer]:
+    """The layers whose name matches any fnmatch pattern (or equals it); all when ``patterns`` is
+    None. ValueError naming each pattern that matches no layer, with a few names that exist."""
+    if not patterns:
+        return layers
+    names = [lay.name for lay in layers]
+    dead = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
+    if dead:
+        raise ValueError(f"--layers {','.join(dead)!r} matches no quantized layer; layers are e.g. "
+                         f"{names[:4]} ({len(names)} in all)")
+    return [lay for lay in layers if any(fnmatch.fnmatchcase(lay.name, pat) for pat in patterns)]
+
+
+def capture_text(model: Model, text: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Run the model's own forward on ``text`` and capture each linear's input [tokens, K] in ``dtype``.
+
+    The transformers model of a transformers folder is used as is; for a checkpoint folder,
+    transformers builds it (its compressed-tensors support decompresses the weights). Raises
+    ValueError naming MODEL when transformers cannot build it here, or for a b12x-dual file (no
+    model to run)."""
+    if model.kind == "b12x-dual safetensors":
+        raise ValueError(f"--text needs a model to run; MODEL {model.path!r} is a b12x-dual safetensors file "
+                         "(weights only): pass --inputs FILE, or the model's folder")
+    _transformers("--text")
+    from transformers import AutoModel, AutoTokenizer
+
+    net = model.float_model
+    if net is None:
+        try:
+            # transformers' compressed-tensors support decompresses the quantized linears to bf16;
+            # the whole forward then runs in bf16
+            net = AutoModel.from_pretrained(model.path, dtype=torch.bfloat16).eval()
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"--text: transformers cannot build MODEL {model.path!r} here "
+                             f"({type(e).__name__}: {e}); pass --inputs FILE instead") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(model.path)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"--text: MODEL {model.path!r} has no tokenizer transformers can load "
+                         f"({type(e).__name__}: {e}); pass --inputs FILE instead") from None
+    wanted = {lay.name for lay in model.layers}
+    got: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in net.named_modules():
+        if name in wanted and isinstance(mod, torch.nn.Linear):
+            def hook(m, args, name=name):
+                got[name] = args[0].detach().reshape(-1, args[0].shape[-1]).to(dtype)
+            hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            net(**tok(text, return_tensors="pt"))
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"--text: the forward of MODEL {model.path!r} failed here ({type(e).__name__}: {e}); "
+                         "pass --inputs FILE instead") from None
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def read_inputs(path: str) -> dict[str, torch.Tensor]:
+    """--inputs FILE: a safetensors file {layer name: activations [..., K]}. ValueError naming the
+    file when it cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"--inputs {path!r}: cannot read it as a safetensors file ({type(e).__name__}: {e})") from None
