@@ -1,9 +1,9 @@
-"""Where the decode linear's time above the GEMM goes (issue 13), one device call on the H200.
+"""Where the decode linear's time above the GEMM goes, one device call on the H200.
 
 For each W8A8/W4A4 format at M = 1 and 16, N = K = 8192, bf16 x: the activation quantizer alone,
 the GEMM alone on a quantized x, and the whole linear, each as CUDA-graph replays over 5 distinct
 inputs/weights (tools/h200_decode_probe.graph_us), PDL on and off; for fp8_tensor, nvfp4, mxfp8 and
-mxfp4 also other quantization tiles (BLOCK_M, BLOCK_K) in place of _e4m3_gemm.quant_config's (which
+mxfp4 also other quantization tiles (BLOCK_M, BLOCK_K) in place of kernels_triton._common.quant_config's (which
 the nvfp4 and mxfp4 quantizers take too), with a check that the codes stay the same.
 
     PYTHONPATH=. python3 tools/h200_quant_probe.py --json $OUT/quant.json [--formats mxfp4 --m 1,16]

@@ -5,7 +5,7 @@ on a machine without a GPU, and report what ptxas made of each.
     python tools/sm12x_compile.py --json out.json # the full records, for tests/kernels_triton
     python tools/sm12x_compile.py --arch 120 --jobs 2
 
-A build is one kernel with its tile (kernels_triton._tiles) and its format's constexprs. Each is
+A build is one kernel with its tile (the SM12x tables of kernels_triton._common) and its format's constexprs. Each is
 compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` in a worker
 process with TRITON_INTERPRET=0 and a fresh Triton cache (so ptxas runs and its -v report is
 read). Pointer arguments and every integer but M are marked divisible by 16, as Triton's launcher
@@ -82,7 +82,7 @@ def builds() -> list[Build]:
     """Every build the SM12x tables can select (pure Python: nothing is compiled here)."""
     sys.path.insert(0, ROOT)
     from formats import FORMAT_NAMES, spec
-    from kernels_triton import _tiles
+    from kernels_triton import _common as _tiles  # the SM12x tile tables
 
     out = []
     for fmt in FORMAT_NAMES:

@@ -24,7 +24,7 @@ from kernels_triton import interpreting
 import formats
 import kernels_triton
 from formats import FORMAT_NAMES, spec
-from kernels_triton import _paths
+from kernels_triton import _common as _paths  # the path policy lives in _common
 from kernels_triton._common import TileConfig
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16

@@ -25,7 +25,7 @@ import triton
 
 import kernels_triton
 from formats import FORMAT_NAMES, spec
-from kernels_triton import _tiles
+from kernels_triton import _common as _tiles  # the SM12x tile tables live in _common
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "sm12x_compile.py"

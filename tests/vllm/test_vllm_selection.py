@@ -35,7 +35,7 @@ def test_register_is_cheap_and_idempotent():
         "import dispatch.vllm_plugin as p\n"
         "p.register(); p.register()\n"
         "kernel_modules = {'kernels_triton.' + f for f in ('fp8_tensor', 'fp8_block', 'mxfp8', 'nvfp4', 'mxfp4',\n"
-        "                  '_e4m3_gemm', '_fp4_gemm', 'hopper', 'hopper._twopass')}\n"
+        "                  'hopper', 'hopper._twopass', 'hopper._fp4_gemm', 'hopper.nvfp4')}\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('b12x', 'cutlass', 'kernels_cute', 'vllm')\n"
         "         or m in kernel_modules]\n"
         "print(json.dumps({'heavy': heavy, 'finders': sum(type(f).__name__ == '_AfterImport' for f in sys.meta_path)}))")
