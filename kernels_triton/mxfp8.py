@@ -139,7 +139,7 @@ def _quantize_kernel(
 # GEMM: dequantize both tiles in registers (exact in bf16), then dot
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
+def _dequantize_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows ``rows`` x K columns [k0, k0 + BLOCK_K) of an MXFP8 matrix, dequantized: fp32 [BLOCK_R, BLOCK_K].
     One scale byte is loaded per 32 elements and broadcast over its block by a reshape (loading it
@@ -180,9 +180,9 @@ def _gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
-        a = _dequant_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
+        a = _dequantize_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
                           BLOCK_M, BLOCK_K)
-        b = _dequant_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
+        b = _dequantize_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
                           BLOCK_N, BLOCK_K)
         if DOT_BF16:
             # exact: code * 2^e has 4 significant bits (see the module docstring)

@@ -15,7 +15,7 @@ The lesson (``kernels_triton.mxfp8``) teaches this GEMM; this module runs it on 
                split-K by the SM count, then the ordered reduction when it splits
     M <= 128   the lesson's dequantize-in-registers GEMM, 64-deep K steps, split-K at M <= 64
                (hopper._tiles.e4m3_config)
-    M > 128    a pre-pass dequantizing each operand once into bf16 (_dequant_kernel), then the
+    M > 128    a pre-pass dequantizing each operand once into bf16 (_dequantize_kernel), then the
                bf16 GEMM of _twopass
 
 ``route`` is that table as data; ``linear`` computes it once and launches exactly its kernels.
@@ -90,7 +90,7 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
+def _dequantize_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows ``rows`` x K columns [k0, k0 + BLOCK_K) of an MXFP8 matrix, decoded: fp32 [BLOCK_R, BLOCK_K].
     One scale byte is loaded per 32 elements and broadcast over its block by a reshape (loading it
@@ -135,9 +135,9 @@ def _gemm_kernel(
     pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
-        a = _dequant_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
+        a = _dequantize_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
                           BLOCK_M, BLOCK_K)
-        b = _dequant_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
+        b = _dequantize_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
                           BLOCK_N, BLOCK_K)
         if DOT_BF16:
             # exact: code * 2^e has 4 significant bits (see the module docstring)
@@ -159,26 +159,26 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, R, K, stride_qr, stride_qk, stride_sr, stride_sk, stride_or,
+def _dequantize_kernel(q_ptr, s_ptr, out_ptr, R, K, stride_qr, stride_qk, stride_sr, stride_sk, stride_or,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Pre-pass for large M: out [R, K] = code * 2^e, the GEMM's own _dequant_tile, stored once."""
+    """Pre-pass for large M: out [R, K] = code * 2^e, the GEMM's own _dequantize_tile, stored once."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
     r_ok = rows < R
-    v = _dequant_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk, BLOCK_R, BLOCK_K)
+    v = _dequantize_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk, BLOCK_R, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_or + offs_k[None, :], v.to(out_ptr.dtype.element_ty),
              mask=r_ok[:, None] & (offs_k[None, :] < K))
 
 
-def _dequant(q, s) -> torch.Tensor:
+def _dequantize(q, s) -> torch.Tensor:
     """Dequantized [R, K] (bf16 on GPU, exact; fp32 in the interpreter) of MXFP8 codes q and scales s."""
     R, K = q.shape
     out = torch.empty((R, K), dtype=scratch_dtype(), device=q.device)
     if R:
         br, bk = (min(64, triton.next_power_of_2(R)), min(512, max(32, triton.next_power_of_2(K)))) \
             if interpreting() else (32, 128)
-        launch(_dequant_kernel, (triton.cdiv(R, br), triton.cdiv(K, bk)),
+        launch(_dequantize_kernel, (triton.cdiv(R, br), triton.cdiv(K, bk)),
                q, s, out, R, K, q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
                BLOCK_R=br, BLOCK_K=bk, num_warps=4)
     return out
@@ -209,7 +209,7 @@ def _gemm_plan(M: int, N: int, K: int, n_sms: int, decode_kernel: str) -> tuple[
 def _gemm_kernels(kind: str, cfg: TileConfig, K: int) -> tuple[tuple[str, ...], int]:
     """(kernel names, split-K launched) of a GEMM plan."""
     if kind == "prepass":
-        return ("_dequant_kernel", "_dequant_kernel", "bf16_gemm_kernel"), 1
+        return ("_dequantize_kernel", "_dequantize_kernel", "bf16_gemm_kernel"), 1
     n_split = splitk_plan(K, cfg)[0]
     gemm = {"decode_bf16": "e4m3_decode_gemm_kernel", "decode_fp8": "fp8_decode_gemm_kernel"}.get(kind, "_gemm_kernel")
     return (gemm,) + (("splitk_reduce_kernel",) if n_split > 1 else ()), n_split
@@ -314,7 +314,7 @@ def _run_gemm(kind: str, cfg: TileConfig, xq, qweight, bias, y) -> torch.Tensor:
     x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
     sx, sw = xq.scale, qweight.scale
     if kind == "prepass":
-        return launch_bf16_gemm(_dequant(x, sx), _dequant(w, sw), y, bias=bias, config=cfg)
+        return launch_bf16_gemm(_dequantize(x, sx), _dequantize(w, sw), y, bias=bias, config=cfg)
     M, N = y.shape
     K = qweight.k
     interp = interpreting()

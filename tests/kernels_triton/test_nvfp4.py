@@ -126,7 +126,7 @@ def test_gemm_matches_reference_on_identical_operands(m, n, k, has_bias, out_dty
 
 
 @triton.jit
-def _dequant_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_r = tl.arange(0, BLOCK_R)
     v = dequantize_tile(data_ptr, scale_ptr, offs_r, offs_r < R, 0, K, K // 2, K // 16, BLOCK_R, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
@@ -143,7 +143,7 @@ def test_gemm_tile_decoder_reads_element_2i_from_the_low_nibble():
     scale = (torch.rand(r, k // 16) * 20).to(torch.float8_e4m3fn)
     q = formats.QuantizedTensor(FMT, "weight", pack_e2m1(codes), scale, torch.tensor(1.0), (1, 16), (r, k))
     out = torch.empty(r, k, device=DEVICE)
-    _dequant_kernel[(1,)](q.data.to(DEVICE), scale.view(torch.uint8).to(DEVICE), out, r, k, BLOCK_R=8, BLOCK_K=64)
+    _dequantize_kernel[(1,)](q.data.to(DEVICE), scale.view(torch.uint8).to(DEVICE), out, r, k, BLOCK_R=8, BLOCK_K=64)
     ref = formats.dequantize(q)
     assert ref[0, 0] > 0 and ref[0, 1] < 0
     assert torch.equal(out.cpu(), ref)
