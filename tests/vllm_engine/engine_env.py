@@ -62,6 +62,11 @@ def setup_environment() -> None:
     # The engine core in the test's process: the test reads the model's layers and switches
     # implementations directly, and one process pays vLLM's imports once for every engine.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # The implementation the engines load and serve with. The plugin prepares, at load, the backend
+    # registry.choose picks for each M bucket under the request in force then, and refuses a call
+    # whose request changed since (B12X_IMPL must not change after load); so the tests keep one
+    # request per process and switch implementations only through a layer's own state.
+    os.environ["B12X_IMPL"] = "reference"
 
 
 def checkpoints_module():

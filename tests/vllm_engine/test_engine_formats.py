@@ -3,9 +3,9 @@ every format through the plugin: it generates, the plugin's classes are the ones
 (read from the model's layers), and the reference and Triton implementations agree.
 
 One engine per checkpoint, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): loaded with
-B12X_IMPL=reference, then every layer's implementation is switched to "triton" in place (both
-consume the checkpoint's QuantizedTensor as prepared: dispatch/backends.py), so the two runs share
-one engine start.
+B12X_IMPL=reference, then B12X_IMPL becomes "triton" in the engine's process and every layer gets
+triton's prepared weight beside the reference's (both consume the checkpoint's QuantizedTensor as
+prepared: dispatch/backends.py), so the two runs share one engine start.
 """
 
 from __future__ import annotations
@@ -52,22 +52,24 @@ def _layers(model) -> dict:
 
 
 def _switch(impl: str):
-    """A function for LLM.apply_model: every plugin layer now runs ``impl`` on its prepared weight."""
+    """A function for LLM.apply_model: B12X_IMPL becomes ``impl`` in this process (the engine core
+    runs here) and every plugin layer gets ``impl``'s prepared weight for each M bucket, beside the
+    ones it has (reference and triton both prepare the checkpoint's QuantizedTensor itself)."""
     def switch(model):
-        from dispatch import registry
-        from dispatch.devices import current_device
         from dispatch.vllm_plugin import ops
 
+        os.environ["B12X_IMPL"] = impl
         n = 0
         for mod in model.modules():
             handle = getattr(mod, "b12x_dual_handle", None)
             if handle is None:
                 continue
             st = ops.state(handle)
-            qw = st.prepared  # reference and triton both keep the QuantizedTensor itself
-            chosen = registry.choose(st.variant, 1, st.n, st.k, current_device(qw.device), impl=impl, dtype=st.dtype)
-            st.prepared = chosen.backend.prepare(qw)
-            st.chosen = chosen
+            qw = next(iter(st.backends.values()))[1]
+            for m in ops.LOAD_M:
+                c = st.choose(m)
+                if c.backend.name not in st.backends:
+                    st.backends[c.backend.name] = (c.backend, c.backend.prepare(qw))
             n += 1
         return n
     return switch
