@@ -126,6 +126,14 @@ def record_launches() -> Iterator[list[str]]:
         _state.log = prev
 
 
+def int_specialization(n: int) -> str:
+    """How Triton specializes an int kernel argument: "1" (== 1), "16" (divisible by 16) or "" (any
+    other value); a kernel compiles once per class. Routes report the class of the M-derived ints a
+    launch passes (e.g. the amax partial count), so a warmup can cover every compile a token count
+    can cause."""
+    return "1" if n == 1 else ("16" if n % 16 == 0 else "")
+
+
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, recorded under the kernel's function name."""
     launched(getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)))

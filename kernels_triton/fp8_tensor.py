@@ -68,7 +68,7 @@ from formats.validate import static_scale
 from ._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite, round_to_bf16_rne
 from ._common import (ALPHA_SCALES, Route, THIS_DEVICE, check_activation, check_bias, check_gemm_operands,
                       check_weight, default_device, device_capability, e4m3_operand, e4m3_portable_config,
-                      epilogue, flatten_rows, interpreting, kernel_bias, launch, native_config, quant_config,
+                      epilogue, flatten_rows, int_specialization, interpreting, kernel_bias, launch, native_config, quant_config,
                       route_path)
 
 _ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
@@ -265,6 +265,15 @@ def _native_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # The route: which kernels a call launches, with which tile, and why
 # ---------------------------------------------------------------------------------------------
+def amax_partials(M: int, K: int, interp: bool) -> int:
+    """How many partial maxima stage 1 writes for x [M, K] (its grid: row tiles times K tiles, the K
+    tiles only on a GPU and within PARTIALS_BLOCK); stage 2's ``num_partials``."""
+    block_m, block_k = quant_config(M, K, interp, group=32)
+    pm = triton.cdiv(M, block_m)
+    pk = 1 if interp else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
+    return pm * pk
+
+
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False, path=None,
           scale=None) -> Route:
     """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_tensor problem.
@@ -291,7 +300,10 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
     quant = ("_quantize_kernel",) if scale is not None else ("_amax_partials_kernel", "_quantize_kernel")
     gemm = "_native_gemm_kernel" if gemm_path_ == "native" else "_gemm_kernel"
     cfg = tile_config(M, N, K, gemm_path_, capability)
-    return Route("triton", quant + (gemm,), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
+    options = (("path", gemm_path_), ("config", cfg))
+    if scale is None:  # stage 2's M-derived int (one compile per class)
+        options += (("num_partials", int_specialization(amax_partials(M, K, capability is None))),)
+    return Route("triton", quant + (gemm,), str(cfg), 1, why, options)
 
 
 def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE):
@@ -336,9 +348,9 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     if scale is None:
         # stage 1 spans K as well as M on GPU: a program walking all of K alone issues its loads
         # one after another
+        num_partials = amax_partials(M, K, interp)
         pm = triton.cdiv(M, block_m)
-        pk = 1 if interp else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
-        num_partials = pm * pk
+        pk = num_partials // pm
         partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
         launch(_amax_partials_kernel, (pm, pk),
                x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)

@@ -82,7 +82,7 @@ from ._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3,
 from ._common import (ALPHA_GLOBAL_RECIP, PREPASS_MIN_M, Route, TileConfig, check_activation, check_bias,
                       check_native_weight, check_out_dtype, check_weight, default_device, device_capability,
                       epilogue, gemm_path, interpreter_config, interpreting, kernel_bias, launch, native_config,
-                      quant_config, resolve_path, sm12x_config, sm_count, weight_scale_bytes)
+                      quant_config, resolve_path, sm12x_config, sm_count, weight_scale_bytes, int_specialization)
 
 __all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "tile_config"]
 
@@ -321,6 +321,14 @@ def gemm_tile(M: int, N: int, K: int, path: str, capability, sm_count: int = 1) 
     return sm12x_config("e2m1_portable", min(M, PREPASS_MIN_M), N, K, sm_count)
 
 
+def amax_partials(M: int, K: int, interp: bool) -> int:
+    """How many partial amaxes the dynamic global scale is reduced from: one per quantizer row
+    tile, at most MAX_PARTIALS (MAX_PARTIALS_INTERPRETED under the interpreter). The amax kernel's
+    grid and the quantize kernel's ``num_partials`` / ``BLOCK_P``."""
+    block_m, _ = quant_config(M, K, interp, VEC_SIZE)
+    return min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interp else MAX_PARTIALS)
+
+
 def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool, path: Optional[str],
           dynamic_scale: bool) -> tuple[Route, str, TileConfig]:
     """The route with the GEMM's path and tile: the one place a call's kernels are decided."""
@@ -336,9 +344,13 @@ def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool, path: Op
         chosen, why = path, f"path={path!r} forced"
     cfg = gemm_tile(M, N, K, chosen, capability, sm_count)
     quant = () if a16 or M == 0 else _QUANTIZER[bool(dynamic_scale)]
+    options = ()
+    if quant and dynamic_scale:  # the quantize kernel's M-derived ints (one compile per class)
+        n = amax_partials(M, K, capability is None)
+        options = (("num_partials", int_specialization(n)), ("BLOCK_P", max(16, triton.next_power_of_2(n))))
     if M == 0 or N == 0:
-        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), chosen, cfg
-    return Route("triton", quant + (_GEMM_KERNEL[chosen],), str(cfg), 1, why), chosen, cfg
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch", options=options), chosen, cfg
+    return Route("triton", quant + (_GEMM_KERNEL[chosen],), str(cfg), 1, why, options), chosen, cfg
 
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
@@ -400,7 +412,7 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
         block_m, block_k = quant_config(M, K, interpreting(), VEC_SIZE)
         num_partials = 1
         if dynamic:
-            num_partials = min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interpreting() else MAX_PARTIALS)
+            num_partials = amax_partials(M, K, interpreting())
             g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
             launch(_amax_partial_kernel, (num_partials,), x2, g_in, M, K, x2.stride(0), x2.stride(1),
                    BLOCK_M=block_m, BLOCK_K=block_k)

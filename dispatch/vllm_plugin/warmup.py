@@ -49,7 +49,8 @@ def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
     """What an ``impl`` call of ``variant`` at M tokens (N, K) compiles, as far as M decides it.
 
     triton / hopper: the backend's route on ``device`` (a DeviceInfo; None: this process's device),
-    i.e. the kernels it launches, their tile and split-K, plus the activation quantizer's tile
+    i.e. the kernels it launches, their tile and split-K and the Triton specialization classes of the
+    M-derived ints it passes (``Route.options``: the amax partial count), plus the activation quantizer's tile
     (``kernels_triton._common.quant_config``, the same M rule for every format) and M's Triton
     specialization. cute: the b12x plan capacity ``cap_for(next_pow2(M), K)`` that kernels_cute
     plans for an unprepared M. reference: nothing (torch only). Raises ValueError for another impl.
@@ -65,7 +66,7 @@ def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
 
         dev = current_device() if device is None else device
         r = registry.get(impl, variant).route(registry.Problem(variant, m, n, k, dtype), dev)
-        return (r.kernels, r.tile, r.split_k, quant_config(m, k, interpreting(), 32), _specialization(m))
+        return (r.kernels, r.tile, r.split_k, r.options, quant_config(m, k, interpreting(), 32), _specialization(m))
     if impl == "cute":
         import kernels_cute
         from kernels_cute._common import next_pow2

@@ -227,6 +227,18 @@ def quantize_planes(x2: torch.Tensor, planes: torch.Tensor, plane_k: int, *,
     return _launch(x2, global_scale, planes, planes, planes, plane_k)
 
 
+def amax_partials(M: int, K: int, plane_k: int, interp: bool) -> int:
+    """How many partial amaxes the dynamic global scale is reduced from for x [M, K] quantized in
+    tiles of at least ``plane_k`` columns (0: codes, no planes): the amax kernel's grid (row tiles
+    times K tiles, within MAX_PARTIALS; one K tile under the interpreter), the quantize kernel's
+    ``num_partials`` / ``BLOCK_P``."""
+    block_m, block_k = _quantize_tiles(M, K, interp)
+    block_k = max(block_k, plane_k)
+    pm = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
+    pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
+    return pm * pk
+
+
 def _launch(x2, global_scale, data, scale, planes, plane_k: int) -> torch.Tensor:
     """The amax and quantize kernels over x2 [M, K] into data and scale (plane_k 0) or planes; the g
     tensor (float32 [1], or 0-d without a launch)."""
@@ -243,9 +255,9 @@ def _launch(x2, global_scale, data, scale, planes, plane_k: int) -> torch.Tensor
     g = torch.empty((1,), dtype=torch.float32, device=device)
     num_partials = 1
     if dynamic:
+        num_partials = amax_partials(M, K, plane_k, interp)
         pm = min(triton.cdiv(M, block_m), 4 if interp else MAX_PARTIALS)
-        pk = min(triton.cdiv(K, block_k), 1 if interp else max(1, MAX_PARTIALS // pm))
-        num_partials = pm * pk
+        pk = num_partials // pm
         g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
         launch(
             _amax_partial_kernel, (pm, pk), x2, g_in, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_launch(device))

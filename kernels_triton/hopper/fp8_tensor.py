@@ -32,7 +32,7 @@ from formats.constants import AMAX_FLOOR, E4M3_MAX
 from formats.validate import static_scale
 
 from .._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite, round_to_bf16_rne
-from .._common import (Route, TileConfig, check_activation, check_bias, check_gemm_operands, check_weight,
+from .._common import (Route, int_specialization, TileConfig, check_activation, check_bias, check_gemm_operands, check_weight,
                        device_capability, e4m3_operand, flatten_rows, interpreting, kernel_bias, launch, quant_config,
                        sm_count)
 from . import supported
@@ -210,6 +210,15 @@ def _gemm_kernels(kind: str, cfg: TileConfig, K: int) -> tuple[tuple[str, ...], 
     return (gemm,) + (("splitk_reduce_kernel",) if n_split > 1 else ()), n_split
 
 
+def amax_partials(M: int, K: int, interp: bool) -> int:
+    """How many partial maxima stage 1 writes for x [M, K] (its grid: row tiles times K tiles, the K
+    tiles only on a GPU and within PARTIALS_BLOCK); stage 2's ``num_partials``."""
+    block_m, block_k = quant_config(M, K, interp, group=32)
+    pm = triton.cdiv(M, block_m)
+    pk = 1 if interp else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
+    return pm * pk
+
+
 def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = False, scale=None,
           tma_aligned: bool = True) -> Route:
     """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_tensor problem on sm_90.
@@ -239,8 +248,10 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
     quant = ("_quantize_kernel",) if scale is not None else ("_amax_partials_kernel", "_quantize_kernel")
     kind, cfg, gwhy = _gemm_plan(M, N, K, sm_count, tma_aligned)
     kernels, n_split = _gemm_kernels(kind, cfg, K)
-    return Route("hopper", quant + kernels, str(cfg), n_split, gwhy,
-                 (("gemm", kind), ("config", cfg)))
+    options = (("gemm", kind), ("config", cfg))
+    if scale is None:  # stage 2's M-derived int (one compile per class)
+        options += (("num_partials", int_specialization(amax_partials(M, K, False))),)
+    return Route("hopper", quant + kernels, str(cfg), n_split, gwhy, options)
 
 
 def tile_config(M: int, N: int, K: int, device=None) -> TileConfig:
@@ -288,9 +299,9 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     partials = s  # unused placeholder pointer when the scale is static
     num_partials = 0
     if scale is None:
+        num_partials = amax_partials(M, K, interp)
         pm = triton.cdiv(M, block_m)
-        pk = 1 if interp else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
-        num_partials = pm * pk
+        pk = num_partials // pm
         partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
         launch(_amax_partials_kernel, (pm, pk),
                x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k,

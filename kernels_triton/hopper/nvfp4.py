@@ -21,18 +21,20 @@ bf16/fp16 [..., K], any leading dims and strides.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 import torch
+import triton
 
 from formats import QuantizedTensor
 from formats.constants import NVFP4_BLOCK
 
-from .._common import Route, check_activation, check_bias, check_weight, kernel_bias
+from .._common import Route, check_activation, check_bias, check_weight, int_specialization, kernel_bias
 from ._fp4_decode import launch_fp4_decode, plane_layout
 from ._fp4_gemm import launch_fp4_gemm
 from ._fp4_route import device_plan, plan, supported
-from ._nvfp4_quant import quantize_activation, quantize_planes
+from ._nvfp4_quant import amax_partials, quantize_activation, quantize_planes
 
 __all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "supported"]
 
@@ -58,8 +60,14 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
     Raises:
         ValueError: capability not sm_90, a negative dimension, sm_count < 1, another x_dtype.
     """
-    return plan(FMT, M, N, K, capability=capability, sm_count=sm_count, a16=a16, x_dtype=x_dtype,
-                quantizer=_QUANTIZER[bool(dynamic_scale)]).route
+    p = plan(FMT, M, N, K, capability=capability, sm_count=sm_count, a16=a16, x_dtype=x_dtype,
+             quantizer=_QUANTIZER[bool(dynamic_scale)])
+    r = p.route
+    if "_amax_partial_kernel" in r.kernels:  # the quantize kernel's M-derived ints (one compile per class)
+        n = amax_partials(M, K, p.config.BLOCK_K if p.kind == "decode_planes" else 0, False)
+        r = dataclasses.replace(r, options=r.options + (
+            ("num_partials", int_specialization(n)), ("BLOCK_P", max(16, triton.next_power_of_2(n)))))
+    return r
 
 
 def _device_plan(M, N, K, device, *, a16, x_dtype, quantizer):

@@ -128,14 +128,14 @@ def test_watchdog_finds_flipped_weight_scale_and_replays(watchdog, caplog, tmp_p
         assert rep["first"]["stage"] == "gemm" and rep["first"]["tile"] == 1 and rep["activation"]["equal"]
         files = list(tmp_path.glob("*" + replay.SUFFIX))
         assert len(files) == 1 and str(files[0]) == rep["replay"]
-        again = diff.run_replay(str(files[0]), device="cpu")
+        again = diff.run_replay(str(files[0]), device=DEVICE)
         assert again["replay"]["reproduces"] is True
         assert again["first"]["impl"] == "triton" and again["first"]["stage"] == "gemm" and again["first"]["tile"] == 1
     rp = replay.read(files[0])
     assert rp.layer == "model.layers.3.mlp.up_proj" and rp.impl == "triton" and rp.variant == "nvfp4"
-    assert torch.equal(rp.x, x) and rp.meta["versions"]["torch"] == torch.__version__
-    assert torch.equal(rp.qweight.scale.view(torch.uint8), q.qweight.scale.view(torch.uint8))  # the true weight
-    clean = diff.run_replay(str(files[0]), device="cpu")
+    assert torch.equal(rp.x.cpu(), x.cpu()) and rp.meta["versions"]["torch"] == torch.__version__
+    assert torch.equal(rp.qweight.scale.view(torch.uint8).cpu(), q.qweight.scale.view(torch.uint8).cpu())  # the true weight
+    clean = diff.run_replay(str(files[0]), device=DEVICE)
     assert clean["replay"]["reproduces"] is False and clean["ok"]
     rec = clean["replay"]["recorded_output"]
     assert not rec["ok"] and rec["first"]["row"] == 0 and rec["first"]["tile"] == 1
