@@ -34,7 +34,7 @@ from formats.validate import check_scale_values
 
 from .. import check as _check
 from ..devices import current_device
-from . import _backend, convert, ops, placement
+from . import _backend, convert, ops, placement, scheme
 
 log = logging.getLogger("dispatch.vllm_plugin")
 
@@ -68,6 +68,8 @@ class _Adapter:
     VARIANT: str = ""
     QUANT_KEY: str = ""
     FREED: tuple[str, ...] = ("weight", "weight_scale")
+    # The variants this class's conversion serves: the checkpoint's scheme picks among them.
+    SERVES: tuple[str, ...] = ()
 
     @classmethod
     def _placement(cls, compute_capability=None, variant: Optional[str] = None) -> tuple[bool, Optional[str]]:
@@ -79,6 +81,27 @@ class _Adapter:
     def _variant(self) -> str:
         return self.VARIANT
 
+    def _checkpoint_variant(self, layer: torch.nn.Module, name: str) -> str:
+        """The variant the checkpoint's own scheme names (scheme.py), which wins over the one vLLM's
+        scheme object implies; logged once where the two differ. Raises CheckpointError where the
+        checkpoint's scheme is one this class does not serve."""
+        implied = self._variant()
+        ck = scheme.read(layer)
+        if ck is None:
+            return implied
+        serves = self.SERVES or (self.VARIANT,)
+        if ck.variant is None or ck.variant not in serves:
+            what = ck.why or f"its variant {ck.variant} is not served by {type(self).__name__}"
+            raise convert.CheckpointError(
+                f"layer {name}: the checkpoint's scheme is {ck.text}; {what}. {type(self).__name__} "
+                f"serves {', '.join(serves)}: serve this layer with another --linear-backend, or "
+                "quantize it with a scheme b12x-dual serves")
+        if ck.variant != implied:
+            placement.log_once(logging.WARNING, "b12x-dual: vLLM's scheme for %s implies %s, but the checkpoint "
+                               "says %s; serving %s, as the checkpoint says", type(self).__name__, implied,
+                               ck.text, ck.variant)
+        return ck.variant
+
     def _load(self, layer: torch.nn.Module, qw, act_opts: dict) -> None:
         n, k = qw.shape
         name = convert.layer_name(layer)
@@ -86,7 +109,7 @@ class _Adapter:
             check_scale_values(qw, name=f"layer {name} weight")
         except ValueError as e:
             raise convert.CheckpointError(str(e)) from None
-        variant = self._variant()
+        variant = self._checkpoint_variant(layer, name)
         dtype = getattr(layer, "params_dtype", None) or torch.get_default_dtype()
         handle = getattr(layer, "b12x_dual_handle", None)
         if handle is not None:  # reload: same storage, so captured CUDA graphs stay valid
@@ -295,6 +318,7 @@ class B12xDualMxFp4Kernel(_Adapter, MxFp4LinearKernel):
     """MXFP4 (CT mxfp4-pack-quantized, Quark, online) through mxfp4 / mxfp4_w4a16."""
 
     VARIANT, QUANT_KEY = "mxfp4", "mxfp4"
+    SERVES = ("mxfp4", "mxfp4_w4a16")  # the same weight tensors; the activations differ
 
     @classmethod
     def is_supported(cls, compute_capability: Optional[int] = None):

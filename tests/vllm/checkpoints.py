@@ -28,8 +28,11 @@ CT_PRESETS = {
     "ct_fp8_dynamic": "FP8 weights per tensor, activations dynamic per tensor",  # built below
     "ct_fp8_block": "FP8_BLOCK",
     "ct_mxfp4": "MXFP4",
+    "ct_mxfp4a16": "MXFP4A16",
     "ct_mxfp8": "MXFP8",
 }
+# Presets in our formats that b12x-dual does not serve yet: refused at load, by name.
+CT_REFUSED = {"ct_mxfp8a16": "MXFP8A16", "ct_fp8_channel": "FP8_DYNAMIC"}
 DERIVED = {"modelopt_nvfp4": "ct_nvfp4", "modelopt_mxfp8": "ct_mxfp8", "deepseek_fp8_block": "ct_fp8_block"}
 KINDS = tuple(CT_PRESETS) + tuple(DERIVED)
 
@@ -94,6 +97,8 @@ def _weight_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     s = _strategy(args)
     if s == "tensor":
         return w.amin().reshape(1), w.amax().reshape(1)
+    if s == "channel":  # one scale per output row
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
     if s in ("group", "tensor_group"):
         v = w.reshape(w.shape[0], -1, args.group_size)
         return v.amin(-1), v.amax(-1)
@@ -263,6 +268,8 @@ def build(kind: str, root: Path) -> Path:
         return out
     if kind in CT_PRESETS:
         return write_ct(out, CT_PRESETS[kind])
+    if kind in CT_REFUSED:
+        return write_ct(out, CT_REFUSED[kind])
     if kind == "modelopt_nvfp4":
         return write_modelopt_nvfp4(build("ct_nvfp4", root), out)
     if kind == "modelopt_mxfp8":

@@ -30,6 +30,7 @@ FAMILIES = {
     "ct_fp8_block": ("B12xDualFp8BlockKernel", "fp8_block"),
     "deepseek_fp8_block": ("B12xDualFp8BlockKernel", "fp8_block"),
     "ct_mxfp4": ("B12xDualMxFp4Kernel", "mxfp4"),
+    "ct_mxfp4a16": ("B12xDualMxFp4Kernel", "mxfp4_w4a16"),
     "ct_mxfp8": ("B12xDualMxfp8Kernel", "mxfp8"),
     "modelopt_mxfp8": ("B12xDualMxfp8Kernel", "mxfp8"),
 }
@@ -77,10 +78,11 @@ def expected(kind: str, d, name: str) -> tuple[QuantizedTensor, dict, bool]:
     if kind in ("ct_mxfp8", "modelopt_mxfp8"):
         w = cat("weight")
         return QuantizedTensor("mxfp8", "weight", w, cat("weight_scale"), None, (1, 32), tuple(w.shape)), {}, False
-    if kind == "ct_mxfp4":
+    if kind in ("ct_mxfp4", "ct_mxfp4a16"):
         codes = cat("weight_packed")
         shape = (codes.shape[0], 2 * codes.shape[1])
-        return QuantizedTensor("mxfp4", "weight", codes, cat("weight_scale"), None, (1, 32), shape), {}, False
+        return QuantizedTensor("mxfp4", "weight", codes, cat("weight_scale"), None, (1, 32), shape), {}, \
+            kind == "ct_mxfp4a16"
     raise AssertionError(kind)
 
 
@@ -103,6 +105,8 @@ def test_selected_and_bit_exact_with_oracle(kind, dist, ckpt, impl):
     cls, variant = FAMILIES[kind]
     for name, layer in layers.items():
         assert type(kernel_of(layer)).__name__ == cls
+        served = __import__("dispatch.vllm_plugin.ops", fromlist=["state"]).state(layer.b12x_dual_handle).variant
+        assert served == variant, f"{kind} {name}: served as {served}, the checkpoint's scheme is {variant}"
         qw, act, a16 = expected(kind, d, name)
         x = _x(qw.k, seed=len(name))
         y = forward(layer, x)
@@ -111,11 +115,11 @@ def test_selected_and_bit_exact_with_oracle(kind, dist, ckpt, impl):
         assert ref.abs().max() > 0
         assert torch.equal(y, ref), f"{kind} {name}: max |diff| {(y.float() - ref.float()).abs().max():.3e}"
         assert layer.weight.numel() == 0, "the checkpoint weight should be freed after repacking"
-        if kind != "ct_mxfp4":  # vLLM's CT MXFP4 scheme itself swaps in a loader-less Parameter first
+        if kind not in ("ct_mxfp4", "ct_mxfp4a16"):  # vLLM's CT MXFP4 scheme itself swaps in a loader-less Parameter first
             assert callable(layer.weight.weight_loader), "the weight loader must survive process_weights_after_loading"
 
 
-TRITON_KINDS = ["ct_nvfp4", "ct_nvfp4a16", "ct_fp8", "ct_fp8_block", "ct_mxfp4", "ct_mxfp8"]
+TRITON_KINDS = ["ct_nvfp4", "ct_nvfp4a16", "ct_fp8", "ct_fp8_block", "ct_mxfp4", "ct_mxfp4a16", "ct_mxfp8"]
 
 
 @pytest.mark.parametrize("kind", TRITON_KINDS)

