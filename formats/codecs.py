@@ -61,8 +61,10 @@ def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     Source: OCP MX v1.0 5.3.2 (E4M3 with saturation, "satfinite" conversion as in PTX cvt.rn.satfinite).
     """
     _require_float32(x, "x")
-    # torch's float -> float8_e4m3fn cast is RNE (normals and subnormals) but turns out-of-range
-    # values into NaN; clamping first gives saturation (any |x| >= 448 rounds to 448 anyway).
+    # torch's float -> float8_e4m3fn cast is RNE (normals and subnormals). Since torch 2.12
+    # (pytorch/pytorch#178817) it saturates out-of-range values, Inf included (2.13 here); torch 2.11
+    # and older (the H200 machine's) turn |x| > 464 into NaN. Clamping first gives saturation on
+    # every version (any |x| >= 448 rounds to 448 anyway); NaN is restored below.
     codes = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isnan(x), torch.full_like(codes, E4M3_NAN), codes).view(torch.float8_e4m3fn)
 

@@ -63,6 +63,9 @@ def quantize(x: torch.Tensor, role: str = "weight", *, global_scale: Optional[fl
     else:
         g = check_positive_scalar(global_scale, "global_scale").to(x.device)
     amax_b = block_amax(x, 1, NVFP4_BLOCK)
+    # s = e4m3(fl32(fl32(amax_b / 6) * g)), in this order: b12x 1.5.1's reference quantizer
+    # (b12x/_lib/intrinsics.py: (global_scale * (block_max / FLOAT4_E2M1_MAX)).to(float8_e4m3fn));
+    # another order moves the product by a float32 ulp and, near an e4m3 midpoint, the scale byte.
     scale = encode_e4m3(ieee_div(amax_b, E2M1_MAX) * g)
     s = expand_blocks(decode_e4m3(scale), x.shape[0], 1, NVFP4_BLOCK)
     # a NaN block scale (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf) fails
