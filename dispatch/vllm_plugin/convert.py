@@ -119,8 +119,12 @@ def fp8_tensor(layer, n: int, k: int, *, static_input: bool) -> tuple[QuantizedT
 def fp8_block(layer, n: int, k: int) -> tuple[QuantizedTensor, dict]:
     """Block FP8 (DeepSeek ``Fp8Config`` weight_scale_inv, CT FP8_BLOCK weight_scale).
 
-    Reads weight e4m3 (N, K) and the block scales (ceil(N/128), K/128), fp32/bf16 or UE8M0
-    (float8_e8m0fnu / uint8, decoded exactly to fp32). Returns (QuantizedTensor fp8_block, {}).
+    Reads weight e4m3 (N, K) and the block scales (ceil(N/128), K/128) in the dtype of vLLM's
+    parameter: float32 (vLLM 0.32/0.33 always: a UE8M0 checkpoint's float8_e8m0fnu scales arrive as
+    their exact float32 powers of two) or float8_e8m0fnu (the parameter dtype vLLM's Fp8 method
+    creates when its quant config sets ``is_scale_e8m0``; decoded exactly, byte b -> 2^(b-127)).
+    uint8 block scales never reach here: the load checks refuse them in the file (loading.py), since
+    vLLM's float32 parameter would take the bytes as integers. Returns (QuantizedTensor fp8_block, {}).
     Raises CheckpointError (also for K % 128 != 0 in this shard).
     """
     what = "block FP8 (128x128)"
@@ -128,7 +132,7 @@ def fp8_block(layer, n: int, k: int) -> tuple[QuantizedTensor, dict]:
     w = tensor(layer, "weight", dtypes=(torch.float8_e4m3fn,), what=what)
     _shape(layer, "weight", w, (n, k), what)
     name = "weight_scale_inv" if getattr(layer, "weight_scale_inv", None) is not None else "weight_scale"
-    s = tensor(layer, name, dtypes=(torch.float32, torch.bfloat16) + E8M0_DTYPES, what=what)
+    s = tensor(layer, name, dtypes=(torch.float32, torch.bfloat16) + E8M0_DTYPES[1:], what=what)
     _shape(layer, name, s, (-(-n // 128), k // 128), what)
     ue8m0 = s.dtype in E8M0_DTYPES
     s = e8m0_to_fp32(s) if ue8m0 else s.to(torch.float32)

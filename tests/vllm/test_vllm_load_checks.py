@@ -148,19 +148,61 @@ def _cut_last(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_wrong_shape_named_before_vllm_narrows(kind, dist, ckpt, impl):
-    """Each tensor of k's shard with a wrong shape is refused with our error (layer, tensor, shard,
-    arrived, expected), never vLLM's ``start (0) + length (3) exceeds dimension size (2)``."""
+    """Each tensor of each of q's, k's and v's shards with a wrong shape, one at a time, is refused
+    with our error (layer, tensor, shard, arrived, expected), never vLLM's ``start (0) + length (3)
+    exceeds dimension size (2)``."""
     impl("reference")
     d = ckpt(kind)
-    k_module = harness.LINEARS["qkv"][1]
-    for leaf in _leaves(d, "qkv"):
-        with harness.vllm_context(d) as cfg:
-            layers = harness.make_layers(harness.quant_config(cfg), ("qkv",))
+    for shard, module in zip(("q", "k", "v"), harness.LINEARS["qkv"]):
+        for leaf in _leaves(d, "qkv"):
+            with harness.vllm_context(d) as cfg:
+                layers = harness.make_layers(harness.quant_config(cfg), ("qkv",))
+                with pytest.raises(convert.CheckpointError) as e:
+                    harness.load(layers, d, process=False, tamper=_tamper(leaf, _cut_last, module))
+            msg = str(e.value)
+            assert f"layer {PREFIX['qkv']}: checkpoint tensor '{leaf}' (shard '{shard}') is " in msg, msg
+            assert "expected" in msg and "exceeds dimension size" not in msg, msg
+
+
+def _merged_up(d, edit):
+    """The checkpoint's up projection (intermediate.dense) as a gate/up-style merged column layer:
+    its two halves along N are shards 0 and 1 (per-tensor scales go to both), each passed through
+    ``edit(shard, leaf, tensor)`` before vLLM's loader (None: left out); processed. Returns the layer."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    prefix = f"{harness.PREFIX}.{harness.LINEARS['up'][0]}"
+    tensors = harness.expected_shards(d, "up")
+    half = harness.INTER // 2
+    with harness.vllm_context(d) as cfg:
+        layer = MergedColumnParallelLinear(harness.HIDDEN, [half, half], bias=True,
+                                           quant_config=harness.quant_config(cfg), prefix=prefix)
+        params = dict(layer.named_parameters())
+        for leaf, (t,) in tensors.items():
+            if leaf not in params:
+                continue
+            for shard in (0, 1):
+                part = t if t.dim() == 0 or t.numel() == 1 else t[shard * (t.shape[0] // 2):(shard + 1) * (t.shape[0] // 2)]
+                part = edit(shard, leaf, part)
+                if part is not None:
+                    params[leaf].weight_loader(params[leaf], part, shard)
+        layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_merged_shard_wrong_shape_named(kind, dist, ckpt, impl):
+    """Gate/up-style merged layers in every family: each tensor of shard 0 and of shard 1 with a
+    wrong shape, one at a time, is our error naming layer, tensor and shard."""
+    impl("reference")
+    d = ckpt(kind)
+    prefix = f"{harness.PREFIX}.{harness.LINEARS['up'][0]}"
+    for shard in (0, 1):
+        for leaf in _leaves(d, "up"):
             with pytest.raises(convert.CheckpointError) as e:
-                harness.load(layers, d, process=False, tamper=_tamper(leaf, _cut_last, k_module))
-        msg = str(e.value)
-        assert f"layer {PREFIX['qkv']}: checkpoint tensor '{leaf}' (shard 'k') is " in msg, msg
-        assert "expected" in msg and "exceeds dimension size" not in msg, msg
+                _merged_up(d, lambda s, lf, t: _cut_last(t) if (s, lf) == (shard, leaf) else t)
+            msg = str(e.value)
+            assert f"layer {prefix}: checkpoint tensor '{leaf}' (shard {shard}) is " in msg, msg
+            assert "expected" in msg and "exceeds dimension size" not in msg, msg
 
 
 @pytest.mark.parametrize("kind,leaf", [("ct_fp8_block", "weight_scale"), ("deepseek_fp8_block", "weight_scale_inv"),
@@ -256,26 +298,12 @@ def test_merged_column_shards_checked_and_named(dist, ckpt, impl):
     split in two halves along N: the halves load and serve the unsplit layer's output exactly; a
     half left out is named by its shard id, and a half of the wrong height by its shard and the
     expected (N/2, K/32)."""
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
-
     impl("reference")
     d = ckpt("ct_mxfp8")
     prefix = f"{harness.PREFIX}.{harness.LINEARS['up'][0]}"
-    tensors = harness.expected_shards(d, "up")
-    half = harness.INTER // 2
 
     def build_and_load(edit=lambda shard, leaf, t: t):
-        with harness.vllm_context(d) as cfg:
-            layer = MergedColumnParallelLinear(harness.HIDDEN, [half, half], bias=True,
-                                               quant_config=harness.quant_config(cfg), prefix=prefix)
-            params = dict(layer.named_parameters())
-            for leaf, (t,) in tensors.items():
-                for shard in (0, 1):
-                    part = edit(shard, leaf, t[shard * half:(shard + 1) * half])
-                    if part is not None:
-                        params[leaf].weight_loader(params[leaf], part, shard)
-            layer.quant_method.process_weights_after_loading(layer)
-        return layer
+        return _merged_up(d, edit)
 
     merged = build_and_load()
     assert loading.our_kernel(merged) is not None and merged.b12x_dual_load_record.shards == (0, 1)
@@ -306,3 +334,44 @@ def test_dummy_load_format_is_not_a_missing_checkpoint(dist, ckpt, impl):
         cfg.load_config = LoadConfig(load_format="dummy")
         with set_current_vllm_config(cfg):
             loading.check_complete(layers["o"])
+
+
+def test_ue8m0_block_scales_in_an_e8m0_parameter_are_decoded(dist, ckpt, impl):
+    """When vLLM's Fp8 method creates its block-scale parameter as float8_e8m0fnu (its quant config's
+    ``is_scale_e8m0``, read by vLLM's ``Fp8LinearMethod``), a DeepSeek-style checkpoint's UE8M0 scales
+    (safetensors F8_E8M0) arrive as E8M0 bytes and the plugin decodes them: the output equals the same
+    powers of two loaded into vLLM's default float32 parameter. The scales are far below 1 (asserted:
+    at most 2^-2), so reading their bytes (>= 100) as integers instead of decoding them would scale
+    the output by 2^9 or more: a conversion that does so fails here."""
+    impl("reference")
+    d = ckpt("deepseek_fp8_block")
+
+    def pow2(t):  # each block scale rounded up to a power of two, as UE8M0 exporters do
+        return torch.exp2(torch.ceil(torch.log2(t.float())))
+
+    as_f32 = _output(d, "qkv", _tamper("weight_scale_inv", pow2))
+    with harness.vllm_context(d) as cfg:
+        qc = harness.quant_config(cfg)
+        qc.is_scale_e8m0 = True  # what vLLM's Fp8LinearMethod reads to create an E8M0 parameter
+        layers = harness.make_layers(qc, ("qkv",))
+        assert layers["qkv"].weight_scale_inv.dtype == torch.float8_e8m0fnu
+        scales = torch.cat(harness.expected_shards(d, "qkv")["weight_scale_inv"], 0)
+        assert float(pow2(scales).max()) <= 0.25 and int(pow2(scales).to(torch.float8_e8m0fnu).view(torch.uint8).min()) >= 100
+        harness.load(layers, d, tamper=_tamper("weight_scale_inv", lambda t: pow2(t).to(torch.float8_e8m0fnu)))
+    x = _x(layers["qkv"].input_size)
+    as_e8m0 = forward(layers["qkv"], x)
+    assert as_f32.abs().max() > 0
+    assert torch.equal(as_f32, as_e8m0)
+
+
+def test_uint8_block_scales_are_refused_in_the_file(dist, ckpt, impl):
+    """UE8M0 block scales written as uint8 bytes would be taken as integers by vLLM's float32
+    parameter (byte 120 -> 120.0 instead of 2^-7): refused at load, naming the tensor and the fix."""
+    impl("reference")
+    d = ckpt("deepseek_fp8_block")
+
+    def as_bytes(t):
+        return (torch.ceil(torch.log2(t.float())) + 127).to(torch.uint8)
+
+    with pytest.raises(convert.CheckpointError, match=r"weight_scale_inv.*uint8.*float8_e8m0fnu"):
+        loaded(d, ("o",), tamper=_tamper("weight_scale_inv", as_bytes))
