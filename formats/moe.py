@@ -65,6 +65,7 @@ def moe_activation(h: torch.Tensor, activation: str = "silu", *, swiglu_alpha: f
     if h.shape[-1] % 2:
         raise ValueError(f"the W13 output must have an even width [..., 2I], got {h.shape[-1]}")
     i = h.shape[-1] // 2
+    # [moe-activation]
     if activation == "swigluoai":
         gate, up = h[..., 0::2], h[..., 1::2]
     else:
@@ -76,6 +77,7 @@ def moe_activation(h: torch.Tensor, activation: str = "silu", *, swiglu_alpha: f
     gate = torch.where(torch.isfinite(gate), gate.clamp(max=swiglu_limit), nan)
     up = torch.where(torch.isfinite(up), up.clamp(min=-swiglu_limit, max=swiglu_limit), nan)
     return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+    # [/moe-activation]
 
 
 def experts_from_stacked(fmt: str, data: torch.Tensor, scale: torch.Tensor,
@@ -291,6 +293,7 @@ def reference_moe(
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
 
+    # [moe-loop]
     w = topk_weights.to(torch.float64)
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True)
@@ -319,3 +322,4 @@ def reference_moe(
             oe = oe + b2[e]
         y.index_add_(0, tokens, oe * w[tokens, slots].unsqueeze(1))
     return y.to(out_dtype)
+    # [/moe-loop]
