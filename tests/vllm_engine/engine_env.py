@@ -254,6 +254,73 @@ def write_moe_model(root: Path, kind: str) -> Path:
     return out
 
 
+def gptoss_config():
+    """gpt-oss cut down: hidden 256, 2 layers (sliding then full attention, with sinks), 4 heads of
+    64, 2 KV heads, 8 experts with biases, top-2, intermediate 128, vocabulary 1024."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8,
+                        num_experts_per_tok=2, sliding_window=128, max_position_embeddings=131072,
+                        layer_types=["sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2,
+                        pad_token_id=0, tie_word_embeddings=False, initializer_range=0.08)
+
+
+def tiny_gptoss(seed: int = 0):
+    """The random tiny gpt-oss (float32, eval); seeded. Its experts are transformers' fused
+    ``gate_up_proj`` [E, H, 2I] (gate and up interleaved along 2I), ``down_proj`` [E, I, H] and biases."""
+    import torch
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    return GptOssForCausalLM(gptoss_config()).eval()
+
+
+def write_gptoss_model(root: Path, kind: str = "gptoss_mxfp4") -> Path:
+    """The tiny gpt-oss in gpt-oss's own MXFP4 checkpoint layout (vLLM's ``Mxfp4Config``), written once.
+
+    As openai/gpt-oss-20b stores it: per layer ``mlp.experts.gate_up_proj_blocks`` uint8
+    [E, 2I, H/32, 16] and ``gate_up_proj_scales`` uint8 E8M0 [E, 2I, H/32] (rows in the checkpoint's
+    interleaved gate/up order), ``down_proj_blocks`` [E, H, I/32, 16], ``down_proj_scales``
+    [E, H, I/32], the biases in bf16, everything else bf16 and unquantized; config
+    ``quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [...]}``. No
+    published quantizer for this layout runs on a CPU (transformers' writes it through GPU kernels),
+    so the blocks are ``formats.quantize(W, "mxfp4")`` of each expert's [N, K] weight: OCP MXFP4,
+    element 2i in the low nibble, the packing gpt-oss's checkpoints use.
+    """
+    out = root / kind
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    import formats
+
+    model = tiny_gptoss()
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales = [], []
+            for e in range(t.shape[0]):
+                q = formats.quantize(t[e].T.contiguous().float(), "mxfp4")  # [N, K], K = the reduction
+                blocks.append(q.data.reshape(q.rows, q.k // 32, 16))
+                scales.append(q.scale)
+            tensors[name + "_blocks"] = torch.stack(blocks).contiguous()
+            tensors[name + "_scales"] = torch.stack(scales).contiguous()
+        else:
+            tensors[name] = t.to(torch.bfloat16).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.update(architectures=["GptOssForCausalLM"], torch_dtype="bfloat16", quantization_config={
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"]})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tokenizer(out)
+    return out
+
+
 def prompts() -> list[str]:
     """Three prompts of different lengths (1, 7 and 23 words)."""
     import random

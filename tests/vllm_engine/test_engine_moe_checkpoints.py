@@ -1,9 +1,10 @@
-"""The tiny Qwen3-MoE checkpoints (engine_env.write_moe_model): compressed-tensors' own code quantizes
-each expert's gate/up/down projections, the tensors are named and shaped as vLLM loads them, the
-router is ignored, and every expert weight dequantizes to the model's own weight within its format's
-rounding bound (the wrong expert or the other half of gate/up does not).
+"""The tiny MoE checkpoints. Qwen3-MoE (engine_env.write_moe_model): compressed-tensors' own code
+quantizes each expert's gate/up/down projections, the tensors are named and shaped as vLLM loads
+them, the router is ignored, and every expert weight dequantizes to the model's own weight within
+its format's rounding bound (the wrong expert or the other half of gate/up does not). gpt-oss
+(engine_env.write_gptoss_model): its own MXFP4 layout, gate/up interleaved as the model computes.
 
-Needs transformers (Qwen3-MoE) and compressed-tensors, no vLLM: it runs in both venvs.
+Needs transformers and compressed-tensors, no vLLM: it runs in both venvs.
 """
 
 from __future__ import annotations
@@ -138,3 +139,27 @@ def test_moe_checkpoint_tensors_and_values(kind, moe_root, reference):
                 other = {"gate_proj": f.gate_up_proj[e, I:], "up_proj": f.gate_up_proj[e, :I],
                          "down_proj": f.down_proj[(e + 1) % E]}[proj].detach().float()
                 assert not torch.all((dq - other).abs() <= _bound(kind, other, elem))
+
+
+def test_gptoss_mxfp4_layout(moe_root):
+    """Blocks/scales/biases as openai/gpt-oss-20b names and shapes them, and each expert's blocks
+    dequantize to the model's weight (transposed to [N, K]) within MXFP4's rounding bound."""
+    d = engine_env.write_gptoss_model(moe_root)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    t = _tensors(d)
+    model = engine_env.tiny_gptoss()
+    p = "model.layers.1.mlp.experts."
+    want = {"gate_up_proj_blocks": (torch.uint8, (E, 2 * I, H // 32, 16)), "gate_up_proj_scales": (torch.uint8, (E, 2 * I, H // 32)),
+            "gate_up_proj_bias": (torch.bfloat16, (E, 2 * I)), "down_proj_blocks": (torch.uint8, (E, H, I // 32, 16)),
+            "down_proj_scales": (torch.uint8, (E, H, I // 32)), "down_proj_bias": (torch.bfloat16, (E, H))}
+    assert {k[len(p):]: (v.dtype, tuple(v.shape)) for k, v in t.items() if k.startswith(p)} == want
+    experts = model.model.layers[1].mlp.experts
+    for name, w in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
+        b, s = t[p + name + "_blocks"], t[p + name + "_scales"]
+        for e in range(E):
+            q = formats.QuantizedTensor("mxfp4", "weight", b[e].reshape(b.shape[1], -1), s[e], None, (1, 32),
+                                        (b.shape[1], b.shape[2] * 32))
+            ref = w[e].T.detach().float()
+            elem = formats.codecs.decode_e8m0(s[e]).repeat_interleave(32, 1)
+            assert torch.all((formats.dequantize(q) - ref).abs() <= _bound("moe_mxfp4", ref, elem))
