@@ -17,7 +17,7 @@ import torch
 from .base import FormatSpec, QuantizedTensor, check_float_input, check_k, check_role
 
 
-_NOT_FORMATS = ("base", "codecs", "constants", "layout", "oracle", "validate")  # the package's own machinery
+_NOT_FORMATS = ("base", "codecs", "constants", "layout", "moe", "oracle", "validate")  # the package's own machinery
 
 
 def _discover() -> dict[str, ModuleType]:

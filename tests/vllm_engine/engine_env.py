@@ -139,6 +139,188 @@ def write_model(root: Path, kind: str) -> Path:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# The tiny mixture-of-experts model (issue 27): a random Qwen3-MoE, its experts quantized by
+# compressed-tensors' own code the way llm-compressor does it.
+# ---------------------------------------------------------------------------------------------
+# MoE checkpoint kind -> compressed-tensors preset (compressed_tensors.quantization.quant_scheme).
+# "moe_fp8_channel" is the FP8_DYNAMIC preset (per-channel weight scales, per-token dynamic
+# activations), the project's fp8_channel; "moe_fp8" is FP8 (static per-tensor weights and inputs).
+MOE_KINDS = {"moe_nvfp4": "NVFP4", "moe_nvfp4a16": "NVFP4A16", "moe_mxfp4": "MXFP4", "moe_mxfp4a16": "MXFP4A16",
+             "moe_fp8_block": "FP8_BLOCK", "moe_fp8": "FP8", "moe_fp8_channel": "FP8_DYNAMIC"}
+# Modules vLLM fuses in a Qwen3-MoE (an expert's gate and up share an NVFP4 global scale, as vLLM
+# keeps one per expert for W13).
+MOE_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("gate_proj", "up_proj"))
+MOE_IGNORE = ["lm_head"]
+
+
+def qwen3_moe_config():
+    """Qwen3-MoE cut down: hidden 256, 2 layers (both sparse), 4 heads of 64, 2 KV heads, 8 experts,
+    top-2 (renormalized: ``norm_topk_prob``), moe_intermediate 128, vocabulary 1024."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                          tie_word_embeddings=False, initializer_range=0.08)
+
+
+def tiny_qwen3_moe(seed: int = 0):
+    """The random tiny Qwen3-MoE (float32, eval); seeded. transformers (5.x) holds its experts as
+    fused 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(qwen3_moe_config()).eval()
+
+
+def linearize_experts(model) -> None:
+    """Replace every layer's fused experts by one ``Qwen3MoeMLP`` (gate_proj / up_proj / down_proj
+    ``nn.Linear``) per expert, in place, with the same weights, so compressed-tensors' "Linear" target
+    reaches them and the checkpoint names them ``mlp.experts.<e>.<proj>``, as vLLM loads them.
+
+    compressed-tensors quantizes nn.Linear modules only; transformers 5 stores the experts as 3-D
+    parameters, so llm-compressor unfuses them the same way before it quantizes (its
+    ``modeling/moe/linear_experts.py`` ``LinearExperts2D`` / ``ExpertMLPWithGate``; the Qwen3
+    calibration module before it). Calibration runs every token through every expert (llm-compressor's
+    ``calibrate_all_experts``), so each expert's input observer sees the whole batch; only the routed
+    outputs are summed.
+    """
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+
+    class LinearExperts(torch.nn.ModuleList):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for e, expert in enumerate(self):
+                y = expert(hidden_states)  # every token: the observers see them all
+                token, slot = torch.where(top_k_index == e)
+                out.index_add_(0, token, (y[token] * top_k_weights[token, slot, None]).to(out.dtype))
+            return out
+
+    for layer in model.model.layers:
+        fused = layer.mlp.experts
+        n, i = fused.num_experts, fused.intermediate_dim
+        experts = LinearExperts([Qwen3MoeMLP(model.config, intermediate_size=i) for _ in range(n)])
+        with torch.no_grad():
+            for e, expert in enumerate(experts):
+                expert.gate_proj.weight.copy_(fused.gate_up_proj[e, :i])  # gate first, then up
+                expert.up_proj.weight.copy_(fused.gate_up_proj[e, i:])
+                expert.down_proj.weight.copy_(fused.down_proj[e])
+        layer.mlp.experts = experts
+
+
+def ignore_routers(out: Path, n_layers: int) -> None:
+    """Add each layer's router (``model.layers.<i>.mlp.gate``) to the checkpoint's ignore list.
+
+    The router stays unquantized (llm-compressor's MoE recipes ignore it). compressed-tensors writes
+    the ignore list from the model's unquantized Linear modules; under transformers 5 the router is a
+    ``Qwen3MoeTopKRouter``, not an ``nn.Linear``, so compressed-tensors 0.17.0 leaves it out, and vLLM,
+    which builds the router as a Linear (``GateLinear``) matched by the "Linear" target, then expects
+    a quantized router (``weight_packed``) and refuses the checkpoint. compressed-tensors fixed this
+    by listing router modules (vllm-project/compressed-tensors#733, "Ignore non-linear MoE gate
+    layers"); this writes the list that fix writes.
+    """
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    ignore = cfg["quantization_config"].setdefault("ignore", [])
+    ignore += [f"model.layers.{i}.mlp.gate" for i in range(n_layers) if f"model.layers.{i}.mlp.gate" not in ignore]
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def write_moe_model(root: Path, kind: str) -> Path:
+    """The tiny Qwen3-MoE checkpoint ``root/kind``: ``moe_bf16`` (unquantized, transformers' own
+    save) or one of MOE_KINDS (experts linearized, every Linear but the router and lm_head quantized
+    by compressed-tensors); written once."""
+    out = root / kind
+    if (out / "config.json").exists():
+        return out
+    import torch
+
+    model = tiny_qwen3_moe()
+    if kind == "moe_bf16":
+        model.to(torch.bfloat16).save_pretrained(out)
+    elif kind in MOE_KINDS:
+        linearize_experts(model)
+        ck = checkpoints_module()
+        ck.quantize_ct(model, calibration_ids(), MOE_KINDS[kind], out, ignore=MOE_IGNORE, prefix="model.layers.",
+                       fused=MOE_FUSED)
+        ignore_routers(out, len(model.model.layers))
+    else:
+        raise ValueError(f"kind must be 'moe_bf16' or one of {tuple(MOE_KINDS)}, got {kind!r}")
+    write_tokenizer(out)
+    return out
+
+
+def gptoss_config():
+    """gpt-oss cut down: hidden 256, 2 layers (sliding then full attention, with sinks), 4 heads of
+    64, 2 KV heads, 8 experts with biases, top-2, intermediate 128, vocabulary 1024."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8,
+                        num_experts_per_tok=2, sliding_window=128, max_position_embeddings=131072,
+                        layer_types=["sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2,
+                        pad_token_id=0, tie_word_embeddings=False, initializer_range=0.08)
+
+
+def tiny_gptoss(seed: int = 0):
+    """The random tiny gpt-oss (float32, eval); seeded. Its experts are transformers' fused
+    ``gate_up_proj`` [E, H, 2I] (gate and up interleaved along 2I), ``down_proj`` [E, I, H] and biases."""
+    import torch
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    return GptOssForCausalLM(gptoss_config()).eval()
+
+
+def write_gptoss_model(root: Path, kind: str = "gptoss_mxfp4") -> Path:
+    """The tiny gpt-oss in gpt-oss's own MXFP4 checkpoint layout (vLLM's ``Mxfp4Config``), written once.
+
+    As openai/gpt-oss-20b stores it: per layer ``mlp.experts.gate_up_proj_blocks`` uint8
+    [E, 2I, H/32, 16] and ``gate_up_proj_scales`` uint8 E8M0 [E, 2I, H/32] (rows in the checkpoint's
+    interleaved gate/up order), ``down_proj_blocks`` [E, H, I/32, 16], ``down_proj_scales``
+    [E, H, I/32], the biases in bf16, everything else bf16 and unquantized; config
+    ``quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [...]}``. No
+    published quantizer for this layout runs on a CPU (transformers' writes it through GPU kernels),
+    so the blocks are ``formats.quantize(W, "mxfp4")`` of each expert's [N, K] weight: OCP MXFP4,
+    element 2i in the low nibble, the packing gpt-oss's checkpoints use.
+    """
+    out = root / kind
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    import formats
+
+    model = tiny_gptoss()
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales = [], []
+            for e in range(t.shape[0]):
+                q = formats.quantize(t[e].T.contiguous().float(), "mxfp4")  # [N, K], K = the reduction
+                blocks.append(q.data.reshape(q.rows, q.k // 32, 16))
+                scales.append(q.scale)
+            tensors[name + "_blocks"] = torch.stack(blocks).contiguous()
+            tensors[name + "_scales"] = torch.stack(scales).contiguous()
+        else:
+            tensors[name] = t.to(torch.bfloat16).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.update(architectures=["GptOssForCausalLM"], torch_dtype="bfloat16", quantization_config={
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"]})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tokenizer(out)
+    return out
+
+
 def prompts() -> list[str]:
     """Three prompts of different lengths (1, 7 and 23 words)."""
     import random
