@@ -73,7 +73,7 @@ def quantize(x: torch.Tensor, role: str = "weight", *, scale: Optional[float] = 
     if scale is None:
         s = row_scales(x)
     else:
-        s = check_positive_scalar(scale, "scale").to(x.device).reshape(1).expand(rows).contiguous()
+        s = check_positive_scalar(scale, "scale").to(x.device).reshape(1).repeat(rows)
     # a NaN/Inf element, or every element of a row under a NaN scale, encodes as the NaN code 0x7F
     data = encode_e4m3(ieee_div(nan_if_nonfinite(x), s[:, None]))
     return QuantizedTensor(SPEC.name, role, data, s, None, (1, k), (rows, k))
