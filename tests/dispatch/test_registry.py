@@ -79,6 +79,14 @@ def test_auto_serves_the_gaps_with_the_next_implementation():
         assert "fp8_channel" in c.considered[0][2] and not c.considered[0][1]
     c = registry.choose("mxfp8_w8a16", 16, 4096, 4096, KNOWN_DEVICES["h200"])
     assert c.impl == "reference" and "kernels_triton.hopper.mxfp8 has no weight-only path" in c.reason
+    from dispatch.policy import ImplementationUnavailable
+
+    for impl, why in (("triton", "kernels_triton.mxfp8 has no weight-only path"),
+                      ("hopper", "kernels_triton.hopper.mxfp8 has no weight-only path")):
+        with pytest.raises(ImplementationUnavailable, match=why):
+            registry.choose("mxfp8_w8a16", 16, 4096, 4096, KNOWN_DEVICES["h200"], impl=impl)
+    with pytest.raises(ImplementationUnavailable, match="b12x 1.5.1 has no per-channel FP8 GEMM"):
+        registry.choose("fp8_channel", 16, 4096, 4096, KNOWN_DEVICES["rtx_pro_6000"], impl="cute")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
