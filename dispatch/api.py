@@ -28,9 +28,9 @@ from .devices import DeviceInfo, current_device, resolve
 def quantize_weight(w: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
     """Quantize a weight [N, K] with the formats/ oracle (``role="weight"``).
 
-    ``fmt`` may be a weight-only variant ("nvfp4_w4a16", "mxfp4_w4a16": the weight is plain NVFP4 /
-    MXFP4). ``opts`` are the format's options (fp8_block ``ue8m0``, mxfp8/mxfp4 ``scale_rule``, nvfp4
-    ``global_scale``, fp8_tensor ``scale``). Raises ValueError as formats.quantize does (K not a
+    ``fmt`` may be a weight-only variant ("nvfp4_w4a16", "mxfp4_w4a16", "mxfp8_w8a16": the weight is
+    plain NVFP4 / MXFP4 / MXFP8). ``opts`` are the format's options (fp8_block ``ue8m0``, mxfp8/mxfp4
+    ``scale_rule``, nvfp4 ``global_scale``, fp8_tensor / fp8_channel ``scale``). Raises ValueError as formats.quantize does (K not a
     multiple of the block, ...) and for an unknown format.
     """
     return quantize(w, registry.variant(fmt).fmt, role="weight", **opts)
@@ -109,7 +109,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
         qweight: a weight from :func:`quantize_weight` ([N, K]).
         bias: optional [N].
         impl: per-call override of use_impl() / B12X_IMPL ("auto", "cute", "triton", "reference").
-        a16: weight-only (W4A16, nvfp4 and mxfp4): the activations stay unquantized.
+        a16: weight-only (W4A16: nvfp4 and mxfp4; W8A16: mxfp8): the activations stay unquantized.
         **opts: passed to the backend's apply (activation options: fp8_tensor ``scale``, nvfp4
             ``global_scale``, fp8_block ``ue8m0``, MX ``scale_rule``; cute ``quantizer``).
     Raises:
@@ -169,7 +169,7 @@ def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInf
     shapes of the same N, K: auto's pick, then every backend of the priority list with its
     verdict and reason, and the chosen backend's route: the kernels it launches (by name, in
     order), the tile, split-K and why (``Backend.route``, the route ``apply`` executes).
-    ``fmt`` is a variant name (a format, or "nvfp4_w4a16" / "mxfp4_w4a16").
+    ``fmt`` is a variant name (a format, or "nvfp4_w4a16" / "mxfp4_w4a16" / "mxfp8_w8a16").
     Raises ValueError for an unknown format or device.
     """
     registry.variant(fmt)

@@ -27,6 +27,7 @@ from formats.validate import check_bias, check_linear_input, check_weight
 from .devices import CPU, DeviceInfo, current_device, interpreting
 from .policy import ImplementationUnavailable
 from .registry import Backend, Problem, UnsupportedEntry
+from .registry import variant as _variant
 
 from kernels_triton import Route, record_launches  # noqa: F401  (re-exported for tests and apps)
 
@@ -405,11 +406,38 @@ class CuteBackend(_KernelBackend):
 _CLASSES = {"reference": ReferenceBackend, "triton": TritonBackend, "hopper": HopperBackend, "cute": CuteBackend}
 
 
+def triton_gap(impl: str, variant: str) -> Optional[str]:
+    """Why a Triton implementation ("triton", "hopper") has no kernel for ``variant``, or None: the
+    hopper module of its format is not in this installation (sm_90 then runs the lesson), or the
+    module's route refuses ``a16=True`` (no weight-only path there yet). Read from the modules
+    themselves (a pure route() call), so a path that lands lifts the gap without an edit here."""
+    v = _variant(variant)
+    if impl == "hopper" and not _hopper_module_present(v.fmt):
+        return (f"kernels_triton.hopper.{v.fmt} is not in this installation: on sm_90 {variant} runs the "
+                f"lesson (kernels_triton.{v.fmt})")
+    if not v.a16:
+        return None
+    if impl == "hopper":
+        mod, where = importlib.import_module("kernels_triton.hopper").module(v.fmt), (9, 0)
+    else:
+        mod, where = importlib.import_module("kernels_triton").module(v.fmt), None
+    try:
+        mod.route(1, 8, spec(v.fmt).k_multiple, capability=where, sm_count=1, a16=True)
+    except ValueError as e:
+        return f"{mod.__name__} has no weight-only path for {variant} yet (its route refuses a16=True: {e})"
+    return None
+
+
 def make(impl: str, variant: str):
     """The table cell of (impl, variant): a Backend, or an UnsupportedEntry with its reason (cute:
-    what kernels_cute says it has no kernel for, e.g. b12x has no MXFP4 W4A16 GEMM)."""
+    what kernels_cute says it has no kernel for, e.g. b12x has no MXFP4 W4A16 GEMM; triton and
+    hopper: triton_gap's reason)."""
     if impl == "cute":
         why = importlib.import_module("kernels_cute").not_served(variant)
+        if why is not None:
+            return UnsupportedEntry(impl, variant, why)
+    if impl in ("triton", "hopper"):
+        why = triton_gap(impl, variant)
         if why is not None:
             return UnsupportedEntry(impl, variant, why)
     return _CLASSES[impl](variant)

@@ -63,7 +63,7 @@ ENV_SEED = "B12X_CHECK_SEED"
 TILE_N = 128
 """Columns per output tile of the error grid (the kernels' widest N tile)."""
 
-E4M3_FORMATS = ("fp8_tensor", "fp8_block", "mxfp8")
+E4M3_FORMATS = ("fp8_tensor", "fp8_block", "mxfp8", "fp8_channel")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,14 +73,16 @@ def bound_params(impl: str, variant: str, device_kind: str, K: int) -> dict[str,
     """The accumulation parameters of formats.bounds.gemm_bound for an implementation on a device.
 
     cpu (any implementation; the Triton interpreter sums in fp32) and reference: fp32 summation.
-    cuda, e4m3 formats (fp8_tensor, fp8_block, mxfp8), triton and hopper: the products may be summed on
-    Hopper's fp8 MMA, fp8_interval 128 (fp8_tensor / fp8_block) or 32 (mxfp8's decode kernel) for
+    cuda, e4m3 formats (fp8_tensor, fp8_block, mxfp8, fp8_channel), triton and hopper: the products may be
+    summed on Hopper's fp8 MMA, fp8_interval 128 (fp8_tensor / fp8_block / fp8_channel) or 32 (mxfp8's decode kernel) for
     triton (the kernel tests' values), 128 for hopper. cute fp8_block: b12x's split-K adds partials
     with bf16 atomics, at most K/128 of them. Everything else: fp32 summation.
     """
-    fmt = variant.split("_w4a16")[0]
+    from .registry import variant as _variant
+
+    fmt, a16 = _variant(variant).fmt, _variant(variant).a16
     out = {"fp8_interval": 0, "bf16_adds": 0}
-    if device_kind != "cuda" or impl == "reference" or variant.endswith("_w4a16"):
+    if device_kind != "cuda" or impl == "reference" or a16:
         return out
     if fmt in E4M3_FORMATS and impl in ("triton", "hopper"):
         out["fp8_interval"] = 32 if (fmt == "mxfp8" and impl == "triton") else 128

@@ -207,7 +207,7 @@ def quantize_model(model: nn.Module, fmt: str, skip: Skip = None, **opts) -> nn.
 
     Args:
         model: any module.
-        fmt: a variant name (a format, or "nvfp4_w4a16" / "mxfp4_w4a16").
+        fmt: a variant name (a format, or "nvfp4_w4a16" / "mxfp4_w4a16" / "mxfp8_w8a16").
         skip: fnmatch patterns of module names to leave alone (e.g. ["lm_head", "*.gate"]), or a
             callable(name, linear) -> bool.
         **opts: QuantLinear.from_linear options (impl, act_dtype, act_opts, weight options).

@@ -14,8 +14,8 @@ the vLLM plugin) reaches an implementation the same way:
     c = registry.choose("nvfp4", M, N, K, device)  # walks priority(device), cached per
                                                    # (device, variant, M bucket, N, K, dtype, request)
 
-A variant is a format (formats.FORMAT_NAMES) or its weight-only W4A16 form ("nvfp4_w4a16",
-"mxfp4_w4a16": activations stay bf16/fp16). A format is added to the registry by one entry in
+A variant is a format (formats.FORMAT_NAMES) or its weight-only form ("nvfp4_w4a16",
+"mxfp4_w4a16", "mxfp8_w8a16": activations stay bf16/fp16). A format is added to the registry by one entry in
 :data:`FORMATS`; everything else here is derived. An implementation that does not serve a variant
 has an explicit :class:`UnsupportedEntry` saying why, so the table is complete.
 
@@ -77,23 +77,27 @@ def priority(device: DeviceInfo) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class FormatEntry:
     """What the registry needs to know of a format beyond formats/: whether it has a weight-only
-    (W4A16) variant."""
+    variant (W4A16 for 4-bit weights, W8A16 for 8-bit ones)."""
 
     w4a16: bool = False
+    w8a16: bool = False
 
 
 # [format-entries]
 FORMATS: dict[str, FormatEntry] = {
     "fp8_tensor": FormatEntry(),
     "fp8_block": FormatEntry(),
-    "mxfp8": FormatEntry(),
+    "mxfp8": FormatEntry(w8a16=True),
     "nvfp4": FormatEntry(w4a16=True),
     "mxfp4": FormatEntry(w4a16=True),
+    "fp8_channel": FormatEntry(),
 }
 """One entry per format of formats.FORMAT_NAMES (a test checks the two agree)."""
 # [/format-entries]
 
 A16_SUFFIX = "_w4a16"
+A16_SUFFIXES = {"w4a16": A16_SUFFIX, "w8a16": "_w8a16"}
+"""The weight-only variant's name suffix per FormatEntry flag."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,9 @@ def _variants() -> dict[str, Variant]:
     for fmt in FORMAT_NAMES:
         entry = FORMATS.get(fmt, FormatEntry())
         out[fmt] = Variant(fmt, fmt, False)
-        if entry.w4a16:
-            out[fmt + A16_SUFFIX] = Variant(fmt + A16_SUFFIX, fmt, True)
+        for flag, suffix in A16_SUFFIXES.items():
+            if getattr(entry, flag):
+                out[fmt + suffix] = Variant(fmt + suffix, fmt, True)
     return out
 
 
@@ -128,14 +133,18 @@ def variant(name: str) -> Variant:
 
 
 def variant_name(fmt: str, a16: bool = False) -> str:
-    """(format, a16) -> variant name; ValueError when the format has no weight-only variant."""
-    name = fmt + A16_SUFFIX if a16 else fmt
-    if name not in VARIANTS:
-        if a16 and fmt in VARIANTS:
-            allowed = sorted(v.fmt for v in VARIANTS.values() if v.a16)
-            raise ValueError(f"a16=True (weight-only W4A16) is defined for {allowed}, not {fmt!r}")
-        variant(name)
-    return name
+    """(format, a16) -> variant name ("mxfp8", True -> "mxfp8_w8a16"); ValueError when the format
+    has no weight-only variant."""
+    if not a16:
+        variant(fmt)
+        return fmt
+    for v in VARIANTS.values():
+        if v.a16 and v.fmt == fmt:
+            return v.name
+    if fmt in VARIANTS:
+        allowed = sorted(v.fmt for v in VARIANTS.values() if v.a16)
+        raise ValueError(f"a16=True (weight-only W4A16 / W8A16) is defined for {allowed}, not {fmt!r}")
+    return variant(fmt).name
 
 
 @dataclass(frozen=True)

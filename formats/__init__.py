@@ -1,4 +1,4 @@
-"""formats: the five quantization formats as code, and the pure-PyTorch oracle.
+"""formats: the six quantization formats as code, and the pure-PyTorch oracle.
 
 Shared by kernels_triton and kernels_cute (and nothing here imports them). Public API:
 

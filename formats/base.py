@@ -18,11 +18,12 @@ ROLES = ("weight", "activation")
 class FormatSpec:
     """Static description of a format.
 
-    name: the format's name ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4").
+    name: the format's name ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "fp8_channel").
     k_multiple: K (the reduction dimension) must be a multiple of this.
     element: element encoding ("e4m3" or "e2m1").
     scale: scale encoding ("fp32", "ue8m0|fp32", "e8m0", "e4m3").
-    weight_block / activation_block: (rows, K) covered by one scale; None = one scale per tensor.
+    weight_block / activation_block: (rows, K) covered by one scale; None = one scale per tensor;
+        (1, None) = one scale per row over the whole K (a QuantizedTensor records (1, K)).
     source: the specification it follows.
     """
 
@@ -49,6 +50,7 @@ class QuantizedTensor:
         data: element codes. e4m3 formats: torch.float8_e4m3fn [rows, K]; e2m1 formats: uint8
             [rows, K/2], two codes per byte, element 2i in the low nibble.
         scale: fp8_tensor: float32 0-d tensor (dequantized value = code * scale);
+            fp8_channel: float32 [rows] (one scale per row: code * scale[row]);
             fp8_block: float32 [ceil(rows/br), K/128] (br = 128 for weights, 1 for activations);
             mxfp8 / mxfp4: uint8 E8M0 bytes [rows, K/32]; nvfp4: float8_e4m3fn [rows, K/16].
             With scale_layout == "swizzled_128x4" the 1-byte scales are flat (see formats.layout).

@@ -58,9 +58,9 @@ def quantize(x: torch.Tensor, fmt: str, *, role: str = "weight", **opts) -> Quan
             flattened into rows). A weight's values must be finite; an activation's NaN/Inf follow
             the non-finite rule of docs/formats.md (its block's scale, or the tensor's for the
             per-tensor scales, becomes NaN).
-        fmt: "fp8_tensor" | "fp8_block" | "mxfp8" | "nvfp4" | "mxfp4".
+        fmt: "fp8_tensor" | "fp8_block" | "mxfp8" | "nvfp4" | "mxfp4" | "fp8_channel".
         role: "weight" or "activation" (matters for fp8_block: 128x128 blocks vs 1x128 groups).
-        **opts: format options: fp8_tensor ``scale`` (static scale); fp8_block ``ue8m0``;
+        **opts: format options: fp8_tensor and fp8_channel ``scale`` (static scale); fp8_block ``ue8m0``;
             mxfp8/mxfp4 ``scale_rule`` ("ceil" | "floor"); nvfp4 ``global_scale`` (static g).
     Returns:
         QuantizedTensor with linear-layout scales (see formats.base.QuantizedTensor for dtypes).
@@ -110,7 +110,7 @@ def reference_linear(
 
     Args:
         x: either a float tensor [..., K] (bf16/fp16/fp32), quantized here with the weight's
-            format as an activation (with ``act_opts``, e.g. ``scale=input_scale`` for fp8_tensor or
+            format as an activation (with ``act_opts``, e.g. ``scale=input_scale`` for fp8_tensor / fp8_channel or
             ``global_scale=input_global_scale`` for nvfp4) unless ``a16``; or an already quantized
             activation (a QuantizedTensor with role "activation", [M, K]).
         qweight: QuantizedTensor with role "weight", [N, K].

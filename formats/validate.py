@@ -14,6 +14,7 @@ What a well-formed QuantizedTensor of shape (rows, K) holds, per format (formats
 
     format      data                     scale (linear layout)                     global_scale
     fp8_tensor  float8_e4m3fn [rows, K]  float32, one element (0-d or [1])         None
+    fp8_channel float8_e4m3fn [rows, K]  float32 [rows] (block_shape (1, K))       None
     fp8_block   float8_e4m3fn [rows, K]  float32 [ceil(rows/br), K/128]            None
     mxfp8       float8_e4m3fn [rows, K]  uint8 E8M0 [rows, K/32]                   None
     nvfp4       uint8 [rows, K/2]        float8_e4m3fn [rows, K/16]                float32, one element
@@ -88,8 +89,9 @@ def _check_qt(q, name: str, fmt: Optional[str], role: str, layouts: Sequence[str
     if k <= 0 or k % s.k_multiple:
         raise ValueError(f"{name}.shape: {q.fmt} needs K to be a positive multiple of {s.k_multiple}, got {shape}")
     block = s.block(role)
-    if q.block_shape != block:
-        raise ValueError(f"{name}.block_shape must be {block} for a {q.fmt} {role}, got {q.block_shape!r}")
+    row_wise = block is not None and block[1] is None  # one scale per row over the whole K (fp8_channel)
+    if row_wise:
+        block = (block[0], k)
 
     # ----- data: element codes
     dtype, per_byte = _DATA[s.element]
@@ -100,12 +102,21 @@ def _check_qt(q, name: str, fmt: Optional[str], role: str, layouts: Sequence[str
     if tuple(q.data.shape) != want:
         raise ValueError(f"{name}.data must have shape {want} for a declared shape {shape}, "
                          f"got {tuple(q.data.shape)}")
+    if q.block_shape != block:
+        raise ValueError(f"{name}.block_shape must be {block} for a {q.fmt} {role}, got {q.block_shape!r}")
 
     # ----- scale
     mod = FORMATS[q.fmt]
     if not isinstance(q.scale, torch.Tensor) or q.scale.dtype != mod.SCALE_DTYPE:
         raise ValueError(f"{name}.scale must be {mod.SCALE_WHAT}, got {_desc(q.scale)}")
-    if block is None:
+    if row_wise:
+        if q.scale_layout != "linear":
+            raise ValueError(f"{name}.scale_layout 'swizzled_128x4' is for 1-byte scales "
+                             f"({_SWIZZLABLE}), not {q.fmt}")
+        if tuple(q.scale.shape) != (rows,):
+            raise ValueError(f"{name}.scale must have shape ({rows},) ({q.fmt} {role} of shape {shape}, "
+                             f"one scale per row), got {tuple(q.scale.shape)}")
+    elif block is None:
         if q.scale.numel() != 1 or q.scale.dim() > 1:
             raise ValueError(f"{name}.scale must hold one per-tensor scale (shape () or (1,)) for "
                              f"{q.fmt}, got shape {tuple(q.scale.shape)} (per-channel scales are "

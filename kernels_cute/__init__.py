@@ -13,8 +13,9 @@ a thin adapter to one b12x entry point, with the same verbs:
     linear(x, prepared, bias=None, **opts)        quantize_activation + gemm: W4A4 / W8A8 at every M,
                                                   bf16/fp16 out, bias after
 
-plus the W4A16 route of nvfp4 (``prepare_weight(q, a16=True)``, ``linear(x, w, a16=True)``; the
-"nvfp4_w4a16" variant). kernels_cute imports no kernels_triton module; "Triton quantizer + CuTe
+plus the weight-only routes of nvfp4 and mxfp8 (``prepare_weight(q, a16=True)``, ``linear(x, w,
+a16=True)``; the "nvfp4_w4a16" and "mxfp8_w8a16" variants). A format b12x has no kernel for has a
+module declaring only ``UNSUPPORTED`` (the reason: fp8_channel). kernels_cute imports no kernels_triton module; "Triton quantizer + CuTe
 GEMM" is composed by the caller (dispatch) as ``gemm(kernels_triton...quantize_activation(x), w)``.
 
 This package adds the device gate (``supported(variant, M, N, K, device)``, which the dispatcher's
@@ -36,33 +37,41 @@ import torch
 import formats
 
 from . import _common
-from ._common import B12X_VERSION, CuteWeight, PlanKey, SM12X_CAPABILITIES
+from ._common import B12X_VERSION, CuteWeight, PlanKey, SM12X_CAPABILITIES, a16_variant
+from ._common import split_variant as _split
 
-# Every format and W4A16 variant formats/ defines (W4A16: the e2m1 formats), whether served or not.
 FORMATS = formats.FORMAT_NAMES
-VARIANTS = FORMATS + tuple(f"{f}_w4a16" for f in FORMATS if formats.spec(f).element == "e2m1")
 
 
-def _gates() -> tuple[dict[str, str], tuple[str, ...]]:
+def _gates() -> tuple[dict[str, str], tuple[str, ...], dict[str, str]]:
     """What kernels_cute serves: {variant: the b12x module whose is_supported() gates it} (each
-    format module's ``B12X_GATE``, and ``A16_GATE`` for its W4A16 variant), and the W4A16 variants
-    a module declares unsupported (``A16_UNSUPPORTED``: listed, so that supported() gives b12x's
-    reason). A format of formats/ without a module here is answered "not served"."""
-    gates, unsupported = {}, []
+    format module's ``B12X_GATE``, and ``A16_GATE`` for its weight-only variant), the weight-only
+    variants a module declares unsupported (``A16_UNSUPPORTED``: listed, so that supported() gives
+    b12x's reason), and {format: reason} for a module that declares the whole format unsupported
+    (``UNSUPPORTED``). A format of formats/ without a module here is answered "not served"."""
+    gates, unsupported, gaps = {}, [], {}
     for fmt in FORMATS:
         if importlib.util.find_spec(f"{__name__}.{fmt}") is None:
             continue
         mod = importlib.import_module(f"{__name__}.{fmt}")
+        if hasattr(mod, "UNSUPPORTED"):
+            gaps[fmt] = mod.UNSUPPORTED
+            continue
         gates[fmt] = mod.B12X_GATE
         if hasattr(mod, "A16_GATE"):
-            gates[f"{fmt}_w4a16"] = mod.A16_GATE
+            gates[a16_variant(fmt)] = mod.A16_GATE
         elif hasattr(mod, "A16_UNSUPPORTED"):
-            gates[f"{fmt}_w4a16"] = mod.B12X_GATE
-            unsupported.append(f"{fmt}_w4a16")
-    return gates, tuple(unsupported)
+            gates[a16_variant(fmt)] = mod.B12X_GATE
+            unsupported.append(a16_variant(fmt))
+    return gates, tuple(unsupported), gaps
 
 
-_GATES, DECLARED_UNSUPPORTED = _gates()
+_GATES, DECLARED_UNSUPPORTED, _GAPS = _gates()
+# Every format and weight-only variant, whether served or not: W4A16 for the e2m1 formats, and the
+# weight-only variants a module here declares (mxfp8_w8a16).
+VARIANTS = FORMATS + tuple(dict.fromkeys(
+    [a16_variant(f) for f in FORMATS if formats.spec(f).element == "e2m1"]
+    + [v for v in _GATES if _split(v)[1]]))
 SERVED = tuple(v for v in VARIANTS if v in _GATES and v not in DECLARED_UNSUPPORTED)
 
 __all__ = ["FORMATS", "VARIANTS", "SERVED", "CuteWeight", "Preparation", "device_gate", "module", "not_served",
@@ -71,6 +80,8 @@ __all__ = ["FORMATS", "VARIANTS", "SERVED", "CuteWeight", "Preparation", "device
 
 def not_served(variant: str) -> Optional[str]:
     """Why kernels_cute has no kernel for ``variant`` (a name of VARIANTS), or None when it has one."""
+    if variant in _GAPS:
+        return _GAPS[variant]
     if variant not in _GATES:
         return f"kernels_cute has no module for {variant!r} (it serves {SERVED})"
     if variant in DECLARED_UNSUPPORTED:
@@ -78,20 +89,16 @@ def not_served(variant: str) -> Optional[str]:
     return None
 
 
-def _split(variant: str) -> tuple[str, bool]:
-    """("nvfp4", True) for "nvfp4_w4a16"; (variant, False) otherwise."""
-    return (variant[: -len("_w4a16")], True) if variant.endswith("_w4a16") else (variant, False)
-
-
 def module(variant: str):
-    """The kernels_cute.<fmt> module of a served variant ("nvfp4_w4a16" -> nvfp4).
+    """The kernels_cute.<fmt> module of a served variant ("nvfp4_w4a16" -> nvfp4, "mxfp8_w8a16" -> mxfp8).
 
     Raises ValueError naming the variants for a name outside VARIANTS, or one kernels_cute does
     not serve (``supported`` gives the same reason without raising)."""
     if variant not in VARIANTS:
         raise ValueError(f"fmt must be one of {VARIANTS}, got {variant!r}")
     if variant not in _GATES:
-        raise ValueError(f"kernels_cute does not serve {variant!r} (it serves {SERVED})")
+        why = f": {_GAPS[variant]}" if variant in _GAPS else ""
+        raise ValueError(f"kernels_cute does not serve {variant!r} (it serves {SERVED}){why}")
     return importlib.import_module(f"{__name__}.{_split(variant)[0]}")
 
 
@@ -131,10 +138,10 @@ def supported(fmt: str, M: int, N: int, K: int, device, *, dtype: Optional[torch
     """Can kernels_cute serve y[M, N] = x[M, K] . W[N, K]^T in variant ``fmt`` on ``device``?
 
     Args:
-        fmt: a format or W4A16 variant name ("nvfp4_w4a16", "mxfp4_w4a16").
+        fmt: a format or weight-only variant name ("nvfp4_w4a16", "mxfp4_w4a16", "mxfp8_w8a16").
         device: any object with ``.capability`` (major, minor) and ``.sm_count`` (the
             dispatcher's DeviceInfo); b12x's own gate is consulted when it is the running GPU.
-        dtype: the activation dtype, when known (nvfp4_w4a16 takes bf16 only).
+        dtype: the activation dtype, when known (nvfp4_w4a16 and mxfp8_w8a16 take bf16 only).
     Returns:
         (ok, reason), never raising: False with an actionable reason for a variant kernels_cute
         does not serve (an unknown name, a format formats/ defines but b12x has no entry point for,
@@ -142,6 +149,8 @@ def supported(fmt: str, M: int, N: int, K: int, device, *, dtype: Optional[torch
         is_supported() is false on the running GPU, or the shape misses b12x's alignment; True with
         a description otherwise.
     """
+    if fmt in _GAPS:
+        return False, f"kernels_cute does not serve {fmt!r}: {_GAPS[fmt]}"
     if fmt not in _GATES:
         known = "a format formats/ defines but " if fmt in VARIANTS else "not a format name; "
         return False, f"kernels_cute does not serve {fmt!r} ({known}it serves {SERVED})"
@@ -185,7 +194,7 @@ def route(variant: str, M: int, N: int, K: int, *, quantizer: str = "cute") -> t
     plan = f"a b12x plan of >= {M} rows (a prepared capacity, else {cap})"
     if a16:
         gemm = f"b12x.gemm.blockscaled.{mod.A16_GEMM}"
-        return (gemm,), "", f"b12x's W4A16 GEMM {mod.A16_GEMM} on bf16 activations, {plan}"
+        return (gemm,), "", f"b12x's weight-only GEMM {mod.A16_GEMM} on bf16 activations, {plan}"
     quant = f"kernels_cute.quant.{base}" if quantizer == "cute" else f"kernels_triton.{base}.quantize_activation"
     gemm = f"b12x.gemm.blockscaled.{mod.B12X_GEMM}"
     return (quant, gemm), "", f"the {quantizer} activation quantizer, then b12x's {mod.B12X_GEMM}, {plan}"

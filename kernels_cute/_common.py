@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-from formats import QuantizedTensor, swizzle_128x4, validate
+from formats import QuantizedTensor, spec, swizzle_128x4, validate
 
 log = logging.getLogger("kernels_cute")
 
@@ -44,6 +44,21 @@ B12X_VERSION = "1.5.1"  # the version these wrappers were written and checked ag
 INSTALL_HINT = "pip install 'b12x-dual[cute]'  (b12x==1.5.1)"
 OUT_DTYPES = (torch.bfloat16, torch.float16)  # b12x GEMMs write bf16 or fp16 only
 SM12X_CAPABILITIES = ((12, 0), (12, 1))
+A16_SUFFIXES = {"e2m1": "_w4a16", "e4m3": "_w8a16"}  # weight-only variant names by the weight's element
+
+
+def a16_variant(fmt: str) -> str:
+    """The weight-only (bf16/fp16 activations) variant name of a format: "nvfp4_w4a16" for the e2m1
+    formats, "mxfp8_w8a16" for the e4m3 ones (the weight's bits, then the activation's)."""
+    return fmt + A16_SUFFIXES[spec(fmt).element]
+
+
+def split_variant(variant: str) -> tuple[str, bool]:
+    """("nvfp4", True) for "nvfp4_w4a16", ("mxfp8", True) for "mxfp8_w8a16"; (variant, False) otherwise."""
+    for suffix in A16_SUFFIXES.values():
+        if variant.endswith(suffix):
+            return variant[: -len(suffix)], True
+    return variant, False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,9 +122,10 @@ class CuteWeight:
         global_scale: nvfp4: float32 [1], the weight's g_w (w ~= code * s / g_w); None otherwise.
         inv_global_scale: nvfp4: float32 [1], 1 / g_w, computed once at prepare (the per-call
             alpha is ``(1 / g_x) * inv_global_scale`` on the device); None otherwise.
-        packed: the ``b12x.gemm.blockscaled.pack_weight`` result for fp8_tensor / mxfp8 and for
-            nvfp4 with ``a16``, else None.
-        a16: True for the W4A16 route (nvfp4 only: bf16 activations, b12x's A16 kernel).
+        packed: the ``b12x.gemm.blockscaled.pack_weight`` result for fp8_tensor / mxfp8 (W8A8 and
+            W8A16) and for nvfp4 with ``a16``, else None.
+        a16: True for the weight-only route (nvfp4_w4a16, mxfp8_w8a16: bf16 activations, b12x's A16
+            kernels).
     """
 
     fmt: str
@@ -131,8 +147,8 @@ class CuteWeight:
 
     @property
     def variant(self) -> str:
-        """The kernels_cute variant name ("nvfp4_w4a16" for the A16 route, else fmt)."""
-        return f"{self.fmt}_w4a16" if self.a16 else self.fmt
+        """The kernels_cute variant name ("nvfp4_w4a16" / "mxfp8_w8a16" for the A16 route, else fmt)."""
+        return a16_variant(self.fmt) if self.a16 else self.fmt
 
     @property
     def device(self) -> torch.device:

@@ -107,8 +107,8 @@ def builds() -> list[Build]:
                         out.append(_native_e4m3(fmt, "fp8_block:_native_gemm_kernel", "ue8m0" if kind == "e4m3"
                                                 else fmt, dict(UE8M0=kind == "e4m3"), row, cfg, split,
                                                 {"sx_ptr": "*fp32", "sw_ptr": "*fp32"}))
-                    elif fmt == "fp8_tensor":
-                        out.append(_native_e4m3(fmt, "fp8_tensor:_native_gemm_kernel", fmt, {}, row, cfg, split,
+                    elif fmt in ("fp8_tensor", "fp8_channel"):  # fp32 scales in the epilogue
+                        out.append(_native_e4m3(fmt, f"{fmt}:_native_gemm_kernel", fmt, {}, row, cfg, split,
                                                 {"sx_ptr": "*fp32", "sw_ptr": "*fp32"}))
                     else:
                         for swz in (False, True):

@@ -28,7 +28,8 @@ What is timed, per configuration (docs/bench.md has the full method):
   * gemm    the GEMM alone (backend.gemm) on operands quantized beforehand (backend.quantize_activation);
             not for W4A16, which has no separate quantizer;
   * baselines, same shapes, same run: torch bf16 F.linear (cuBLAS), torch._scaled_mm per-tensor FP8
-    (use_fast_accum=False) and torch._scaled_mm blockwise FP8 (1x128 activation / 128x128 weight
+    (use_fast_accum=False), torch._scaled_mm row-wise FP8 (per-token / per-channel scales: the
+    fp8_channel recipe) and torch._scaled_mm blockwise FP8 (1x128 activation / 128x128 weight
     scales) where this torch supports it (else recorded as unsupported, with the error).
 Timing: CUDA-graph replay for M <= 64 (the graph holds one call per rotated input set, so launch gaps
 and Python overhead are out), triton.testing.do_bench medians otherwise (it zeroes a 256 MB buffer

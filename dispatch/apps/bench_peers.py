@@ -21,6 +21,8 @@ Mapping (ours -> gemlite 0.6 helper; where the recipes differ, the row's note sa
     mxfp4        A4W4_MXFP_dynamic
     nvfp4_w4a16  A16W4_NVFP
     mxfp4_w4a16  A16W4_MXFP
+    mxfp8_w8a16  A16W8_MXFP
+    fp8_channel  A8W8_fp8_dynamic                  the same recipe: per-channel weight, per-token activation scales
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ GEMLITE_FORMATS: dict[str, PeerFormat] = {
     "mxfp4": PeerFormat("A4W4_MXFP_dynamic"),
     "nvfp4_w4a16": PeerFormat("A16W4_NVFP"),
     "mxfp4_w4a16": PeerFormat("A16W4_MXFP"),
+    "mxfp8_w8a16": PeerFormat("A16W8_MXFP"),
+    "fp8_channel": PeerFormat("A8W8_fp8_dynamic"),
 }
 
 

@@ -52,11 +52,12 @@ PREFILL_M = (512, 4096)
 QUICK_SHAPES = ("square", "llama3.1-8b:qkv", "llama3.1-8b:down")
 QUICK_M = (1, 16, 4096)
 GRAPH_MAX_M = 64
-BASELINES = ("torch_bf16", "torch_fp8_tensor", "torch_fp8_block")
+BASELINES = ("torch_bf16", "torch_fp8_tensor", "torch_fp8_block", "torch_fp8_channel")
 BASELINE_NOTES = {
     "torch_bf16": "torch F.linear on bf16 (cuBLAS), whole linear",
     "torch_fp8_tensor": "torch._scaled_mm per-tensor e4m3, use_fast_accum=False, GEMM alone",
     "torch_fp8_block": "torch._scaled_mm blockwise e4m3 (1x128 act, 128x128 weight scales), GEMM alone",
+    "torch_fp8_channel": "torch._scaled_mm row-wise e4m3 (per-token act, per-channel weight scales), GEMM alone",
 }
 CHECK_ROWS = 256  # rows of y re-checked against the float64 reference (evenly spaced)
 CPU_NOTE = ("CPU: no CUDA device. Kernels ran in Triton's INTERPRETER and were timed with host "

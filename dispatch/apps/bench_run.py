@@ -185,7 +185,7 @@ def _baseline_calls(name: str, cache: ShapeCache, M: int, xs: list[torch.Tensor]
         nbytes = N * K * 2 + M * K * 2 + M * N * 2
         ref_fn = lambda rows: xs[0][rows].to(torch.float64) @ cache.wd(None).T  # noqa: E731
         return fns, nbytes, ref_fn, {}
-    fmt = "fp8_tensor" if name == "torch_fp8_tensor" else "fp8_block"
+    fmt = {"torch_fp8_tensor": "fp8_tensor", "torch_fp8_block": "fp8_block", "torch_fp8_channel": "fp8_channel"}[name]
     qw = cache.qweight(fmt)
     xqs = [formats.quantize(x, fmt, role="activation") for x in xs]
     qws = [qw] + [H.clone_qt(qw) for _ in range(len(xs) - 1)]
@@ -194,6 +194,10 @@ def _baseline_calls(name: str, cache: ShapeCache, M: int, xs: list[torch.Tensor]
     if name == "torch_fp8_tensor":
         def call(xq, q):
             return torch._scaled_mm(xq.data, q.data.t(), xq.scale.float(), q.scale.float(),
+                                    out_dtype=torch.bfloat16, use_fast_accum=False)
+    elif name == "torch_fp8_channel":
+        def call(xq, q):  # row-wise scaling: scale_a [M, 1], scale_b [1, N], both fp32
+            return torch._scaled_mm(xq.data, q.data.t(), xq.scale[:, None], q.scale[None, :],
                                     out_dtype=torch.bfloat16, use_fast_accum=False)
     else:
         def call(xq, q):

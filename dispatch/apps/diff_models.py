@@ -4,7 +4,7 @@ their inputs.
 MODEL is one of:
 
 * a checkpoint folder (config.json with a ``quantization_config`` + ``*.safetensors``):
-  compressed-tensors (NVFP4, NVFP4A16, FP8 per tensor, FP8_BLOCK, MXFP8, MXFP4), ModelOpt (NVFP4,
+  compressed-tensors (NVFP4, NVFP4A16, FP8 per tensor, FP8_DYNAMIC, FP8_BLOCK, MXFP8, MXFP8A16, MXFP4), ModelOpt (NVFP4,
   MXFP8) or DeepSeek-style ``Fp8Config`` block FP8. Each module's tensors are recognised by name and
   dtype and converted by the vLLM plugin's converters (dispatch.vllm_plugin.convert, which check
   them), after renaming them the way vLLM leaves them on a layer:
@@ -14,7 +14,8 @@ MODEL is one of:
       mxfp4         weight_packed -> weight; W4A16 when the config quantizes no input activations
       fp8 block     weight_scale or weight_scale_inv [ceil(N/128), K/128] (fp32 or E8M0)
       fp8 tensor    weight_scale with one element; input_scale when static
-      mxfp8         weight e4m3, weight_scale E8M0 bytes
+      fp8 channel   weight_scale [N, 1] or [N] (one per output channel); input_scale when static
+      mxfp8         weight e4m3, weight_scale E8M0 bytes; W8A16 when the config quantizes no input activations
 
   Modules with a plain float weight (ignored layers) are not quantized linears and are left out.
 * this project's safetensors file (``save_quantized``; dispatch.quant_linear.read_quantized);
@@ -134,12 +135,17 @@ def convert_module(prefix: str, t: dict[str, torch.Tensor], qcfg: dict) -> tuple
         n, k = packed.shape
         if scale.dtype in E8M0 and tuple(scale.shape) == (n, k // 32):
             qw, opts = convert.mxfp8(_Params(prefix, weight=packed, weight_scale=scale), n, k)
-            variant = "mxfp8"
+            variant = "mxfp8" if _has_input_activations(qcfg) else "mxfp8_w8a16"
         elif scale.numel() == 1:
             p = _Params(prefix, weight=packed, weight_scale=scale, input_scale=t.get("input_scale"))
             qw, opts = convert.fp8_tensor(p, n, k, static_input="input_scale" in t)
             opts = {k2: v for k2, v in opts.items() if v is not None}
             variant = "fp8_tensor"
+        elif tuple(scale.shape) in ((n, 1), (n,)):
+            p = _Params(prefix, weight=packed, weight_scale=scale, input_scale=t.get("input_scale"))
+            qw, opts = convert.fp8_channel(p, n, k, static_input="input_scale" in t)
+            opts = {k2: v for k2, v in opts.items() if v is not None}
+            variant = "fp8_channel"
         elif scale.dim() == 2 and tuple(scale.shape) == (-(-n // 128), k // 128):
             name = "weight_scale_inv" if "weight_scale_inv" in t else "weight_scale"
             qw, opts = convert.fp8_block(_Params(prefix, weight=packed, **{name: scale}), n, k)
@@ -147,7 +153,7 @@ def convert_module(prefix: str, t: dict[str, torch.Tensor], qcfg: dict) -> tuple
         else:
             return None, (f"e4m3 weight {tuple(packed.shape)} with scale {tuple(scale.shape)} "
                           f"{str(scale.dtype).replace('torch.', '')}: not a scheme b12x-dual serves "
-                          "(per-tensor, 128x128 blocks or MX 1x32)")
+                          "(per-tensor, per-channel, 128x128 blocks or MX 1x32)")
     else:
         return None, f"weight is {str(packed.dtype).replace('torch.', '')} (not quantized)"
     check_scale_values(qw, name=f"module {prefix} weight")

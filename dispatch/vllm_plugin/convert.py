@@ -5,6 +5,7 @@ What vLLM leaves on a layer when a kernel's ``process_weights_after_loading`` ru
 | family | tensors on the layer |
 |---|---|
 | CT / ModelOpt FP8 per-tensor | weight e4m3 (K, N) transposed view; weight_scale fp32 0-d (shards requantized to the max); input_scale 0-d or None |
+| CT FP8 per-channel (FP8_DYNAMIC) | weight e4m3 (K, N) transposed view; weight_scale fp32 (N, 1), the fused q/k/v or gate/up shards' rows stacked (no requantization); input_scale 0-d (static schemes) or None (dynamic per-token) |
 | Fp8Config block (DeepSeek) | weight e4m3 (N, K); weight_scale_inv fp32 or float8_e8m0fnu (ceil(N/128), K/128) |
 | CT block FP8 | the same, named weight_scale |
 | CT / ModelOpt NVFP4 | weight uint8 (N, K/2); weight_scale e4m3 (N, K/16); weight_global_scale = 1/g_w; input_global_scale_inv = g_x (W4A4) |
@@ -113,6 +114,38 @@ def fp8_tensor(layer, n: int, k: int, *, static_input: bool) -> tuple[QuantizedT
     s = scalar(layer, "weight_scale", what)
     x_s = scalar(layer, "input_scale", what, optional=not static_input)
     qw = QuantizedTensor("fp8_tensor", "weight", w.contiguous(), s, None, None, (n, k))
+    return qw, {"scale": x_s}
+
+
+def fp8_channel(layer, n: int, k: int, *, static_input: bool) -> tuple[QuantizedTensor, dict]:
+    """Per-channel FP8 (CT FP8_DYNAMIC, strategy "channel", after vLLM's processing).
+
+    Reads weight e4m3 (K, N) (the transposed view vLLM leaves; (N, K) is accepted too),
+    weight_scale (N, 1) or (N,) fp32/bf16/fp16 (one scale per output channel: the rows of fused
+    q/k/v or gate/up shards stacked in vLLM's order) and, for a static scheme, input_scale fp32 0-d
+    (the max over fused shards, as vLLM leaves it). Returns (QuantizedTensor fp8_channel [N, K]
+    with scale float32 [N], {"scale": input scale, or None for the dynamic per-token scales}).
+    Raises CheckpointError naming the layer and tensor: a weight_scale of the wrong length, or one
+    that is zero, negative, NaN or Inf (naming the first such output channel and its value).
+    """
+    what = "per-channel FP8"
+    w = tensor(layer, "weight", dtypes=(torch.float8_e4m3fn,), what=what)
+    if tuple(w.shape) == (k, n):  # CT hands over the (K, N) transpose
+        w = w.t()
+    _shape(layer, "weight", w, (n, k), what)
+    s = tensor(layer, "weight_scale", dtypes=(torch.float32, torch.bfloat16, torch.float16), what=what)
+    if tuple(s.shape) not in ((n, 1), (n,)):
+        raise CheckpointError(f"layer {layer_name(layer)}: {what} tensor 'weight_scale' has shape {tuple(s.shape)}, "
+                              f"expected ({n}, 1) or ({n},): one scale per output channel (N={n})")
+    s = s.reshape(n).to(torch.float32)
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise CheckpointError(f"layer {layer_name(layer)}: {what} tensor 'weight_scale' holds {float(s[i])!r} for "
+                              f"output channel {i} (of {n}); every per-channel scale must be finite and > 0 "
+                              "(an unloaded or corrupt scale)")
+    x_s = scalar(layer, "input_scale", what, optional=not static_input)
+    qw = QuantizedTensor("fp8_channel", "weight", w.contiguous(), s.contiguous(), None, (1, k), (n, k))
     return qw, {"scale": x_s}
 
 

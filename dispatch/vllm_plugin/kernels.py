@@ -63,7 +63,7 @@ def _check_copy(qw):
 
 
 class _Adapter:
-    """What the six classes share: placement, load (choose, prepare, free) and the op call."""
+    """What the seven classes share: placement, load (choose, prepare, free) and the op call."""
 
     VARIANT: str = ""
     QUANT_KEY: str = ""
@@ -164,7 +164,8 @@ class _Adapter:
 # FP8 per-tensor (W8A8, static or dynamic activation scale)
 # ---------------------------------------------------------------------------------------------
 class B12xDualFp8TensorKernel(_Adapter, FP8ScaledMMLinearKernel):
-    """Per-tensor FP8 (CT / ModelOpt ``fp8_w8a8``) through b12x-dual's fp8_tensor backend."""
+    """Per-tensor FP8 (CT / ModelOpt ``fp8_w8a8``) through b12x-dual's fp8_tensor backend
+    (per-channel weights go to B12xDualFp8ChannelKernel, next in vLLM's list)."""
 
     VARIANT, QUANT_KEY = "fp8_tensor", "fp8_w8a8"
 
@@ -176,7 +177,8 @@ class B12xDualFp8TensorKernel(_Adapter, FP8ScaledMMLinearKernel):
     def can_implement(cls, config):
         w, a = config.weight_quant_key.scale, config.activation_quant_key.scale
         if not (w.static and w.group_shape.is_per_tensor()):
-            return False, f"weight scale is {w.group_shape} (static={w.static}); b12x-dual takes one static per-tensor scale"
+            return False, (f"weight scale is {w.group_shape} (static={w.static}); this class takes one static "
+                           "per-tensor scale (per-channel: B12xDualFp8ChannelKernel)")
         # A dynamic checkpoint leaves the activation granularity to the runtime; vLLM asks for
         # per-token scales there (its CUTLASS path's choice), our fp8_tensor uses one dynamic
         # per-tensor scale (amax/448 per call), as the checkpoint's "dynamic, tensor" declares.
@@ -202,6 +204,49 @@ class B12xDualFp8TensorKernel(_Adapter, FP8ScaledMMLinearKernel):
 
     def apply_scaled_mm(self, **kwargs):  # the base class's hook; apply_weights never calls it
         raise NotImplementedError("B12xDualFp8TensorKernel overrides apply_weights")
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 per-channel weights (CT FP8_DYNAMIC): per-token dynamic or per-tensor static activations
+# ---------------------------------------------------------------------------------------------
+class B12xDualFp8ChannelKernel(_Adapter, FP8ScaledMMLinearKernel):
+    """Per-channel FP8 weights (compressed-tensors strategy "channel", the FP8_DYNAMIC preset: vLLM's
+    weight key ``GroupShape(-1, 1)``) with dynamic per-token or static per-tensor activation scales,
+    through b12x-dual's fp8_channel backend."""
+
+    VARIANT, QUANT_KEY = "fp8_channel", "fp8_w8a8"
+
+    @classmethod
+    def is_supported(cls, compute_capability: Optional[int] = None):
+        return cls._placement(compute_capability)
+
+    @classmethod
+    def can_implement(cls, config):
+        w, a = config.weight_quant_key.scale, config.activation_quant_key.scale
+        if not (w.static and w.group_shape.is_per_channel()):
+            return False, (f"weight scale is {w.group_shape} (static={w.static}); this class takes one static "
+                           "scale per output channel (GroupShape(row=-1, col=1))")
+        if not ((not a.static and a.group_shape.is_per_token()) or (a.static and a.group_shape.is_per_tensor())):
+            return False, (f"activation scale is {a.group_shape} (static={a.static}); fp8_channel takes dynamic "
+                           "per-token or static per-tensor activation scales")
+        ok, why = _check_dtypes(config)
+        if not ok:
+            return ok, why
+        n, k = config.weight_shape
+        ok, why = placement.shape_placement(cls.VARIANT, cls.QUANT_KEY, n, k, config.input_dtype)
+        return ok, (None if ok else why)
+
+    def process_weights_after_loading(self, layer):
+        n, k = self.config.weight_shape
+        static = bool(self.config.activation_quant_key.scale.static)
+        qw, act = convert.fp8_channel(layer, n, k, static_input=static)
+        self._load(layer, qw, act)
+
+    def apply_weights(self, layer, x, bias=None):
+        return self._run(layer, x, bias)
+
+    def apply_scaled_mm(self, **kwargs):  # the base class's hook; apply_weights never calls it
+        raise NotImplementedError("B12xDualFp8ChannelKernel overrides apply_weights")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,9 +295,11 @@ class B12xDualFp8BlockKernel(_Adapter, Fp8BlockScaledMMLinearKernel):
 # MXFP8
 # ---------------------------------------------------------------------------------------------
 class B12xDualMxfp8Kernel(_Adapter, Mxfp8LinearKernel):
-    """MXFP8 (CT / ModelOpt) through b12x-dual's mxfp8 backend."""
+    """MXFP8 (CT / ModelOpt) through b12x-dual's mxfp8 backend, or mxfp8_w8a16 where the checkpoint
+    keeps the activations in bf16/fp16 (CT MXFP8A16; vLLM builds its W8A8 class for it, scheme.py)."""
 
     VARIANT, QUANT_KEY = "mxfp8", "mxfp8"
+    SERVES = ("mxfp8", "mxfp8_w8a16")  # the same weight tensors; the activations differ
 
     @classmethod
     def is_supported(cls, compute_capability: Optional[int] = None):
@@ -345,5 +392,5 @@ class B12xDualMxFp4Kernel(_Adapter, MxFp4LinearKernel):
         return self._run(layer, x, bias)
 
 
-KERNELS = (B12xDualFp8TensorKernel, B12xDualFp8BlockKernel, B12xDualMxfp8Kernel, B12xDualNvFp4Kernel,
-           B12xDualNvFp4W4A16Kernel, B12xDualMxFp4Kernel)
+KERNELS = (B12xDualFp8TensorKernel, B12xDualFp8ChannelKernel, B12xDualFp8BlockKernel, B12xDualMxfp8Kernel,
+           B12xDualNvFp4Kernel, B12xDualNvFp4W4A16Kernel, B12xDualMxFp4Kernel)

@@ -51,12 +51,16 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class Spec:
     """One checkpoint tensor: allowed dtypes and its full shape from (N, K), or None for a
-    per-tensor scale (one element per shard); ``hint`` is added to a dtype refusal."""
+    per-tensor scale (one element per shard); ``hint`` is added to a dtype refusal; ``positive``:
+    every value must be finite and > 0 (the fp32 per-tensor and per-channel scales: a zero,
+    negative, NaN or Inf one is refused as it arrives, before vLLM's max over fused shards could
+    hide it)."""
 
     dtypes: tuple
     shape: Optional[Callable[[int, int], tuple]]
     what: str
     hint: str = ""
+    positive: bool = False
 
     def expected(self, n: int, k: int) -> str:
         return "one element (shape (), (1,))" if self.shape is None else str(self.shape(n, k))
@@ -66,12 +70,14 @@ _E8M0_HINT = ("; E8M0 scales must be stored as their bytes (uint8 or float8_e8m0
               "127): vLLM's loader would cast float values such as 0.125 to the byte 0 without a word")
 _W_E4M3 = Spec(E4M3, lambda n, k: (n, k), "an e4m3 weight [N, K]")
 _W_FP4 = Spec(U8, lambda n, k: (n, _cdiv(k, 2)), "a packed e2m1 weight [N, K/2] (two codes a byte)")
-_PER_TENSOR = Spec(SCALE_FLOATS, None, "a per-tensor scale")
+_PER_TENSOR = Spec(SCALE_FLOATS, None, "a per-tensor scale", positive=True)
 _MX_SCALE = Spec(E8M0, lambda n, k: (n, _cdiv(k, 32)), "an E8M0 block scale [N, K/32]", _E8M0_HINT)
 _BLOCK_SCALE = Spec(SCALE_FLOATS + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()),
                     lambda n, k: (_cdiv(n, 128), _cdiv(k, 128)), "a 128x128 block scale [ceil(N/128), ceil(K/128)]",
                     "; UE8M0 block scales must be float8_e8m0fnu (uint8 bytes would be cast as integers)")
 _NV_SCALE = Spec(E4M3, lambda n, k: (n, _cdiv(k, 16)), "an e4m3 block scale [N, K/16]")
+_CHANNEL_SCALE = Spec(SCALE_FLOATS, lambda n, k: (n, 1), "a per-channel scale [N, 1] (one per output channel)",
+                      positive=True)
 
 # Registry variant -> {parameter name as vLLM registers it -> Spec}. Names vLLM 0.32/0.33 use:
 # CT (weight_packed, weight_global_scale, input_global_scale), ModelOpt (weight, weight_scale_2,
@@ -81,8 +87,10 @@ _NVFP4 = {"weight_packed": _W_FP4, "weight": _W_FP4, "weight_scale": _NV_SCALE,
           "weight_scale_2": _PER_TENSOR, "input_scale": _PER_TENSOR}
 SPECS: dict[str, dict[str, Spec]] = {
     "fp8_tensor": {"weight": _W_E4M3, "weight_scale": _PER_TENSOR, "input_scale": _PER_TENSOR},
+    "fp8_channel": {"weight": _W_E4M3, "weight_scale": _CHANNEL_SCALE, "input_scale": _PER_TENSOR},
     "fp8_block": {"weight": _W_E4M3, "weight_scale": _BLOCK_SCALE, "weight_scale_inv": _BLOCK_SCALE},
     "mxfp8": {"weight": _W_E4M3, "weight_scale": _MX_SCALE},
+    "mxfp8_w8a16": {"weight": _W_E4M3, "weight_scale": _MX_SCALE},
     "nvfp4": _NVFP4,
     "nvfp4_w4a16": _NVFP4,
     "mxfp4": {"weight_packed": _W_FP4, "weight": _W_FP4, "weight_scale": _MX_SCALE},
@@ -159,12 +167,21 @@ def _shard_text(shard) -> str:
 
 def check_tensor(layer, name: str, spec: Spec, loaded: torch.Tensor, shard) -> None:
     """Raise CheckpointError unless ``loaded`` (a checkpoint tensor for ``layer.<name>``, shard
-    ``shard``) has an allowed dtype and the expected full shape."""
+    ``shard``) has an allowed dtype, the expected full shape and, for a ``positive`` spec, only
+    finite values > 0."""
     n, k = _full_n(layer, shard), int(layer.input_size)
     where = f"layer {layer_name(layer)}: checkpoint tensor {name!r}{_shard_text(shard)}"
     if loaded.dtype not in spec.dtypes:
         raise CheckpointError(f"{where} is {_fmt(loaded)}; {spec.what} must be one of {_names(spec.dtypes)}"
                               f"{spec.hint}")
+    if spec.positive and loaded.numel():
+        v = loaded.detach().float().reshape(-1)
+        bad = ~(torch.isfinite(v) & (v > 0))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            at = f" at row {i}" if loaded.numel() > 1 else ""
+            raise CheckpointError(f"{where} is {_fmt(loaded)} holding {float(v[i])!r}{at}; {spec.what} must be "
+                                  "finite and > 0 (a zero, negative, NaN or Inf scale is a corrupt checkpoint)")
     if n is None:  # a shard layout this module does not know: vLLM's loader checks the shape
         return
     if spec.shape is None:

@@ -88,14 +88,15 @@ removed_in_tree: set = set()
 
 
 def _kinds():
+    """vLLM list kind -> our classes, in the order they go at its front."""
     from . import kernels as K
 
     return {
-        "fp8": K.B12xDualFp8TensorKernel,
-        "fp8_block": K.B12xDualFp8BlockKernel,
-        "mxfp8": K.B12xDualMxfp8Kernel,
-        "nvfp4": K.B12xDualNvFp4Kernel,
-        "mxfp4": K.B12xDualMxFp4Kernel,
+        "fp8": (K.B12xDualFp8TensorKernel, K.B12xDualFp8ChannelKernel),
+        "fp8_block": (K.B12xDualFp8BlockKernel,),
+        "mxfp8": (K.B12xDualMxfp8Kernel,),
+        "nvfp4": (K.B12xDualNvFp4Kernel,),
+        "mxfp4": (K.B12xDualMxFp4Kernel,),
     }
 
 
@@ -103,12 +104,13 @@ def kernel_lists() -> None:
     from vllm.platforms import PlatformEnum
 
     lin = sys.modules[LINEAR]
-    for kind, cls in _kinds().items():
+    for kind, classes in _kinds().items():
         table = getattr(lin, LIST_NAMES[kind])
         for platform in (PlatformEnum.CUDA, PlatformEnum.CPU):
             lst = table.setdefault(platform, [])
-            if cls not in lst:
-                lst.insert(0, cls)
+            for cls in reversed(classes):
+                if cls not in lst:
+                    lst.insert(0, cls)
 
 
 def backend_map() -> None:

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-SCHEMES = ("fp8_w8a8 static", "fp8_w8a8 dynamic", "fp8_block_w8a8", "mxfp8", "nvfp4_w4a4", "nvfp4_w4a16",
-           "mxfp4 W4A4", "mxfp4 W4A16")
+SCHEMES = ("fp8_w8a8 static", "fp8_w8a8 dynamic", "fp8_w8a8 channel", "fp8_w8a8 channel static", "fp8_block_w8a8",
+           "mxfp8", "nvfp4_w4a4", "nvfp4_w4a16", "mxfp4 W4A4", "mxfp4 W4A16")
 
 
 @dataclass
@@ -46,6 +46,8 @@ def _schemes(n: int, k: int, dtype: torch.dtype):
     return {
         "fp8_w8a8 static": fp8(q.kFp8StaticTensorSym, q.kFp8StaticTensorSym),
         "fp8_w8a8 dynamic": fp8(q.kFp8DynamicTensorSym, q.kFp8StaticTensorSym),
+        "fp8_w8a8 channel": fp8(q.kFp8DynamicTokenSym, q.kFp8StaticChannelSym),  # CT FP8_DYNAMIC
+        "fp8_w8a8 channel static": fp8(q.kFp8StaticTensorSym, q.kFp8StaticChannelSym),
         "fp8_block_w8a8": fp8(q.kFp8Dynamic128Sym, q.kFp8Static128BlockSym, block=True),
         "mxfp8": ("_POSSIBLE_MXFP8_KERNELS", "mxfp8", lin.Mxfp8LinearLayerConfig(weight_shape=(n, k)),
                   lambda: lin.init_mxfp8_linear_kernel(weight_shape=(n, k))),
@@ -152,9 +154,9 @@ def selection_report(*, n: int = 4096, k: int = 4096, dtype: torch.dtype = torch
 
 def format_rows(rows: list[Row], *, reasons: bool = True) -> str:
     """Plain-text table (the CLI prints this)."""
-    lines = [f"{'scheme':<18} {'backend':<8} {'plugin':<7} chosen"]
+    lines = [f"{'scheme':<24} {'backend':<8} {'plugin':<7} chosen"]
     for r in rows:
-        lines.append(f"{r.scheme:<18} {r.backend:<8} {'yes' if r.plugin else 'no':<7} {r.chosen}")
+        lines.append(f"{r.scheme:<24} {r.backend:<8} {'yes' if r.plugin else 'no':<7} {r.chosen}")
         if reasons:
-            lines.extend(f"{'':<36}{'+' if ok else '-'} {name}: {why}" for name, ok, why in r.reasons)
+            lines.extend(f"{'':<42}{'+' if ok else '-'} {name}: {why}" for name, ok, why in r.reasons)
     return "\n".join(lines)

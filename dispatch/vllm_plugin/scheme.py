@@ -4,7 +4,8 @@ vLLM builds a layer's kernel from its scheme class, and some of its classes stan
 one checkpoint scheme: vLLM 0.32 and 0.33 map every compressed-tensors MXFP4-weight scheme to the
 W4A4 class (``CompressedTensorsW4A4Mxfp4``, whose activation key defaults to dynamic MXFP4) and
 every MXFP8-weight scheme to the W8A8 class, so a weight-only MXFP4A16 or MXFP8A16 checkpoint
-would have its activations quantized although it keeps them in bf16. The plugin therefore asks the
+would have its activations quantized although it keeps them in bf16 (they are served as
+mxfp4_w4a16 and mxfp8_w8a16). The plugin therefore asks the
 checkpoint, not vLLM's scheme object, what the layer's activations are:
 
     compressed-tensors   ``quant_config.get_scheme_dict(layer, prefix)``: the ``weights`` and
@@ -93,12 +94,11 @@ def variant_of(weights: Any, inputs: Any) -> tuple[Optional[str], str]:
         return None, "MXFP4 weights are served with dynamic MXFP4 activations (W4A4) or none (W4A16)"
     if _is_float(weights, 8) and ws == "group" and wg == 32:  # MXFP8
         if inputs is None:
-            return None, ("MXFP8 weights with bf16/fp16 activations (W8A16) have no b12x-dual variant "
-                          "yet; b12x-dual serves MXFP8 with dynamic MXFP8 activations (W8A8)")
+            return "mxfp8_w8a16", ""
         if _is_float(inputs, 8) and istrat == "group" and _get(inputs, "group_size") == 32 \
                 and _get(inputs, "dynamic") is True:
             return "mxfp8", ""
-        return None, "MXFP8 weights are served with dynamic MXFP8 activations"
+        return None, "MXFP8 weights are served with dynamic MXFP8 activations (W8A8) or none (W8A16)"
     if _is_float(weights, 8) and ws == "block":
         if list(_get(weights, "block_structure") or []) != [128, 128]:
             return None, "block FP8 takes 128x128 weight blocks"
@@ -110,10 +110,14 @@ def variant_of(weights: Any, inputs: Any) -> tuple[Optional[str], str]:
         if _is_float(inputs, 8) and (istrat == "tensor" or (istrat == "token" and _get(inputs, "dynamic") is True)):
             return "fp8_tensor", ""
         return None, "per-tensor FP8 weights are served with FP8 activations (static or dynamic)"
-    if _is_float(weights, 8) and ws == "channel":
-        return None, ("FP8 weights with one scale per output channel have no b12x-dual variant yet; "
-                      "b12x-dual serves per-tensor, block and MX FP8 weights")
-    return None, "outside b12x-dual's formats (fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4 and their W4A16 variants)"
+    if _is_float(weights, 8) and ws == "channel":  # FP8_DYNAMIC: one weight scale per output channel
+        dyn = _get(inputs, "dynamic") if inputs is not None else None
+        if _is_float(inputs, 8) and ((istrat == "token" and dyn is True) or (istrat == "tensor" and dyn is False)):
+            return "fp8_channel", ""
+        return None, ("per-channel FP8 weights are served with FP8 activations scaled dynamically per token "
+                      "or statically per tensor (fp8_channel)")
+    return None, ("outside b12x-dual's formats (fp8_tensor, fp8_channel, fp8_block, mxfp8, nvfp4, mxfp4 and the "
+                  "weight-only nvfp4_w4a16, mxfp4_w4a16, mxfp8_w8a16)")
 
 
 def read(layer) -> Optional[CheckpointScheme]:

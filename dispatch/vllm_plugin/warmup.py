@@ -55,7 +55,6 @@ def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
     specialization. cute: the b12x plan capacity ``cap_for(next_pow2(M), K)`` that kernels_cute
     plans for an unprepared M. reference: nothing (torch only). Raises ValueError for another impl.
     """
-    fmt = variant.removesuffix("_w4a16")
     if impl == "reference":
         return ()
     if impl in ("triton", "hopper"):

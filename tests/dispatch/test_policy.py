@@ -57,17 +57,24 @@ def _cute_shape_rule(variant, M, N, K):
 # ---------------------------------------------------------------------------------------------
 # The table: every device x variant x shape class
 # ---------------------------------------------------------------------------------------------
-def _expected_without_b12x(key):
-    """(implementation auto picks, the reasons of the ones skipped before it, "" for none)."""
-    if key == "cpu":
-        if interpreting():
-            return "triton", ""
-        # on a GPU machine the interpreter is off, so CPU tensors can only go to the oracle
-        return "reference", registry.get("triton", "fp8_tensor").is_supported(CPU)[1]
-    if key in SM90:
-        return "hopper", ""
-    return "triton", "b12x is not installed (ModuleNotFoundError: No module named 'b12x'); " \
-                     "install it with: pip install 'b12x-dual[cute]'"
+def _expected_without_b12x(key, variant="fp8_tensor"):
+    """(implementation auto picks, the reasons of the ones skipped before it, "" for none): the
+    device's priority list, each declared-unsupported cell skipped with its reason, cute skipped
+    for the missing b12x, triton on the CPU skipped where the interpreter is off (a GPU machine)."""
+    skipped = []
+    for impl in registry.priority(KNOWN_DEVICES[key]):
+        entry = registry.entries()[(impl, variant)]
+        if isinstance(entry, registry.UnsupportedEntry):
+            skipped.append(f"{impl} does not implement {variant}: {entry.reason}")
+        elif impl == "cute":
+            skipped.append("b12x is not installed (ModuleNotFoundError: No module named 'b12x'); "
+                           "install it with: pip install 'b12x-dual[cute]'")
+        elif impl == "triton" and key == "cpu" and not interpreting():
+            # on a GPU machine the interpreter is off, so CPU tensors can only go to the oracle
+            skipped.append(registry.get("triton", "fp8_tensor").is_supported(CPU)[1])
+        else:
+            return impl, "; ".join(skipped)
+    raise AssertionError(f"nothing serves {variant} on {key}")
 
 
 def _needs_hopper(variant="fp8_tensor"):
@@ -91,11 +98,9 @@ def test_auto_without_b12x_picks_triton_everywhere_and_says_why(monkeypatch, key
     M, N, K = SHAPES[shape]
     dev = KNOWN_DEVICES[key]
     if key in SM90:
-        _needs_hopper(variant)
+        _needs_hopper()
     c = choose(variant, M, N, K, dev)
-    impl, skipped = _expected_without_b12x(key)
-    if kernels_cute.not_served(variant) and dev.is_sm12x:
-        skipped = f"cute does not implement {variant}: {kernels_cute.not_served(variant)}"
+    impl, skipped = _expected_without_b12x(key, variant)
     assert c.impl == impl
     own = _reason_of(impl, variant, M, N, K, dev)
     assert c.reason == (f"{skipped}; {own}" if skipped else own)
@@ -111,15 +116,17 @@ def test_auto_with_b12x_picks_cute_on_sm12x_for_the_supported_set(monkeypatch, k
     M, N, K = SHAPES[shape]
     dev = KNOWN_DEVICES[key]
     if key in SM90:
-        _needs_hopper(variant)
+        _needs_hopper()
     if key not in SM12X:
-        assert choose(variant, M, N, K, dev).impl == _expected_without_b12x(key)[0]
+        assert choose(variant, M, N, K, dev).impl == _expected_without_b12x(key, variant)[0]
         return
     _needs_b12x()
     c = choose(variant, M, N, K, dev)
     head = f"b12x 1.5.1 targets {dev.arch} (described device, not probed)"
     ok, why = _cute_shape_rule(variant, M, N, K)
-    assert c.impl == ("cute" if ok else "triton")
+    after_cute = next(i for i in registry.priority(dev)[1:]
+                      if not isinstance(registry.entries()[(i, variant)], registry.UnsupportedEntry))
+    assert c.impl == ("cute" if ok else after_cute)
     assert c.considered[0] == ("cute", ok, f"{head}; {why}" if ok else why)
 
 
@@ -204,11 +211,13 @@ def test_forced_reference_serves_every_device(key):
     assert (c.impl, c.requested, c.source) == ("reference", "reference", "impl=")
 
 
-def test_a16_is_only_defined_for_the_fp4_formats():
+def test_a16_is_only_defined_for_the_fp4_formats_and_mxfp8():
     assert registry.variant_name("nvfp4", True) == "nvfp4_w4a16"
     assert registry.variant_name("mxfp4", True) == "mxfp4_w4a16"
-    with pytest.raises(ValueError, match=r"a16=True \(weight-only W4A16\) is defined for \['mxfp4', 'nvfp4'\], not 'mxfp8'"):
-        registry.variant_name("mxfp8", True)
+    assert registry.variant_name("mxfp8", True) == "mxfp8_w8a16"
+    with pytest.raises(ValueError, match=r"a16=True \(weight-only W4A16 / W8A16\) is defined for "
+                                         r"\['mxfp4', 'mxfp8', 'nvfp4'\], not 'fp8_tensor'"):
+        registry.variant_name("fp8_tensor", True)
     with pytest.raises(ValueError, match="format must be one of"):
         choose("int8", 1, 64, 64, CPU)
 

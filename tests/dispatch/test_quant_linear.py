@@ -32,6 +32,8 @@ REL_ERR_BOUNDS = {
     "mxfp4": (0.150, 0.170),
     "mxfp4_w4a16": (0.100, 0.125),
     "nvfp4_w4a16": (0.080, 0.100),
+    "fp8_channel": (0.030, 0.040),  # measured 0.036-0.038: both operands e4m3, as fp8_tensor
+    "mxfp8_w8a16": (0.020, 0.030),  # measured 0.026-0.027: the weight's e4m3 error alone
 }
 
 
@@ -47,6 +49,9 @@ def _layer(seed: int, n: int = 192, k: int = 256) -> tuple[nn.Linear, torch.Tens
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_quant_linear_matches_nn_linear_within_the_format_error(variant, impl):
+    entry = registry.entries()[(impl, variant)]
+    if isinstance(entry, registry.UnsupportedEntry):
+        pytest.skip(f"{impl}:{variant} is declared unsupported: {entry.reason}")
     lo, hi = REL_ERR_BOUNDS[variant]
     for seed in SEEDS:
         lin, x = _layer(seed)
@@ -337,6 +342,9 @@ def test_a_bad_static_act_scale_fails_where_the_layer_is_built(fmt, key, bad, as
 def test_a_nonfinite_activation_row_never_comes_out_finite(variant, impl):
     # the non-finite rule (docs/formats.md): its row is non-finite; the other rows too only for the
     # per-tensor dynamic scales (fp8_tensor, nvfp4 W4A4); reference and triton agree on the pattern
+    entry = registry.entries()[(impl, variant)]
+    if isinstance(entry, registry.UnsupportedEntry):
+        pytest.skip(f"{impl}:{variant} is declared unsupported: {entry.reason}")
     lin, x = _layer(1)
     x = x.reshape(-1, x.shape[-1])[:4].clone()
     x[1, 7] = float("nan")

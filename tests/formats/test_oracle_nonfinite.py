@@ -13,8 +13,9 @@ VALUES = [NAN, INF, -INF]
 # (fmt, options, scale per tensor?) for every way an activation is quantized
 CASES = [("fp8_tensor", {}, True), ("fp8_tensor", {"scale": 0.01}, False), ("fp8_block", {}, False),
          ("fp8_block", {"ue8m0": True}, False), ("mxfp8", {}, False), ("mxfp8", {"scale_rule": "floor"}, False),
-         ("nvfp4", {}, True), ("nvfp4", {"global_scale": 200.0}, False), ("mxfp4", {}, False)]
-BLOCK = {"fp8_tensor": 1, "fp8_block": 128, "mxfp8": 32, "nvfp4": 16, "mxfp4": 32}
+         ("nvfp4", {}, True), ("nvfp4", {"global_scale": 200.0}, False), ("mxfp4", {}, False),
+         ("fp8_channel", {}, False), ("fp8_channel", {"scale": 0.01}, False)]
+BLOCK = {"fp8_tensor": 1, "fp8_block": 128, "mxfp8": 32, "nvfp4": 16, "mxfp4": 32, "fp8_channel": 256}  # fp8_channel: the row
 
 
 def _x(v, k=256, seed=0):
@@ -43,7 +44,7 @@ def test_activation_nonfinite_poisons_its_block_only(fmt, opts, per_tensor, v):
     bad = torch.zeros_like(d, dtype=torch.bool)
     if per_tensor:
         bad[:] = True
-    elif fmt == "fp8_tensor":  # static scale: only the element (its code is 0x7F)
+    elif "scale" in opts:  # fp8_tensor, fp8_channel static scale: only the element (its code is 0x7F)
         bad[1, 37] = True
     else:
         b = BLOCK[fmt]
@@ -61,9 +62,11 @@ def test_activation_nonfinite_poisons_its_block_only(fmt, opts, per_tensor, v):
 def test_activation_nonfinite_codes_are_defined(fmt, opts, per_tensor):
     q = F.quantize(_x(NAN), fmt, role="activation", **opts)
     spec = F.spec(fmt)
-    if fmt in ("fp8_tensor", "fp8_block"):
+    if fmt in ("fp8_tensor", "fp8_block", "fp8_channel"):
         s = q.scale
-        assert bool(s.isnan().any()) == (fmt != "fp8_tensor" or per_tensor)
+        assert bool(s.isnan().any()) == ("scale" not in opts)
+        if fmt == "fp8_channel" and "scale" not in opts:  # the row's scale only
+            assert s.isnan().tolist() == [False, True, False, False]
     elif fmt in ("mxfp8", "mxfp4"):
         assert q.scale[1, 37 // 32].item() == 0xFF and int((q.scale == 0xFF).sum()) == 1
     else:  # nvfp4: e4m3 block scale 0x7F; dynamic: every block and g

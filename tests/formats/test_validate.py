@@ -54,7 +54,7 @@ def test_good_operands_pass(fmt):
         raises(lambda: V.check_weight(sw, layouts=("linear",)), "qweight.scale_layout", "'swizzled_128x4'")
 
 
-@pytest.mark.parametrize("fmt", ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4"))
+@pytest.mark.parametrize("fmt", ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "fp8_channel"))
 def test_wrong_kind_format_role_raise(fmt):
     w = weight(fmt)
     other = "mxfp4" if fmt != "mxfp4" else "nvfp4"

@@ -6,8 +6,8 @@ How: kernels_cute._compile turns one subprocess per arch into a b12x compile wor
 that uses b12x private API) and compiles the exact plans kernels_cute.<fmt>.linear uses. Both arch
 processes run in parallel, into a temporary B12X_COMPILE_CACHE_DIR.
 
-Grid: M in {1, 8, 128, 2048} x K in {4096, 7168} x N in {2048, 4096}, five formats, plus
-the NVFP4 W4A16 route (nvfp4_w4a16) at the corners. Plans are deduplicated (MXFP4 plans M <= 129 at
+Grid: M in {1, 8, 128, 2048} x K in {4096, 7168} x N in {2048, 4096}, the five formats b12x
+serves, plus the weight-only routes (nvfp4_w4a16, mxfp8_w8a16) at the corners. Plans are deduplicated (MXFP4 plans M <= 129 at
 capacity 129 when K >= 4096). Set B12X_DUAL_COMPILE_GRID=corners to compile only M in {1, 2048},
 K=4096/N=2048 and K=7168/N=4096.
 """
@@ -23,6 +23,7 @@ from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("b12x", reason="b12x is not installed (pip install -e '.[dev]' brings b12x==1.5.1)")
 
@@ -40,8 +41,10 @@ CORNERS = os.environ.get("B12X_DUAL_COMPILE_GRID", "full") == "corners"
 BUG_MESSAGE = "Expected source and destination tensors to have the same rank, but got 3 and 4"
 
 
-W4A4 = tuple(v for v in kernels_cute.SERVED if not v.endswith("_w4a16"))
-A16 = tuple(v for v in kernels_cute.SERVED if v.endswith("_w4a16"))  # ("nvfp4_w4a16",)
+from kernels_cute._common import split_variant  # noqa: E402
+
+W4A4 = tuple(v for v in kernels_cute.SERVED if not split_variant(v)[1])
+A16 = tuple(v for v in kernels_cute.SERVED if split_variant(v)[1])  # ("nvfp4_w4a16", "mxfp8_w8a16")
 
 
 def _cells():
@@ -156,6 +159,20 @@ def test_unaligned_shapes_are_unsupported_with_a_reason(fmt, n, k, needle):
 
 def test_nvfp4_w4a16_is_compile_checked():
     assert "nvfp4_w4a16" in A16 and any(c[0] == "nvfp4_w4a16" for c in _cells())
+
+
+def test_mxfp8_w8a16_is_compile_checked():
+    """b12x's blockscaled.w8a16 plan (BlockscaledQuery recipe mxfp8, activation_mode a16) is in the grid."""
+    assert "mxfp8_w8a16" in A16 and any(c[0] == "mxfp8_w8a16" for c in _cells())
+    ok, why = kernels_cute.supported("mxfp8_w8a16", 8, 4096, 4096, _device("sm_120a"), dtype=torch.float16)
+    assert not ok and "bfloat16 activations only" in why
+
+
+def test_fp8_channel_is_a_named_gap():
+    """b12x 1.5.1 has no per-channel FP8 GEMM: the cell is refused with the reason, no plan exists."""
+    assert "fp8_channel" not in kernels_cute.SERVED
+    ok, why = kernels_cute.supported("fp8_channel", 8, 4096, 4096, _device("sm_120a"))
+    assert not ok and "no per-channel FP8 GEMM" in why
 
 
 def test_mxfp4_w4a16_and_non_sm12x_are_unsupported():

@@ -98,6 +98,23 @@ def test_nvfp4_w4a16_matches_the_a16_oracle(m):
     assert e <= REL_TOL and c >= COS_MIN, f"nvfp4_w4a16 M={m}: rel {e:.2e}, cos {c:.7f}"
 
 
+@pytest.mark.parametrize("m", (1, 8, 128, 2048))
+def test_mxfp8_w8a16_matches_the_a16_oracle(m):
+    """b12x's blockscaled.w8a16 on bf16 activations: the W8A16 oracle (reference_linear(a16=True)),
+    not the W8A8 one."""
+    gen = torch.Generator().manual_seed(29 + m)
+    n, k = 4096, 4096
+    q = formats.quantize(make_input((n, k), torch.float32, generator=gen, device="cuda"), "mxfp8")
+    x = make_input((m, k), torch.bfloat16, generator=gen, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    p = kernels_cute.prepare_weight(q, a16=True)
+    y = kernels_cute.linear(x, p, bias)
+    ref = formats.reference_linear(x, q, bias, a16=True)
+    e, c = rel_err(y, ref), _cos(y, ref)
+    assert e <= REL_TOL and c >= COS_MIN, f"mxfp8_w8a16 M={m}: rel {e:.2e}, cos {c:.7f}"
+    assert rel_err(y, formats.reference_linear(x, q, bias)) > 4 * e, "W8A8 would give the same output"
+
+
 def _dev():
     from types import SimpleNamespace
 

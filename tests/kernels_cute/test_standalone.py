@@ -49,8 +49,19 @@ def test_no_kernels_triton_in_the_source():
 
 def test_format_list_derives_from_formats():
     assert kernels_cute.FORMATS == formats.FORMAT_NAMES
-    assert set(kernels_cute.VARIANTS) == set(formats.FORMAT_NAMES) | {"nvfp4_w4a16", "mxfp4_w4a16"}
+    assert set(kernels_cute.VARIANTS) == set(formats.FORMAT_NAMES) | {"nvfp4_w4a16", "mxfp4_w4a16", "mxfp8_w8a16"}
     assert "mxfp4_w4a16" not in kernels_cute.SERVED and "nvfp4_w4a16" in kernels_cute.SERVED
+    assert "mxfp8_w8a16" in kernels_cute.SERVED and "fp8_channel" not in kernels_cute.SERVED
+
+
+def test_fp8_channel_is_declared_unsupported_with_b12xs_reason():
+    """kernels_cute/fp8_channel.py declares the gap; every entry point gives its reason."""
+    why = kernels_cute.not_served("fp8_channel")
+    assert why.startswith("b12x 1.5.1 has no per-channel FP8 GEMM")
+    ok, msg = kernels_cute.supported("fp8_channel", 8, 4096, 4096, SM120)
+    assert not ok and why in msg
+    with pytest.raises(ValueError, match="no per-channel FP8 GEMM"):
+        kernels_cute.module("fp8_channel")
 
 
 @pytest.mark.parametrize("name", ["fp6_e3m2", "int4_awq", "", "NVFP4"])

@@ -28,7 +28,7 @@ def fp8_interval(fmt: str, M: int) -> int:
     interval); 0 for mxfp8, whose lesson kernel dots exact bf16 products in fp32."""
     if DEVICE != "cuda":
         return 0
-    return 128 if fmt in ("fp8_tensor", "fp8_block") else 0
+    return 128 if fmt in ("fp8_tensor", "fp8_block", "fp8_channel") else 0
 
 
 def fp8_decode_interval(fmt: str) -> int:

@@ -112,7 +112,7 @@ def test_native_split_k_and_bf16_output_match_portable(fmt, monkeypatch):
 
 
 # formats with one 1-byte scale per row and block (the swizzled 128x4 layout's domain): mxfp8, nvfp4, mxfp4
-ONE_BYTE_SCALES = tuple(f for f in FORMAT_NAMES if spec(f).weight_block and spec(f).weight_block[0] == 1)
+ONE_BYTE_SCALES = tuple(f for f in FORMAT_NAMES if formats.format_module(f).SCALE_DTYPE.itemsize == 1)
 
 
 @pytest.mark.parametrize("fmt", ONE_BYTE_SCALES)

@@ -21,7 +21,8 @@ VALUES = [NAN, INF, -INF]
 VIDS = ["nan", "inf", "-inf"]
 CASES = [("fp8_tensor", {}, True), ("fp8_tensor", {"scale": 0.01}, False), ("fp8_block", {}, False),
          ("fp8_block", {"ue8m0": True}, False), ("mxfp8", {}, False), ("mxfp8", {"scale_rule": "floor"}, False),
-         ("nvfp4", {}, True), ("nvfp4", {"global_scale": 200.0}, False), ("mxfp4", {}, False)]
+         ("nvfp4", {}, True), ("nvfp4", {"global_scale": 200.0}, False), ("mxfp4", {}, False),
+         ("fp8_channel", {}, False), ("fp8_channel", {"scale": 0.01}, False)]
 CIDS = [f"{f}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'dynamic'}" for f, o, _ in CASES]
 GEMM_OPTS = {"ue8m0"}  # options that also go to gemm (fp8_block's UE8M0 native MMA)
 
@@ -93,7 +94,7 @@ def test_w4a16_nonfinite_stays_in_its_row(fmt):
 def _poison_weight(w):
     """w with element (0, 5)'s NaN code (e4m3 formats) or row 0's first block scale NaN (FP4)."""
     data, scale = w.data.clone(), w.scale.clone()
-    if w.fmt in ("fp8_tensor", "fp8_block", "mxfp8"):
+    if w.fmt in ("fp8_tensor", "fp8_block", "mxfp8", "fp8_channel"):
         data.view(torch.uint8)[0, 5] = 0xFF  # the negative NaN code: it must decode as NaN too
     elif w.fmt == "nvfp4":
         scale.view(torch.uint8)[0, 0] = 0x7F

@@ -30,9 +30,14 @@ CT_PRESETS = {
     "ct_mxfp4": "MXFP4",
     "ct_mxfp4a16": "MXFP4A16",
     "ct_mxfp8": "MXFP8",
+    "ct_mxfp8a16": "MXFP8A16",
+    "ct_fp8_channel": "FP8_DYNAMIC",  # per-channel weights, dynamic per-token activations
+    "ct_fp8_channel_static": "FP8 weights per channel, activations static per tensor",  # built below
 }
-# Presets in our formats that b12x-dual does not serve yet: refused at load, by name.
-CT_REFUSED = {"ct_mxfp8a16": "MXFP8A16", "ct_fp8_channel": "FP8_DYNAMIC"}
+# Schemes in our formats that b12x-dual does not serve: refused at load, by name. No preset is among
+# them; this one is written by hand (vLLM would quantize its activations per token, the checkpoint
+# says per tensor).
+CT_REFUSED = {"ct_fp8_channel_tensor_dynamic": "FP8 weights per channel, activations dynamic per tensor"}
 DERIVED = {"modelopt_nvfp4": "ct_nvfp4", "modelopt_mxfp8": "ct_mxfp8", "deepseek_fp8_block": "ct_fp8_block"}
 KINDS = tuple(CT_PRESETS) + tuple(DERIVED)
 
@@ -150,6 +155,13 @@ def quantize_ct(model, ids, preset: str, out: Path, *, ignore, prefix: str = "",
         fp8 = dict(num_bits=8, type="float", strategy="tensor", symmetric=True)
         scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**fp8, dynamic=False),
                                     input_activations=QuantizationArgs(**fp8, dynamic=True))
+    elif preset.startswith("FP8 weights per channel"):  # no preset: per-channel W, per-tensor x (static or dynamic)
+        from compressed_tensors.quantization import QuantizationArgs
+
+        fp8 = dict(num_bits=8, type="float", symmetric=True)
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**fp8, strategy="channel", dynamic=False),
+                                    input_activations=QuantizationArgs(**fp8, strategy="tensor",
+                                                                       dynamic=preset.endswith("dynamic per tensor")))
     else:
         scheme = preset_name_to_scheme(preset, ["Linear"])
     qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore))

@@ -33,6 +33,9 @@ FAMILIES = {
     "ct_mxfp4a16": ("B12xDualMxFp4Kernel", "mxfp4_w4a16"),
     "ct_mxfp8": ("B12xDualMxfp8Kernel", "mxfp8"),
     "modelopt_mxfp8": ("B12xDualMxfp8Kernel", "mxfp8"),
+    "ct_mxfp8a16": ("B12xDualMxfp8Kernel", "mxfp8_w8a16"),  # vLLM builds its W8A8 class; the checkpoint says W8A16
+    "ct_fp8_channel": ("B12xDualFp8ChannelKernel", "fp8_channel"),
+    "ct_fp8_channel_static": ("B12xDualFp8ChannelKernel", "fp8_channel"),
 }
 # Norm-wise bound of a Triton kernel against the float64 oracle with bf16 output: the kernels
 # accumulate exact products in fp32, so what remains is the output rounding (2^-9 relative per
@@ -71,13 +74,22 @@ def expected(kind: str, d, name: str) -> tuple[QuantizedTensor, dict, bool]:
         x_scale = top("input_scale") if kind == "ct_fp8" else None  # None: dynamic amax/448 per call
         return QuantizedTensor("fp8_tensor", "weight", w, s_max, None, None, tuple(w.shape)), \
             {"scale": x_scale}, False
+    if kind in ("ct_fp8_channel", "ct_fp8_channel_static"):
+        # one scale per output channel, the shards' rows stacked (no requantization); a static input
+        # scale is the max over the fused shards, as vLLM keeps one
+        w = cat("weight")
+        s = cat("weight_scale").float().reshape(-1)
+        x_scale = top("input_scale") if kind == "ct_fp8_channel_static" else None  # None: per token, dynamic
+        return QuantizedTensor("fp8_channel", "weight", w, s, None, (1, w.shape[1]), tuple(w.shape)), \
+            {"scale": x_scale}, False
     if kind in ("ct_fp8_block", "deepseek_fp8_block"):
         w = cat("weight")
         s = cat("weight_scale" if kind == "ct_fp8_block" else "weight_scale_inv").float()
         return QuantizedTensor("fp8_block", "weight", w, s, None, (128, 128), tuple(w.shape)), {}, False
-    if kind in ("ct_mxfp8", "modelopt_mxfp8"):
+    if kind in ("ct_mxfp8", "modelopt_mxfp8", "ct_mxfp8a16"):
         w = cat("weight")
-        return QuantizedTensor("mxfp8", "weight", w, cat("weight_scale"), None, (1, 32), tuple(w.shape)), {}, False
+        return QuantizedTensor("mxfp8", "weight", w, cat("weight_scale"), None, (1, 32), tuple(w.shape)), {}, \
+            kind == "ct_mxfp8a16"
     if kind in ("ct_mxfp4", "ct_mxfp4a16"):
         codes = cat("weight_packed")
         shape = (codes.shape[0], 2 * codes.shape[1])
@@ -119,7 +131,8 @@ def test_selected_and_bit_exact_with_oracle(kind, dist, ckpt, impl):
             assert callable(layer.weight.weight_loader), "the weight loader must survive process_weights_after_loading"
 
 
-TRITON_KINDS = ["ct_nvfp4", "ct_nvfp4a16", "ct_fp8", "ct_fp8_block", "ct_mxfp4", "ct_mxfp4a16", "ct_mxfp8"]
+TRITON_KINDS = ["ct_nvfp4", "ct_nvfp4a16", "ct_fp8", "ct_fp8_block", "ct_mxfp4", "ct_mxfp4a16", "ct_mxfp8",
+                "ct_fp8_channel", "ct_fp8_channel_static"]
 
 
 @pytest.mark.parametrize("kind", TRITON_KINDS)

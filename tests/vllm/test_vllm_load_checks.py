@@ -375,3 +375,64 @@ def test_uint8_block_scales_are_refused_in_the_file(dist, ckpt, impl):
 
     with pytest.raises(convert.CheckpointError, match=r"weight_scale_inv.*uint8.*float8_e8m0fnu"):
         loaded(d, ("o",), tamper=_tamper("weight_scale_inv", as_bytes))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")], ids=["zero", "negative", "inf", "nan"])
+@pytest.mark.parametrize("kind,leaf", [("ct_fp8_channel", "weight_scale"), ("ct_fp8_channel_static", "input_scale")])
+def test_bad_per_channel_or_input_scale_value_named_as_it_arrives(kind, leaf, bad, dist, ckpt, impl):
+    """One output channel's scale of v's shard (or v's static input scale) that is zero, negative,
+    Inf or NaN is refused by the checked loader, naming the layer, the tensor, the shard, the value
+    and the row: before vLLM's processing, whose max over the fused shards would hide a zero or a
+    negative input scale behind q's and k's."""
+    impl("reference")
+    d = ckpt(kind)
+    v_module = harness.LINEARS["qkv"][2]
+
+    def one_bad(t):
+        t = t.clone()
+        t.view(-1)[5 if t.numel() > 5 else 0] = bad
+        return t
+
+    with harness.vllm_context(d) as cfg:
+        layers = harness.make_layers(harness.quant_config(cfg), ("qkv",))
+        with pytest.raises(convert.CheckpointError) as e:
+            harness.load(layers, d, tamper=_tamper(leaf, one_bad, v_module))
+    msg = str(e.value)
+    assert f"layer {PREFIX['qkv']}: checkpoint tensor '{leaf}' (shard 'v') is float32" in msg, msg
+    assert f"holding {bad!r}" in msg and "must be finite and > 0" in msg, msg
+    if leaf == "weight_scale":
+        assert "at row 5" in msg and "a per-channel scale [N, 1] (one per output channel)" in msg, msg
+
+
+def test_per_channel_scale_of_the_wrong_length_named(dist, ckpt, impl):
+    """A per-channel weight_scale with one row too few for k's shard is refused with the expected
+    shape (one scale per output channel), never narrowed by vLLM past its end."""
+    impl("reference")
+    d = ckpt("ct_fp8_channel")
+    with harness.vllm_context(d) as cfg:
+        layers = harness.make_layers(harness.quant_config(cfg), ("qkv",))
+        short = _tamper("weight_scale", lambda t: t[:-1].contiguous(), harness.LINEARS["qkv"][1])
+        with pytest.raises(convert.CheckpointError,
+                           match=rf"layer {re.escape(PREFIX['qkv'])}: checkpoint tensor 'weight_scale' \(shard 'k'\) is "
+                                 r"float32 \(383, 1\); expected a per-channel scale \[N, 1\] \(one per output channel\) "
+                                 r"of shape \(384, 1\) for N=384, K=384"):
+            harness.load(layers, d, tamper=short)
+
+
+def test_per_channel_conversion_names_a_bad_scale_that_reaches_it(dist, ckpt, impl):
+    """convert.fp8_channel (also b12x-dual diff's reader, which has no loader) names the layer, the
+    tensor, the output channel and the value of a bad scale, and a scale vector of the wrong length."""
+    impl("reference")
+    d = ckpt("ct_fp8_channel")
+    layers, _ = loaded(d, ("o",), process=False)
+    layer = layers["o"]
+    n, k = 384, 384
+    w = layer.weight_scale.data
+    w[7] = -2.0
+    with pytest.raises(convert.CheckpointError,
+                       match=rf"layer {re.escape(PREFIX['o'])}: per-channel FP8 tensor 'weight_scale' holds -2.0 for "
+                             r"output channel 7 \(of 384\); every per-channel scale must be finite and > 0"):
+        convert.fp8_channel(layer, n, k, static_input=False)
+    layer.weight_scale = torch.nn.Parameter(w[:-1].abs().clone(), requires_grad=False)
+    with pytest.raises(convert.CheckpointError, match=r"'weight_scale' has shape \(383, 1\), expected \(384, 1\) or \(384,\)"):
+        convert.fp8_channel(layer, n, k, static_input=False)

@@ -37,12 +37,13 @@ def test_kernel_lists_register_linear_kernel_still_appends(dist):
         assert cls in lst and lst.index(cls) > 0
     assert lin.EmulationNvFp4LinearKernel.is_supported()[0]  # supported everywhere: blocks what follows
     # the patch: ours first on CUDA and CPU, once
-    for kind, cls in patches._kinds().items():
+    for kind, classes in patches._kinds().items():
         for platform in (PlatformEnum.CUDA, PlatformEnum.CPU):
             lst = getattr(lin, patches.LIST_NAMES[kind])[platform]
-            assert lst[0] is cls and lst.count(cls) == 1
+            assert lst[:len(classes)] == list(classes) and all(lst.count(c) == 1 for c in classes)
     patches.apply()  # idempotent
     assert lin._POSSIBLE_FP8_KERNELS[PlatformEnum.CUDA].count(K.B12xDualFp8TensorKernel) == 1
+    assert lin._POSSIBLE_FP8_KERNELS[PlatformEnum.CUDA].count(K.B12xDualFp8ChannelKernel) == 1
 
 
 def test_backend_map_b12x_name_and_in_tree_classes(dist):

@@ -3,8 +3,8 @@ never from a default of vLLM's scheme class.
 
 vLLM maps every compressed-tensors MXFP4-weight scheme to its W4A4 class (activation key: dynamic
 MXFP4) and every MXFP8-weight scheme to its W8A8 class; a weight-only checkpoint must still be
-served weight-only (MXFP4A16 -> mxfp4_w4a16), or refused at load by name where b12x-dual has no
-variant for it (MXFP8A16 today).
+served weight-only (MXFP4A16 -> mxfp4_w4a16, MXFP8A16 -> mxfp8_w8a16), or refused at load by name
+where b12x-dual has no variant for it.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ PRESETS = pytest.importorskip("compressed_tensors.quantization.quant_scheme").PR
 EXPECTED = {
     "FP8": "fp8_tensor",
     "FP8_BLOCK": "fp8_block",
-    "FP8_DYNAMIC": None,  # per-channel weight scales: no variant yet
+    "FP8_DYNAMIC": "fp8_channel",  # per-channel weight scales, dynamic per-token activations
     "MXFP8": "mxfp8",
-    "MXFP8A16": None,  # weight-only MXFP8: no variant yet
+    "MXFP8A16": "mxfp8_w8a16",
     "MXFP4": "mxfp4",
     "MXFP4A16": "mxfp4_w4a16",
     "NVFP4": "nvfp4",
@@ -88,22 +88,46 @@ def test_mxfp4a16_is_served_weight_only_and_logged_once(dist, ckpt, impl, caplog
     assert len(said) <= 1 and (not said or "mxfp4_w4a16" in said[0])
 
 
-@pytest.mark.parametrize("kind,what", [("ct_mxfp8a16", "input activations none"),
-                                       ("ct_fp8_channel", "weights float8 channel static")])
-def test_scheme_we_do_not_serve_is_refused_at_load_by_name(kind, what, dist, ckpt, impl):
-    """A checkpoint whose scheme has no b12x-dual variant fails at load naming the layer and the
-    scheme, never served as something else. (FP8_DYNAMIC is turned away earlier, in can_implement,
-    when vLLM asks for a per-channel kernel; the load check is for a class vLLM built anyway.)"""
+def test_channel_fp8_schemes_outside_what_fp8_channel_computes_are_named():
+    """Per-channel weights with dynamic per-tensor (or no) activations: fp8_channel scales activations
+    per token (dynamic) or per tensor (static) only, so these are refused, saying what is served."""
+    w = PRESETS["FP8_DYNAMIC"]["weights"]
+    a = dict(PRESETS["FP8_DYNAMIC"]["input_activations"].model_dump(), strategy="tensor", dynamic=True)
+    for inputs in (a, None):
+        variant, why = scheme.variant_of(w, inputs)
+        assert variant is None and "dynamically per token or statically per tensor" in why
+    static = dict(a, dynamic=False)
+    assert scheme.variant_of(w, static) == ("fp8_channel", "")
+
+
+def test_a_scheme_we_do_not_serve_is_refused_at_load_by_name(dist, ckpt, impl):
+    """Per-channel FP8 weights with activations scaled dynamically per tensor (no preset; written by
+    compressed-tensors from that scheme): vLLM builds a per-token kernel for it, which would compute
+    another activation quantization than the checkpoint's. The load fails naming the layer, the
+    scheme and what is served, never serving it as something else."""
+    impl("reference")
+    with pytest.raises(Exception) as e:
+        loaded(ckpt("ct_fp8_channel_tensor_dynamic"), ("o",))
+    msg = str(e.value)
+    assert "encoder.layer.0.attention.output.dense" in msg, msg
+    assert "weights float8 channel static, input activations float8 tensor dynamic" in msg, msg
+    assert "dynamically per token or statically per tensor" in msg and "B12xDualFp8ChannelKernel serves fp8_channel" in msg
+
+
+@pytest.mark.parametrize("kind,variant", [("ct_mxfp8a16", "mxfp8_w8a16"), ("ct_fp8_channel", "fp8_channel")])
+def test_the_presets_refused_before_are_served(kind, variant, dist, ckpt, impl):
+    """MXFP8A16 and FP8_DYNAMIC were refused at load (no variant); each is served now, as the
+    checkpoint's scheme names it, bit for bit against the oracle on the checkpoint's operands."""
+    from dispatch.vllm_plugin import ops
+    from test_vllm_checkpoints import _bias, expected
+
     impl("reference")
     d = ckpt(kind)
-    try:
-        loaded(d, ("o",))
-    except Exception as e:  # noqa: BLE001
-        msg = str(e)
-    else:
-        if kind == "ct_fp8_channel":
-            pytest.skip("vLLM picked one of its own kernels for per-channel FP8 (ours declined in can_implement)")
-        raise AssertionError(f"{kind} loaded without an error")
-    if kind == "ct_fp8_channel" and "Failed to find a kernel" in msg:
-        return  # declined at selection, naming per-channel scales: not served as something else
-    assert "encoder.layer.0.attention.output.dense" in msg and what in msg, msg
+    layers, _ = loaded(d, ("o",))
+    assert ops.state(layers["o"].b12x_dual_handle).variant == variant
+    qw, act, a16 = expected(kind, d, "o")
+    x = make_input((4, qw.k), torch.bfloat16, generator=torch.Generator().manual_seed(2), device="cpu")
+    y = forward(layers["o"], x)
+    assert torch.equal(y, formats.reference_linear(x, qw, _bias(d, "o"), a16=a16, **act))
+    if a16:  # and it differs from what W8A8 would give
+        assert not torch.equal(y, formats.reference_linear(x, qw, _bias(d, "o")))

