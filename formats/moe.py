@@ -120,6 +120,8 @@ def experts_from_stacked(fmt: str, data: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"{name} scale must hold one per-tensor scale per expert ([{e}] or [{e}, 1]) for {fmt}, "
                          f"got shape {tuple(scale.shape)} (vLLM loads [E, 2], gate and up, and merges them "
                          "into one per expert in process_weights_after_loading)")
+    if block is not None:  # a row-scaled format (fp8_channel) writes its K extent as None
+        block = tuple(k if b is None else b for b in block)
     out = []
     for i in range(e):
         s = scale[i].reshape(()) if block is None else scale[i]
