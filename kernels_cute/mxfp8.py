@@ -98,11 +98,15 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
         ValueError: a malformed xq (formats.validate), K or device mismatch, bad bias or out_dtype.
     """
 
+    return _gemm(xq, prepared, bias, out_dtype, checked=True)
+
+
+def _gemm(xq, prepared, bias, out_dtype, *, checked: bool) -> torch.Tensor:
     def mm(plan, out_dtype):
         return getattr(C.blockscaled(), B12X_GEMM)((xq.data.contiguous(), C.swizzled_scale(xq)), prepared.packed,
                                   plan=plan, out_dtype=out_dtype)
 
-    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
+    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm, checked=checked)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
@@ -111,8 +115,19 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError("mxfp8 W8A16 is not exposed here")
+    return _linear(x, prepared, bias, scale_rule, checked=True)
 
+
+def linear_unchecked(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
+                     scale_rule: str = "ceil", a16: bool = False) -> torch.Tensor:
+    """:func:`linear` minus its argument checks (x, bias and the options, for a caller that made
+    them at its own door: dispatch's bound call). The same kernels and output, bit for bit."""
+    return _linear(x, prepared, bias, scale_rule, checked=False)
+
+
+def _linear(x, prepared, bias, scale_rule, *, checked: bool) -> torch.Tensor:
     def rows(x2):
-        return gemm(quantize_activation(x2, scale_rule=scale_rule), prepared, bias, out_dtype=x.dtype)
+        xq = C.quantize_cute(x2, FMT, checked=checked, scale_rule=scale_rule, swizzled=True)
+        return _gemm(xq, prepared, bias, x.dtype, checked=checked)
 
-    return C.run_linear(FMT, x, prepared, bias, rows)
+    return C.run_linear(FMT, x, prepared, bias, rows, checked=checked)
