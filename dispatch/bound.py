@@ -15,7 +15,6 @@ B12X_CHECK is on. ``dispatch.linear``, ``QuantLinear.forward`` and the vLLM op
 
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import Optional
 
@@ -227,14 +226,6 @@ class BoundLinear:
                 self.act_opts[key].copy_(t)
         if self._weight is not None:
             self._weight = qweight
-
-    def __deepcopy__(self, memo):
-        # The backends are the registry's (shared); the prepared weights and the weight are copied.
-        new = copy.copy(self)
-        new._weight = copy.deepcopy(self._weight, memo)
-        new.act_opts = copy.deepcopy(self.act_opts, memo)
-        new.backends = {n: (b, p if p is _THE_WEIGHT else copy.deepcopy(p, memo)) for n, (b, p) in self.backends.items()}
-        return new
 
 
 # Bound objects of bare weights (dispatch.linear), dropped when the weight is garbage-collected.

@@ -95,15 +95,29 @@ class QuantLinear(nn.Module):
             self._dtypes[buf] = None if t is None else t.dtype
             self.register_buffer(buf, None if t is None else _as_int(t))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        # an unnamed layer's watchdog name (dispatch.check.layer_name's); quantize_model sets the model's
-        self._bind(f"QuantLinear({self.out_features}x{self.in_features})@{id(self):x}", None)
+        self._bind()
 
-    def _bind(self, name: str, last_impl: Optional[str]) -> None:
-        """Bind the buffers as they are now (the weight's views, the static activation scales)."""
+    def _bind(self, last_impl: Optional[str] = None) -> None:
+        """Bind the buffers as they are now (the weight's views, the static activation scales). The
+        watchdog's name is the one quantize_model / load_quantized set, else (as
+        dispatch.check.layer_name names an unnamed layer) the shape and id."""
+        name = self.__dict__.get("_b12x_name") or f"QuantLinear({self.out_features}x{self.in_features})@{id(self):x}"
         opts = {**self.act_opts, **{k: getattr(self, f"act_{k}").view(torch.float32) for k in self._act_scales}}
         self._bound = BoundLinear(self.qweight, self.variant, impl=self.impl, act_dtype=self.act_dtype,
                                   act_opts=opts, name=name)
         self._bound.last_impl = last_impl
+
+    def __getstate__(self):
+        # The bound call holds views of the buffers (pickle refuses one storage under two dtypes):
+        # a copy or a pickle is bound afresh to its own buffers, keeping the name and last_impl.
+        state = self.__dict__.copy()
+        state["_bound"] = state["_bound"].last_impl
+        return state
+
+    def __setstate__(self, state):
+        last_impl = state.pop("_bound")
+        super().__setstate__(state)
+        self._bind(last_impl)
 
     @property
     def b12x_name(self) -> str:
@@ -113,6 +127,7 @@ class QuantLinear(nn.Module):
 
     @b12x_name.setter
     def b12x_name(self, name: str) -> None:
+        self.__dict__["_b12x_name"] = name
         self._bound.name = name
 
     @property
@@ -161,7 +176,7 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() replace the buffers: anything prepared from the old ones is stale.
         out = super()._apply(fn, *args, **kwargs)
-        self._bind(self._bound.name, self._bound.last_impl)
+        self._bind(self._bound.last_impl)
         return out
 
     def _load_from_state_dict(self, *args, **kwargs):

@@ -326,3 +326,24 @@ def test_the_old_names_still_work(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(policy.ImplementationUnavailable, match="CPU tensors need Triton's interpreter"):
             b.check_tensor_device(x)
+
+
+def test_a_quantlinear_copies_and_pickles_bound_to_its_own_buffers():
+    import copy
+
+    layer, x = QuantLinear(_qweight(), impl="triton"), _x()
+    layer.b12x_name = "encoder.up"
+    y = layer(x)
+    for other in (copy.deepcopy(layer), _reloaded(layer)):
+        assert other._bound.qweight.data.data_ptr() == other.weight_data.data_ptr() != layer.weight_data.data_ptr()
+        assert (other.b12x_name, other.last_impl, other._bound.backends) == ("encoder.up", "triton", {})
+        assert torch.equal(other(x), y)
+
+
+def _reloaded(module):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
