@@ -34,7 +34,6 @@ IMPLS = ("cute", "hopper", "triton", "reference")
 (the readable kernels, every device) and reference (the formats/ oracle). What a caller may ask
 for adds "auto" (:data:`dispatch.policy.REQUESTS`)."""
 
-# [act-dtypes]
 ACT_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "cute": KERNEL_DTYPES,
     "hopper": KERNEL_DTYPES,
@@ -44,7 +43,6 @@ ACT_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
 """The activation (and output) dtypes of each implementation: the kernels take bf16 and fp16
 (``KERNEL_DTYPES``, formats.validate's, which the kernels' own checks use); the oracle also float32. A backend's ``can_implement`` refuses the others; the public door's dtype
 check names the union over what a request may run (:func:`dispatch.registry.act_dtypes`)."""
-# [/act-dtypes]
 
 
 # ---------------------------------------------------------------------------------------------

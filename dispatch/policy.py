@@ -1,4 +1,6 @@
-"""What the caller asked for: ``impl=``, ``use_impl()``, ``B12X_IMPL`` or auto, and the errors.
+"""What the caller asked for: ``impl=``, ``use_impl()``, ``B12X_IMPL`` or auto (:data:`REQUESTS`),
+read once per call as a :class:`Request`. The errors (InvalidImplementation,
+ImplementationUnavailable) are dispatch.contract's, re-exported here.
 
 Four implementations can compute a quantized linear layer:
 
