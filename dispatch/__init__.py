@@ -8,6 +8,8 @@ Public API (see docs/dispatch.md):
     route(fmt, M, N, K, device=None)            the Route that call takes: kernels, tile, split-K, why
     use_impl("triton")                          context manager overriding B12X_IMPL
     registry.get(impl, variant), choose(...)    the backends with vLLM's four verbs
+    BoundLinear                                 one weight bound to the registry (what linear,
+                                                QuantLinear and the vLLM op call)
     QuantLinear, quantize_model, save_quantized, load_quantized
     DeviceInfo, KNOWN_DEVICES, current_device
 
@@ -20,17 +22,20 @@ docs/architecture.md shows the packages, the registry and where a call flows.
 import kernels_triton  # noqa: F401,I001
 
 from . import registry
-from .api import explain, library_versions, linear, quantize_weight, route
+from .api import explain, linear, quantize_weight, route
+from .bound import BoundLinear
+from .contract import VARIANTS, Backend, ImplementationUnavailable, InvalidImplementation, NoBackend, Problem, Unsupported
+from .describe import library_versions
 from .devices import CPU, KNOWN_DEVICES, DeviceInfo, current_device
-from .policy import ENV_VAR, IMPLS, ImplementationUnavailable, InvalidImplementation, use_impl
-from .registry import VARIANTS, Backend, Choice, NoBackend, Problem, Unsupported, choose
+from .policy import ENV_VAR, REQUESTS, use_impl
+from .registry import Choice, choose
 from .quant_linear import QuantLinear, load_quantized, quantize_model, read_quantized, save_quantized
 
 __all__ = [
     "Backend",
+    "BoundLinear",
     "CPU",
     "ENV_VAR",
-    "IMPLS",
     "KNOWN_DEVICES",
     "NoBackend",
     "Problem",
@@ -40,6 +45,7 @@ __all__ = [
     "ImplementationUnavailable",
     "InvalidImplementation",
     "QuantLinear",
+    "REQUESTS",
     "Unsupported",
     "choose",
     "current_device",
@@ -55,3 +61,15 @@ __all__ = [
     "save_quantized",
     "use_impl",
 ]
+
+
+def __getattr__(name: str):
+    # One release: dispatch.IMPLS meant what may be requested, "auto" included (now REQUESTS); the
+    # implementations alone are dispatch.registry.IMPLS. docs/dispatch.md lists the moved names.
+    if name == "IMPLS":
+        import warnings
+
+        warnings.warn("dispatch.IMPLS is now dispatch.REQUESTS (the implementations alone are "
+                      "dispatch.registry.IMPLS)", DeprecationWarning, stacklevel=2)
+        return REQUESTS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,24 +5,28 @@
     print(explain("nvfp4", 1, 4096, 4096))    # which backend auto picks here, why, and its route
     route("nvfp4", 1, 4096, 4096, "h200")     # the Route: kernels launched, tile, split-K, why
 
-Every call goes through the backend registry (dispatch.registry): ``choose`` picks the backend,
-``prepare`` repacks the weight once (cached per weight and backend), ``apply`` is the call.
+``linear`` is a few lines over ``dispatch.bound``: the weight's BoundLinear (one per weight and
+variant, living as long as the weight) validates x once, lets the registry decide per M bucket,
+prepares the weight once per backend and runs it. The helpers that lower modules share live below
+this facade and are re-exported here: ``tokens`` (dispatch.contract), ``device_of``
+(dispatch.devices), ``act_dtypes`` (dispatch.registry), ``library_versions``, ``describe_device``
+and ``route_text`` (dispatch.describe).
 """
 
 from __future__ import annotations
 
-import functools
-import platform
-import weakref
 from typing import Optional, Union
 
 import torch
 
 from formats import QuantizedTensor, quantize
-from formats.validate import check_linear_input
 
 from . import policy, registry
-from .devices import DeviceInfo, current_device, resolve
+from .bound import bound_weight, validate_input
+from .contract import DECODE_MAX_M, m_bucket, shape_classes, tokens  # noqa: F401  (tokens: re-exported)
+from .describe import describe_device, library_versions, route_text  # noqa: F401  (re-exported)
+from .devices import DeviceInfo, device_of, resolve  # noqa: F401  (device_of: re-exported)
+from .registry import act_dtypes  # noqa: F401  (re-exported)
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
@@ -36,68 +40,11 @@ def quantize_weight(w: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
     return quantize(w, registry.variant(fmt).fmt, role="weight", **opts)
 
 
-# Prepared weights for linear() on a bare QuantizedTensor, keyed by (id, backend name) and dropped
-# when the QuantizedTensor is garbage-collected (QuantLinear keeps its own cache instead).
-_prepared: dict[tuple[int, str], object] = {}
-
-
-def _prepared_for(backend: registry.Backend, qweight: QuantizedTensor):
-    key = (id(qweight), backend.name)
-    if key not in _prepared:
-        prepared = backend.prepare(qweight)
-        if prepared is qweight:  # nothing repacked (triton, reference): caching it would keep it alive
-            return prepared
-        _prepared[key] = prepared
-        weakref.finalize(qweight, _prepared.pop, key, None)
-    return _prepared[key]
-
-
-def device_of(x: torch.Tensor) -> DeviceInfo:
-    """The DeviceInfo of the device a tensor lives on."""
-    return current_device(x.device)
-
-
-def tokens(x: torch.Tensor) -> int:
-    """M of an activation [..., K]: the number of rows once the leading dims are flattened."""
-    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-
-
-def act_dtypes(variant_: str, impl: Optional[str] = None) -> tuple[torch.dtype, ...]:
-    """The activation dtypes a call of ``variant_`` can take under the request ``impl`` (None: what
-    use_impl() / B12X_IMPL / auto ask for): the forced implementation's, or under auto the union
-    over the implementations (bfloat16, float16 and, through the reference, float32).
-    Raises InvalidImplementation for an unknown name, ValueError for an unknown variant."""
-    registry.variant(variant_)
-    return _act_dtypes(variant_, policy.requested_impl(impl)[0])
-
-
-@functools.lru_cache(maxsize=None)
-def _act_dtypes(variant_: str, requested: str) -> tuple[torch.dtype, ...]:
-    table = registry.entries()  # fixed once built: the answer is cached per (variant, request)
-    names = registry.IMPLS if requested == "auto" else (requested,)
-    found = [d for n in names for d in getattr(table[(n, variant_)], "act_dtypes", ())]
-    if not found:  # a forced implementation with no backend for the variant: choose says why
-        found = [d for (n, v), e in table.items() if v == variant_ for d in getattr(e, "act_dtypes", ())]
-    return tuple(dict.fromkeys(found))
-
-
 def check_input(x, variant_: str, K: int, impl: Optional[str] = None, *,
                 act_dtype: Optional[torch.dtype] = None) -> None:
-    """The argument checks of a linear call before any implementation is chosen, so that a bad
-    argument is reported as one (not as an implementation that cannot serve the call).
-
-    x: [..., K] float tensor; its dtype (or ``act_dtype``, the dtype QuantLinear casts it to) must
-    be one of :func:`act_dtypes` for the request ``impl``. Raises ValueError naming ``x`` (or
-    ``act_dtype``), the value found and what is allowed (formats.validate.check_linear_input): a
-    QuantizedTensor, not a tensor, another dtype, a 0-d tensor, another K, the meta device."""
-    allowed = act_dtypes(variant_, impl)
-    if act_dtype is None:
-        check_linear_input(x, K, allowed)
-        return
-    check_linear_input(x, K, (x.dtype,) if isinstance(x, torch.Tensor) and x.is_floating_point() else allowed)
-    if act_dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise ValueError(f"act_dtype must be one of ({names}) here, got {str(act_dtype).removeprefix('torch.')}")
+    """The old name of ``dispatch.bound.validate_input`` with the request read here (``impl``:
+    None reads use_impl() / B12X_IMPL / auto), kept for one release (docs/dispatch.md)."""
+    validate_input(x, variant_, K, policy.requested_impl(impl), act_dtype=act_dtype)
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
@@ -115,7 +62,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     Raises:
         ValueError: qweight is not a weight QuantizedTensor, or a16 on a format without W4A16; x is
             not a float tensor [..., K] of a dtype the requested implementation(s) take (a
-            QuantizedTensor, another dtype, another K, the meta device: :func:`check_input`); a
+            QuantizedTensor, another dtype, another K, the meta device: ``bound.validate_input``); a
             bias that is not [N] on x's device; a weight on the meta device.
         ImplementationUnavailable: a forced implementation cannot serve this call.
         InvalidImplementation: an unknown implementation name.
@@ -123,40 +70,16 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     """
     if not isinstance(qweight, QuantizedTensor) or qweight.role != "weight":
         raise ValueError("qweight must be a QuantizedTensor with role 'weight' (see quantize_weight)")
-    n, k = qweight.shape
-    variant = registry.variant_name(qweight.fmt, a16)
-    check_input(x, variant, k, impl)
-    c = registry.choose(variant, tokens(x), n, k, device_of(x), impl=impl, dtype=x.dtype)
-    return c.backend.apply(x, _prepared_for(c.backend, qweight), bias, **opts)
+    return bound_weight(qweight, registry.variant_name(qweight.fmt, a16))(x, bias, impl=impl, **opts)
 
 
 # ---------------------------------------------------------------------------------------------
 # explain
 # ---------------------------------------------------------------------------------------------
-def library_versions() -> dict[str, str]:
-    """Versions of what the results depend on, for reports and JSON: torch, triton, b12x,
-    nvidia-cutlass-dsl and numpy as installed ("not installed" if absent), the Python version, and
-    the CUDA version torch was built with ("None" for a CPU-only torch)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"torch": torch.__version__}
-    for dist in ("triton", "b12x", "nvidia-cutlass-dsl", "numpy"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = "not installed"
-    out["python"] = platform.python_version()
-    out["cuda"] = str(torch.version.cuda)
-    return out
-
-
-def describe_device(device: DeviceInfo) -> str:
-    """Device line for reports: name, arch, SMs, shared memory per block and bandwidth."""
-    if device.kind == "cpu":
-        return f"{device.name}: no CUDA device; Triton kernels run in Triton's interpreter"
-    bw = "unknown bandwidth" if device.mem_bandwidth is None else f"{device.mem_bandwidth:g} GB/s"
-    return (f"{device.name} ({device.arch}, {device.sm_count} SMs, "
-            f"{device.smem_per_block} B shared memory per block, {bw})")
+def _bucket_text(M: int) -> str:
+    """"M bucket 17-32" (or "M bucket 8" for an exact decode bucket): the Ms that share M's decision."""
+    hi = m_bucket(M)
+    return f"M bucket {hi}" if M <= DECODE_MAX_M else f"M bucket {hi // 2 + 1}-{hi}"
 
 
 def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInfo, torch.device] = None, *,
@@ -164,30 +87,33 @@ def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInf
     """A few lines saying which backend serves ``fmt`` here, and why.
 
     Reports the device (``device``: a DeviceInfo, a table key such as "rtx_5090", a torch device,
-    or None for the one this process runs on), the library versions, what B12X_IMPL/use_impl
-    currently request, and for the given shape and for decode (M=1, 16) and prefill (M=4096)
-    shapes of the same N, K: auto's pick, then every backend of the priority list with its
-    verdict and reason, and the chosen backend's route: the kernels it launches (by name, in
-    order), the tile, split-K and why (``Backend.route``, the route ``apply`` executes).
+    or None for the one this process runs on), the library versions and what B12X_IMPL/use_impl
+    currently request; then, first, the asked shape (with the M bucket its decision holds for) and
+    after it each decode (M=1, 16) and prefill (M=4096) class of the same N, K that is not the
+    asked M: auto's pick, every backend of the priority list with its verdict and reason where
+    one was skipped, and the chosen backend's route: the kernels it launches (by name, in order),
+    the tile, split-K and why (``Backend.route``, the route ``apply`` executes). Under a forced
+    request, a last line gives that request's pick for the asked shape.
     ``fmt`` is a variant name (a format, or "nvfp4_w4a16" / "mxfp4_w4a16" / "mxfp8_w8a16").
     Raises ValueError for an unknown format or device.
     """
     registry.variant(fmt)
     dev = resolve(device)
     versions = ", ".join(f"{k} {v}" for k, v in library_versions().items())
-    requested, source = policy.requested_impl()
+    request = policy.requested_impl()
     lines = [
         f"device: {describe_device(dev)}",
         f"libraries: {versions}",
-        f"requested: {requested} (from {source})",
+        f"requested: {request.impl} (from {request.source})",
     ]
-    shapes = policy.shape_classes(N, K)
-    if M not in [m for m, _, _ in shapes.values()]:
-        shapes = {f"M={M}": (M, N, K), **shapes}
-    for label, (m, n, k) in shapes.items():
-        head = f"{fmt} {label} N={n} K={k}: auto -> "
+    classes = shape_classes(N, K)
+    asked = next((label for label, (m, _, _) in classes.items() if m == M), f"M={M}")
+    shapes = [(asked, M, f" ({_bucket_text(M)}, asked)")]
+    shapes += [(label, m, "") for label, (m, _, _) in classes.items() if m != M]
+    for label, m, note in shapes:
+        head = f"{fmt} {label} N={N} K={K}{note}: auto -> "
         try:
-            c = registry.choose(fmt, m, n, k, dev, impl="auto", dtype=dtype, log_choice=False)
+            c = registry.choose(fmt, m, N, K, dev, impl="auto", dtype=dtype, log_choice=False)
         except registry.NoBackend as e:
             lines.append(head + f"error: {e}")
             continue
@@ -195,14 +121,15 @@ def explain(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInf
         if len(c.considered) > 1:  # something was skipped: show every step of the walk
             for name, ok, why in c.considered:
                 lines.append(f"    {name}: {'yes' if ok else 'no'}: {why}")
-        lines.append(f"    route: {route_text(c.backend.route(registry.Problem(fmt, m, n, k, dtype), dev))}")
-    if requested != "auto":
+        lines.append(f"    route: {route_text(c.backend.route(registry.Problem(fmt, m, N, K, dtype), dev))}")
+    if request.impl != "auto":
+        head = f"{fmt} M={M} N={N} K={K}: {request.source}={request.impl} -> "
         try:
-            c = registry.choose(fmt, M, N, K, dev, dtype=dtype, log_choice=False)
-            lines.append(f"{fmt} M={M} N={N} K={K}: {source}={requested} -> {c.impl}: {c.reason}")
+            c = registry.decide(request, fmt, M, N, K, dev, dtype=dtype, log_choice=False)
+            lines.append(head + f"{c.impl}: {c.reason}")
             lines.append(f"    route: {route_text(c.backend.route(registry.Problem(fmt, M, N, K, dtype), dev))}")
         except policy.ImplementationUnavailable as e:
-            lines.append(f"{fmt} M={M} N={N} K={K}: {source}={requested} -> error: {e}")
+            lines.append(head + f"error: {e}")
     return "\n".join(lines)
 
 
@@ -215,13 +142,3 @@ def route(fmt: str, M: int, N: int, K: int, device: Union[None, str, DeviceInfo,
     dev = resolve(device)
     c = registry.choose(fmt, M, N, K, dev, impl=impl, dtype=dtype, log_choice=False)
     return c.backend.route(registry.Problem(fmt, M, N, K, dtype), dev)
-
-
-def route_text(r) -> str:
-    """One line of a Route: "kernels a -> b, tile T, SPLIT_K=s: why" (no kernel: the why alone)."""
-    parts = [" -> ".join(r.kernels) if r.kernels else "no kernel"]
-    if r.tile:
-        parts.append(f"tile {r.tile}")
-    if r.split_k > 1 and "splitk" not in r.tile:  # TileConfig's text names split-K itself
-        parts.append(f"SPLIT_K={r.split_k}")
-    return ", ".join(parts) + (f": {r.why}" if r.why else "")

@@ -3,17 +3,18 @@ readable kernels of kernels_triton), hopper (kernels_triton.hopper, the sm_90 pr
 and cute (kernels_cute over b12x).
 
 Each class serves every variant of its implementation; :func:`make` builds the table cell for one
-(impl, variant), an :class:`~dispatch.registry.UnsupportedEntry` where an implementation has no
-kernel for a variant. b12x and CuTe DSL are imported lazily, on the first verb that needs them;
-building the table imports kernels_cute's adapters (torch and formats only, to learn what they
-serve) and nothing of b12x.
+(impl, variant), an :class:`~dispatch.contract.UnsupportedEntry` where an implementation has no
+kernel for a variant. The verbs are those of :class:`~dispatch.contract.Backend`: ``apply``
+validates and runs; ``run``, what each class here implements, is the trusted path that calls the
+kernel module's ``linear_unchecked`` (its ``linear`` minus the argument checks). The kernel
+packages are imported where a verb first needs them; b12x and CuTe DSL load on the first verb that
+needs them: building the table imports kernels_cute's adapters (torch and formats only, to learn
+what they serve) and nothing of b12x.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import os
 from dataclasses import dataclass
@@ -22,18 +23,15 @@ from typing import Optional
 import torch
 
 from formats import QuantizedTensor, quantize, reference_linear, spec
-from formats.validate import check_bias, check_linear_input, check_weight
+from formats.validate import check_weight
 
+from .contract import Backend, ImplementationUnavailable, Problem, UnsupportedEntry
 from .devices import CPU, DeviceInfo, current_device, interpreting
-from .policy import ImplementationUnavailable
-from .registry import Backend, Problem, UnsupportedEntry
-from .registry import variant as _variant
+from .contract import variant as _variant
 
 from kernels_triton import Route, record_launches  # noqa: F401  (re-exported for tests and apps)
 
 INSTALL_CUTE = "pip install 'b12x-dual[cute]'"
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-REFERENCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _dtype_ok(problem: Problem, allowed) -> tuple[bool, str]:
@@ -94,13 +92,12 @@ class ReferenceBackend(Backend):
 
     impl = "reference"
     extra_options = ("out_dtype",)
-    act_dtypes = REFERENCE_DTYPES
 
     def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
         return True, "the formats/ oracle runs on every device"
 
     def can_implement(self, problem: Problem) -> tuple[bool, str]:
-        for ok, why in (_dtype_ok(problem, REFERENCE_DTYPES), _k_ok(problem)):
+        for ok, why in (_dtype_ok(problem, self.act_dtypes), _k_ok(problem)):
             if not ok:
                 return False, f"reference: {why}"
         return True, "float64 oracle (formats.reference_linear)"
@@ -113,9 +110,7 @@ class ReferenceBackend(Backend):
         check_weight(qweight, self.fmt)
         return qweight if into is None else copy_quantized_into(into, qweight)
 
-    def apply(self, x, prepared, bias=None, **act_opts):
-        self.check_options(act_opts)
-        check_call(self, x, prepared, bias)
+    def run(self, x, prepared, bias=None, **act_opts):
         return reference_linear(x, prepared, bias, a16=self.a16, **act_opts)
 
     def quantize_activation(self, x, **act_opts):
@@ -135,40 +130,45 @@ def _route_parameters(mod) -> frozenset[str]:
 
 
 def check_call(backend: Backend, x, prepared, bias) -> None:
-    """The argument checks of ``backend.apply`` (formats.validate): x a float tensor [..., K] of a
-    dtype in ``backend.act_dtypes``, not on the meta device; bias None or [N] on x's device.
-    ``prepared`` is what the backend's prepare returned (its ``shape`` is (N, K)). Raises
-    ValueError naming the argument, the value and what is allowed."""
-    n, k = prepared.shape
-    check_linear_input(x, k, backend.act_dtypes)
-    check_bias(bias, n, x.device)
+    """The old name of ``backend.validate_call(x, prepared, bias, {})`` (x and bias as
+    formats.validate says), kept for one release (docs/dispatch.md)."""
+    backend.validate_call(x, prepared, bias, {})
+
+
+def _linear_unchecked(mod):
+    """A kernel module's trusted entry: ``linear_unchecked`` (its ``linear`` minus the argument
+    checks, for a caller that validated them), or ``linear`` where the module has none yet."""
+    return getattr(mod, "linear_unchecked", mod.linear)
 
 
 class _KernelBackend(Backend):
     """What the two kernel packages' backends share: each format module has linear (with
-    ``a16=True`` for W4A16), quantize_activation and gemm."""
-
-    act_dtypes = KERNEL_DTYPES
+    ``a16=True`` for W4A16) and its trusted twin linear_unchecked, quantize_activation and gemm."""
 
     def _module(self):
         raise NotImplementedError
 
-    def _linear(self, mod, x, prepared, bias, act_opts):
+    def _run_linear(self, mod, x, prepared, bias, act_opts):
+        linear = _linear_unchecked(mod)
         if self.a16:
-            return mod.linear(x, prepared, bias, a16=True, **act_opts)
-        return mod.linear(x, prepared, bias, **act_opts)
+            return linear(x, prepared, bias, a16=True, **act_opts)
+        return linear(x, prepared, bias, **act_opts)
 
     def quantize_activation(self, x, **act_opts):
-        self.check_tensor_device(x)
+        self.validate_device(x)
         return self._module().quantize_activation(x, **act_opts)
 
     def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
-        self.check_tensor_device(xq.data)
+        self.validate_device(xq.data)
         return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype)
 
-    def check_tensor_device(self, x: torch.Tensor) -> None:
+    def validate_device(self, x: torch.Tensor) -> None:
         """Raise before any kernel when ``x`` lives where this backend's kernels cannot run (the
         Triton backends check; b12x checks its own operands)."""
+
+    def check_tensor_device(self, x: torch.Tensor) -> None:
+        """The old name of :meth:`validate_device`, kept for one release (docs/dispatch.md)."""
+        self.validate_device(x)
 
     @staticmethod
     def _route_args(device: DeviceInfo) -> dict:
@@ -199,12 +199,23 @@ class _KernelBackend(Backend):
 # ---------------------------------------------------------------------------------------------
 # triton
 # ---------------------------------------------------------------------------------------------
+def _present(package, fmt: str) -> bool:
+    """Whether ``package`` (kernels_triton or kernels_triton.hopper) has a module for ``fmt``: its
+    ``module(fmt)`` imports; only the absence of that very module reads as "not present"."""
+    try:
+        package.module(fmt)
+    except ModuleNotFoundError as e:
+        if e.name != f"{package.__name__}.{fmt}":
+            raise
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_module_present(fmt: str) -> bool:
-    try:
-        return importlib.util.find_spec(f"kernels_triton.{fmt}") is not None
-    except ImportError:
-        return False
+    import kernels_triton
+
+    return _present(kernels_triton, fmt)
 
 
 class TritonBackend(_KernelBackend):
@@ -221,7 +232,8 @@ class TritonBackend(_KernelBackend):
         if not _triton_module_present(self.fmt):
             return False, f"kernels_triton.{self.fmt} is not in this installation"
         if device.kind == "cpu":
-            importlib.import_module("kernels_triton")  # sets TRITON_INTERPRET=1 when there is no GPU
+            import kernels_triton  # noqa: F401  (sets TRITON_INTERPRET=1 when there is no GPU)
+
             if not interpreting():
                 value = os.environ.get("TRITON_INTERPRET", "")
                 return False, (f"CPU tensors need Triton's interpreter but TRITON_INTERPRET={value!r}; set "
@@ -230,12 +242,12 @@ class TritonBackend(_KernelBackend):
         return True, f"Triton kernels on {device.arch}"
 
     def can_implement(self, problem: Problem) -> tuple[bool, str]:
-        for ok, why in (_dtype_ok(problem, KERNEL_DTYPES), _k_ok(problem)):
+        for ok, why in (_dtype_ok(problem, self.act_dtypes), _k_ok(problem)):
             if not ok:
                 return False, f"triton: {why}"
         return True, f"kernels_triton.{self.fmt}" + (" W4A16" if self.a16 else "")
 
-    def check_tensor_device(self, x: torch.Tensor) -> None:
+    def validate_device(self, x: torch.Tensor) -> None:
         """ImplementationUnavailable (naming this implementation, the device and why) when ``x``
         lives where these kernels cannot run: CPU tensors without Triton's interpreter (a GPU
         machine), or CUDA tensors while the interpreter is on. Checked before any kernel, so Triton's
@@ -257,11 +269,9 @@ class TritonBackend(_KernelBackend):
         check_weight(qweight, self.fmt)
         return qweight if into is None else copy_quantized_into(into, qweight)
 
-    def apply(self, x, prepared, bias=None, **act_opts):
-        self.check_options(act_opts)
-        check_call(self, x, prepared, bias)
-        self.check_tensor_device(x)
-        return self._linear(self._module(), x, prepared, bias, act_opts)
+    def run(self, x, prepared, bias=None, **act_opts):
+        self.validate_device(x)  # where x lives, not what it is: the door cannot know the interpreter's state
+        return self._run_linear(self._module(), x, prepared, bias, act_opts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,10 +279,9 @@ class TritonBackend(_KernelBackend):
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _hopper_module_present(fmt: str) -> bool:
-    try:
-        return importlib.util.find_spec(f"kernels_triton.hopper.{fmt}") is not None
-    except ImportError:
-        return False
+    from kernels_triton import hopper
+
+    return _present(hopper, fmt)
 
 
 class HopperBackend(TritonBackend):
@@ -282,12 +291,14 @@ class HopperBackend(TritonBackend):
     impl = "hopper"
 
     def _module(self):
-        return importlib.import_module("kernels_triton.hopper").module(self.fmt)
+        from kernels_triton import hopper
+
+        return hopper.module(self.fmt)
 
     def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
         if device.kind == "cpu":
             return False, "hopper needs an sm_90 GPU; this call runs on the CPU"
-        if tuple(device.capability) != (9, 0):
+        if not device.is_sm90:
             return False, f"hopper needs an sm_90 GPU; {device.name} is {device.arch}"
         if not _hopper_module_present(self.fmt):
             return False, f"kernels_triton.hopper.{self.fmt} is not in this installation"
@@ -295,7 +306,7 @@ class HopperBackend(TritonBackend):
         return ok, why
 
     def can_implement(self, problem: Problem) -> tuple[bool, str]:
-        for ok, why in (_dtype_ok(problem, KERNEL_DTYPES), _k_ok(problem)):
+        for ok, why in (_dtype_ok(problem, self.act_dtypes), _k_ok(problem)):
             if not ok:
                 return False, f"hopper: {why}"
         return True, f"kernels_triton.hopper.{self.fmt}" + (" W4A16" if self.a16 else "")
@@ -317,7 +328,7 @@ class B12xProbe:
 def b12x_probe() -> B12xProbe:
     """Import b12x lazily, once (importing it pulls in CuTe DSL; nothing else here needs it)."""
     try:
-        mod = importlib.import_module("b12x")
+        import b12x as mod
     except Exception as e:  # noqa: BLE001  (any import failure means "not usable", with the reason)
         return B12xProbe(None, None, f"{type(e).__name__}: {e}")
     from importlib.metadata import PackageNotFoundError, version
@@ -356,18 +367,21 @@ class CuteBackend(_KernelBackend):
         probe = b12x_probe()
         if probe.module is None:
             return False, f"b12x is not installed ({probe.error}); install it with: {INSTALL_CUTE}"
-        err = importlib.import_module("kernels_cute._common").b12x_import_error()  # b12x's GEMMs need CuTe DSL
+        import kernels_cute
+        from kernels_cute import _common
+
+        err = _common.b12x_import_error()  # b12x's GEMMs need CuTe DSL
         if err:
             return False, err
         if _is_running_device(device):
-            ok, why = importlib.import_module("kernels_cute").device_gate(self.variant)
+            ok, why = kernels_cute.device_gate(self.variant)
             if not ok:
                 return False, why
             return True, f"b12x {probe.version} supports {device.arch}"
         return True, f"b12x {probe.version} targets {device.arch} (described device, not probed)"
 
     def can_implement(self, problem: Problem) -> tuple[bool, str]:
-        ok, why = _dtype_ok(problem, KERNEL_DTYPES)
+        ok, why = _dtype_ok(problem, self.act_dtypes)
         if not ok:
             return False, f"cute: {why}"
         mod = self._module()
@@ -378,20 +392,25 @@ class CuteBackend(_KernelBackend):
     def route(self, problem: Problem, device: DeviceInfo, *, quantizer: str = "cute", **act_opts) -> Route:
         """What kernels_cute says its linear launches (``kernels_cute.route``: our CuTe DSL
         quantizer, then the b12x function the format module calls); b12x picks the tile in its plan."""
-        kernels, tile, why = importlib.import_module("kernels_cute").route(
-            self.variant, problem.M, problem.N, problem.K, quantizer=quantizer)
+        import kernels_cute
+
+        kernels, tile, why = kernels_cute.route(self.variant, problem.M, problem.N, problem.K, quantizer=quantizer)
         return Route("cute", kernels, tile, 1, why)
 
     def prepare(self, qweight, into=None):
         check_weight(qweight, self.fmt)
         return self._module().prepare_weight(qweight, into=into, a16=self.a16)
 
-    def apply(self, x, prepared, bias=None, *, quantizer: str = "cute", **act_opts):
-        self.check_options(act_opts)
+    def validate_options(self, opts: dict) -> None:
+        """The base check (names), then ``quantizer``'s value: "cute", or "triton" where there is
+        an activation to quantize (W4A4 / W8A8)."""
+        super().validate_options(opts)
+        quantizer = opts.get("quantizer", "cute")
         if quantizer not in ("cute", "triton") or (quantizer == "triton" and self.a16):
             allowed = "'cute' (W4A16 quantizes no activation)" if self.a16 else "'cute' or 'triton'"
             raise ValueError(f"{self.name}: quantizer must be {allowed}, got {quantizer!r}")
-        check_call(self, x, prepared, bias)
+
+    def run(self, x, prepared, bias=None, *, quantizer: str = "cute", **act_opts):
         mod = self._module()
         if quantizer == "triton" and not self.a16:
             import kernels_triton
@@ -400,7 +419,7 @@ class CuteBackend(_KernelBackend):
             xq = kernels_triton.module(self.fmt).quantize_activation(x2, **act_opts)
             y = mod.gemm(xq, prepared, bias, out_dtype=x.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        return self._linear(mod, x, prepared, bias, act_opts)
+        return self._run_linear(mod, x, prepared, bias, act_opts)
 
 
 _CLASSES = {"reference": ReferenceBackend, "triton": TritonBackend, "hopper": HopperBackend, "cute": CuteBackend}
@@ -417,10 +436,10 @@ def triton_gap(impl: str, variant: str) -> Optional[str]:
                 f"lesson (kernels_triton.{v.fmt})")
     if not v.a16:
         return None
-    if impl == "hopper":
-        mod, where = importlib.import_module("kernels_triton.hopper").module(v.fmt), (9, 0)
-    else:
-        mod, where = importlib.import_module("kernels_triton").module(v.fmt), None
+    import kernels_triton
+    from kernels_triton import hopper
+
+    mod, where = (hopper.module(v.fmt), (9, 0)) if impl == "hopper" else (kernels_triton.module(v.fmt), None)
     try:
         mod.route(1, 8, spec(v.fmt).k_multiple, capability=where, sm_count=1, a16=True)
     except ValueError as e:
@@ -433,7 +452,9 @@ def make(impl: str, variant: str):
     what kernels_cute says it has no kernel for, e.g. b12x has no MXFP4 W4A16 GEMM; triton and
     hopper: triton_gap's reason)."""
     if impl == "cute":
-        why = importlib.import_module("kernels_cute").not_served(variant)
+        import kernels_cute
+
+        why = kernels_cute.not_served(variant)
         if why is not None:
             return UnsupportedEntry(impl, variant, why)
     if impl in ("triton", "hopper"):

@@ -345,7 +345,7 @@ def route_of(backend, M: int, N: int, K: int, dtype: torch.dtype, device, act_op
     """The route a backend takes for this call, as one line: ``backend.route(problem, device,
     **act_opts).describe()`` (the kernels launched, their tile and split-K, why). A route that cannot
     be computed is reported as such, never raised (it must not hide the divergence report)."""
-    from .registry import Problem
+    from .contract import Problem
 
     problem = Problem(backend.variant, M, N, K, dtype)
     try:
@@ -451,7 +451,7 @@ class Watchdog:
         self.checked += 1
         if res["ok"]:
             return None
-        from .api import device_of
+        from .devices import device_of
         from . import replay
 
         x2 = _as_2d(x)

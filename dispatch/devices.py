@@ -51,7 +51,12 @@ class DeviceInfo:
     @property
     def is_sm12x(self) -> bool:
         """True on the SM120/SM121 family (the parts b12x's CuTe DSL kernels target)."""
-        return self.kind == "cuda" and self.capability in ((12, 0), (12, 1))
+        return self.kind == "cuda" and tuple(self.capability) in ((12, 0), (12, 1))
+
+    @property
+    def is_sm90(self) -> bool:
+        """True on sm_90 (H100, H200: the parts the hopper kernels' wgmma and TMA target)."""
+        return self.kind == "cuda" and tuple(self.capability) == (9, 0)
 
     def describe(self) -> str:
         """One line for messages: name, arch and SM count."""
@@ -137,6 +142,11 @@ def current_device(device: Union[None, str, int, torch.device] = None) -> Device
     if not torch.cuda.is_available():
         raise ValueError(f"device {str(dev)!r} requested but torch sees no CUDA device")
     return _cuda_device(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def device_of(x: torch.Tensor) -> DeviceInfo:
+    """The DeviceInfo of the device a tensor lives on."""
+    return current_device(x.device)
 
 
 def resolve(device: Union[None, str, DeviceInfo, torch.device] = None) -> DeviceInfo:

@@ -1,4 +1,6 @@
-"""What the caller asked for: ``impl=``, ``use_impl()``, ``B12X_IMPL`` or auto, and the errors.
+"""What the caller asked for: ``impl=``, ``use_impl()``, ``B12X_IMPL`` or auto (:data:`REQUESTS`),
+read once per call as a :class:`Request`. The errors (InvalidImplementation,
+ImplementationUnavailable) are dispatch.contract's, re-exported here.
 
 Four implementations can compute a quantized linear layer:
 
@@ -27,30 +29,34 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from typing import Iterator, Optional
+import warnings
+from typing import Iterator, NamedTuple, Optional
 
-from .devices import DeviceInfo
+from . import contract
+from .contract import (DECODE_M, PREFILL_M, ImplementationUnavailable,  # noqa: F401  (re-exported)
+                       InvalidImplementation, shape_classes)
 
 ENV_VAR = "B12X_IMPL"
-IMPLS = ("auto", "cute", "hopper", "triton", "reference")
-"""Values B12X_IMPL / use_impl / impl= accept."""
-DECODE_M = (1, 16)
-PREFILL_M = 4096
+REQUESTS = ("auto",) + contract.IMPLS
+"""What B12X_IMPL / use_impl() / impl= accept: "auto" or one of the implementations (contract.IMPLS)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Errors
-# ---------------------------------------------------------------------------------------------
-class InvalidImplementation(ValueError):
-    """B12X_IMPL, use_impl() or impl= holds a name that is not in IMPLS."""
+def __getattr__(name: str):
+    # One release: policy.IMPLS meant REQUESTS (with "auto"); IMPLS now names the implementations
+    # alone (contract.IMPLS, registry.IMPLS). docs/dispatch.md lists the moved names.
+    if name == "IMPLS":
+        warnings.warn("dispatch.policy.IMPLS is now dispatch.policy.REQUESTS (the implementations alone are "
+                      "dispatch.registry.IMPLS)", DeprecationWarning, stacklevel=2)
+        return REQUESTS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class ImplementationUnavailable(ValueError):
-    """A forced implementation cannot serve the call. ``impl``, ``device`` and ``reason`` say why."""
+class Request(NamedTuple):
+    """What one call asks for: ``impl`` ("auto" or an implementation) and ``source`` ("impl=",
+    "use_impl()", "B12X_IMPL" or "default"). Unpacks as the pair (impl, source)."""
 
-    def __init__(self, impl: str, device: DeviceInfo, reason: str):
-        self.impl, self.device, self.reason = impl, device, reason
-        super().__init__(f"implementation {impl!r} cannot serve this call on {device.describe()}: {reason}")
+    impl: str
+    source: str
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,29 +69,27 @@ def parse_impl(value, source: str = ENV_VAR) -> str:
     """Normalize an implementation name (case and surrounding blanks ignored).
 
     Raises:
-        InvalidImplementation: naming ``source`` (the variable or argument), the value and IMPLS.
+        InvalidImplementation: naming ``source`` (the variable or argument), the value and REQUESTS.
     """
     name = value.strip().lower() if isinstance(value, str) else value
-    if name not in IMPLS:
-        raise InvalidImplementation(f"{source}={value!r} is not an implementation; allowed: {', '.join(IMPLS)}")
+    if name not in REQUESTS:
+        raise InvalidImplementation(f"{source}={value!r} is not an implementation; allowed: {', '.join(REQUESTS)}")
     return name
 
 
-def requested_impl(impl: Optional[str] = None) -> tuple[str, str]:
-    """(implementation asked for, where the request came from) for one call.
-
-    Order: ``impl`` argument, then the innermost ``use_impl``, then ``B12X_IMPL``, then "auto".
-    An empty B12X_IMPL counts as unset.
-    """
+def requested_impl(impl: Optional[str] = None) -> Request:
+    """What one call asks for, and from where (a :class:`Request`): the ``impl`` argument, then the
+    innermost ``use_impl``, then ``B12X_IMPL``, then "auto". An empty B12X_IMPL counts as unset.
+    A bound call (dispatch.bound) reads it once and passes it on. Raises InvalidImplementation."""
     if impl is not None:
-        return parse_impl(impl, "impl"), "impl="
+        return Request(parse_impl(impl, "impl"), "impl=")
     ctx = _override.get()
     if ctx is not None:
-        return ctx, "use_impl()"
+        return Request(ctx, "use_impl()")
     env = os.environ.get(ENV_VAR, "")
     if env.strip():
-        return parse_impl(env, ENV_VAR), ENV_VAR
-    return "auto", "default"
+        return Request(parse_impl(env, ENV_VAR), ENV_VAR)
+    return Request("auto", "default")
 
 
 @contextlib.contextmanager
@@ -99,10 +103,3 @@ def use_impl(impl: str) -> Iterator[str]:
         yield _override.get()
     finally:
         _override.reset(token)
-
-
-def shape_classes(N: int = 4096, K: int = 4096) -> dict[str, tuple[int, int, int]]:
-    """The shape classes the table and `b12x-dual info` report: decode (M=1, 16), prefill (M=4096)."""
-    out = {f"decode M={m}": (m, N, K) for m in DECODE_M}
-    out[f"prefill M={PREFILL_M}"] = (PREFILL_M, N, K)
-    return out

@@ -7,11 +7,12 @@ swapping (quantize_model) and safetensors save/load of the quantized weights.
 
 The quantized weight lives in buffers (codes, scales, global scale, stored as same-width integer
 views so that dtype casts of the model leave them alone), so ``.to(device)`` and ``state_dict()``
-work as for any module. What a backend consumes is prepared from it once per backend
-(dispatch.registry), lazily, on the first call that backend serves, never per call. A reload
+work as for any module. A layer's calls go through one ``dispatch.bound.BoundLinear`` bound to
+those buffers: it validates x, lets the registry decide per M bucket and prepares what a backend
+consumes once per backend, lazily, on the first call that backend serves, never per call. A reload
 (load_quantized, load_state_dict) copies into the existing buffers and then into each prepared
 weight's existing storage, so every data_ptr() (and a CUDA graph that captured it) stays valid;
-``.to(device)`` allocates anew and drops the prepared weights.
+``.to(device)`` allocates anew and binds the moved buffers afresh (the prepared weights dropped).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from formats import QuantizedTensor, spec
+from formats import QuantizedTensor, quantize, spec
 from formats.base import check_positive_scalar
 from formats.validate import check_scale_values, check_weight
 
-from . import api, policy, registry
-from . import check as _check
+from . import policy, registry
+from .bound import BoundLinear
+from .contract import tokens
+from .devices import device_of
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ class QuantLinear(nn.Module):
     Raises:
         ValueError: a malformed weight, a meta weight, bad scale values, or a bad static act_opts scale;
             at a call, an x that is not a float tensor [..., K] of a dtype the implementation takes
-            (or an act_dtype it does not take), as dispatch.api.check_input says.
+            (or an act_dtype it does not take), as dispatch.bound.validate_input says.
     """
 
     def __init__(self, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *, a16: bool = False,
@@ -92,8 +95,45 @@ class QuantLinear(nn.Module):
             self._dtypes[buf] = None if t is None else t.dtype
             self.register_buffer(buf, None if t is None else _as_int(t))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self._prepared: dict[str, object] = {}
-        self.last_impl: Optional[str] = None
+        self._bind()
+
+    def _bind(self, last_impl: Optional[str] = None) -> None:
+        """Bind the buffers as they are now (the weight's views, the static activation scales). The
+        watchdog's name is the one quantize_model / load_quantized set, else (as
+        dispatch.check.layer_name names an unnamed layer) the shape and id."""
+        name = self.__dict__.get("_b12x_name") or f"QuantLinear({self.out_features}x{self.in_features})@{id(self):x}"
+        opts = {**self.act_opts, **{k: getattr(self, f"act_{k}").view(torch.float32) for k in self._act_scales}}
+        self._bound = BoundLinear(self.qweight, self.variant, impl=self.impl, act_dtype=self.act_dtype,
+                                  act_opts=opts, name=name)
+        self._bound.last_impl = last_impl
+
+    def __getstate__(self):
+        # The bound call holds views of the buffers (pickle refuses one storage under two dtypes):
+        # a copy or a pickle is bound afresh to its own buffers, keeping the name and last_impl.
+        state = self.__dict__.copy()
+        state["_bound"] = state["_bound"].last_impl
+        return state
+
+    def __setstate__(self, state):
+        last_impl = state.pop("_bound")
+        super().__setstate__(state)
+        self._bind(last_impl)
+
+    @property
+    def b12x_name(self) -> str:
+        """What the watchdog (B12X_CHECK) calls the layer: its name in the model where
+        quantize_model / load_quantized set it, else its shape and id."""
+        return self._bound.name
+
+    @b12x_name.setter
+    def b12x_name(self, name: str) -> None:
+        self.__dict__["_b12x_name"] = name
+        self._bound.name = name
+
+    @property
+    def last_impl(self) -> Optional[str]:
+        """The implementation that served the last call (None before the first)."""
+        return self._bound.last_impl
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -103,7 +143,7 @@ class QuantLinear(nn.Module):
         """Quantize an nn.Linear's weight to ``fmt`` (a variant name of dispatch.registry.VARIANTS);
         ``weight_opts`` go to quantize_weight. Raises ValueError when the shape does not suit the format."""
         spec = registry.variant(fmt)
-        qweight = api.quantize_weight(linear.weight.detach(), spec.fmt, **weight_opts)
+        qweight = quantize(linear.weight.detach(), spec.fmt, role="weight", **weight_opts)
         return cls(qweight, linear.bias, a16=a16 or spec.a16, impl=impl, act_dtype=act_dtype,
                    act_opts=act_opts)
 
@@ -121,22 +161,23 @@ class QuantLinear(nn.Module):
     # -- preparation ----------------------------------------------------------------------------
     def prepared(self, backend: registry.Backend):
         """What ``backend`` consumes for this weight, prepared on first use and then reused."""
-        if backend.name not in self._prepared:
-            self._prepared[backend.name] = backend.prepare(self.qweight)
-        return self._prepared[backend.name]
+        return self._bound.prepared(backend)
+
+    @property
+    def _prepared(self) -> dict[str, object]:
+        """{backend name: prepared weight} of the bound cache (read-only; tools/h200_repeat.py reads it)."""
+        return {name: self._bound.prepared(backend) for name, (backend, _) in self._bound.backends.items()}
 
     def refresh_prepared(self) -> None:
         """After new values were copied into the buffers: copy them into every prepared weight's
         existing storage (``prepare(..., into=)``), so their data_ptr()s stay as they were."""
-        qweight = self.qweight
-        for name, old in self._prepared.items():
-            impl, variant = name.split(":", 1)
-            self._prepared[name] = registry.get(impl, variant).prepare(qweight, into=old)
+        self._bound.reload(self.qweight)
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() replace the buffers: anything prepared from the old ones is stale.
-        self._prepared.clear()
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        self._bind(self._bound.last_impl)
+        return out
 
     def _load_from_state_dict(self, *args, **kwargs):
         # load_state_dict copies new values into the existing buffers; the prepared weights follow.
@@ -148,19 +189,10 @@ class QuantLinear(nn.Module):
     def choose(self, x: torch.Tensor) -> registry.Choice:
         """The registry's choice for input ``x`` (no call is made)."""
         dtype = x.dtype if self.act_dtype is None else self.act_dtype
-        return registry.choose(self.variant, api.tokens(x), self.out_features, self.in_features, api.device_of(x),
-                               impl=self.impl, dtype=dtype)
+        return self._bound.choice(tokens(x), device=device_of(x), dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        api.check_input(x, self.variant, self.in_features, self.impl, act_dtype=self.act_dtype)
-        c = self.choose(x)
-        self.last_impl = c.impl
-        xin = x if self.act_dtype is None else x.to(self.act_dtype)
-        opts = {**self.act_opts, **{k: getattr(self, f"act_{k}").view(torch.float32) for k in self._act_scales}}
-        y = c.backend.apply(xin, self.prepared(c.backend), self.bias, **opts)
-        if _check.WATCHDOG is not None:  # B12X_CHECK on (dispatch.check); off: this test is all
-            _check.WATCHDOG.after_call(_check.layer_name(self), c.backend, xin, y, self.qweight, self.bias, opts)
-        return y.to(x.dtype)
+        return self._bound(x, self.bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         if self.impl is not None:

@@ -7,16 +7,22 @@ the vLLM plugin) reaches an implementation the same way:
     b.is_supported(device)      -> (ok, reason)    # can this platform run it
     b.can_implement(problem)    -> (ok, reason)    # format, shape, dtype: pure, no device needed
     p = b.prepare(qweight, into=None)              # repack once (into=: reuse storage)
-    y = b.apply(x, p, bias, **act_opts)            # the hot path
+    y = b.apply(x, p, bias, **act_opts)            # the call: validates its arguments, then runs
+    y = b.run(x, p, bias, **act_opts)              # the trusted hot path (arguments validated)
 
     b.route(problem, device)    -> Route           # the kernels apply launches, tile, split-K, why
 
     c = registry.choose("nvfp4", M, N, K, device)  # walks priority(device), cached per
                                                    # (device, variant, M bucket, N, K, dtype, request)
 
-A variant is a format (formats.FORMAT_NAMES) or its weight-only form ("nvfp4_w4a16",
-"mxfp4_w4a16", "mxfp8_w8a16": activations stay bf16/fp16). A format is added to the registry by one entry in
-:data:`FORMATS`; everything else here is derived. An implementation that does not serve a variant
+A layer's calls go through one ``dispatch.bound.BoundLinear``, which decides per call with
+:func:`decide` (the request read once), keeps the prepared weights and runs the backend.
+
+The vocabulary (variants, Problem, Backend, UnsupportedEntry, the errors, the M buckets) is
+``dispatch.contract``, which this module and ``dispatch.backends`` both import; it is re-exported
+here. A variant is a format (formats.FORMAT_NAMES) or its weight-only form ("nvfp4_w4a16",
+"mxfp4_w4a16", "mxfp8_w8a16": activations stay bf16/fp16). A format is added by one entry in
+``contract.FORMATS``; everything else is derived. An implementation that does not serve a variant
 has an explicit :class:`UnsupportedEntry` saying why, so the table is complete.
 
 What the caller asked for (``impl=`` > ``use_impl()`` > ``B12X_IMPL`` > auto) is read by
@@ -26,23 +32,20 @@ What the caller asked for (``impl=`` > ``use_impl()`` > ``B12X_IMPL`` > auto) is
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from formats import FORMAT_NAMES, format_module
-
+from . import backends, policy
+from .contract import (A16_SUFFIX, A16_SUFFIXES, ACT_DTYPES, FORMATS, IMPLS, VARIANTS, Backend,  # noqa: F401  (re-exported)
+                       FormatEntry, NoBackend, Problem, Unsupported, UnsupportedEntry, Variant, m_bucket,
+                       variant, variant_name)
 from .devices import DeviceInfo
-from .policy import ImplementationUnavailable, requested_impl
+from .policy import ImplementationUnavailable, Request
 
 log = logging.getLogger(__name__)
-
-IMPLS = ("cute", "hopper", "triton", "reference")
-"""The concrete implementations: cute (b12x, SM120/SM121), hopper (kernels_triton.hopper, sm_90),
-triton (the readable kernels, every device) and reference (the formats/ oracle)."""
 
 # [priority]
 PRIORITY: dict[str, tuple[str, ...]] = {
@@ -62,7 +65,7 @@ PRODUCTION = ("cute", "hopper")
 
 def device_class(device: DeviceInfo) -> str:
     """The key of :data:`PRIORITY` for a device: "sm_90", "sm_12x" or "other"."""
-    if device.kind == "cuda" and tuple(device.capability) == (9, 0):
+    if device.is_sm90:
         return "sm_90"
     if device.is_sm12x:
         return "sm_12x"
@@ -74,212 +77,10 @@ def priority(device: DeviceInfo) -> tuple[str, ...]:
     return PRIORITY[device_class(device)]
 
 
-@dataclass(frozen=True)
-class FormatEntry:
-    """What the registry needs to know of a format beyond formats/: whether it has a weight-only
-    variant (W4A16 for 4-bit weights, W8A16 for 8-bit ones)."""
-
-    w4a16: bool = False
-    w8a16: bool = False
-
-
-# [format-entries]
-FORMATS: dict[str, FormatEntry] = {
-    "fp8_tensor": FormatEntry(),
-    "fp8_block": FormatEntry(),
-    "mxfp8": FormatEntry(w8a16=True),
-    "nvfp4": FormatEntry(w4a16=True),
-    "mxfp4": FormatEntry(w4a16=True),
-    "fp8_channel": FormatEntry(),
-}
-"""One entry per format of formats.FORMAT_NAMES (a test checks the two agree)."""
-# [/format-entries]
-
-A16_SUFFIX = "_w4a16"
-A16_SUFFIXES = {"w4a16": A16_SUFFIX, "w8a16": "_w8a16"}
-"""The weight-only variant's name suffix per FormatEntry flag."""
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A row of the table: ``name`` ("nvfp4_w4a16"), its formats/ format ``fmt`` ("nvfp4") and
-    ``a16`` (activations stay unquantized)."""
-
-    name: str
-    fmt: str
-    a16: bool
-
-
-def _variants() -> dict[str, Variant]:
-    out = {}
-    for fmt in FORMAT_NAMES:
-        entry = FORMATS.get(fmt, FormatEntry())
-        out[fmt] = Variant(fmt, fmt, False)
-        for flag, suffix in A16_SUFFIXES.items():
-            if getattr(entry, flag):
-                out[fmt + suffix] = Variant(fmt + suffix, fmt, True)
-    return out
-
-
-VARIANTS: dict[str, Variant] = _variants()
-
-
-def variant(name: str) -> Variant:
-    """The Variant of a name; ValueError listing the names otherwise."""
-    try:
-        return VARIANTS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"format must be one of {tuple(VARIANTS)}, got {name!r}") from None
-
-
-def variant_name(fmt: str, a16: bool = False) -> str:
-    """(format, a16) -> variant name ("mxfp8", True -> "mxfp8_w8a16"); ValueError when the format
-    has no weight-only variant."""
-    if not a16:
-        variant(fmt)
-        return fmt
-    for v in VARIANTS.values():
-        if v.a16 and v.fmt == fmt:
-            return v.name
-    if fmt in VARIANTS:
-        allowed = sorted(v.fmt for v in VARIANTS.values() if v.a16)
-        raise ValueError(f"a16=True (weight-only W4A16 / W8A16) is defined for {allowed}, not {fmt!r}")
-    return variant(fmt).name
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One GEMM y[M, N] = x[M, K] . W[N, K]^T of ``variant``; ``dtype`` is x's (and y's) dtype."""
-
-    variant: str
-    M: int
-    N: int
-    K: int
-    dtype: torch.dtype = torch.bfloat16
-
-    @property
-    def fmt(self) -> str:
-        return variant(self.variant).fmt
-
-    @property
-    def a16(self) -> bool:
-        return variant(self.variant).a16
-
-
-class Unsupported(ValueError):
-    """``get`` of an entry that is declared unsupported; the message says why."""
-
-
-class NoBackend(ValueError):
-    """auto found no backend for a call; the message lists every backend's reason."""
-
-
-class Backend:
-    """Base class of a backend: one implementation serving one variant.
-
-    Subclasses implement the four verbs. ``prepare`` returns what ``apply`` consumes (for triton and
-    reference the validated QuantizedTensor itself; for cute the repacked b12x weight), and with
-    ``into=`` (an earlier result for a weight of the same shape) copies into its storage and
-    returns it, so CUDA graphs that captured it stay valid.
-    """
-
-    impl: str = ""
-    act_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-    """The activation (and output) dtypes apply takes; can_implement refuses the others."""
-
-    def __init__(self, variant_name: str):
-        self.variant = variant_name
-        spec = variant(variant_name)
-        self.fmt, self.a16 = spec.fmt, spec.a16
-
-    @property
-    def name(self) -> str:
-        return f"{self.impl}:{self.variant}"
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name}>"
-
-    def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
-        raise NotImplementedError
-
-    def can_implement(self, problem: Problem) -> tuple[bool, str]:
-        raise NotImplementedError
-
-    def prepare(self, qweight, into=None):
-        raise NotImplementedError
-
-    def apply(self, x: torch.Tensor, prepared, bias: Optional[torch.Tensor] = None, **act_opts) -> torch.Tensor:
-        raise NotImplementedError
-
-    extra_options: tuple[str, ...] = ()
-    """Keyword options of apply beyond the format's activation options (e.g. reference's out_dtype)."""
-
-    @functools.cached_property
-    def act_options(self) -> frozenset[str]:
-        """The activation options apply takes: the keyword-only options of the format's oracle
-        quantizer (fp8_tensor ``scale``, fp8_block ``ue8m0``, MX ``scale_rule``, nvfp4
-        ``global_scale``; none for W4A16), plus ``extra_options``."""
-        names = set(self.extra_options)
-        if not self.a16:
-            sig = inspect.signature(format_module(self.fmt).quantize)
-            names |= {p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY}
-        return frozenset(names)
-
-    def check_options(self, opts: dict) -> None:
-        """ValueError naming an option this backend does not take, and the ones it does."""
-        bad = set(opts) - self.act_options
-        if bad:
-            allowed = ", ".join(sorted(self.act_options)) or "none"
-            raise ValueError(f"{self.name}: unknown option(s) {sorted(bad)} for {self.variant} on {self.impl}; "
-                             f"allowed: {allowed}")
-
-    def route(self, problem: Problem, device: DeviceInfo, **act_opts):
-        """The route ``apply(x, prepared, bias, **act_opts)`` takes for ``problem`` on ``device``: a
-        ``kernels_triton.Route`` with the kernels it launches (by name, in order), the tile
-        (split-K included) and why. Pure: a described device gives the same answer as the real
-        one. ``explain``, ``b12x-dual info``, bench and sweep report it (with the default, dynamic
-        activation scales); a test checks it against the launches ``apply`` makes."""
-        raise NotImplementedError
-
-    # Two optional verbs for the test sweeps and benchmarks, which look inside a call: the
-    # activation quantizer alone (compared bit for bit with the oracle) and the GEMM alone.
-    def quantize_activation(self, x: torch.Tensor, **act_opts):
-        """x [..., K] -> the activation QuantizedTensor this backend's GEMM consumes.
-        Raises NotImplementedError where the backend has no separate quantizer (W4A16)."""
-        raise NotImplementedError(f"{self.name} has no separate activation quantizer")
-
-    def gemm(self, xq, prepared, bias: Optional[torch.Tensor] = None,
-             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The GEMM alone on an already quantized activation xq [M, K] -> [M, N] of ``out_dtype``.
-        Raises NotImplementedError where the backend has no separate GEMM (W4A16)."""
-        raise NotImplementedError(f"{self.name} has no separate GEMM entry")
-
-    @property
-    def splits(self) -> bool:
-        """True when quantize_activation and gemm are available separately."""
-        return (type(self).quantize_activation is not Backend.quantize_activation
-                and type(self).gemm is not Backend.gemm and not self.a16)
-
-
-@dataclass(frozen=True)
-class UnsupportedEntry:
-    """A table cell with no backend: ``impl`` does not serve ``variant``, because ``reason``."""
-
-    impl: str
-    variant: str
-    reason: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.impl}:{self.variant}"
-
-
 _TABLE: dict[tuple[str, str], object] = {}
 
 
 def _build_table() -> None:
-    from . import backends
-
     for v in VARIANTS:
         for impl in IMPLS:
             _TABLE[(impl, v)] = backends.make(impl, v)
@@ -304,8 +105,9 @@ def get(impl: str, variant_name_: str):
     return entry
 
 
-def check(entry, problem: Problem, device: DeviceInfo) -> tuple[bool, str]:
-    """is_supported then can_implement of one table entry, as one (ok, reason)."""
+def verdict(entry, problem: Problem, device: DeviceInfo) -> tuple[bool, str]:
+    """Can this table entry serve ``problem`` on ``device``: is_supported then can_implement, as
+    one (ok, reason); a declared-unsupported entry gives (False, its reason)."""
     if isinstance(entry, UnsupportedEntry):
         return False, f"{entry.impl} does not implement {entry.variant}: {entry.reason}"
     ok, why = entry.is_supported(device)
@@ -313,6 +115,30 @@ def check(entry, problem: Problem, device: DeviceInfo) -> tuple[bool, str]:
         return False, why
     ok2, why2 = entry.can_implement(problem)
     return ok2, (f"{why}; {why2}" if ok2 else why2)
+
+
+check = verdict  # the old name, kept for one release (docs/dispatch.md)
+
+
+def act_dtypes(variant_: str, impl: Optional[str] = None) -> tuple[torch.dtype, ...]:
+    """The activation dtypes a call of ``variant_`` can take under the request ``impl`` (None: what
+    use_impl() / B12X_IMPL / auto ask for): the forced implementation's (:data:`ACT_DTYPES`), or
+    under auto the union over the implementations that have a backend for the variant (bfloat16,
+    float16 and, through the reference, float32). Raises InvalidImplementation for an unknown
+    name, ValueError for an unknown variant."""
+    variant(variant_)
+    return act_dtypes_of(variant_, policy.requested_impl(impl).impl)
+
+
+@functools.lru_cache(maxsize=None)
+def act_dtypes_of(variant_: str, requested: str) -> tuple[torch.dtype, ...]:
+    """:func:`act_dtypes` for a request already read ("auto" or an implementation name)."""
+    table = entries()  # fixed once built: the answer is cached per (variant, request)
+    names = IMPLS if requested == "auto" else (requested,)
+    found = [d for n in names if isinstance(table[(n, variant_)], Backend) for d in ACT_DTYPES[n]]
+    if not found:  # a forced implementation with no backend for the variant: choose says why
+        found = [d for (n, v), e in table.items() if v == variant_ and isinstance(e, Backend) for d in ACT_DTYPES[n]]
+    return tuple(dict.fromkeys(found))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,14 +164,6 @@ class Choice:
     @property
     def impl(self) -> str:
         return self.backend.impl
-
-
-def m_bucket(M: int) -> int:
-    """The cache bucket of a token count: exact up to 16 (decode), else the next power of two.
-    Backends' can_implement must give the same answer for every M of a bucket (tested)."""
-    if M <= 16:
-        return max(M, 0)
-    return 1 << (M - 1).bit_length()
 
 
 _cache: dict[tuple, Choice] = {}
@@ -390,7 +208,15 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
         dispatch.ImplementationUnavailable: a forced implementation cannot serve the call.
         NoBackend: auto found nothing that serves the call (the message lists every reason).
     """
-    requested, source = requested_impl(impl)
+    return decide(policy.requested_impl(impl), variant_, M, N, K, device, dtype=dtype, log_choice=log_choice)
+
+
+def decide(request: Request, variant_: str, M: int, N: int, K: int, device: DeviceInfo, *,
+           dtype: torch.dtype = torch.bfloat16, log_choice: bool = True) -> Choice:
+    """:func:`choose` for a request already read (a ``policy.Request``, from
+    ``policy.requested_impl``): a bound call reads the request once and decides with it. Same
+    cache, result and errors as :func:`choose` (but no InvalidImplementation: the request was parsed)."""
+    requested, source = request
     key = (device, variant_, m_bucket(M), N, K, dtype, requested, source)
     c = _cache.get(key)
     if c is not None:
@@ -401,7 +227,7 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
     problem = Problem(variant_, M, N, K, dtype)
     table = entries()
     if requested != "auto":
-        ok, why = check(table[(requested, variant_)], problem, device)
+        ok, why = verdict(table[(requested, variant_)], problem, device)
         if not ok:
             raise ImplementationUnavailable(requested, device, why)
         c = Choice(table[(requested, variant_)], why, requested, source, ((requested, True, why),))
@@ -409,7 +235,7 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
         # [auto-walk]
         considered, skipped = [], []
         for name in priority(device):
-            ok, why = check(table[(name, variant_)], problem, device)
+            ok, why = verdict(table[(name, variant_)], problem, device)
             considered.append((name, ok, why))
             if ok:
                 c = Choice(table[(name, variant_)], "; ".join(skipped + [why]) if skipped else why,

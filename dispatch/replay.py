@@ -81,7 +81,7 @@ def write(directory, *, layer: str, impl: str, variant: str, x: torch.Tensor, qw
     """
     from safetensors.torch import save_file
 
-    from .api import library_versions
+    from .describe import library_versions
 
     check_weight(qweight)
     tensors = {"x": x.detach().reshape(-1, x.shape[-1]).contiguous().cpu()}
@@ -125,7 +125,7 @@ def read(path) -> Replay:
     """
     from safetensors import SafetensorError, safe_open
 
-    from .registry import variant as variant_of
+    from .contract import variant as variant_of
 
     p = Path(path)
     if not p.is_file():

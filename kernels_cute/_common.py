@@ -307,16 +307,20 @@ def fixed_query(cap: int, N: int, K: int, out_dtype: str, *, recipe: str, call_k
 
 def run_gemm(fmt: str, xq, prepared: CuteWeight, bias: Optional[torch.Tensor], out_dtype,
              make_query, cap_for: Callable[[int, int], int],
-             mm: Callable[[object, torch.dtype], torch.Tensor]) -> torch.Tensor:
+             mm: Callable[[object, torch.dtype], torch.Tensor], *, checked: bool = True) -> torch.Tensor:
     """What every format's gemm() does around its b12x call, in this order: check xq (check_xq),
     out_dtype (default bf16) and bias; M == 0 gives an empty [0, N] without touching b12x; else the
     plan serving M rows (plan_for_call), ``y = mm(plan, out_dtype)`` (the format's b12x GEMM,
-    [M, N] of out_dtype), and y + bias (add_bias). ValueError from the checks, RuntimeError from
-    plan_for_call under graph capture."""
-    check_xq(xq, prepared, fmt)
-    out_dtype = check_out_dtype(out_dtype)
+    [M, N] of out_dtype), and y + bias (add_bias). ``checked=False`` skips the checks (a
+    linear_unchecked call: its caller validated them). ValueError from the checks, RuntimeError
+    from plan_for_call under graph capture."""
     N, K = prepared.shape
-    validate.check_bias(bias, N, prepared.device)
+    if checked:
+        check_xq(xq, prepared, fmt)
+        out_dtype = check_out_dtype(out_dtype)
+        validate.check_bias(bias, N, prepared.device)
+    elif out_dtype is None:
+        out_dtype = torch.bfloat16
     M = xq.rows
     if M == 0:
         return torch.empty((0, N), dtype=out_dtype, device=prepared.device)
@@ -325,13 +329,17 @@ def run_gemm(fmt: str, xq, prepared: CuteWeight, bias: Optional[torch.Tensor], o
 
 
 def run_linear(fmt: str, x: torch.Tensor, prepared: CuteWeight, bias: Optional[torch.Tensor],
-               rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+               rows: Callable[[torch.Tensor], torch.Tensor], *, checked: bool = True) -> torch.Tensor:
     """What every format's linear() does around its route: x [..., K] checked and flattened to
     [M, K] (flatten_activation), bias checked; M == 0 gives an empty [..., N] of x's dtype; else
-    ``rows(x2)`` ([M, N], bias included) reshaped to [..., N]. ValueError from the checks."""
+    ``rows(x2)`` ([M, N], bias included) reshaped to [..., N]. ``checked=False`` (linear_unchecked)
+    flattens without the checks. ValueError from the checks."""
     N, K = prepared.shape
-    x2 = flatten_activation(x, K, fmt, prepared.device)
-    validate.check_bias(bias, N, prepared.device)
+    if checked:
+        x2 = flatten_activation(x, K, fmt, prepared.device)
+        validate.check_bias(bias, N, prepared.device)
+    else:
+        x2 = x.reshape(-1, K)
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], N))
     return rows(x2).reshape(*x.shape[:-1], N)
@@ -343,12 +351,12 @@ def flatten_activation(x: torch.Tensor, K: int, fmt: str, device=None) -> torch.
     return x.reshape(-1, K)
 
 
-def quantize_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
+def quantize_cute(x: torch.Tensor, fmt: str, *, checked: bool = True, **opts) -> QuantizedTensor:
     """kernels_cute.quant.quantize_activation_cute (imported on first use: it needs CuTe DSL, which
-    preparing a weight does not)."""
+    preparing a weight does not); ``checked=False`` skips its argument checks (linear_unchecked)."""
     from .quant import quantize_activation_cute
 
-    return quantize_activation_cute(x, fmt, **opts)
+    return quantize_activation_cute(x, fmt, checked=checked, **opts)
 
 
 def check_out_dtype(out_dtype) -> torch.dtype:

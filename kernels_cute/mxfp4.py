@@ -111,12 +111,16 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
         ValueError: a malformed xq (formats.validate), K or device mismatch, bad bias or out_dtype.
     """
 
+    return _gemm(xq, prepared, bias, out_dtype, checked=True)
+
+
+def _gemm(xq, prepared, bias, out_dtype, *, checked: bool) -> torch.Tensor:
     def mm(plan, out_dtype):
         b12x_gemm = getattr(C.blockscaled(), B12X_GEMM)
         return b12x_gemm(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
                          plan=plan, out_dtype=out_dtype)
 
-    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
+    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm, checked=checked)
 
 
 def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
@@ -125,8 +129,19 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
     x bf16/fp16 [..., K] -> [..., N] of x's dtype."""
     if a16:
         raise ValueError(f"kernels_cute.mxfp4: {A16_UNSUPPORTED}")
+    return _linear(x, prepared, bias, scale_rule, checked=True)
 
+
+def linear_unchecked(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
+                     scale_rule: str = "ceil", a16: bool = False) -> torch.Tensor:
+    """:func:`linear` minus its argument checks (x, bias and the options, for a caller that made
+    them at its own door: dispatch's bound call). The same kernels and output, bit for bit."""
+    return _linear(x, prepared, bias, scale_rule, checked=False)
+
+
+def _linear(x, prepared, bias, scale_rule, *, checked: bool) -> torch.Tensor:
     def rows(x2):
-        return gemm(quantize_activation(x2, scale_rule=scale_rule), prepared, bias, out_dtype=x.dtype)
+        xq = C.quantize_cute(x2, FMT, checked=checked, scale_rule=scale_rule, swizzled=True)
+        return _gemm(xq, prepared, bias, x.dtype, checked=checked)
 
-    return C.run_linear(FMT, x, prepared, bias, rows)
+    return C.run_linear(FMT, x, prepared, bias, rows, checked=checked)

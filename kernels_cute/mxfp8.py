@@ -135,11 +135,15 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     if prepared.a16:
         raise ValueError("gemm() takes a W8A8 weight; this one was prepared with a16=True (use linear(a16=True))")
 
+    return _gemm(xq, prepared, bias, out_dtype, checked=True)
+
+
+def _gemm(xq, prepared, bias, out_dtype, *, checked: bool) -> torch.Tensor:
     def mm(plan, out_dtype):
         return getattr(C.blockscaled(), B12X_GEMM)((xq.data.contiguous(), C.swizzled_scale(xq)), prepared.packed,
                                   plan=plan, out_dtype=out_dtype)
 
-    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
+    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm, checked=checked)
 
 
 def _linear_a16(x2: torch.Tensor, prepared: C.CuteWeight) -> torch.Tensor:
@@ -169,10 +173,21 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
                          f"kernels_cute.mxfp8.prepare_weight(q, a16={a16})")
     if a16 and scale_rule != "ceil":
         raise ValueError(f"scale_rule is an activation option of W8A8; {A16_NAME} keeps x in bf16")
+    return _linear(x, prepared, bias, scale_rule, a16, checked=True)
 
+
+def linear_unchecked(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
+                     scale_rule: str = "ceil", a16: bool = False) -> torch.Tensor:
+    """:func:`linear` minus its argument checks (x, bias and the options, for a caller that made
+    them at its own door: dispatch's bound call). The same kernels and output, bit for bit."""
+    return _linear(x, prepared, bias, scale_rule, a16, checked=False)
+
+
+def _linear(x, prepared, bias, scale_rule, a16, *, checked: bool) -> torch.Tensor:
     def rows(x2):
         if a16:
             return C.add_bias(_linear_a16(x2, prepared), bias)
-        return gemm(quantize_activation(x2, scale_rule=scale_rule), prepared, bias, out_dtype=x.dtype)
+        xq = C.quantize_cute(x2, FMT, checked=checked, scale_rule=scale_rule, swizzled=True)
+        return _gemm(xq, prepared, bias, x.dtype, checked=checked)
 
-    return C.run_linear(FMT, x, prepared, bias, rows)
+    return C.run_linear(FMT, x, prepared, bias, rows, checked=checked)

@@ -144,20 +144,21 @@ def gemm(xq: QuantizedTensor, prepared: C.CuteWeight, bias: Optional[torch.Tenso
     """
     if prepared.a16:
         raise ValueError("gemm() takes a W4A4 weight; this one was prepared with a16=True (use linear(a16=True))")
+    return _gemm(xq, prepared, bias, out_dtype, checked=True)
 
+
+def _gemm(xq, prepared, bias, out_dtype, *, checked: bool) -> torch.Tensor:
     def mm(plan, out_dtype):
         alpha = torch.reciprocal(xq.global_scale.reshape(1)) * prepared.inv_global_scale
         b12x_gemm = getattr(C.blockscaled(), B12X_GEMM)
         return b12x_gemm(xq.data.contiguous(), C.swizzled_scale(xq), prepared.data, prepared.scale,
                          alpha, plan=plan, out_dtype=out_dtype)
 
-    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm)
+    return C.run_gemm(FMT, xq, prepared, bias, out_dtype, make_query, cap_for, mm, checked=checked)
 
 
 def _linear_a16(x2: torch.Tensor, prepared: C.CuteWeight) -> torch.Tensor:
     """b12x's A16 GEMM on bf16 [M, K] (M >= 1): contiguous, 16-byte aligned, as the plan declares."""
-    if x2.dtype != A16_DTYPE:
-        raise ValueError(f"nvfp4_w4a16: x must be bfloat16 (b12x's A16 kernel), got {x2.dtype}")
     x2 = x2.contiguous()
     if x2.data_ptr() % 16:
         x2 = x2.clone()
@@ -179,10 +180,23 @@ def linear(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor]
                          f"kernels_cute.nvfp4.prepare_weight(q, a16={a16})")
     if a16 and global_scale is not None:
         raise ValueError("global_scale is an activation option of W4A4; nvfp4_w4a16 keeps x in bf16")
+    if a16 and isinstance(x, torch.Tensor) and x.dtype == torch.float16:  # the A16 kernel reads bf16 only
+        raise ValueError(f"nvfp4_w4a16: x must be bfloat16 (b12x's A16 kernel), got {x.dtype}")
+    return _linear(x, prepared, bias, global_scale, checked=True)
 
+
+def linear_unchecked(x: torch.Tensor, prepared: C.CuteWeight, bias: Optional[torch.Tensor] = None, *,
+                     global_scale: Union[None, float, torch.Tensor] = None, a16: bool = False) -> torch.Tensor:
+    """:func:`linear` minus its argument checks (x, bias and the options, for a caller that made
+    them at its own door: dispatch's bound call). The same kernels and output, bit for bit."""
+    return _linear(x, prepared, bias, global_scale, checked=False)
+
+
+def _linear(x, prepared, bias, global_scale, *, checked: bool) -> torch.Tensor:
     def rows(x2):
-        if a16:
+        if prepared.a16:
             return C.add_bias(_linear_a16(x2, prepared), bias)
-        return gemm(quantize_activation(x2, global_scale=global_scale), prepared, bias, out_dtype=x.dtype)
+        xq = C.quantize_cute(x2, FMT, checked=checked, global_scale=global_scale, swizzled=True)
+        return _gemm(xq, prepared, bias, x.dtype, checked=checked)
 
-    return C.run_linear(FMT, x, prepared, bias, rows)
+    return C.run_linear(FMT, x, prepared, bias, rows, checked=checked)

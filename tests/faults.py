@@ -8,9 +8,9 @@ others are not:
 
     FlippedWeightScale    prepare returns a copy of the weight with one block-scale byte changed
                           (row ``n``, K-block ``kb``): the GEMM departs in column tile n // 128
-    FlippedActivationScale  quantize_activation (and so apply) changes one activation block-scale
+    FlippedActivationScale  quantize_activation (and so run, hence apply) changes one activation block-scale
                           byte (row ``m``, K-block ``kb``): the activation quantization departs first
-    ScaledRow             gemm and apply multiply output row ``m`` by 1.5: the GEMM departs in row m
+    ScaledRow             gemm and run (hence apply) multiply output row ``m`` by 1.5: the GEMM departs in row m
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class FlippedActivationScale(TritonBackend):
         q = super().quantize_activation(x, **act_opts)
         return q if self.only_k not in (None, x.shape[-1]) else _flip_scale(q, self.m, self.kb)
 
-    def apply(self, x, prepared, bias=None, **act_opts):
+    def run(self, x, prepared, bias=None, **act_opts):
         x2 = x.reshape(-1, x.shape[-1])
         y = self.gemm(self.quantize_activation(x2, **act_opts), prepared, bias, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], -1)
@@ -66,8 +66,8 @@ class ScaledRow(TritonBackend):
     def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
         return self._bad(super().gemm(xq, prepared, bias, out_dtype), prepared)
 
-    def apply(self, x, prepared, bias=None, **act_opts):
-        return self._bad(super().apply(x, prepared, bias, **act_opts), prepared)
+    def run(self, x, prepared, bias=None, **act_opts):
+        return self._bad(super().run(x, prepared, bias, **act_opts), prepared)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@ fresh random inputs, error metrics, the device and library report, and output th
 
 Implementations are reached only through :mod:`dispatch.registry`: a name maps to a factory
 ``variant -> table cell`` (for the built-in ones ``registry.entries()[(impl, variant)]``: a Backend
-or an UnsupportedEntry). Per cell the apps ask ``registry.check(cell, Problem, device)`` with the
+or an UnsupportedEntry). Per cell the apps ask ``registry.verdict(cell, Problem, device)`` with the
 device the tensors are on (``running_device``); a cell that cannot run is a skip row carrying the
 registry's reason. Then ``prepare``, ``apply`` (the whole linear), and where the sweep and bench
 look inside a call ``quantize_activation`` / ``gemm`` (``backend.splits``):
@@ -126,8 +126,8 @@ def running_device(device: str) -> DeviceInfo:
 
 
 def check(entry, variant: str, M: int, N: int, K: int, dtype: torch.dtype, device: DeviceInfo) -> tuple[bool, str]:
-    """registry.check of one cell on (variant, M, N, K, activation dtype) and ``device``: (ok, reason)."""
-    return registry.check(entry, registry.Problem(variant, M, N, K, dtype), device)
+    """registry.verdict of one cell on (variant, M, N, K, activation dtype) and ``device``: (ok, reason)."""
+    return registry.verdict(entry, registry.Problem(variant, M, N, K, dtype), device)
 
 
 def route_record(backend, variant: str, M: int, N: int, K: int, device: DeviceInfo,

@@ -34,6 +34,8 @@ from typing import Any, Optional
 
 import torch
 
+from dispatch.devices import current_device
+
 from . import _harness as H
 
 PEERS = ("gemlite",)
@@ -78,12 +80,11 @@ def load_gemlite() -> tuple[Any, dict[str, Any]]:
         raise PeerUnavailable(f"gemlite not importable ({type(e).__name__}: {str(e)[:160]}); "
                               f"install it with `pip install b12x-dual[peers]` ({GEMLITE_PIN})") from None
     name = torch.cuda.get_device_name()
-    cap = torch.cuda.get_device_capability()
     info: dict[str, Any] = {"version": getattr(gemlite, "__version__", "?"), "device": name}
     tag = gcore.get_default_cache_config()
     if tag is not None:
         info["config_note"] = f"gemlite's tuned config for this GPU: {os.path.basename(tag)}"
-    elif cap[0] == 9:
+    elif current_device().is_sm90:
         h100 = os.path.join(os.path.dirname(gcore.__file__), "configs", "h100.json")
         ok = gcore.GemLiteLinearTriton.load_config(h100)
         info["config_note"] = (f"gemlite has no tuned config for {name}; loaded its H100 config "
@@ -122,7 +123,7 @@ def known_failure(variant: str) -> Optional[str]:
     if "NVFP" not in GEMLITE_FORMATS[variant].helper or not torch.cuda.is_available():
         return None
     major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    if torch.cuda.get_device_capability()[0] == 9 and (major, minor) < (3, 7):
+    if current_device().is_sm90 and (major, minor) < (3, 7):
         return (f"not attempted: gemlite's NVFP4 kernels do not compile on sm_90 with Triton {triton.__version__} "
                 "('PassManager::run failed' in TritonGPUAccelerateMatmul, triton#7549)")
     return None

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 import formats
+from dispatch.contract import DECODE_M, PREFILL_M
 
 from . import _harness as H
 
@@ -47,11 +48,12 @@ SHAPES: list[Shape] = [
     Shape("tiny", "-", "CPU interpreter smoke shape", 64, 128, default=False),
 ]
 SHAPE_BY_ID = {s.id: s for s in SHAPES}
-DECODE_M = (1, 16, 64)
-PREFILL_M = (512, 4096)
-QUICK_SHAPES = ("square", "llama3.1-8b:qkv", "llama3.1-8b:down")
-QUICK_M = (1, 16, 4096)
 GRAPH_MAX_M = 64
+BENCH_M = (*DECODE_M, 64, 512, PREFILL_M)
+"""The Ms bench times by default on a GPU: the decode classes (dispatch.contract.DECODE_M), a
+decode batch of 64, a short prefill of 512 and the prefill class (PREFILL_M)."""
+QUICK_SHAPES = ("square", "llama3.1-8b:qkv", "llama3.1-8b:down")
+QUICK_M = (*DECODE_M, PREFILL_M)
 BASELINES = ("torch_bf16", "torch_fp8_tensor", "torch_fp8_block", "torch_fp8_channel")
 BASELINE_NOTES = {
     "torch_bf16": "torch F.linear on bf16 (cuBLAS), whole linear",
@@ -100,7 +102,7 @@ def plan(shapes: list[Shape], ms: Optional[list[int]], *, gpu: bool, quick: bool
     rest shape by shape, so that a time budget cuts the least important configurations."""
     base: list[int] = []
     if ms is None:
-        base = list(DECODE_M + PREFILL_M) if gpu else [1, 16]
+        base = list(BENCH_M) if gpu else list(DECODE_M)
         if quick:
             base = list(QUICK_M) if gpu else [1]
     pairs = []

@@ -406,7 +406,7 @@ def run_bench(*, variants: Optional[list[str]] = None, impls: Optional[list[str]
     docs/bench.md). ``budget_s`` stops starting new configurations after that many seconds (the
     rest are listed in "skipped"). Implementations are registry backends (``impls``: names from
     :data:`BENCH_IMPLS`; ``extra_backends``: name -> factory(variant) -> registry.Backend); a
-    configuration ``registry.check`` refuses on this device is a skip row with its reason.
+    configuration ``registry.verdict`` refuses on this device is a skip row with its reason.
     ``peers`` (names from bench_peers.PEERS) adds their rows (kind "peer") to every configuration."""
     gpu = H.on_gpu()
     variants = H.variants_from_formats(variants)

@@ -50,7 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--formats", type=_formats_arg, default=",".join(DEMO_VARIANTS),
                    help=f"comma-separated list from {', '.join(DEMO_VARIANTS)} (default: all)")
-    p.add_argument("--impl", default=None, choices=policy.IMPLS,
+    p.add_argument("--impl", default=None, choices=policy.REQUESTS,
                    help=f"implementation for every layer (default: {policy.ENV_VAR}, else auto)")
     p.add_argument("--device", type=A.torch_device, default=None,
                    help="torch device for the model (default: cuda if present, else cpu)")

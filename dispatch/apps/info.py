@@ -10,6 +10,7 @@ import sys
 import torch
 
 from dispatch import api, policy, registry
+from dispatch.contract import shape_classes
 from dispatch.devices import KNOWN_DEVICES, resolve
 
 from . import argtypes as A
@@ -52,7 +53,7 @@ def run(args) -> int:
     console.print(f"[bold]device[/]: {api.describe_device(dev)}")
     console.print("[bold]libraries[/]: " + ", ".join(f"{k} {v}" for k, v in api.library_versions().items()))
     console.print(f"[bold]{policy.ENV_VAR}[/]: {requested} (from {source})")
-    shapes = policy.shape_classes(args.N, args.K)
+    shapes = shape_classes(args.N, args.K)
     table = Table(title=f"auto's choice (N={args.N}, K={args.K})", show_lines=True)
     table.add_column("format")
     for label in shapes:

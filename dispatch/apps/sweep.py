@@ -4,7 +4,7 @@ formats x implementations available here x a shape grid x output dtypes. Rows ar
 dispatch.registry.VARIANTS: the six formats and the weight-only ones (``nvfp4_w4a16``,
 ``mxfp4_w4a16``: 4-bit weights; ``mxfp8_w8a16``: 8-bit weights; bf16/fp16 activations). Implementations are registry backends:
 reference (formats/ oracle, float64 output), triton (the readable kernels_triton), hopper
-(kernels_triton.hopper, sm_90 only), cute (kernels_cute, SM12x only); one that ``registry.check``
+(kernels_triton.hopper, sm_90 only), cute (kernels_cute, SM12x only); one that ``registry.verdict``
 says cannot run a cell on this device is skipped there with the registry's reason. Each cell records
 the route every implementation took (``Backend.route``: kernels, tile, split-K, why; ``--verbose``
 prints them).

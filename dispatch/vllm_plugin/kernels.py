@@ -33,12 +33,13 @@ from vllm.model_executor.utils import replace_parameter
 from formats.validate import check_scale_values
 
 from .. import check as _check
+from ..contract import KERNEL_DTYPES
 from ..devices import current_device
-from . import _backend, convert, ops, placement, scheme
+from . import convert, ops, placement, scheme
 
 log = logging.getLogger("dispatch.vllm_plugin")
 
-ACT_DTYPES = (torch.bfloat16, torch.float16)
+ACT_DTYPES = KERNEL_DTYPES
 
 
 def _dtype_name(d) -> str:
@@ -118,28 +119,18 @@ class _Adapter:
                 raise convert.CheckpointError(
                     f"layer {name}: reloaded weight is {variant} N={n} K={k}, but the layer was loaded as "
                     f"{st.variant} N={st.n} K={st.k}; a reload must keep the format and shape")
-            for name, (backend, old) in list(st.backends.items()):
-                st.backends[name] = (backend, backend.prepare(qw, into=old))
-            for key, t in act_opts.items():
-                if t is not None and st.act_opts.get(key) is not None:
-                    st.act_opts[key].copy_(t)
+            st.reload(qw, act_opts)
         else:
-            device = current_device(qw.device)
-            backends = {}
-            for m in ops.LOAD_M:  # every M bucket's choice, so each call finds its prepared weight
-                try:
-                    chosen = _backend.choose(variant, m, n, k, device, dtype)
-                except ValueError as e:
-                    raise RuntimeError(f"b12x-dual: layer {name} ({variant}, M={m}, N={n}, K={k}): {e}") from e
-                if chosen.backend.name not in backends:
-                    placement.log_once(logging.INFO, "b12x-dual: %s %s N=%d K=%d -> %s (%s=%s) from M=%d: %s",
-                                       type(self).__name__, variant, n, k, chosen.impl, chosen.source,
-                                       chosen.requested, m, chosen.reason)
-                    backends[chosen.backend.name] = (chosen.backend, chosen.backend.prepare(qw))
-            st = ops.LayerState(variant, n, k, dtype, device, backends, act_opts, name)
+            st = ops.LayerState(qw, variant, name=name, device=current_device(qw.device), dtype=dtype,
+                                act_opts=act_opts)
+            for m, chosen in st.prepare_buckets():  # every M bucket's choice, so each call finds its weight
+                placement.log_once(logging.INFO, "b12x-dual: %s %s N=%d K=%d -> %s (%s=%s) from M=%d: %s",
+                                   type(self).__name__, variant, n, k, chosen.impl, chosen.source,
+                                   chosen.requested, m, chosen.reason)
             layer.b12x_dual_handle = ops.new_handle(st)
-        if _check.WATCHDOG is not None:  # B12X_CHECK on: the oracle needs the weight as loaded
-            st.qweight = qw if st.prepared is qw else _check_copy(qw)
+        # B12X_CHECK on: the oracle needs the weight as loaded (the layer's own tensors are freed below)
+        keep = None if _check.WATCHDOG is None else (qw if st.prepared is qw else _check_copy(qw))
+        st.seal(keep)
         layer.b12x_dual_n = n
         for pname in self.FREED:
             p = getattr(layer, pname, None)

@@ -3,76 +3,65 @@
 ``torch.ops.b12x_dual.linear(x, bias, handle, n)`` is opaque to torch.compile (Dynamo records one
 node; the fake implementation gives the output's shape and dtype), so a layer's forward traces
 with ``fullgraph=True``. ``handle`` (a Python int, constant in the graph) names a
-:class:`LayerState` in a process-wide table: the layer's variant, shape and device, the weight
-prepared for every backend its M buckets choose, and the activation options. Each call asks
-``registry.choose`` for its M bucket (a dict lookup after the bucket's first call) and applies
-that backend; nothing on this path allocates beyond the output and the backend's scratch, or
-synchronizes with the host.
+:class:`LayerState` in a process-wide table: the layer's ``dispatch.bound.BoundLinear``, bound at
+load to the layer's variant, shape, device and activation options, with the weight prepared for
+the backend of every M bucket, then sealed. Each call takes the bound object's trusted path
+(``run``: x and bias were checked at load, by vLLM's dtype and the layer's own bias): the registry's
+decision for its M bucket (a dict lookup after the bucket's first call) and that backend's run;
+nothing on this path allocates beyond the output and the backend's scratch, or synchronizes with
+the host.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from .. import check as _check
-from .. import registry
-from ..api import tokens
+from ..bound import BoundLinear
+from ..contract import M_BUCKETS, tokens
 from ..devices import DeviceInfo
 
 log = logging.getLogger("dispatch.vllm_plugin")
 
 OP = "b12x_dual::linear"
 
-
-# The M buckets a layer is prepared for at load: every bucket registry.m_bucket distinguishes up to
-# 2^20 tokens (exact up to 16, then powers of two), so any call finds its backend's weight.
-LOAD_M = tuple(range(1, 17)) + tuple(1 << i for i in range(5, 21))
+LOAD_M = M_BUCKETS
+"""The M buckets a layer is prepared for at load (dispatch.contract.M_BUCKETS, the old name)."""
 
 
-@dataclass
-class LayerState:
-    """What one vLLM layer runs: set by ``process_weights_after_loading``, read by the op.
+class LayerState(BoundLinear):
+    """What one vLLM layer runs: its BoundLinear, bound by ``process_weights_after_loading``
+    (``prepare_buckets``, then ``seal``), and ``warmed``, the token counts already run once
+    (warmup, and the CUDA-graph capture check).
 
-    variant: the registry variant ("nvfp4", "mxfp4_w4a16", ...); n, k: the shard's GEMM shape;
-    dtype: the activation dtype; device: the DeviceInfo the weight lives on; backends: {backend
-    name: (Backend, what its ``prepare`` returned)} for every backend ``registry.choose`` picks for
-    an M bucket of :data:`LOAD_M`; act_opts: activation options (static input scale or global
-    scale as 0-d float32 tensors); layer: the layer's name (for messages); warmed: token counts
-    already run once (warmup, and the CUDA-graph capture check).
+    Args: ``qweight`` (the layer's QuantizedTensor), ``variant`` (the registry variant, "nvfp4",
+    "mxfp4_w4a16", ...), ``name`` (the layer's, for messages), ``device`` (the DeviceInfo the
+    weight lives on), ``dtype`` (the activation dtype), ``act_opts`` (static input scale or global
+    scale as 0-d float32 tensors). Attributes of the BoundLinear: ``n``, ``k`` (the shard's GEMM
+    shape), ``backends`` {backend name: (Backend, prepared weight)}, ``qweight`` (kept for the
+    watchdog when B12X_CHECK is on at load, else None).
     """
 
-    variant: str
-    n: int
-    k: int
-    dtype: torch.dtype
-    device: DeviceInfo
-    backends: dict
-    act_opts: dict
-    layer: str
-    warmed: set = field(default_factory=set)
-    qweight: object = None
-    """The layer's weight as a QuantizedTensor, kept for the watchdog (B12X_CHECK on at load)."""
+    def __init__(self, qweight, variant: str, *, name: str, device: DeviceInfo, dtype: torch.dtype,
+                 act_opts: Optional[dict] = None):
+        super().__init__(qweight, variant, act_opts=act_opts, name=name, device=device, dtype=dtype)
+        self.warmed: set[int] = set()
+
+    @property
+    def layer(self) -> str:
+        return self.name
 
     def choose(self, m: int):
         """The registry's Choice for an m-token call of this layer (B12X_IMPL / use_impl() honoured)."""
-        return registry.choose(self.variant, m, self.n, self.k, self.device, dtype=self.dtype)
+        return self.choice(m)
 
     def backend_for(self, m: int) -> tuple[object, object]:
         """(Backend, prepared weight) for an m-token call. RuntimeError when the registry now picks
         a backend the layer was not prepared for (the request changed after load)."""
-        c = self.choose(m)
-        try:
-            return self.backends[c.backend.name]
-        except KeyError:
-            raise RuntimeError(
-                f"b12x-dual: layer {self.layer} ({self.variant}, N={self.n}, K={self.k}) was prepared for "
-                f"{sorted(self.backends)}, but a {m}-token call now chooses {c.backend.name} ({c.source}="
-                f"{c.requested}); B12X_IMPL / use_impl() must not change after the model is loaded") from None
+        return self._entry(self.choice(m), m)
 
     @property
     def chosen(self):
@@ -114,18 +103,13 @@ def _capturing(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, bias: Optional[torch.Tensor], handle: int, n: int) -> torch.Tensor:
     """y [..., n] = x [..., K] . W^T (+ bias) for the layer ``handle`` (x bf16/fp16; y x's dtype)."""
     st = _STATES[handle]
-    m = tokens(x)
-    if _capturing(x) and m not in st.warmed:
+    if _capturing(x) and tokens(x) not in st.warmed:
         # A first call may compile (CuTe DSL, Triton); that must not happen inside a CUDA graph.
         raise RuntimeError(
             f"b12x-dual: layer {st.layer} ({st.variant}, N={st.n}, K={st.k}) was not warmed up for "
-            f"{m} tokens before CUDA-graph capture; run dispatch.vllm_plugin.warmup.warmup_model "
+            f"{tokens(x)} tokens before CUDA-graph capture; run dispatch.vllm_plugin.warmup.warmup_model "
             "(vLLM's kernel warmup calls it on SM12x) with the capture sizes")
-    backend, prepared = st.backend_for(m)
-    y = backend.apply(x, prepared, bias, **st.act_opts)
-    if _check.WATCHDOG is not None and st.qweight is not None:  # B12X_CHECK on (dispatch.check)
-        _check.WATCHDOG.after_call(st.layer, backend, x, y, st.qweight, bias, st.act_opts)
-    return y
+    return st.run(x, bias)
 
 
 @linear.register_fake

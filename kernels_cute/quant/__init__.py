@@ -56,7 +56,7 @@ OPTIONS = {
 __all__ = ["FORMATS", "quantize_activation_cute", "compile_all"]
 
 
-def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
+def quantize_activation_cute(x: torch.Tensor, fmt: str, *, checked: bool = True, **opts) -> QuantizedTensor:
     """Quantize activations with our CuTe DSL kernels, bit for bit as
     ``formats.quantize(x, fmt, role="activation", ...)`` (and the Triton quantizers).
 
@@ -67,6 +67,8 @@ def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTens
             ``scale_rule`` ("ceil" | "floor"), ``swizzled``; nvfp4: ``global_scale`` (static number or
             one-element tensor; None = dynamic), ``swizzled``. ``swizzled=True`` writes the block
             scales in the 128x4 swizzled layout (scale_layout="swizzled_128x4").
+        checked: False skips the checks below of fmt, the options and x (a linear_unchecked
+            call, whose caller validated them); the kernels are the same.
     Returns:
         formats.QuantizedTensor(role="activation", shape=(M, K)), M = prod(x.shape[:-1]), tensors on
         x's device, with the dtypes and shapes of formats.quantize (swizzled scales flat).
@@ -74,16 +76,8 @@ def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTens
         ValueError: unknown fmt or option, x not a bf16/fp16 CUDA tensor, K not a positive multiple
             of the format's block, a bad static scale.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    unknown = sorted(set(opts) - set(OPTIONS[fmt]))
-    if unknown:
-        raise ValueError(f"{fmt} takes options {OPTIONS[fmt]}, got unknown {unknown}")
-    if fmt in ("mxfp8", "mxfp4") and opts.get("scale_rule", "ceil") not in mxfp4.SCALE_RULES:
-        raise ValueError(f"scale_rule must be one of {mxfp4.SCALE_RULES}, got {opts['scale_rule']!r}")
-    check_activation(x, None, fmt, k_multiple=K_MULTIPLE[fmt])
-    if x.device.type != "cuda":
-        raise ValueError(f"the CuTe DSL quantizers need a CUDA tensor, got x on {x.device}")
+    if checked:
+        _check_args(x, fmt, opts)
     K = x.shape[-1]
     x2 = x.reshape(-1, K)  # a view when the strides allow; the kernels take both strides
     M = x2.shape[0]
@@ -108,6 +102,20 @@ def quantize_activation_cute(x: torch.Tensor, fmt: str, **opts) -> QuantizedTens
     g_in = None if gs is None else static_global_scale(gs, x.device)
     data, s, g = nvfp4.quantize(x2, global_scale=g_in, swizzled=swizzled)
     return QuantizedTensor(fmt, "activation", data, s, g, (1, NVFP4_BLOCK), (M, K), layout)
+
+
+def _check_args(x: torch.Tensor, fmt: str, opts: dict) -> None:
+    """quantize_activation_cute's argument checks (ValueError naming the argument)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    unknown = sorted(set(opts) - set(OPTIONS[fmt]))
+    if unknown:
+        raise ValueError(f"{fmt} takes options {OPTIONS[fmt]}, got unknown {unknown}")
+    if fmt in ("mxfp8", "mxfp4") and opts.get("scale_rule", "ceil") not in mxfp4.SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {mxfp4.SCALE_RULES}, got {opts['scale_rule']!r}")
+    check_activation(x, None, fmt, k_multiple=K_MULTIPLE[fmt])
+    if x.device.type != "cuda":
+        raise ValueError(f"the CuTe DSL quantizers need a CUDA tensor, got x on {x.device}")
 
 
 def compile_all(arch: str, *, keep_ptx: bool = False) -> dict:

@@ -62,7 +62,7 @@ def _applicable_backends(qw):
     out = []
     for impl in ("reference", "triton", "cute"):
         b = registry.get(impl, "nvfp4")
-        if registry.check(b, problem, dev)[0]:
+        if registry.verdict(b, problem, dev)[0]:
             out.append((impl, b, b.prepare(qw)))
     return out
 

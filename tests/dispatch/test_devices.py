@@ -84,3 +84,25 @@ def test_resolve_accepts_keys_values_and_torch_devices():
     assert devices.resolve("cpu") == CPU
     with pytest.raises(ValueError, match="rtx_5090"):
         devices.resolve("not-a-device")
+
+
+# sm_90 is (9, 0) exactly: the H100 and H200 of the table, and any other part of that capability.
+SM90_EXPECTED = {"h100_sxm": True, "h200": True, "rtx_pro_6000": False, "rtx_5090": False, "rtx_5080": False,
+                 "gb10": False, "cpu": False}
+
+
+@pytest.mark.parametrize("key", list(KNOWN_DEVICES))
+def test_the_device_predicates_are_the_one_definition_the_registry_uses(key):
+    from dispatch import registry
+
+    d = KNOWN_DEVICES[key]
+    assert d.is_sm90 == SM90_EXPECTED[key]
+    assert registry.device_class(d) == ("sm_90" if d.is_sm90 else "sm_12x" if d.is_sm12x else "other")
+
+
+def test_a_described_part_of_capability_9_0_is_sm90_and_9_x_is_not():
+    h20 = DeviceInfo("NVIDIA H20", [9, 0], 78, 232_448, None, "cuda")  # a list, as a caller may pass one
+    assert h20.is_sm90 and not h20.is_sm12x
+    assert not DeviceInfo("a 9.1 part", (9, 1), 1, 0, None, "cuda").is_sm90
+    assert not DeviceInfo("cpu (9, 0)", (9, 0), 0, 0, None, "cpu").is_sm90
+    assert DeviceInfo("a 12.1 part", [12, 1], 1, 0, None, "cuda").is_sm12x

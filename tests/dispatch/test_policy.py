@@ -85,7 +85,7 @@ def _needs_hopper(variant="fp8_tensor"):
 
 
 def _reason_of(impl, variant, M, N, K, dev):
-    ok, why = registry.check(registry.entries()[(impl, variant)], registry.Problem(variant, M, N, K), dev)
+    ok, why = registry.verdict(registry.entries()[(impl, variant)], registry.Problem(variant, M, N, K), dev)
     assert ok
     return why
 
@@ -155,7 +155,7 @@ def test_auto_with_nothing_that_serves_lists_every_reason():
     with pytest.raises(registry.NoBackend) as e:
         choose("nvfp4", 4, 64, 100, KNOWN_DEVICES["h200"])
     msg = str(e.value)
-    hopper_why = registry.check(registry.entries()[("hopper", "nvfp4")], registry.Problem("nvfp4", 4, 64, 100),
+    hopper_why = registry.verdict(registry.entries()[("hopper", "nvfp4")], registry.Problem("nvfp4", 4, 64, 100),
                                 KNOWN_DEVICES["h200"])[1]
     lines = [f"hopper: {hopper_why}",
              "triton: triton: nvfp4 needs K to be a positive multiple of 16, got K=100",
@@ -401,3 +401,21 @@ def test_missing_the_hopper_path_on_sm90_warns(monkeypatch, caplog):
     assert c.impl == "triton" and "kernels_triton.hopper.mxfp8 is not in this installation" in c.reason
     records = [r for r in caplog.records if r.name == "dispatch.registry"]
     assert [r.levelno for r in records] == [logging.WARNING]
+
+
+# What explain's first line for an asked M says: its shape class label where it is one, and the
+# Ms that share its decision (exact up to 16, then (2^(b-1), 2^b]).
+ASKED = {1: ("decode M=1", "M bucket 1"), 8: ("M=8", "M bucket 8"), 16: ("decode M=16", "M bucket 16"),
+         17: ("M=17", "M bucket 17-32"), 4096: ("prefill M=4096", "M bucket 2049-4096"),
+         5000: ("M=5000", "M bucket 4097-8192")}
+
+
+@pytest.mark.parametrize("M", list(ASKED))
+def test_explain_shows_the_asked_m_first_then_each_other_class_once(M):
+    text = api.explain("mxfp8", M, 256, 256, device=CPU)
+    heads = [line for line in text.splitlines() if line.startswith("mxfp8 ")]
+    labels = [h.split(" N=")[0].removeprefix("mxfp8 ") for h in heads]
+    label, bucket = ASKED[M]
+    assert labels[0] == label and f"({bucket}, asked): auto -> " in heads[0], heads[0]
+    others = [c for c, m in (("decode M=1", 1), ("decode M=16", 16), ("prefill M=4096", 4096)) if m != M]
+    assert labels[1:] == others

@@ -46,7 +46,7 @@ def test_every_cell_is_a_backend_or_says_why_not(impl, variant):
         return
     assert isinstance(entry, Backend)
     assert (entry.impl, entry.variant, entry.name) == (impl, variant, f"{impl}:{variant}")
-    for verb in ("is_supported", "can_implement", "prepare", "apply", "route"):
+    for verb in ("is_supported", "can_implement", "prepare", "run", "route"):
         assert getattr(type(entry), verb) is not getattr(Backend, verb), f"{entry} does not implement {verb}"
     assert registry.get(impl, variant) is entry
     # every verdict comes with a reason, on every known device

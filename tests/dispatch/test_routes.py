@@ -60,7 +60,7 @@ def _runnable_here(variant: str) -> list[str]:
     out = []
     for impl in registry.priority(HERE):
         entry = registry.entries()[(impl, variant)]
-        if registry.check(entry, registry.Problem(variant, 16, 64, 256), HERE)[0]:
+        if registry.verdict(entry, registry.Problem(variant, 16, 64, 256), HERE)[0]:
             out.append(impl)
     return out
 

@@ -164,19 +164,17 @@ def test_no_compile_while_serving_after_warmup(variant, impl):
     n, k = 1024, 2048
     fmt = variant.removesuffix("_w4a16")
     dev = current_device(torch.device("cuda"))
-    ok, why = registry.check(registry.entries()[(impl, variant)], registry.Problem(variant, 1, n, k), dev)
+    ok, why = registry.verdict(registry.entries()[(impl, variant)], registry.Problem(variant, 1, n, k), dev)
     if not ok:
         pytest.skip(f"{impl} does not run {variant} on {device_name()}: {why}")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g) * 0.05
     qw = formats.quantize(w, fmt, role="weight").to("cuda")
     with policy.use_impl(impl):
-        backends = {}
-        for m in ops.LOAD_M:
-            c = registry.choose(variant, m, n, k, dev, dtype=torch.bfloat16)
-            backends.setdefault(c.backend.name, (c.backend, c.backend.prepare(qw)))
-        assert set(backends) == {f"{impl}:{variant}"}
-        st = ops.LayerState(variant, n, k, torch.bfloat16, dev, backends, {}, f"test.{variant}")
+        st = ops.LayerState(qw, variant, name=f"test.{variant}", device=dev, dtype=torch.bfloat16)
+        st.prepare_buckets()  # every M bucket, as the plugin's load does
+        st.seal()
+        assert set(st.backends) == {f"{impl}:{variant}"}
         _serve(st, n, k, g, variant)
 
 

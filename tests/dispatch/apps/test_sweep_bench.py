@@ -83,7 +83,7 @@ def test_sweep_small_subset_agrees_and_writes_json(tmp_path):
             assert EXPLICIT_SKIP.search(why), f"{name} skipped without naming the device or library: {why!r}"
             # the reason is the registry's own, for this cell on the device the tensors are on
             problem = registry.Problem(c["variant"], c["M"], c["N"], c["K"], H.DTYPES[c["out_dtype"]])
-            assert (False, why) == registry.check(registry.entries()[(name, c["variant"])], problem,
+            assert (False, why) == registry.verdict(registry.entries()[(name, c["variant"])], problem,
                                                   H.running_device(H.default_device()))
         pair = next(p for p in c["pairs"] if {p["a"], p["b"]} == {"triton", "reference"})
         for key in ("norm_rel", "max_rel", "mean_rel", "cosine", "tol_norm_rel", "ok"):
@@ -207,7 +207,7 @@ def test_bench_tiny_grid_writes_json_and_plot(tmp_path, capsys):
     for r in cute:
         if r.get("skipped"):  # the registry's reason for this configuration on this device (bf16)
             problem = registry.Problem(r["variant"], r["M"], r["N"], r["K"], torch.bfloat16)
-            assert (False, r["skipped"]) == registry.check(registry.entries()[("cute", r["variant"])], problem,
+            assert (False, r["skipped"]) == registry.verdict(registry.entries()[("cute", r["variant"])], problem,
                                                            H.running_device(H.default_device()))
     assert len(res["targets"]) == len(bench_record.TARGETS)
     if H._have("matplotlib"):
