@@ -148,7 +148,7 @@ def test_watchdog_names_the_activation_stage(watchdog):
     with faults.installed(faults.FlippedActivationScale, "nvfp4"):
         q(make_input((M, K)))
     rep = wd.diverged["model.layers.3.mlp.up_proj"]
-    assert rep["first"] == {"stage": "activation", "row": 2, "kblock": 1, "what": "scale"}
+    assert rep["first"] == {"stage": "activation", "row": 2, "kblock": 1, "what": "scale", "columns": [16, 31]}
     assert rep["activation"]["scale_blocks"] == [[2, 1]] and rep["activation"]["n_code_bytes"] == 0
 
 

@@ -78,9 +78,9 @@ def test_fault_in_one_layer_is_named(own_file, tmp_path, capsys, fault, fields, 
     assert {k: first[k] for k in ("layer", "impl", *want)} == {"layer": "b", "impl": "triton", **want}
     by = {r["layer"]: r for r in data["layers"]}
     assert by["a"]["ok"] and by["b"]["results"]["reference"]["ok"] and not by["b"]["results"]["triton"]["ok"]
-    assert "first bad block: layer b, triton:" in out
+    assert "first bad block: layer b (M=6), triton:" in out
     if fault is faults.FlippedWeightScale:  # the prepared weight's differing byte, located
-        assert first["weight"]["first"] == {"what": "scale", "row": 130, "kblock": 2}
+        assert first["weight"]["first"] == {"what": "scale", "row": 130, "kblock": 2, "columns": [32, 47]}
         assert "prepared weight differs from the layer's at weight row 130, K-block 2" in out
 
 
@@ -88,11 +88,12 @@ def test_inputs_roundtrip_and_layer_globs(own_file, tmp_path, capsys):
     saved = tmp_path / "inputs.safetensors"
     rc, _, _ = _run(capsys, own_file, "--layers", "b", "--tokens", "3", "--save-inputs", saved)
     assert rc == 0
-    rc, out, _ = _run(capsys, own_file, "--layers", "?", "--inputs", saved, "--json", tmp_path / "d.json")
+    rc, out, _ = _run(capsys, own_file, "--layers", "?", "--inputs", saved, "--tokens", "2", "--json",
+                      tmp_path / "d.json")
     data = json.loads((tmp_path / "d.json").read_text())
     assert rc == 0 and [r["layer"] for r in data["layers"]] == ["a", "b"]
     assert data["layers"][1]["input"].startswith("--inputs") and data["layers"][1]["M"] == 3
-    assert "not in --inputs" in data["layers"][0]["input"]
+    assert "not in --inputs" in data["layers"][0]["input"] and data["layers"][0]["M"] == 2
 
 
 @pytest.mark.parametrize("argv,msg", [
