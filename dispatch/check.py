@@ -122,8 +122,9 @@ def quant_diff(q: QuantizedTensor, ref: QuantizedTensor, *, limit: int = 16) -> 
         {"equal": bool, "codes_rows": rows whose codes differ (first ``limit``), "codes_blocks":
         [[row, kblock], ...] (first ``limit``), "scale_blocks": [[scale row, kblock], ...] (first
         ``limit``), "global_scale": True when it differs, "n_code_bytes", "n_scale_bytes", "first":
-        {"what": "codes"|"scale"|"global_scale", "row", "kblock", "columns": [first, last]} or
-        None}. K-blocks are the format's scale blocks (16 columns for nvfp4, 32 for MX, 128 for
+        {"what": "codes"|"scale"|"tensor_scale"|"global_scale", "row", "kblock", "columns": [first,
+        last]} or None} ("tensor_scale": fp8_tensor's one scale; "global_scale": nvfp4's; for both
+        row and K-block are 0 and stand for the whole tensor). K-blocks are the format's scale blocks (16 columns for nvfp4, 32 for MX, 128 for
         fp8_block and for fp8_tensor's per-tensor scale); "columns" are the first block's columns of K.
     Raises:
         ValueError: q and ref are of different formats, shapes or tensor layouts.
@@ -151,7 +152,7 @@ def quant_diff(q: QuantizedTensor, ref: QuantizedTensor, *, limit: int = 16) -> 
     if qs.dim() == 0 or q.block_shape is None:
         if not torch.equal(_bytes(qs.reshape(1)), _bytes(rs.reshape(1))):
             out["global_scale"] = True
-            firsts.append((0, 0, "scale"))
+            firsts.append((0, 0, "tensor_scale"))
     else:
         s = (_bytes(qs) != _bytes(rs))
         if bool(s.any()):
@@ -216,7 +217,8 @@ def bias_threshold(n: int, alpha: float = BIAS_ALPHA) -> float:
 def bias_stats(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, *, alpha: float = BIAS_ALPHA) -> dict[str, Any]:
     """Whether a stage's errors lean one way, in units of the bound.
 
-    With e_i = (y_i - ref_i) / bound_i over the n elements where y and ref are both finite:
+    With e_i = (y_i - ref_i) / bound_i over the n elements where y and ref are both finite and
+    |e_i| <= 1 (an element beyond the bound is a bad block, reported as such):
 
         signed     = (1/n) sum_i e_i              a directed rounding (toward +inf or -inf), an offset
         magnitude  = (1/n) sum_i sign(ref_i) e_i  toward zero (< 0: truncation, a scale or alpha
@@ -225,8 +227,8 @@ def bias_stats(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, *, alpha
     Each is flagged when its absolute value reaches t = sqrt(2 ln(2 / alpha) / n).
 
     Derivation of t. If the implementation rounds without bias (round-to-nearest-even, a correct
-    summation), each e_i has mean 0, and the bound gives |e_i| <= 1 (an element beyond it is a bad
-    block already, reported as such); sign(ref_i) e_i is bounded by 1 the same way. Taking the e_i
+    summation), each e_i has mean 0 and |e_i| <= 1 (the bound holds for it; the elements beyond it
+    are left out above); sign(ref_i) e_i is bounded by 1 the same way. Taking the e_i
     as independent (rounding errors of different outputs are uncorrelated for an unbiased
     rounding), Hoeffding's inequality for n variables in [-1, 1] gives
     P(|mean| >= t) <= 2 exp(-n t^2 / 2); setting the right side to alpha and solving for t gives
@@ -245,8 +247,10 @@ def bias_stats(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, *, alpha
     y2 = y.detach().reshape(M, N).double().cpu()
     r2 = ref.detach().reshape(M, N).double().cpu()
     ok = torch.isfinite(y2) & torch.isfinite(r2)
-    n = int(ok.sum())
     e = torch.where(ok, (y2 - r2) / bound, torch.zeros_like(bound))
+    ok &= e.abs() <= 1
+    e = torch.where(ok, e, torch.zeros_like(e))
+    n = int(ok.sum())
     signed = float(e.sum()) / n if n else 0.0
     magnitude = float((torch.sign(r2).where(ok, torch.zeros_like(r2)) * e).sum()) / n if n else 0.0
     t = bias_threshold(n, alpha)
@@ -416,6 +420,9 @@ def describe_first(first: Optional[dict[str, Any]]) -> str:
         return "none"
     if "bias" in first:
         return describe_bias(first["stage"], first["bias"])
+    if first["stage"] == "activation" and first["what"] in ("global_scale", "tensor_scale"):
+        what = "global scale" if first["what"] == "global_scale" else "per-tensor scale"
+        return f"activation quantization departs first: its {what} (one for the whole tensor)"
     if first["stage"] == "activation":
         cols = first.get("columns")
         cols = f" (columns {cols[0]}-{cols[1]})" if cols else ""

@@ -151,6 +151,12 @@ def rebuild_x(rp: Replay, device) -> tuple[torch.Tensor, str]:
     return x, how
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy in memory of its own (safetensors refuses two names for one memory, as
+    when a static activation scale is also the quantized activation's global scale)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
 def _qt_meta(q: QuantizedTensor) -> dict:
     return {"fmt": q.fmt, "role": q.role, "shape": list(q.shape),
             "block_shape": None if q.block_shape is None else list(q.block_shape), "scale_layout": q.scale_layout}
@@ -178,22 +184,22 @@ def write(directory, *, layer: str, impl: str, variant: str, x: torch.Tensor, qw
     if xq is not None:
         check_quantized_activation(xq, qweight.fmt, qweight.k, name="xq")
     x_layout, storage = layout_of(x)
-    tensors = {"x": x.detach().reshape(-1, x.shape[-1]).contiguous().cpu()}
+    tensors = {"x": _own(x.reshape(-1, x.shape[-1]))}
     if storage is not None:
         tensors["x.storage"] = storage
     if xq is not None:
         for k, t in xq.tensors().items():
-            tensors[f"xq.{k}"] = t.detach().contiguous().cpu()
+            tensors[f"xq.{k}"] = _own(t)
     if y is not None:
-        tensors["y"] = y.detach().contiguous().cpu()
+        tensors["y"] = _own(y)
     for k, t in qweight.tensors().items():
-        tensors[f"weight.{k}"] = t.detach().contiguous().cpu()
+        tensors[f"weight.{k}"] = _own(t)
     if bias is not None:
-        tensors["bias"] = bias.detach().contiguous().cpu()
+        tensors["bias"] = _own(bias)
     options = {}
     for k, v in (act_opts or {}).items():
         if isinstance(v, torch.Tensor):
-            tensors[f"opt.{k}"] = v.detach().reshape(()).contiguous().cpu() if v.numel() == 1 else v.detach().cpu()
+            tensors[f"opt.{k}"] = _own(v.reshape(()) if v.numel() == 1 else v)
         else:
             options[k] = v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
     meta = {

@@ -532,6 +532,8 @@ def describe_finding(f: dict) -> str:
             return f"value {p['value']!r}"
         if "index" in p:
             return f"index {tuple(p['index'])}"
+        if "column" in p and "kblock" not in p:  # an output position
+            return f"output row {p['row']}, column {p['column']}" + (f" (M={p['M']})" if "M" in p else "")
         if "column" in p:
             return f"row {p['row']}, column {p['column']} (K-block {p['kblock']})"
         rows = f"rows {p['rows'][0]}-{p['rows'][1]}" if "rows" in p else f"row {p['row']}"

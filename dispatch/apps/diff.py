@@ -51,13 +51,14 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 import formats
 from dispatch import check, registry
 from dispatch.api import library_versions
+from dispatch.devices import DeviceInfo
 from formats.validate import UNSOUND, describe_finding, scan_scalar, scan_values
 
 from . import _harness as H
@@ -78,11 +79,16 @@ MAX_AUTO_M = 4096
 # ---------------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------------
-def backends_here(variant: str, M: int, N: int, K: int, dtype: torch.dtype, device: str,
+def _device_info(device: Union[str, DeviceInfo]) -> DeviceInfo:
+    return device if isinstance(device, DeviceInfo) else H.running_device(device)
+
+
+def backends_here(variant: str, M: int, N: int, K: int, dtype: torch.dtype, device: Union[str, DeviceInfo],
                   impls: Optional[list[str]] = None) -> tuple[dict, dict]:
-    """({impl: Backend} that can run this call on ``device``, {impl: why not}) over registry.IMPLS
+    """({impl: Backend} that can run this call on ``device`` (a torch device name, or a DeviceInfo
+    such as dispatch.devices.KNOWN_DEVICES["h200"]), {impl: why not}) over registry.IMPLS
     (``impls``: a subset), in registry order."""
-    dev = H.running_device(device)
+    dev = _device_info(device)
     run, skipped = {}, {}
     for impl in registry.IMPLS:
         if impls is not None and impl not in impls:
@@ -104,11 +110,12 @@ def _route(backend, M: int, N: int, K: int, dtype, dev, opts: dict):
 
 
 def route_key(route) -> tuple:
-    """What distinguishes two routes: the kernels launched, the tile, split-K and the compile
-    options the route reports (kernels_triton.Route); the text of a route that cannot be computed."""
+    """What distinguishes two routes: the kernels launched, the tile and split-K (kernels_triton.Route;
+    not the compile-time int classes in ``options``, which alternate with M's divisibility); the
+    text of a route that cannot be computed."""
     if isinstance(route, str):
         return (route,)
-    return (route.kernels, route.tile, route.split_k, route.options)
+    return (route.kernels, route.tile, route.split_k)
 
 
 def route_short(route) -> str:
@@ -122,18 +129,20 @@ def route_short(route) -> str:
     return " -> ".join(route.kernels) + tile + split
 
 
-def auto_tokens(variant: str, N: int, K: int, dtype: torch.dtype, device: str, impls: Optional[list[str]] = None,
-                act_opts: Optional[dict] = None) -> list[int]:
+def auto_tokens(variant: str, N: int, K: int, dtype: torch.dtype, device: Union[str, DeviceInfo],
+                impls: Optional[list[str]] = None, act_opts: Optional[dict] = None) -> list[int]:
     """The token counts a default diff of a (variant, N, K) layer runs: {DECODE_M, ABOVE_16_M,
     PREFILL_M} and every M in 1..MAX_AUTO_M at which the route (:func:`route_key`) of an
-    implementation that runs here changes, ascending. Pure: Backend.route on this device."""
+    implementation that runs on ``device`` (a torch device name or a DeviceInfo) changes, ascending.
+    Pure: Backend.route, so a described device gives the answer the real one would. ``act_opts``:
+    the layer's activation options (a static scale drops the amax kernel from a route)."""
     opts = tuple(sorted(k for k, v in (act_opts or {}).items() if v is not None))
     return list(_auto_tokens(variant, N, K, dtype, device, None if impls is None else tuple(impls), opts))
 
 
 @functools.lru_cache(maxsize=256)
 def _auto_tokens(variant, N, K, dtype, device, impls, opts) -> tuple[int, ...]:
-    dev = H.running_device(device)
+    dev = _device_info(device)
     run, _ = backends_here(variant, DECODE_M, N, K, dtype, device, None if impls is None else list(impls))
     # a static scale's value does not change a route; its presence does (no amax kernel)
     static = {k: 1.0 for k in opts}
@@ -342,7 +351,6 @@ def run_replay(path: str, *, impls: Optional[list[str]] = None, device: Optional
     device = device or H.default_device()
     layer = DM.Layer(rp.layer, rp.variant, rp.qweight, rp.bias, rp.act_opts)
     x, how = replay.rebuild_x(rp, device)
-    xs = {rp.layer: [(x, f"replay {Path(path).name}")]}
     ckpt = checkpoint_stage([layer], {rp.layer: [(rp.x, "")]}, {}, device)
     r = diff_layer(layer, x, device, impls, f"replay {Path(path).name}")
     r["checkpoint"] = ckpt["layers"].get(rp.layer, [])
@@ -361,7 +369,6 @@ def run_replay(path: str, *, impls: Optional[list[str]] = None, device: Optional
             "layout": how, "layout_rebuilt": not how.startswith("input layout differs"),
             "reproduces": None if res is None else (not res["ok"]),
             "why_not_here": r["skipped"].get(rp.impl, "" if res is not None else f"{rp.impl} is not known here")}
-    del xs
     out = _result(path, "replay file", [r], {}, ckpt)
     out["replay"] = info
     return out
@@ -425,7 +432,8 @@ def _weight_note(w) -> str:
 
 
 def first_weight_what(what: str) -> str:
-    return {"codes": "a code", "scale": "a block scale", "global_scale": "the global scale"}.get(what, what)
+    return {"codes": "a code", "scale": "a block scale", "global_scale": "the global scale",
+            "tensor_scale": "the per-tensor scale"}.get(what, what)
 
 
 def checkpoint_line(ckpt: dict) -> str:

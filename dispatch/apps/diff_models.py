@@ -125,13 +125,14 @@ def module_order(folder: Path) -> Optional[dict[str, int]]:
     return {canonical(n): i for i, (n, _m) in enumerate(net.named_modules())}
 
 
-def forward_order(layers: list[Layer], order: Optional[dict[str, int]]) -> tuple[list[Layer], str]:
+def forward_order(layers: list[Layer], order: Optional[dict[str, int]],
+                  source: str = "transformers, built on the meta device") -> tuple[list[Layer], str]:
     """``layers`` sorted in the model's forward order, and how it was found: the model's module order
     (``order``, from :func:`module_order`) where it names the layer, else the numeric layer index
     (layers.2 before layers.10) then the usual order of module roles within a layer (attention
     before MLP; q, k, v, o; gate, up, down: :data:`ROLE_ORDER`)."""
     if order and any(canonical(lay.name) in order for lay in layers):
-        how = "the model's module order (transformers, built on the meta device)"
+        how = f"the model's module order ({source})"
         key = lambda lay: (0, order[canonical(lay.name)], ()) if canonical(lay.name) in order else (1, 0, _role_key(lay.name))  # noqa: E731
     else:
         how = "layer index, then module role (no model definition here)"
@@ -302,7 +303,8 @@ def load_transformers(folder: Path, fmt: str, patterns: Optional[list[str]] = No
     layers = [Layer(name, m.variant, m.qweight, None if m.bias is None else m.bias.detach().to(torch.bfloat16),
                     dict(m.act_opts))
               for name, m in qmodel.named_modules() if isinstance(m, QuantLinear)]
-    layers, how = forward_order(layers, {canonical(n): i for i, (n, _m) in enumerate(model.named_modules())})
+    layers, how = forward_order(layers, {canonical(n): i for i, (n, _m) in enumerate(model.named_modules())},
+                                "the transformers model built here")
     return Model(str(folder), f"transformers model quantized to {fmt}", layers,
                  {k: v for k, v in getattr(qmodel, "b12x_skipped", {}).items() if k in wanted}, float_model=model,
                  order=how)
