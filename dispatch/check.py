@@ -20,9 +20,11 @@ What is compared, per call (M rows, N columns, K):
 
 Errors are |y - ref| per element divided by the bound of :mod:`formats.bounds` (the one the kernel
 tests assert), then maxed over (row, 128-column tile) blocks: a block is bad when that ratio is
-above 1, or y is non-finite where the oracle is finite (NaN never passes). The first bad block is
-the first in row-major order; the activation departs "first" when its bytes differ, because the
-GEMM consumes it.
+above 1, or y is non-finite where the oracle is finite, or finite where it is not (NaN never
+passes). The first bad block is the first in row-major order; the activation departs "first" when
+its bytes differ, because the GEMM consumes it. A stage whose errors lean one way (their mean in
+units of the bound, :func:`bias_stats`, over a threshold derived there) departs too, after any bad
+block.
 
 The watchdog: ``B12X_CHECK`` unset, empty or "0" is off: :data:`WATCHDOG` is None and the hooks
 test only that (no call into this module, no host sync, nothing added to a CUDA graph). On, it is
@@ -30,8 +32,10 @@ a sampling rate: a probability ``0.01`` (seeded per process with ``B12X_CHECK_SE
 ``every:100`` (the first call of each layer and every 100th after), or ``1`` (every call). A
 sampled call quantizes x again with the implementation (where it has a separate quantizer),
 recomputes the call with the oracle and compares. A layer's first divergence logs one WARNING
-(layer, implementation, route, first bad block) and writes a replay file (dispatch.replay) to
-``B12X_CHECK_DIR`` (default: the current directory); that layer is not checked again. A check
+(:func:`warning_text`: a first line with the layer, implementation, M and first departure; then the
+route, the bound, the replay file) and writes a replay file (dispatch.replay: the call's x with its
+layout, the implementation's quantized activation, y, the weight as loaded) to ``B12X_CHECK_DIR``
+(default: the current directory); that layer is not checked again. A check
 that itself fails (an exception in the quantizer or the oracle, a replay file that cannot be
 written) is logged once (ERROR) and never raised into the call. During
 CUDA-graph capture nothing can be recomputed: captured calls are not checked (logged once, INFO);

@@ -106,6 +106,7 @@ def test_inputs_roundtrip_and_layer_globs(own_file, tmp_path, capsys):
     (["{own}", "--plot", "{own}"], "invalid folder"),
     (["{tmp}"], "has no config.json"),
     (["{own}", "--text", "hello"], "--text needs a model to run"),
+    (["{own}", "--tokens", "0,17"], "invalid int list '0,17' (expected comma-separated positive integers)"),
 ])
 def test_bad_arguments_exit_2_named(own_file, tmp_path, capsys, argv, msg):
     argv = [a.format(own=own_file, tmp=tmp_path) for a in argv]
