@@ -395,7 +395,7 @@ def test_a_version_1_file_is_read_and_replayed(capsys):
     assert rp.meta["report"]["first"]["stage"] == "gemm" and rp.meta["report"]["first"]["tile"] == 0
     x, how = replay.rebuild_x(rp, "cpu")
     assert x.is_contiguous() and how.startswith("input layout differs: the file (version 1)")
-    res = diff.run_replay(str(V1_FILE), device="cpu")
+    res = diff.run_replay(str(V1_FILE), device=DEVICE)
     info = res["replay"]
     assert info["version"] == 1 and not info["layout_rebuilt"] and not info["stage_rechecked"]
     assert info["recorded_output"]["first"]["stage"] == "gemm" and info["recorded_output"]["first"]["tile"] == 0
@@ -405,7 +405,7 @@ def test_a_version_1_file_is_read_and_replayed(capsys):
     assert "input layout differs" in out and "recorded by the watchdog: gemm departs first: row 0" in out
     assert "the file holds no quantized activation of the implementation (version 1)" in out
     with faults.installed(faults.FlippedWeightScale, "nvfp4", n=5, kb=1):
-        assert diff.run_replay(str(V1_FILE), device="cpu")["replay"]["reproduces"] is True
+        assert diff.run_replay(str(V1_FILE), device=DEVICE)["replay"]["reproduces"] is True
 
 
 # ---------------------------------------------------------------------------------------------
