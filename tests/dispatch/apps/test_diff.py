@@ -394,8 +394,23 @@ def llama_folders(tmp_path_factory):
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linears if not n.startswith(("model.layers.2.", "model.layers.10."))]
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    checkpoints.quantize_ct(model, ids, "NVFP4", root / "ct", ignore=ignore, prefix="model.layers")
+    # in bf16, as transformers' compressed-tensors support decompresses the quantized linears (--text)
+    checkpoints.quantize_ct(model.to(torch.bfloat16), ids, "NVFP4", root / "ct", ignore=ignore,
+                            prefix="model.layers")
+    for folder in (root / "tf", root / "ct"):
+        _word_tokenizer(folder)
     return root / "tf", root / "ct"
+
+
+def _word_tokenizer(out: Path) -> None:
+    """A word-level tokenizer of the tiny Llama's 128 ids: <unk> and words w0 ... w126."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(out)
 
 
 ROLES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -435,3 +450,16 @@ def DM_canonical(name: str) -> str:
     from dispatch.apps import diff_models as DM
 
     return DM.canonical(name)
+
+
+def test_text_captures_a_checkpoint_layer_under_the_models_own_name(llama_folders, tmp_path, capsys, monkeypatch):
+    """--text on the causal LM's checkpoint: transformers builds LlamaModel, whose linears are named
+    layers.2...; the checkpoint's model.layers.2... still gets its real input (5 words, 5 rows)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tf, ct = llama_folders
+    rc, out, _ = _run(capsys, ct, "--layers", "layers.2.mlp.*", "--text", "w1 w2 w3 w4 w5", "--impls", "reference",
+                      "--json", tmp_path / "d.json")
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert rc == diff.EXIT_OK, out
+    assert [(r["layer"], r["input"], r["M"]) for r in data["layers"]] == [
+        (f"model.layers.2.mlp.{m}", "--text", 5) for m in ("gate_proj", "up_proj", "down_proj")]
