@@ -329,9 +329,11 @@ def test_checkpoint_nan_weight_code_is_unsound_not_ok(ckpts, tmp_path, capsys):
     and the text, the JSON and the final line say the two things apart. With a kernel fault on top,
     exit 4."""
     d = _tampered(ckpts("ct_mxfp8"), tmp_path / "bad", "encoder.layer.0.output.dense.weight", (9, 300), 0xFF)
-    rc, out, _ = _run(capsys, d, "--tokens", "3", "--json", tmp_path / "d.json")
+    rc, out, _ = _run(capsys, d, "--layers", "*.output.dense", "--tokens", "3", "--json", tmp_path / "d.json")
     data = json.loads((tmp_path / "d.json").read_text())
     assert rc == diff.EXIT_CHECKPOINT and data["exit"] == 3
+    assert [r["layer"] for r in data["layers"]] == ["encoder.layer.0.attention.output.dense",
+                                                    "encoder.layer.0.output.dense"]
     assert data["agree"] is True and data["checkpoint"]["sound"] is False and data["ok"] is False
     code, oracle = data["checkpoint"]["findings"]
     assert (code["layer"], code["tensor"], code["kind"], code["count"]) == (
@@ -345,7 +347,8 @@ def test_checkpoint_nan_weight_code_is_unsound_not_ok(ckpts, tmp_path, capsys):
            "weight.data: 1 NaN weight code(s)" in last and "at row 9, column 300 (K-block 9)" in last
     assert last.endswith("(exit 3)")
     with faults.installed(faults.ScaledRow, "mxfp8", m=1, only_n=1536):
-        rc, out, _ = _run(capsys, d, "--tokens", "3", "--impls", "triton")
+        rc, out, _ = _run(capsys, d, "--layers", "*.intermediate.dense,encoder.layer.0.output.dense", "--tokens", "3",
+                          "--impls", "triton")
     assert rc == diff.EXIT_BOTH and "an implementation departs from the oracle (layer encoder.layer.0." \
                                       "intermediate.dense (M=3), triton: gemm departs first: row 1" in out
 
