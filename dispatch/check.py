@@ -128,8 +128,9 @@ def quant_diff(q: QuantizedTensor, ref: QuantizedTensor, *, limit: int = 16) -> 
         ``limit``), "global_scale": True when it differs, "n_code_bytes", "n_scale_bytes", "first":
         {"what": "codes"|"scale"|"tensor_scale"|"global_scale", "row", "kblock", "columns": [first,
         last]} or None} ("tensor_scale": fp8_tensor's one scale; "global_scale": nvfp4's; for both
-        row and K-block are 0 and stand for the whole tensor). K-blocks are the format's scale blocks (16 columns for nvfp4, 32 for MX, 128 for
-        fp8_block and for fp8_tensor's per-tensor scale); "columns" are the first block's columns of K.
+        row and K-block are 0 and stand for the whole tensor). K-blocks are the format's scale
+        blocks (16 columns for nvfp4, 32 for MX, 128 for fp8_block and for fp8_tensor's per-tensor
+        scale); "columns" are the first block's columns of K.
     Raises:
         ValueError: q and ref are of different formats, shapes or tensor layouts.
     """

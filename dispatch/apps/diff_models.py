@@ -131,12 +131,14 @@ def forward_order(layers: list[Layer], order: Optional[dict[str, int]],
     (``order``, from :func:`module_order`) where it names the layer, else the numeric layer index
     (layers.2 before layers.10) then the usual order of module roles within a layer (attention
     before MLP; q, k, v, o; gate, up, down: :data:`ROLE_ORDER`)."""
-    if order and any(canonical(lay.name) in order for lay in layers):
-        how = f"the model's module order ({source})"
-        key = lambda lay: (0, order[canonical(lay.name)], ()) if canonical(lay.name) in order else (1, 0, _role_key(lay.name))  # noqa: E731
-    else:
-        how = "layer index, then module role (no model definition here)"
-        key = lambda lay: (1, 0, _role_key(lay.name))  # noqa: E731
+    known = order if order and any(canonical(lay.name) in order for lay in layers) else {}
+    how = (f"the model's module order ({source})" if known
+           else "layer index, then module role (no model definition here)")
+
+    def key(lay: Layer) -> tuple:
+        c = canonical(lay.name)
+        return (0, known[c], ()) if c in known else (1, 0, _role_key(lay.name))
+
     return sorted(layers, key=key), how
 
 

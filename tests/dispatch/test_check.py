@@ -359,7 +359,8 @@ def test_replay_round_trip_field_by_field(tmp_path, variant, opts):
                         bias=bias, act_opts=opts, y=y, route="triton: _quantize_kernel -> _gemm_kernel", report=report,
                         xq=xq)
     rp = replay.read(path)
-    assert (rp.layer, rp.impl, rp.variant, rp.version) == ("model.layers.0.mlp.up_proj", "triton", variant, replay.VERSION)
+    assert (rp.layer, rp.impl, rp.variant, rp.version) == ("model.layers.0.mlp.up_proj", "triton", variant,
+                                                           replay.VERSION)
     assert _same(rp.x, x.contiguous()) and _same(rp.y, y) and _same(rp.bias, bias)
     for name in ("data", "scale", "global_scale"):
         a, b = getattr(rp.qweight, name), getattr(q, name)
