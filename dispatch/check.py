@@ -20,9 +20,11 @@ What is compared, per call (M rows, N columns, K):
 
 Errors are |y - ref| per element divided by the bound of :mod:`formats.bounds` (the one the kernel
 tests assert), then maxed over (row, 128-column tile) blocks: a block is bad when that ratio is
-above 1, or y is non-finite where the oracle is finite (NaN never passes). The first bad block is
-the first in row-major order; the activation departs "first" when its bytes differ, because the
-GEMM consumes it.
+above 1, or y is non-finite where the oracle is finite, or finite where it is not (NaN never
+passes). The first bad block is the first in row-major order; the activation departs "first" when
+its bytes differ, because the GEMM consumes it. A stage whose errors lean one way (their mean in
+units of the bound, :func:`bias_stats`, over a threshold derived there) departs too, after any bad
+block.
 
 The watchdog: ``B12X_CHECK`` unset, empty or "0" is off: :data:`WATCHDOG` is None and the hooks
 test only that (no call into this module, no host sync, nothing added to a CUDA graph). On, it is
@@ -30,8 +32,10 @@ a sampling rate: a probability ``0.01`` (seeded per process with ``B12X_CHECK_SE
 ``every:100`` (the first call of each layer and every 100th after), or ``1`` (every call). A
 sampled call quantizes x again with the implementation (where it has a separate quantizer),
 recomputes the call with the oracle and compares. A layer's first divergence logs one WARNING
-(layer, implementation, route, first bad block) and writes a replay file (dispatch.replay) to
-``B12X_CHECK_DIR`` (default: the current directory); that layer is not checked again. A check
+(:func:`warning_text`: a first line with the layer, implementation, M and first departure; then the
+route, the bound, the replay file) and writes a replay file (dispatch.replay: the call's x with its
+layout, the implementation's quantized activation, y, the weight as loaded) to ``B12X_CHECK_DIR``
+(default: the current directory); that layer is not checked again. A check
 that itself fails (an exception in the quantizer or the oracle, a replay file that cannot be
 written) is logged once (ERROR) and never raised into the call. During
 CUDA-graph capture nothing can be recomputed: captured calls are not checked (logged once, INFO);
@@ -124,8 +128,11 @@ def quant_diff(q: QuantizedTensor, ref: QuantizedTensor, *, limit: int = 16) -> 
         {"equal": bool, "codes_rows": rows whose codes differ (first ``limit``), "codes_blocks":
         [[row, kblock], ...] (first ``limit``), "scale_blocks": [[scale row, kblock], ...] (first
         ``limit``), "global_scale": True when it differs, "n_code_bytes", "n_scale_bytes", "first":
-        {"what": "codes"|"scale"|"global_scale", "row", "kblock"} or None}. K-blocks are the
-        format's scale blocks (128 columns for fp8_tensor's per-tensor scale).
+        {"what": "codes"|"scale"|"tensor_scale"|"global_scale", "row", "kblock", "columns": [first,
+        last]} or None} ("tensor_scale": fp8_tensor's one scale; "global_scale": nvfp4's; for both
+        row and K-block are 0 and stand for the whole tensor). K-blocks are the format's scale
+        blocks (16 columns for nvfp4, 32 for MX, 128 for fp8_block and for fp8_tensor's per-tensor
+        scale); "columns" are the first block's columns of K.
     Raises:
         ValueError: q and ref are of different formats, shapes or tensor layouts.
     """
@@ -152,7 +159,7 @@ def quant_diff(q: QuantizedTensor, ref: QuantizedTensor, *, limit: int = 16) -> 
     if qs.dim() == 0 or q.block_shape is None:
         if not torch.equal(_bytes(qs.reshape(1)), _bytes(rs.reshape(1))):
             out["global_scale"] = True
-            firsts.append((0, 0, "scale"))
+            firsts.append((0, 0, "tensor_scale"))
     else:
         s = (_bytes(qs) != _bytes(rs))
         if bool(s.any()):
@@ -170,7 +177,7 @@ def quant_diff(q: QuantizedTensor, ref: QuantizedTensor, *, limit: int = 16) -> 
     if firsts:
         r, b, what = min(firsts)
         out["equal"] = False
-        out["first"] = {"what": what, "row": r, "kblock": b}
+        out["first"] = {"what": what, "row": r, "kblock": b, "columns": [b * bk, min(b * bk + bk, q.k) - 1]}
     return out
 
 
@@ -205,27 +212,90 @@ def grid_summary(grid: torch.Tensor) -> dict[str, Any]:
     return {"worst": worst, "n_bad": int(bad.sum()), "first": first}
 
 
+BIAS_ALPHA = 1e-6
+"""The false-alarm probability of each bias statistic of one stage (see :func:`bias_stats`)."""
+
+
+def bias_threshold(n: int, alpha: float = BIAS_ALPHA) -> float:
+    """sqrt(2 ln(2 / alpha) / n): the Hoeffding threshold of :func:`bias_stats` (inf for n = 0)."""
+    return math.sqrt(2.0 * math.log(2.0 / alpha) / n) if n > 0 else math.inf
+
+
+def bias_stats(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, *, alpha: float = BIAS_ALPHA) -> dict[str, Any]:
+    """Whether a stage's errors lean one way, in units of the bound.
+
+    With e_i = (y_i - ref_i) / bound_i over the n elements where y and ref are both finite and
+    |e_i| <= 1 (an element beyond the bound is a bad block, reported as such):
+
+        signed     = (1/n) sum_i e_i              a directed rounding (toward +inf or -inf), an offset
+        magnitude  = (1/n) sum_i sign(ref_i) e_i  toward zero (< 0: truncation, a scale or alpha
+                                                  rounded down) or away from it (> 0)
+
+    Each is flagged when its absolute value reaches t = sqrt(2 ln(2 / alpha) / n).
+
+    Derivation of t. If the implementation rounds without bias (round-to-nearest-even, a correct
+    summation), each e_i has mean 0 and |e_i| <= 1 (the bound holds for it; the elements beyond it
+    are left out above); sign(ref_i) e_i is bounded by 1 the same way. Taking the e_i
+    as independent (rounding errors of different outputs are uncorrelated for an unbiased
+    rounding), Hoeffding's inequality for n variables in [-1, 1] gives
+    P(|mean| >= t) <= 2 exp(-n t^2 / 2); setting the right side to alpha and solving for t gives
+    the threshold above. So an unbiased implementation is flagged with probability at most alpha
+    (:data:`BIAS_ALPHA` = 1e-6) per statistic and stage, whatever its error distribution within
+    the bound; the test is conservative, as real errors are far smaller than the bound. A bf16
+    epilogue that truncates instead of rounding errs by U(0, 1) ulp toward zero, 1/4 to 1/2 of the
+    bound per element (the bound's 2^-7 |ref| output term is 1 to 2 ulp), so its magnitude mean
+    is about -0.35, over t from n = 240 elements on (t = 0.35; n = 1024: t = 0.17).
+
+    Args: y, ref [M, N] (any float dtype, any device), bound [M, N] float64 on the CPU.
+    Returns: {"n", "signed", "magnitude", "threshold", "alpha", "flagged": bool, "which": "signed" |
+    "magnitude" | None (the statistic flagged, the larger in units of t)}.
+    """
+    M, N = bound.shape
+    y2 = y.detach().reshape(M, N).double().cpu()
+    r2 = ref.detach().reshape(M, N).double().cpu()
+    ok = torch.isfinite(y2) & torch.isfinite(r2)
+    e = torch.where(ok, (y2 - r2) / bound, torch.zeros_like(bound))
+    ok &= e.abs() <= 1
+    e = torch.where(ok, e, torch.zeros_like(e))
+    n = int(ok.sum())
+    signed = float(e.sum()) / n if n else 0.0
+    magnitude = float((torch.sign(r2).where(ok, torch.zeros_like(r2)) * e).sum()) / n if n else 0.0
+    t = bias_threshold(n, alpha)
+    which = None
+    over = [(abs(v) / t, k) for k, v in (("signed", signed), ("magnitude", magnitude)) if abs(v) >= t]
+    if over:
+        which = max(over)[1]
+    return {"n": n, "signed": signed, "magnitude": magnitude, "threshold": t, "alpha": alpha,
+            "flagged": which is not None, "which": which}
+
+
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
 def _stage(name: str, y, ref, bound) -> dict[str, Any]:
     grid = error_grid(y, ref, bound)
-    return {"stage": name, "grid": grid, **grid_summary(grid)}
+    return {"stage": name, "grid": grid, **grid_summary(grid), "bias": bias_stats(y, ref, bound)}
 
 
 def first_departure(result: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The first bad block of one implementation's result: the activation when its bytes differ
-    (the GEMM consumes it), else the first bad (row, tile) of the gemm stage, else of linear."""
+    """The first departure of one implementation's result: the activation when its bytes differ
+    (the GEMM consumes it), else the first bad (row, tile) of the gemm stage, else of linear, else
+    a flagged bias of gemm, else of linear ({"stage", "bias": bias_stats})."""
     act = result.get("activation")
     if act is not None and not act["equal"]:
         f = act["first"]
-        return {"stage": "activation", "row": f["row"], "kblock": f["kblock"], "what": f["what"]}
+        return {"stage": "activation", "row": f["row"], "kblock": f["kblock"], "what": f["what"],
+                "columns": f.get("columns")}
     for name in ("gemm", "linear"):
         st = result.get(name)
         if st is not None and st["first"] is not None:
             return {"stage": name, "row": st["first"]["row"], "tile": st["first"]["tile"],
                     "ratio": float(st["grid"][st["first"]["row"], st["first"]["tile"]])}
+    for name in ("gemm", "linear"):
+        st = result.get(name)
+        if st is not None and st.get("bias", {}).get("flagged"):
+            return {"stage": name, "bias": dict(st["bias"])}
     return None
 
 
@@ -286,14 +356,23 @@ def compare_backend(backend, qweight: QuantizedTensor, x: torch.Tensor, bias: Op
 
 
 def check_call(backend, qweight: QuantizedTensor, x: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor],
-               act_opts: dict, *, device_kind: Optional[str] = None, requantize: bool = True) -> dict[str, Any]:
+               act_opts: dict, *, device_kind: Optional[str] = None, requantize: bool = True,
+               xq: Optional[QuantizedTensor] = None) -> dict[str, Any]:
     """The watchdog's check of a call that produced ``y``: the implementation's quantized
-    activation (quantize_activation(x), where the backend has one) against the oracle's bytes,
-    and y against the oracle on that same quantized activation, per (row, tile), in multiples of
-    the bound. ``device_kind``: the device that produced y, for the bound (default x's);
-    ``requantize=False``: check y against the oracle's quantized activation without rerunning the
-    implementation's quantizer (a replayed output). Returns the fields of :func:`compare_backend`
-    ("gemm" holds the output check, or "linear" for W4A16 and backends without a separate quantizer)."""
+    activation against the oracle's bytes, and y against the oracle on that same quantized
+    activation, per (row, tile), in multiples of the bound.
+
+    Args:
+        backend, qweight, x [..., K], y [..., N], bias, act_opts: the call as it was made.
+        device_kind: the device that produced y, for the bound (default x's).
+        requantize: True (the watchdog): rerun the implementation's quantize_activation(x), where
+            it has one. False (a replay): do not; use ``xq`` when given, else the oracle's.
+        xq: the implementation's quantized activation as recorded (a replay file of version 2), so
+            that the stage is rechecked, not guessed.
+    Returns: the fields of :func:`compare_backend` ("gemm" holds the output check, or "linear" for
+    W4A16 and backends without a separate quantizer), plus "xq": the quantized activation the
+    output was checked on when it is the implementation's (for the replay file), else None.
+    """
     kind = device_kind or x.device.type
     splits = bool(backend.splits and requantize)
     x2 = _as_2d(x)
@@ -303,7 +382,8 @@ def check_call(backend, qweight: QuantizedTensor, x: torch.Tensor, y: torch.Tens
     res: dict[str, Any] = {"impl": backend.impl, "variant": backend.variant, "M": M, "N": qweight.rows, "K": K,
                            "out_dtype": str(out_dtype).replace("torch.", ""),
                            "bound": describe_bound(out_dtype, **params), "bound_params": params,
-                           "activation": None, "weight": None, "gemm": None, "linear": None, "error": None}
+                           "activation": None, "weight": None, "gemm": None, "linear": None, "error": None,
+                           "xq": None}
     # the oracle runs on the CPU, on copies: the serving stream's tensors are only read
     y2 = y.reshape(M, -1).cpu()
     qweight = qweight.to("cpu")
@@ -316,26 +396,45 @@ def check_call(backend, qweight: QuantizedTensor, x: torch.Tensor, y: torch.Tens
     else:
         dev_opts = {k: (v.to(x.device) if isinstance(v, torch.Tensor) else v) for k, v in act_opts.items()}
         xq_o = formats.quantize(x2.cpu(), backend.fmt, role="activation", **act_opts)
-        xq = xq_o
+        xq_used = xq_o
         if splits:
-            xq_b = backend.quantize_activation(x2, **dev_opts).to("cpu")
-            res["activation"] = quant_diff(xq_b, xq_o)
-            xq = xq_b
-        ref = formats.reference_linear(xq, qweight, bias, out_dtype=out_dtype)
+            xq_used = backend.quantize_activation(x2, **dev_opts).to("cpu")
+        elif xq is not None:
+            xq_used = xq.to("cpu")
+        if xq_used is not xq_o:
+            res["activation"] = quant_diff(xq_used, xq_o)
+            res["xq"] = xq_used
+        ref = formats.reference_linear(xq_used, qweight, bias, out_dtype=out_dtype)
         name = "gemm" if backend.splits else "linear"  # a replayed output keeps the stage it was checked at
-        res[name] = _stage(name, y2, ref, gemm_bound(xq, qweight, bias, out_dtype, ref, **params))
+        res[name] = _stage(name, y2, ref, gemm_bound(xq_used, qweight, bias, out_dtype, ref, **params))
     res["first"] = first_departure(res)
     res["ok"] = res["first"] is None
     return res
 
 
+def describe_bias(stage: str, b: dict[str, Any]) -> str:
+    """One line for a flagged bias of a stage."""
+    v = b[b["which"]]
+    direction = ({"signed": "upward" if v > 0 else "downward",
+                  "magnitude": "away from zero" if v > 0 else "toward zero"})[b["which"]]
+    return (f"{stage} is biased {direction}: mean error {v:+.3g}x the bound over {b['n']} elements "
+            f"(threshold {b['threshold']:.3g}: Hoeffding at alpha {b['alpha']:g})")
+
+
 def describe_first(first: Optional[dict[str, Any]]) -> str:
-    """One line for a first bad block (or "none")."""
+    """One line for a first departure (or "none")."""
     if first is None:
         return "none"
+    if "bias" in first:
+        return describe_bias(first["stage"], first["bias"])
+    if first["stage"] == "activation" and first["what"] in ("global_scale", "tensor_scale"):
+        what = "global scale" if first["what"] == "global_scale" else "per-tensor scale"
+        return f"activation quantization departs first: its {what} (one for the whole tensor)"
     if first["stage"] == "activation":
+        cols = first.get("columns")
+        cols = f" (columns {cols[0]}-{cols[1]})" if cols else ""
         return (f"activation quantization departs first: {first['what']} of row {first['row']}, "
-                f"K-block {first['kblock']}")
+                f"K-block {first['kblock']}{cols}")
     c0 = first["tile"] * TILE_N
     return (f"{first['stage']} departs first: row {first['row']}, column tile {first['tile']} "
             f"(columns {c0}-{c0 + TILE_N - 1}), {first['ratio']:.3g}x the bound")
@@ -454,29 +553,40 @@ class Watchdog:
         from .devices import device_of
         from . import replay
 
-        x2 = _as_2d(x)
-        res["route"] = route_of(backend, x2.shape[0], qweight.rows, qweight.k, x.dtype, device_of(x), act_opts)
+        M = _as_2d(x).shape[0]
+        res["route"] = route_of(backend, M, qweight.rows, qweight.k, x.dtype, device_of(x), act_opts)
         res["layer"] = layer
+        xq = res.pop("xq", None)
         path = None
-        try:
-            path = replay.write(self.directory, layer=layer, impl=backend.impl, variant=backend.variant, x=x2,
-                                qweight=qweight, bias=bias, act_opts=act_opts, y=y.reshape(x2.shape[0], -1),
-                                route=res["route"], report=summarize(res))
+        try:  # x as the layer received it: the file records its strides and storage
+            path = replay.write(self.directory, layer=layer, impl=backend.impl, variant=backend.variant, x=x,
+                                qweight=qweight, bias=bias, act_opts=act_opts, y=y.reshape(M, -1),
+                                route=res["route"], report=summarize(res), xq=xq)
         except Exception as e:  # noqa: BLE001  (a full disk must not take the server down; say so)
             log.error("b12x-dual watchdog: could not write the replay file for %s to %s: %s", layer,
                       self.directory, e)
         res["replay"] = None if path is None else str(path)
         with self._lock:
             self.diverged[layer] = res
-        log.warning("b12x-dual watchdog: layer %s diverges from the oracle on %s (%s), route: %s; %s; "
-                    "bound: %s; replay file: %s", layer, backend.impl, backend.variant, res["route"] or "-",
-                    describe_first(res["first"]), res["bound"], res["replay"])
+        log.warning("%s", warning_text(res, backend))
         return res
+
+
+def warning_text(res: dict[str, Any], backend) -> str:
+    """The watchdog's WARNING: a short first line with the finding (layer, implementation, variant,
+    M, the first departure), then one detail per line (route, bound, replay file, what to run)."""
+    head = (f"b12x-dual watchdog: layer {res['layer']} on {backend.impl} ({backend.variant}, M={res['M']}): "
+            f"{describe_first(res['first'])}")
+    lines = [head, f"  route: {res.get('route') or '-'}", f"  bound: {res['bound']}",
+             f"  replay file: {res.get('replay') or '(not written)'}"]
+    if res.get("replay"):
+        lines.append(f"  rerun it anywhere: b12x-dual diff --replay {res['replay']}")
+    return "\n".join(lines)
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     """A result of compare_backend / check_call without its tensors (JSON-able)."""
-    out = {k: v for k, v in res.items() if k not in ("gemm", "linear")}
+    out = {k: v for k, v in res.items() if k not in ("gemm", "linear", "xq")}
     for name in ("gemm", "linear"):
         st = res.get(name)
         out[name] = None if st is None else {k: v for k, v in st.items() if k != "grid"}

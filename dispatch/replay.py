@@ -2,7 +2,13 @@
 
 A replay file is a safetensors file (``*.b12x-replay.safetensors``). Tensors:
 
-    x                     the activation [M, K] as the layer received it (bf16/fp16)
+    x                     the activation as a contiguous [M, K] copy (bf16/fp16; every version)
+    x.storage             version 2: the span of x's storage that the call's view covers, 1-D (from
+                          the view's first element to its last, the neighbours between rows
+                          included), so that the call's layout is rebuilt with the same bytes
+    xq.data, xq.scale,    version 2: the implementation's own quantized activation of the call
+    xq.global_scale         (its quantize_activation(x), as the watchdog reran it); absent for W4A16
+                            and for implementations without a separate quantizer
     y                     the output the implementation produced [M, N] (absent when not captured)
     weight.data           the layer's quantized weight: codes, block scales, global scale (nvfp4),
     weight.scale            as formats.QuantizedTensor holds them (formats/base.py)
@@ -20,6 +26,14 @@ Metadata (safetensors' string map): ``format`` = :data:`FORMAT`, ``version`` = :
     device, versions           where it ran (dispatch.apps._harness.device_report) and the library
                                versions (dispatch.api.library_versions)
     report                     the watchdog's or diff's findings (dispatch.check.summarize)
+    x_layout (version 2)       {shape, stride, storage_offset (from the start of x.storage),
+                               dtype, span (elements of x.storage), stored (whether x.storage holds
+                               the span's bytes), align (the first element's address mod 256)}
+    xq (version 2)             {fmt, shape, block_shape, scale_layout} of the xq.* tensors, or null
+
+Version 1 files (no x.storage, xq or their metadata) are still read: their call is rerun on the
+contiguous copy of x, and the replay says that the input layout differs from the call's and that
+the stage of the recorded output cannot be rechecked.
 
 ``b12x-dual diff --replay FILE`` reads it (:func:`read`) and reruns it (dispatch.apps.diff).
 """
@@ -38,16 +52,27 @@ from typing import Any, Optional
 import torch
 
 from formats import QuantizedTensor
-from formats.validate import check_weight
+from formats.validate import check_quantized_activation, check_weight
 
 FORMAT = "b12x-dual.replay"
-VERSION = 1
+VERSION = 2
 SUFFIX = ".b12x-replay.safetensors"
+ALIGN = 256
+"""Bytes: a rebuilt input's first element gets the same address modulo this (Triton specializes on
+16-byte divisibility; CUDA allocations are 256-byte aligned)."""
+MAX_SPAN_RATIO = 16
+"""x.storage holds the span only when it is at most this many times x's own elements (a view into a
+large workspace records its layout, not the workspace)."""
 
 
 @dataclass
 class Replay:
-    """A read replay file: the call's tensors (on the CPU) and its metadata."""
+    """A read replay file: the call's tensors (on the CPU) and its metadata.
+
+    x: the contiguous [M, K] copy; layout: the call's x layout (meta ``x_layout``) or None (version
+    1, or not recorded); storage: the span of x's storage (version 2) or None; xq: the
+    implementation's quantized activation or None; version: the file's version.
+    """
 
     path: str
     layer: str
@@ -59,6 +84,10 @@ class Replay:
     bias: Optional[torch.Tensor]
     act_opts: dict
     meta: dict
+    version: int = VERSION
+    layout: Optional[dict] = None
+    storage: Optional[torch.Tensor] = None
+    xq: Optional[QuantizedTensor] = None
 
 
 def _device() -> dict[str, Any]:
@@ -68,42 +97,117 @@ def _device() -> dict[str, Any]:
     return {"kind": "cpu", "name": platform.processor() or platform.machine()}
 
 
+def layout_of(x: torch.Tensor) -> tuple[dict, Optional[torch.Tensor]]:
+    """(x_layout metadata, the span of x's storage on the CPU or None when it is too large).
+
+    The span runs from x's first element (its storage offset) to its last, ``1 + sum_i (size_i - 1)
+    stride_i`` elements (torch strides are >= 0), so a row-strided view (a column slice of a wider
+    tensor) keeps the bytes between its rows."""
+    x = x.detach()
+    span = 1 + sum((s - 1) * st for s, st in zip(x.shape, x.stride())) if x.numel() else 0
+    stored = span <= MAX_SPAN_RATIO * max(x.numel(), 1)
+    storage = torch.as_strided(x, (span,), (1,)).cpu().clone() if stored and span else None
+    meta = {"shape": list(x.shape), "stride": list(x.stride()), "storage_offset": 0,
+            "dtype": str(x.dtype).replace("torch.", ""), "span": span, "stored": stored,
+            "align": int(x.data_ptr() % ALIGN) if x.numel() else 0, "contiguous": x.is_contiguous()}
+    return meta, storage
+
+
+def rebuild_x(rp: Replay, device) -> tuple[torch.Tensor, str]:
+    """The call's x on ``device`` with the recorded layout (shape, strides, offset, the address of its
+    first element modulo :data:`ALIGN`, the storage bytes between its rows), and one line saying how.
+
+    Where the layout cannot be rebuilt (a version-1 file records none; the rebuilt view does not
+    hold the recorded values), x is the contiguous [M, K] copy and the line says "input layout
+    differs" and why."""
+    x2 = rp.x
+    lay = rp.layout
+    if lay is None:
+        return x2.to(device), ("input layout differs: the file (version 1) records no strides or storage offset; "
+                               "rerun on a contiguous copy, so a fault that depends on the input's strides "
+                               "may not reproduce")
+    dtype = getattr(torch, lay["dtype"])
+    es = torch.empty((), dtype=dtype).element_size()
+    span = int(lay["span"])
+    buf = torch.full((span + ALIGN // es,), float("nan"), dtype=dtype, device=device)
+    delta = (int(lay["align"]) - buf.data_ptr() % ALIGN) % ALIGN
+    aligned = delta % es == 0
+    pad = delta // es if aligned else 0
+    if rp.storage is not None:
+        buf[pad:pad + span] = rp.storage.to(device)
+    x = torch.as_strided(buf, tuple(lay["shape"]), tuple(lay["stride"]), pad + int(lay["storage_offset"]))
+    if rp.storage is None:
+        x.copy_(x2.reshape(x.shape).to(device))
+    if not torch.equal(x.reshape(x2.shape).cpu().view(torch.int16 if es == 2 else torch.uint8),
+                       x2.view(torch.int16 if es == 2 else torch.uint8)):
+        return x2.to(device), ("input layout differs: the view rebuilt from x.storage does not hold the "
+                               "recorded x; rerun on a contiguous copy")
+    how = (f"input layout rebuilt: shape {tuple(lay['shape'])}, strides {tuple(lay['stride'])}, "
+           f"first element at {lay['align']} mod {ALIGN} bytes")
+    if not aligned:
+        how += f" (not reproducible here: {es}-byte elements; at {(buf.data_ptr() + pad * es) % ALIGN})"
+    if rp.storage is None:
+        how += f"; the storage between rows ({span} elements) was not recorded and is NaN here"
+    return x, how
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy in memory of its own (safetensors refuses two names for one memory, as
+    when a static activation scale is also the quantized activation's global scale)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _qt_meta(q: QuantizedTensor) -> dict:
+    return {"fmt": q.fmt, "role": q.role, "shape": list(q.shape),
+            "block_shape": None if q.block_shape is None else list(q.block_shape), "scale_layout": q.scale_layout}
+
+
 def write(directory, *, layer: str, impl: str, variant: str, x: torch.Tensor, qweight: QuantizedTensor,
           bias: Optional[torch.Tensor] = None, act_opts: Optional[dict] = None, y: Optional[torch.Tensor] = None,
           route: str = "", report: Optional[dict] = None, device: Optional[dict] = None,
-          path=None) -> Path:
-    """Write one call as a replay file into ``directory`` (created if missing) or at ``path``.
+          xq: Optional[QuantizedTensor] = None, path=None) -> Path:
+    """Write one call as a replay file (version :data:`VERSION`) into ``directory`` (created if
+    missing) or at ``path``.
 
-    Args: the call (x [M, K], the layer's weight, bias [N], activation options, the output y [M, N])
-        and its context (layer name, implementation, variant, route text, the report).
+    Args: the call (x [..., K] as the layer received it: its shape, strides, storage offset and the
+        storage between its rows are recorded; the layer's weight, bias [N], activation options,
+        the output y [M, N], the implementation's quantized activation ``xq`` [M, K] or None) and
+        its context (layer name, implementation, variant, route text, the report).
     Returns: the file's path (``<layer>-<impl>-<variant>-<time>-<pid>.b12x-replay.safetensors``).
-    Raises: ValueError for a malformed weight (formats.validate); OSError when it cannot be written.
+    Raises: ValueError for a malformed weight or xq (formats.validate); OSError when it cannot be written.
     """
     from safetensors.torch import save_file
 
     from .describe import library_versions
 
     check_weight(qweight)
-    tensors = {"x": x.detach().reshape(-1, x.shape[-1]).contiguous().cpu()}
+    if xq is not None:
+        check_quantized_activation(xq, qweight.fmt, qweight.k, name="xq")
+    x_layout, storage = layout_of(x)
+    tensors = {"x": _own(x.reshape(-1, x.shape[-1]))}
+    if storage is not None:
+        tensors["x.storage"] = storage
+    if xq is not None:
+        for k, t in xq.tensors().items():
+            tensors[f"xq.{k}"] = _own(t)
     if y is not None:
-        tensors["y"] = y.detach().contiguous().cpu()
+        tensors["y"] = _own(y)
     for k, t in qweight.tensors().items():
-        tensors[f"weight.{k}"] = t.detach().contiguous().cpu()
+        tensors[f"weight.{k}"] = _own(t)
     if bias is not None:
-        tensors["bias"] = bias.detach().contiguous().cpu()
+        tensors["bias"] = _own(bias)
     options = {}
     for k, v in (act_opts or {}).items():
         if isinstance(v, torch.Tensor):
-            tensors[f"opt.{k}"] = v.detach().reshape(()).contiguous().cpu() if v.numel() == 1 else v.detach().cpu()
+            tensors[f"opt.{k}"] = _own(v.reshape(()) if v.numel() == 1 else v)
         else:
             options[k] = v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
     meta = {
         "layer": layer, "impl": impl, "variant": variant,
-        "weight": {"fmt": qweight.fmt, "shape": list(qweight.shape),
-                   "block_shape": None if qweight.block_shape is None else list(qweight.block_shape),
-                   "scale_layout": qweight.scale_layout},
+        "weight": {k: v for k, v in _qt_meta(qweight).items() if k != "role"},
         "options": options, "route": route, "device": device or _device(), "versions": library_versions(),
         "report": report or {}, "created_unix": time.time(),
+        "x_layout": x_layout, "xq": None if xq is None else _qt_meta(xq),
     }
     if path is None:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -115,13 +219,14 @@ def write(directory, *, layer: str, impl: str, variant: str, x: torch.Tensor, qw
 
 
 def read(path) -> Replay:
-    """Read a replay file (tensors on the CPU).
+    """Read a replay file of version 1 to :data:`VERSION` (tensors on the CPU).
 
     Raises:
         ValueError naming the path: a missing or unreadable file, a file that is not a replay file
         (its ``format`` metadata, e.g. a checkpoint or a save_quantized file), a file version newer
         than :data:`VERSION` (written by a newer b12x-dual), an unknown variant or implementation
-        name, a tensor missing, or a weight that formats.validate rejects.
+        name, a tensor missing, or a weight or recorded quantized activation that formats.validate
+        rejects.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -171,4 +276,19 @@ def read(path) -> Replay:
     for k, t in tensors.items():
         if k.startswith("opt."):
             opts[k[4:]] = t
-    return Replay(str(p), layer, impl, variant, tensors["x"], tensors.get("y"), q, tensors.get("bias"), opts, meta)
+    layout = storage = xq = None
+    if version >= 2:
+        layout = meta.get("x_layout")
+        storage = tensors.get("x.storage")
+        xm = meta.get("xq")
+        if xm is not None:
+            if "xq.data" not in tensors or "xq.scale" not in tensors:
+                raise ValueError(f"--replay {str(path)!r}: metadata names a quantized activation but tensor "
+                                 "'xq.data' or 'xq.scale' is missing")
+            xq = QuantizedTensor(xm["fmt"], "activation", tensors["xq.data"], tensors["xq.scale"],
+                                 tensors.get("xq.global_scale"),
+                                 None if xm["block_shape"] is None else tuple(xm["block_shape"]), tuple(xm["shape"]),
+                                 xm.get("scale_layout", "linear"))
+            check_quantized_activation(xq, w["fmt"], q.k, name=f"--replay {str(path)!r} xq")
+    return Replay(str(p), layer, impl, variant, tensors["x"], tensors.get("y"), q, tensors.get("bias"), opts, meta,
+                  version, layout, storage, xq)

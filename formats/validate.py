@@ -1,7 +1,7 @@
 """One validation of quantized operands, shared by every implementation (kernels_triton, kernels_cute,
 dispatch): a QuantizedTensor weight or activation, a bf16/fp16 activation, a bias.
 
-Two kinds of check:
+Three kinds of check:
 
 * **Metadata** (``check_weight``, ``check_quantized_activation``, ``check_activation``,
   ``check_bias``): dtypes, shapes, layout, devices, roles; no tensor element is read, so they cost
@@ -9,6 +9,10 @@ Two kinds of check:
 * **Values** (``check_scale_values``): global scales and fp32 scales finite and > 0, no NaN scale
   codes. Reading values synchronizes with the device, so this runs where a weight is created or
   loaded (``kernels_cute.<fmt>.prepare_weight``, a checkpoint loader), not per call.
+* **Value findings** (``scan_values``, ``scan_scalar``, ``scan_raw``): every value of a weight that
+  no correct quantizer writes (NaN weight codes, NaN / Inf / zero / negative scales, E8M0 0xFF),
+  with its positions, as data rather than an exception: ``b12x-dual diff``'s checkpoint stage and
+  the vLLM plugin's load checks report them.
 
 What a well-formed QuantizedTensor of shape (rows, K) holds, per format (formats.base.QuantizedTensor):
 
@@ -47,6 +51,10 @@ __all__ = [
     "check_quantized_activation",
     "check_scale_values",
     "check_weight",
+    "describe_finding",
+    "scan_raw",
+    "scan_scalar",
+    "scan_values",
     "static_global_scale",
     "static_scale",
 ]
@@ -345,3 +353,203 @@ def check_scale_values(qt, *, name: str = "qweight") -> None:
                              "found a NaN code (0x7F/0xFF) or a negative scale")
     elif qt.scale.dtype == torch.uint8 and qt.scale.numel() and bool((qt.scale == 0xFF).any()):
         raise ValueError(f"{name}.scale (E8M0 bytes) must not contain 0xFF (NaN)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Value findings: what a checkpoint holds that no correct quantizer writes
+# ---------------------------------------------------------------------------------------------
+UNSOUND = "unsound"
+WARNING = "warning"
+SCAN_LIMIT = 8
+"""How many positions a finding lists (``count`` has them all)."""
+
+_WHAT = {
+    "nan_code": "NaN weight code(s) (e4m3 0x7F/0xFF; e4m3fn has no Inf, so these are its only "
+                "non-finite codes): the element reads as NaN, and so does its row's output column for every token",
+    "nan_scale": "NaN block scale(s) (e4m3 0x7F/0xFF): every element of the block reads as NaN",
+    "e8m0_nan": "E8M0 scale byte(s) 0xFF: the one non-finite E8M0 code (OCP MX v1.0: NaN; E8M0 has no "
+                "zero, sign or Inf), so every element of its 32-block reads as NaN",
+    "negative_scale": "negative block scale(s) (e4m3 sign bit set): the block's weights change sign",
+    "nonfinite_scale": "non-finite scale(s) (NaN or Inf)",
+    "nonpositive_scale": "zero or negative scale(s) (a scale is amax / max code, so > 0)",
+    "zero_scale": "zero block scale(s) over non-zero codes: the block's weights read as 0 (a quantizer "
+                  "writes 0 only for an all-zero block)",
+}
+"""What each finding kind means (the text reports print)."""
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(t.shape if t.dim() else (1,)).contiguous().view(torch.uint8)
+
+
+def _first(mask: torch.Tensor, limit: int) -> tuple[int, list[list[int]]]:
+    """(how many True, the first ``limit`` indices of True in row-major order, as lists)."""
+    n = int(mask.sum())
+    if not n:
+        return 0, []
+    return n, [[int(i) for i in row] for row in mask.nonzero()[:limit].tolist()]
+
+
+def _finding(tensor: str, kind: str, severity: str, mask: torch.Tensor, limit: int, where) -> Optional[dict]:
+    count, idx = _first(mask, limit)
+    if not count:
+        return None
+    return {"tensor": tensor, "kind": kind, "severity": severity, "count": count, "what": _WHAT[kind],
+            "positions": [where(*i) for i in idx]}
+
+
+def _nonzero_codes_per_block(q: QuantizedTensor) -> Optional[torch.Tensor]:
+    """bool [scale rows, K-blocks] (linear scale layout): whether the block holds a non-zero code."""
+    if q.block_shape is None:
+        return None
+    br, bk = q.block_shape
+    rows, k = q.shape
+    b = q.data.detach().view(torch.uint8) if q.data.dtype != torch.uint8 else q.data.detach()
+    if spec(q.fmt).element == "e2m1":
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(rows, k)
+        nz = (codes & 0x07) != 0  # 0x8 is -0
+    else:
+        nz = (b & 0x7F) != 0  # 0x80 is -0
+    pad = (-rows) % br
+    if pad:
+        nz = torch.cat([nz, nz.new_zeros(pad, k)])
+    return nz.reshape(-1, br, k // bk, bk).any(dim=3).any(dim=1)
+
+
+def _linear_scale(q: QuantizedTensor) -> torch.Tensor:
+    if q.scale_layout == "swizzled_128x4" and q.block_shape is not None:
+        from .layout import unswizzle_128x4
+
+        return unswizzle_128x4(q.scale.detach(), -(-q.rows // q.block_shape[0]), q.k // q.block_shape[1])
+    return q.scale.detach()
+
+
+def scan_values(qt: QuantizedTensor, *, name: str = "weight", limit: int = SCAN_LIMIT) -> list[dict]:
+    """Every value of a quantized weight that no correct quantizer writes, with where it is.
+
+    The metadata must already be valid (:func:`check_weight`). Reads every code and scale (it
+    synchronizes with the device): call it once where a weight is loaded or diffed, not per call.
+
+    Args:
+        qt: a weight QuantizedTensor [N, K] of any format, linear or swizzled_128x4 scales.
+        name: the prefix of each finding's ``tensor`` ("weight" -> "weight.data", "weight.scale").
+        limit: how many positions a finding lists.
+    Returns:
+        A list of findings, each a dict: ``tensor`` ("<name>.data" / ".scale" / ".global_scale"),
+        ``kind`` (a key of :data:`_WHAT`: nan_code, nan_scale, e8m0_nan, negative_scale,
+        nonfinite_scale, nonpositive_scale, zero_scale), ``severity`` ("unsound": the layer's output
+        is NaN, Inf or sign-flipped where it is used; "warning": a zero block scale over non-zero
+        codes, which reads as zeros), ``count``, ``what`` (one sentence) and ``positions`` (the first
+        ``limit``): for codes {"row", "column", "kblock"}; for block scales {"row" (the scale row;
+        a weight row except for fp8_block, whose scale row r covers weight rows "rows" [128 r,
+        128 r + 127]), "kblock", "columns" [first, last]}; for a per-tensor or global scale
+        {"value"}. e2m1 codes have no non-finite values (all 16 codes are finite), and an E8M0 byte
+        0x00 is 2^-127, not zero: neither is a finding.
+    Source: the e4m3 (OCP FP8) and E8M0 (OCP MX v1.0) encodings; formats/codecs.py decodes them.
+    """
+    out: list[dict] = []
+    s = spec(qt.fmt)
+    rows, k = qt.shape
+
+    def add(f):
+        if f is not None:
+            out.append(f)
+
+    if s.element == "e4m3":
+        b = qt.data.detach().view(torch.uint8)
+        bk = qt.block_shape[1] if qt.block_shape is not None else 128
+        add(_finding(f"{name}.data", "nan_code", UNSOUND, (b & 0x7F) == 0x7F, limit,
+                     lambda r, c: {"row": r, "column": c, "kblock": c // bk}))
+    sc = qt.scale.detach()
+    if qt.block_shape is None:  # one per-tensor scale (fp8_tensor)
+        v = sc.reshape(-1).float()
+        add(_finding(f"{name}.scale", "nonfinite_scale", UNSOUND, ~torch.isfinite(v), limit,
+                     lambda i: {"value": float(v[i])}))
+        add(_finding(f"{name}.scale", "nonpositive_scale", UNSOUND, torch.isfinite(v) & (v <= 0), limit,
+                     lambda i: {"value": float(v[i])}))
+    else:
+        br, bk = qt.block_shape
+        lin = _linear_scale(qt)
+
+        def at(r, kb):
+            p = {"row": r, "kblock": kb, "columns": [kb * bk, kb * bk + bk - 1]}
+            if br > 1:
+                p["rows"] = [r * br, min(r * br + br, rows) - 1]
+            return p
+
+        nonzero = _nonzero_codes_per_block(qt)
+        if lin.dtype == torch.float8_e4m3fn:
+            b = lin.view(torch.uint8)
+            nan = (b & 0x7F) == 0x7F
+            zero = (b & 0x7F) == 0
+            add(_finding(f"{name}.scale", "nan_scale", UNSOUND, nan, limit, at))
+            add(_finding(f"{name}.scale", "negative_scale", UNSOUND, (b >= 0x80) & ~nan & ~zero, limit, at))
+            add(_finding(f"{name}.scale", "zero_scale", WARNING, zero & nonzero, limit, at))
+        elif lin.dtype == torch.uint8:  # E8M0 bytes
+            add(_finding(f"{name}.scale", "e8m0_nan", UNSOUND, lin == 0xFF, limit, at))
+        else:  # float32 block scales (fp8_block)
+            v = lin.float()
+            add(_finding(f"{name}.scale", "nonfinite_scale", UNSOUND, ~torch.isfinite(v), limit, at))
+            add(_finding(f"{name}.scale", "nonpositive_scale", UNSOUND, torch.isfinite(v) & (v <= 0), limit, at))
+    if qt.global_scale is not None:
+        out.extend(scan_scalar(qt.global_scale, f"{name}.global_scale"))
+    return out
+
+
+def scan_scalar(t: torch.Tensor, tensor: str) -> list[dict]:
+    """Findings of one per-tensor scale (a global scale, a static input scale): non-finite, or
+    zero or negative (severity "unsound"); [] when it is finite and > 0. Reads the value."""
+    v = t.detach().reshape(-1).float()
+    out = []
+    for kind, mask in (("nonfinite_scale", ~torch.isfinite(v)), ("nonpositive_scale", torch.isfinite(v) & (v <= 0))):
+        f = _finding(tensor, kind, UNSOUND, mask, SCAN_LIMIT, lambda i: {"value": float(v[i])})
+        if f is not None:
+            out.append(f)
+    return out
+
+
+def scan_raw(t: torch.Tensor, tensor: str, *, limit: int = SCAN_LIMIT) -> list[dict]:
+    """Findings of one checkpoint tensor as stored, read by its dtype (for a tensor whose module
+    cannot be converted to a QuantizedTensor): float8_e4m3fn holding scales (``tensor`` names a
+    scale) NaN / negative codes, or holding weight codes NaN codes; uint8 / float8_e8m0fnu
+    holding scales 0xFF (uint8 weight codes are e2m1 and have no non-finite code); a float
+    tensor non-finite or <= 0 values. Positions are {"index": [i, j, ...]} in the stored tensor."""
+    where = lambda *i: {"index": list(i)}  # noqa: E731
+    is_scale = "scale" in tensor.rsplit(".", 1)[-1]
+    if t.dtype == torch.float8_e4m3fn:
+        b = _bytes_of(t)
+        nan = (b & 0x7F) == 0x7F
+        fs = [_finding(tensor, "nan_scale" if is_scale else "nan_code", UNSOUND, nan, limit, where)]
+        if is_scale:
+            fs.append(_finding(tensor, "negative_scale", UNSOUND, (b >= 0x80) & ~nan & ((b & 0x7F) != 0), limit, where))
+    elif t.dtype == torch.uint8 or "e8m0" in str(t.dtype):
+        if not is_scale:
+            return []
+        fs = [_finding(tensor, "e8m0_nan", UNSOUND, _bytes_of(t) == 0xFF, limit, where)]
+    elif t.is_floating_point():
+        v = t.detach().float().reshape(t.shape if t.dim() else (1,))
+        fs = [_finding(tensor, "nonfinite_scale", UNSOUND, ~torch.isfinite(v), limit, where)]
+        if is_scale:
+            fs.append(_finding(tensor, "nonpositive_scale", UNSOUND, torch.isfinite(v) & (v <= 0), limit, where))
+    else:
+        return []
+    return [f for f in fs if f is not None]
+
+
+def describe_finding(f: dict) -> str:
+    """One line for a finding: tensor, count, what it means, the first positions."""
+    def pos(p):
+        if "value" in p:
+            return f"value {p['value']!r}"
+        if "index" in p:
+            return f"index {tuple(p['index'])}"
+        if "column" in p and "kblock" not in p:  # an output position
+            return f"output row {p['row']}, column {p['column']}" + (f" (M={p['M']})" if "M" in p else "")
+        if "column" in p:
+            return f"row {p['row']}, column {p['column']} (K-block {p['kblock']})"
+        rows = f"rows {p['rows'][0]}-{p['rows'][1]}" if "rows" in p else f"row {p['row']}"
+        return f"{rows}, K-block {p['kblock']} (columns {p['columns'][0]}-{p['columns'][1]})"
+
+    shown = "; ".join(pos(p) for p in f["positions"])
+    more = f"; ... ({f['count']} in all)" if f["count"] > len(f["positions"]) else ""
+    return f"{f['tensor']}: {f['count']} {f['what']}: at {shown}{more}"

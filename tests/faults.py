@@ -11,6 +11,18 @@ others are not:
     FlippedActivationScale  quantize_activation (and so run, hence apply) changes one activation block-scale
                           byte (row ``m``, K-block ``kb``): the activation quantization departs first
     ScaledRow             gemm and run (hence apply) multiply output row ``m`` by 1.5: the GEMM departs in row m
+    KBlockCodes           quantize_activation (and so run / apply) adds 1 to every non-zero element code of
+                          K-block ``kb`` (one code-width step of its magnitude), in every row: the
+                          activation departs first, in that K-block only
+    IgnoresRowStride      quantize_activation (and so run / apply) reads x as if its rows were packed (row
+                          stride K): right on a contiguous x, wrong from row 1 on for a column slice of
+                          a wider tensor (the layout vLLM passes); the activation departs at row 1
+    RowsFrom16            gemm and run (hence apply) halve output rows >= 16 in column tile ``tile`` (a second M
+                          tile that forgets a step): invisible to calls of at most 16 rows
+    TruncatedEpilogue     gemm and run (hence apply) round the fp32 result to bf16 toward zero (the low 16 bits
+                          dropped) instead of to nearest even: within the bound, biased toward zero
+
+``only_n`` of the last four is one N or a tuple of them.
 """
 
 from __future__ import annotations
@@ -68,6 +80,86 @@ class ScaledRow(TritonBackend):
 
     def run(self, x, prepared, bias=None, **act_opts):
         return self._bad(super().run(x, prepared, bias, **act_opts), prepared)
+
+
+def _hits(only_n, n: int) -> bool:
+    return only_n is None or n == only_n or (isinstance(only_n, tuple) and n in only_n)
+
+
+class _QuantizerFault(TritonBackend):
+    """run (hence apply) = gemm(quantize_activation(x)), so that a quantizer fault reaches the output too."""
+
+    def run(self, x, prepared, bias=None, **act_opts):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self.gemm(self.quantize_activation(x2, **act_opts), prepared, bias, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], -1)
+
+
+class KBlockCodes(_QuantizerFault):
+    kb, only_k = 3, None
+
+    def quantize_activation(self, x, **act_opts):
+        q = super().quantize_activation(x, **act_opts)
+        if self.only_k not in (None, x.shape[-1]):
+            return q
+        bk = q.block_shape[1]
+        d = q.data.clone()
+        if d.dtype == torch.uint8:  # e2m1, two codes a byte: columns kb*bk .. of K are bytes kb*bk/2 ..
+            cols = slice(self.kb * bk // 2, (self.kb + 1) * bk // 2)
+            b = d[:, cols]
+            lo, hi = b & 0x0F, b >> 4
+            lo = torch.where((lo & 0x7) != 0, (lo & 0x8) | ((lo & 0x7) % 7 + 1), lo)
+            hi = torch.where((hi & 0x7) != 0, (hi & 0x8) | ((hi & 0x7) % 7 + 1), hi)
+            d[:, cols] = lo | (hi << 4)
+        else:  # e4m3: one code a byte
+            v = d.view(torch.uint8)[:, self.kb * bk:(self.kb + 1) * bk]
+            mag = v & 0x7F
+            v.copy_(torch.where((mag != 0) & (mag < 0x7E), v + 1, v))
+        return replace(q, data=d)
+
+
+class IgnoresRowStride(_QuantizerFault):
+    def quantize_activation(self, x, **act_opts):
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(0) != x2.shape[1]:  # the bug: stride_xm taken to be K
+            x2 = torch.as_strided(x2, x2.shape, (x2.shape[1], 1))
+        return super().quantize_activation(x2, **act_opts)
+
+
+class RowsFrom16(TritonBackend):
+    tile, only_n = 0, None
+
+    def _bad(self, y, n):
+        y2 = y.reshape(-1, y.shape[-1])
+        if _hits(self.only_n, n) and y2.shape[0] > 16:
+            y = y.clone()
+            y.reshape(-1, y.shape[-1])[16:, self.tile * 128:(self.tile + 1) * 128] *= 0.5
+        return y
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        return self._bad(super().gemm(xq, prepared, bias, out_dtype), prepared.rows)
+
+    def run(self, x, prepared, bias=None, **act_opts):
+        return self._bad(super().run(x, prepared, bias, **act_opts), prepared.rows)
+
+
+def truncate_to_bf16(y: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16 rounding toward zero: the low 16 bits of each float32 dropped."""
+    return (y.contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class TruncatedEpilogue(TritonBackend):
+    only_n = None
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        if not _hits(self.only_n, prepared.rows) or out_dtype != torch.bfloat16:
+            return super().gemm(xq, prepared, bias, out_dtype)
+        return truncate_to_bf16(super().gemm(xq, prepared, bias, out_dtype=torch.float32))
+
+    def run(self, x, prepared, bias=None, **act_opts):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self.gemm(self.quantize_activation(x2, **act_opts), prepared, bias, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], -1)
 
 
 @contextlib.contextmanager

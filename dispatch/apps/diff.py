@@ -1,63 +1,94 @@
-"""``b12x-dual diff``: find the first layer and block where an implementation departs from the oracle.
+"""``b12x-dual diff``: is the checkpoint sound, and where does an implementation first depart from the oracle?
 
-    b12x-dual diff MODEL [--layers GLOB,...] [--text "..." | --inputs FILE] [--json PATH] [--plot DIR]
+    b12x-dual diff MODEL [--layers GLOB,...] [--tokens M,M,...] [--text "..." | --inputs FILE] [--json PATH] [--plot DIR]
     b12x-dual diff --replay FILE
 
 MODEL: a compressed-tensors / ModelOpt / Fp8Config checkpoint folder, this project's safetensors
 file (save_quantized), or a folder whose config.json builds a transformers model (quantized here to
-``--format``); dispatch.apps.diff_models reads them. Every quantized linear (or the ``--layers``
-selection: names or fnmatch globs, comma-separated) is run by every implementation of
-dispatch.registry.IMPLS that this device supports (reference, triton, hopper, cute, ...) on
-identical quantized operands: the seeded random activations (default, ``--tokens`` rows), the
-model's own inputs on ``--text``, or ``--inputs FILE``.
+``--format``); dispatch.apps.diff_models reads them, in the model's forward order. Every quantized
+linear (or the ``--layers`` selection: names or fnmatch globs, comma-separated; ``layers.0...`` and
+``model.layers.0...`` name the same layer) goes through two stages.
 
-Per layer and implementation (dispatch.check.compare_backend):
+The checkpoint stage, before any kernel runs (formats.validate.scan_values): NaN weight codes (e4m3
+0x7F/0xFF), NaN, Inf, zero or negative scales, E8M0 bytes 0xFF (NaN), each with its positions; and
+the oracle (formats.reference_linear) on the layer's finite inputs, where a non-finite output is a
+finding too. Findings say whether the checkpoint is sound; they are not implementation failures.
+
+The implementation stage: every implementation of dispatch.registry.IMPLS that this device supports
+(reference, triton, hopper, cute, ...) on identical quantized operands, for every token count M
+whose route differs on this device (:func:`auto_tokens`: a decode M, an M above 16, a prefill M and
+each M where an implementation's kernels, tile, split-K or compile options change; or ``--tokens``),
+with seeded random activations, the model's own inputs on ``--text``, or ``--inputs FILE``. Per
+layer, M and implementation (dispatch.check.compare_backend):
   activation  which bytes of quantize_activation(x) differ from formats.quantize: codes per row and
               scale block, block scales, global scale;
   gemm        the GEMM on the oracle's quantized activation against formats.reference_linear, per
               (row, 128-column tile), in multiples of the element-wise bound of formats/bounds.py
-              (printed, with its derivation);
+              (printed, with its derivation), and its bias (dispatch.check.bias_stats);
   linear      the whole call (apply) the same way;
-and the first bad block: layer, implementation, row, column tile (or K-block), and whether the
-activation quantization or the GEMM departs first. ``--plot DIR`` writes a heat map per layer and
-implementation (rows x column tiles, log10 error/bound).
+the route each M took per implementation (Backend.route), and the first departure: layer (in
+forward order), M, implementation, row, column tile (or K-block with its columns), and whether the
+activation quantization or the GEMM departs first. ``--plot DIR`` writes a heat map per layer, M
+and implementation (rows x column tiles, log10 error/bound).
 
 ``--replay FILE`` reruns a call captured by the watchdog (B12X_CHECK; dispatch.replay) on this
-machine with every implementation available here, rechecks the output recorded in the file against
-the oracle, and says whether the divergence reproduces.
+machine with every implementation available here, on the input layout the call had (strides,
+storage offset), rechecks the output recorded in the file against the oracle on the
+implementation's recorded quantized activation, prints the watchdog's own report beside it, and
+says whether the divergence reproduces.
 
-Exit status: 0 when every implementation is within its bounds, 1 otherwise, 2 for bad arguments
-(named: a missing MODEL, a --layers glob that matches nothing, an unreadable or foreign or newer
-replay file, ...).
+Exit status: 0 the checkpoint is sound and every implementation agrees with the oracle; 1 an
+implementation departs (or raised), the checkpoint sound; 3 the checkpoint is not sound, every
+implementation agrees; 4 both; 2 bad arguments (named: a missing MODEL, a --layers glob that
+matches nothing, an unreadable or foreign or newer replay file, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
+import formats
 from dispatch import check, registry
 from dispatch.api import library_versions
+from dispatch.devices import DeviceInfo
+from formats.validate import UNSOUND, describe_finding, scan_scalar, scan_values
 
 from . import _harness as H
 from . import argtypes as A
 from . import diff_models as DM
 
+EXIT_OK, EXIT_DEPARTS, EXIT_ARGS, EXIT_CHECKPOINT, EXIT_BOTH = 0, 1, 2, 3, 4
+"""Exit statuses: sound and agreeing; an implementation departs; bad arguments; the checkpoint is
+not sound (implementations agree); both."""
+
+DECODE_M, ABOVE_16_M, PREFILL_M = 1, 17, 300
+"""The token counts every default run covers: a decode call, the first M past the 16-row decode
+buckets, and a prefill M (over 256, no power of two, so every M tile is partly filled)."""
+MAX_AUTO_M = 4096
+""":func:`auto_tokens` looks for route changes from M = 1 to this."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------------
-def backends_here(variant: str, M: int, N: int, K: int, dtype: torch.dtype, device: str,
+def _device_info(device: Union[str, DeviceInfo]) -> DeviceInfo:
+    return device if isinstance(device, DeviceInfo) else H.running_device(device)
+
+
+def backends_here(variant: str, M: int, N: int, K: int, dtype: torch.dtype, device: Union[str, DeviceInfo],
                   impls: Optional[list[str]] = None) -> tuple[dict, dict]:
-    """({impl: Backend} that can run this call on ``device``, {impl: why not}) over registry.IMPLS
+    """({impl: Backend} that can run this call on ``device`` (a torch device name, or a DeviceInfo
+    such as dispatch.devices.KNOWN_DEVICES["h200"]), {impl: why not}) over registry.IMPLS
     (``impls``: a subset), in registry order."""
-    dev = H.running_device(device)
+    dev = _device_info(device)
     run, skipped = {}, {}
     for impl in registry.IMPLS:
         if impls is not None and impl not in impls:
@@ -71,42 +102,111 @@ def backends_here(variant: str, M: int, N: int, K: int, dtype: torch.dtype, devi
     return run, skipped
 
 
+def _route(backend, M: int, N: int, K: int, dtype, dev, opts: dict):
+    try:
+        return backend.route(registry.Problem(backend.variant, M, N, K, dtype), dev, **opts)
+    except Exception as e:  # noqa: BLE001  (reported as such; it must not stop the diff)
+        return f"(route unavailable: {type(e).__name__}: {e})"
+
+
+def route_key(route) -> tuple:
+    """What distinguishes two routes: the kernels launched, the tile and split-K (kernels_triton.Route;
+    not the compile-time int classes in ``options``, which alternate with M's divisibility); the
+    text of a route that cannot be computed."""
+    if isinstance(route, str):
+        return (route,)
+    return (route.kernels, route.tile, route.split_k)
+
+
+def route_short(route) -> str:
+    """A route in one short phrase: kernels, tile, split-K (no reason)."""
+    if isinstance(route, str):
+        return route
+    if not route.kernels:
+        return "formats.reference_linear (float64 oracle, no kernel)"
+    tile = f" tile {route.tile}" if route.tile else ""
+    split = f" SPLIT_K={route.split_k}" if route.split_k > 1 and "splitk" not in route.tile else ""
+    return " -> ".join(route.kernels) + tile + split
+
+
+def auto_tokens(variant: str, N: int, K: int, dtype: torch.dtype, device: Union[str, DeviceInfo],
+                impls: Optional[list[str]] = None, act_opts: Optional[dict] = None) -> list[int]:
+    """The token counts a default diff of a (variant, N, K) layer runs: {DECODE_M, ABOVE_16_M,
+    PREFILL_M} and every M in 1..MAX_AUTO_M at which the route (:func:`route_key`) of an
+    implementation that runs on ``device`` (a torch device name or a DeviceInfo) changes, ascending.
+    Pure: Backend.route, so a described device gives the answer the real one would. ``act_opts``:
+    the layer's activation options (a static scale drops the amax kernel from a route)."""
+    opts = tuple(sorted(k for k, v in (act_opts or {}).items() if v is not None))
+    return list(_auto_tokens(variant, N, K, dtype, device, None if impls is None else tuple(impls), opts))
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_tokens(variant, N, K, dtype, device, impls, opts) -> tuple[int, ...]:
+    dev = _device_info(device)
+    run, _ = backends_here(variant, DECODE_M, N, K, dtype, device, None if impls is None else list(impls))
+    # a static scale's value does not change a route; its presence does (no amax kernel)
+    static = {k: 1.0 for k in opts}
+    ms = {DECODE_M, ABOVE_16_M, PREFILL_M}
+    for backend in run.values():
+        prev = None
+        for M in range(1, MAX_AUTO_M + 1):
+            key = route_key(_route(backend, M, N, K, dtype, dev, static))
+            if key != prev:
+                ms.add(M)
+                prev = key
+    return tuple(sorted(ms))
+
+
 def diff_layer(layer: DM.Layer, x: torch.Tensor, device: str, impls: Optional[list[str]] = None,
                input_source: str = "") -> dict[str, Any]:
-    """Every implementation available here on one layer: {"layer", "variant", "M", "N", "K", "input",
-    "results": {impl: compare_backend result}, "skipped": {impl: reason}, "routes": {impl: text},
-    "first": {impl, stage, row, tile|kblock} or None, "ok"}."""
-    x2 = x.reshape(-1, x.shape[-1]).to(device)
+    """Every implementation available here on one layer and one input: {"layer", "variant", "M",
+    "N", "K", "input", "results": {impl: compare_backend result}, "skipped": {impl: reason},
+    "routes": {impl: Route.describe()}, "route_short": {impl: kernels and tile}, "first": {impl,
+    stage, row, tile|kblock, ...} or None, "ok"}. ``x`` keeps its strides (a replayed call's layout)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.device != torch.device(device):
+        x2 = x2.to(device)
     M, K = x2.shape
     N = layer.qweight.rows
     qw = layer.qweight.to(device)
     bias = None if layer.bias is None else layer.bias.to(device=device, dtype=x2.dtype)
     opts = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in layer.act_opts.items()}
     run, skipped = backends_here(layer.variant, M, N, K, x2.dtype, device, impls)
-    results, routes = {}, {}
+    results, routes, short = {}, {}, {}
     dev = H.running_device(device)
     for impl, backend in run.items():
         with torch.no_grad():
             results[impl] = check.compare_backend(backend, qw, x2, bias, act_opts=opts,
                                                   device_kind=torch.device(device).type)
-        routes[impl] = check.route_of(backend, M, N, K, x2.dtype, dev, opts)
+        r = _route(backend, M, N, K, x2.dtype, dev, opts)
+        routes[impl] = r if isinstance(r, str) else r.describe()
+        short[impl] = route_short(r)
     firsts = [(impl, r["first"]) for impl, r in results.items() if r["first"] is not None]
     errors = {impl: r["error"] for impl, r in results.items() if r["error"]}
     first = None
     if firsts:
         impl, f = firsts[0]
-        first = {"impl": impl, **f, "weight": results[impl]["weight"]}
+        first = {"impl": impl, "M": M, **f, "weight": results[impl]["weight"]}
     elif errors:
         impl = next(iter(errors))
-        first = {"impl": impl, "stage": "error", "detail": errors[impl]}
+        first = {"impl": impl, "M": M, "stage": "error", "detail": errors[impl]}
     return {"layer": layer.name, "variant": layer.variant, "M": M, "N": N, "K": K, "input": input_source,
-            "results": results, "skipped": skipped, "routes": routes, "first": first,
+            "results": results, "skipped": skipped, "routes": routes, "route_short": short, "first": first,
             "ok": all(r["ok"] for r in results.values())}
 
 
-def layer_inputs(model: DM.Model, layers: list[DM.Layer], *, tokens: int, dtype: torch.dtype, seed: int,
-                 text: Optional[str], inputs: Optional[str]) -> dict[str, tuple[torch.Tensor, str]]:
-    """{layer: (x [M, K], where it came from)}: --inputs, --text, or seeded random activations."""
+def _lookup(got: dict, name: str):
+    for n in DM.spellings(name):
+        if n in got:
+            return got[n]
+    return None
+
+
+def layer_inputs(model: DM.Model, layers: list[DM.Layer], *, tokens: Optional[list[int]], dtype: torch.dtype,
+                 seed: int, text: Optional[str], inputs: Optional[str], device: str = "cpu",
+                 impls: Optional[list[str]] = None) -> dict[str, list[tuple[torch.Tensor, str]]]:
+    """{layer: [(x [M, K], where it came from), ...]}: the --inputs or --text activations (their
+    own M), else seeded random activations of each M of ``tokens`` (None: :func:`auto_tokens`)."""
     got: dict[str, torch.Tensor] = {}
     source = "random"
     if inputs:
@@ -115,65 +215,145 @@ def layer_inputs(model: DM.Model, layers: list[DM.Layer], *, tokens: int, dtype:
         got, source = DM.capture_text(model, text, dtype), "--text"
     out = {}
     for i, lay in enumerate(layers):
-        if lay.name in got:
-            x = got[lay.name]
+        x = _lookup(got, lay.name)
+        if x is not None:
             if x.shape[-1] != lay.qweight.k:
                 raise ValueError(f"{source}: the input of layer {lay.name!r} has K={x.shape[-1]}, the layer "
                                  f"K={lay.qweight.k}")
-            out[lay.name] = (x.reshape(-1, x.shape[-1]).to(dtype), source)
-        else:
-            gen = torch.Generator().manual_seed(seed * 100003 + i)
-            x = H.make_input((tokens, lay.qweight.k), dtype, gen, "cpu")
-            out[lay.name] = (x, f"random (seed {seed}, {tokens} rows)" + (
-                "" if source == "random" else f"; not in {source}"))
+            out[lay.name] = [(x.reshape(-1, x.shape[-1]).to(dtype), source)]
+            continue
+        ms = tokens or auto_tokens(lay.variant, lay.qweight.rows, lay.qweight.k, dtype, device, impls, lay.act_opts)
+        out[lay.name] = []
+        for m in ms:
+            gen = torch.Generator().manual_seed((seed * 100003 + i) * 8191 + m)
+            x = H.make_input((m, lay.qweight.k), dtype, gen, "cpu")
+            out[lay.name].append((x, f"random (seed {seed}, {m} rows)" + (
+                "" if source == "random" else f"; not in {source}")))
     return out
 
 
-def run_diff(model_path: str, *, layers: Optional[list[str]] = None, fmt: str = "nvfp4", tokens: int = 16,
-             dtype: torch.dtype = torch.bfloat16, seed: int = 0, text: Optional[str] = None,
-             inputs: Optional[str] = None, impls: Optional[list[str]] = None, device: Optional[str] = None,
-             progress: bool = True, save_inputs: Optional[str] = None) -> dict[str, Any]:
-    """The diff of a MODEL as a JSON-able dict (grids as lists). Raises ValueError for bad arguments
-    (named): see dispatch.apps.diff_models.load_model and select."""
+# ---------------------------------------------------------------------------------------------
+# The checkpoint stage
+# ---------------------------------------------------------------------------------------------
+NONFINITE_OUTPUT = ("non-finite oracle output(s) for finite input rows: the layer's own codes and scales "
+                    "give NaN or Inf (output column n is weight row n)")
+
+
+def oracle_findings(layer: DM.Layer, x: torch.Tensor, device: str, limit: int = 8) -> list[dict]:
+    """The oracle (formats.reference_linear) on ``x``: a finding where an input row that is finite
+    gives a non-finite output, with positions {"M", "row", "column"}."""
+    a16 = registry.variant(layer.variant).a16
+    x2 = x.reshape(-1, x.shape[-1]).to(device)
+    bias = None if layer.bias is None else layer.bias.to(device=device, dtype=x2.dtype)
+    opts = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in layer.act_opts.items()}
+    with torch.no_grad():
+        ref = formats.reference_linear(x2, layer.qweight.to(device), bias, a16=a16, out_dtype=x2.dtype, **opts)
+    bad = ~torch.isfinite(ref.cpu()) & torch.isfinite(x2.cpu()).all(dim=1, keepdim=True)
+    n = int(bad.sum())
+    if not n:
+        return []
+    pos = [{"M": x2.shape[0], "row": int(r), "column": int(c)} for r, c in bad.nonzero()[:limit].tolist()]
+    return [{"tensor": "oracle output", "kind": "nonfinite_output", "severity": UNSOUND, "count": n,
+             "what": NONFINITE_OUTPUT, "positions": pos}]
+
+
+def checkpoint_stage(layers: list[DM.Layer], xs: dict, refused: dict, device: str) -> dict[str, Any]:
+    """The checkpoint stage (before any kernel): per layer, formats.validate.scan_values of the
+    weight, scan_scalar of static activation scales, the oracle's finiteness on each finite input
+    (:func:`oracle_findings`), and the findings of modules the converters refused (``refused``).
+    Returns {"sound": no finding of severity "unsound", "findings": [{"layer", **finding}, ...] in
+    forward order, "layers": {layer: [findings]}}."""
+    per: dict[str, list[dict]] = {}
+    for name, fs in refused.items():
+        per[name] = [dict(f, refused=True) for f in fs]
+    for lay in layers:
+        fs = scan_values(lay.qweight, name="weight")
+        for key, t in lay.act_opts.items():
+            if isinstance(t, torch.Tensor):
+                fs += scan_scalar(t, f"input {key}")
+        for x, _src in xs.get(lay.name, []):
+            got = oracle_findings(lay, x, device)
+            if got:
+                fs += got
+                break  # the first M that shows it
+        if fs:
+            per[lay.name] = fs
+    findings = [{"layer": name, **f} for name, fs in per.items() for f in fs]
+    return {"sound": not any(f["severity"] == UNSOUND for f in findings), "findings": findings, "layers": per}
+
+
+def run_diff(model_path: str, *, layers: Optional[list[str]] = None, fmt: str = "nvfp4",
+             tokens: Optional[list[int]] = None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+             text: Optional[str] = None, inputs: Optional[str] = None, impls: Optional[list[str]] = None,
+             device: Optional[str] = None, progress: bool = True, save_inputs: Optional[str] = None) -> dict[str, Any]:
+    """The diff of a MODEL as a JSON-able dict (grids as lists). ``tokens``: the M of each run (None:
+    :func:`auto_tokens` per layer). Raises ValueError for bad arguments (named): see
+    dispatch.apps.diff_models.load_model and select."""
     device = device or H.default_device()
     model = DM.load_model(model_path, fmt, layers)
-    chosen = DM.select(model.layers, layers)
-    xs = layer_inputs(model, chosen, tokens=tokens, dtype=dtype, seed=seed, text=text, inputs=inputs)
+    chosen = DM.select(model.layers, layers, also=tuple(model.refused))
+    refused = {n: f for n, f in model.refused.items() if not layers or any(DM.matches(n, p) for p in layers)}
+    xs = layer_inputs(model, chosen, tokens=tokens, dtype=dtype, seed=seed, text=text, inputs=inputs,
+                      device=device, impls=impls)
     if save_inputs:
         from safetensors.torch import save_file
 
-        save_file({k: v[0].contiguous() for k, v in xs.items()}, save_inputs)
+        save_file({k: v[0][0].contiguous() for k, v in xs.items()}, save_inputs)
+    ckpt = checkpoint_stage(chosen, xs, refused, device)
     out_layers = []
-    with H.Progress(len(chosen), "diff", enabled=progress) as bar:
+    with H.Progress(sum(len(v) for v in xs.values()), "diff", enabled=progress) as bar:
         for lay in chosen:
-            x, src = xs[lay.name]
-            r = diff_layer(lay, x, device, impls, src)
-            out_layers.append(r)
-            bar.advance(f"{lay.name} {'ok' if r['ok'] else 'DEPARTS'}")
-    return _result(model_path, model.kind, out_layers, model.skipped)
+            for x, src in xs[lay.name]:
+                r = diff_layer(lay, x, device, impls, src)
+                r["checkpoint"] = ckpt["layers"].get(lay.name, [])
+                out_layers.append(r)
+                bar.advance(f"{lay.name} M={r['M']} {'ok' if r['ok'] else 'DEPARTS'}")
+    return _result(model_path, model.kind, out_layers, model.skipped, ckpt, order=model.order)
 
 
-def _result(source: str, kind: str, out_layers: list[dict], skipped_modules: dict) -> dict[str, Any]:
+def exit_status(agree: bool, sound: bool) -> int:
+    """:data:`EXIT_OK`, :data:`EXIT_DEPARTS`, :data:`EXIT_CHECKPOINT` or :data:`EXIT_BOTH`."""
+    if agree:
+        return EXIT_OK if sound else EXIT_CHECKPOINT
+    return EXIT_DEPARTS if sound else EXIT_BOTH
+
+
+def _result(source: str, kind: str, out_layers: list[dict], skipped_modules: dict, ckpt: dict,
+            order: str = "") -> dict[str, Any]:
     first = next(({"layer": r["layer"], **r["first"]} for r in out_layers if r["first"] is not None), None)
-    return {"tool": "b12x-dual diff", "model": source, "kind": kind, "device": H.device_report(),
-            "versions": library_versions(), "layers": out_layers, "not_quantized": skipped_modules,
-            "first": first, "ok": all(r["ok"] for r in out_layers)}
+    agree = all(r["ok"] for r in out_layers)
+    tokens: dict[str, list[int]] = {}
+    for r in out_layers:
+        tokens.setdefault(r["layer"], []).append(r["M"])
+    res = {"tool": "b12x-dual diff", "model": source, "kind": kind, "device": H.device_report(),
+           "versions": library_versions(), "order": order, "tokens": tokens, "layers": out_layers,
+           "not_quantized": skipped_modules, "checkpoint": ckpt, "first": first, "agree": agree,
+           "ok": agree and ckpt["sound"], "exit": exit_status(agree, ckpt["sound"])}
+    res["verdict"] = verdict(res)
+    return res
 
 
 # ---------------------------------------------------------------------------------------------
 # Replay
 # ---------------------------------------------------------------------------------------------
 def run_replay(path: str, *, impls: Optional[list[str]] = None, device: Optional[str] = None) -> dict[str, Any]:
-    """Rerun a replay file here. Returns run_diff's fields plus "replay": {"layer", "impl", "variant",
-    "recorded_on", "recorded_output": check of the file's y against the oracle here (or None),
-    "reproduces": True/False, or None when the recorded implementation cannot run here,
-    "why_not_here"}. Raises ValueError naming the file (dispatch.replay.read)."""
+    """Rerun a replay file here, on the input layout the call had (dispatch.replay.rebuild_x).
+    Returns run_diff's fields plus "replay": {"layer", "impl", "variant", "route", "recorded_on",
+    "recorded_versions", "recorded_report" (the watchdog's), "recorded_output": check of the file's y
+    against the oracle here on the recorded quantized activation (or None), "stage_rechecked":
+    whether the file holds that activation, "layout": how x was rebuilt (or "input layout
+    differs: ..."), "layout_rebuilt": bool, "reproduces": True/False, or None when the recorded
+    implementation cannot run here, "why_not_here", "version"}. Raises ValueError naming the file
+    (dispatch.replay.read)."""
     from dispatch import replay
 
     rp = replay.read(path)
     device = device or H.default_device()
     layer = DM.Layer(rp.layer, rp.variant, rp.qweight, rp.bias, rp.act_opts)
-    r = diff_layer(layer, rp.x, device, impls, f"replay {Path(path).name}")
+    x, how = replay.rebuild_x(rp, device)
+    ckpt = checkpoint_stage([layer], {rp.layer: [(rp.x, "")]}, {}, device)
+    r = diff_layer(layer, x, device, impls, f"replay {Path(path).name}")
+    r["checkpoint"] = ckpt["layers"].get(rp.layer, [])
     rec_kind = rp.meta.get("device", {}).get("kind", "cpu")
     recorded = None
     if rp.y is not None:
@@ -181,21 +361,25 @@ def run_replay(path: str, *, impls: Optional[list[str]] = None, device: Optional
         if backend is not None and not isinstance(backend, registry.UnsupportedEntry):
             recorded = _recheck_output(backend, rp, rec_kind)
     res = r["results"].get(rp.impl)
+    a16 = registry.variant(rp.variant).a16
     info = {"layer": rp.layer, "impl": rp.impl, "variant": rp.variant, "route": rp.meta.get("route", ""),
             "recorded_on": rp.meta.get("device", {}), "recorded_versions": rp.meta.get("versions", {}),
             "recorded_report": rp.meta.get("report", {}), "recorded_output": recorded,
+            "stage_rechecked": rp.xq is not None or a16, "version": rp.version,
+            "layout": how, "layout_rebuilt": not how.startswith("input layout differs"),
             "reproduces": None if res is None else (not res["ok"]),
             "why_not_here": r["skipped"].get(rp.impl, "" if res is not None else f"{rp.impl} is not known here")}
-    out = _result(path, "replay file", [r], {})
+    out = _result(path, "replay file", [r], {}, ckpt)
     out["replay"] = info
     return out
 
 
 def _recheck_output(backend, rp, rec_kind: str) -> dict[str, Any]:
-    """The file's recorded output against the oracle here, with the bound of the device that produced it."""
+    """The file's recorded output against the oracle here, with the bound of the device that produced
+    it, on the implementation's recorded quantized activation where the file has it (version 2)."""
     with torch.no_grad():
         res = check.check_call(backend, rp.qweight, rp.x, rp.y, rp.bias, rp.act_opts, device_kind=rec_kind,
-                               requantize=False)
+                               requantize=False, xq=rp.xq)
     return check.summarize(res)
 
 
@@ -220,14 +404,20 @@ def _act_str(act) -> str:
 def _stage_str(st) -> str:
     if st is None:
         return "-"
-    return f"{H.fmt_num(st['worst'])}" + (f" ({st['n_bad']} bad)" if st["n_bad"] else "")
+    out = f"{H.fmt_num(st['worst'])}" + (f" ({st['n_bad']} bad)" if st["n_bad"] else "")
+    b = st.get("bias")
+    if b and b.get("flagged"):
+        out += f" BIASED {b[b['which']]:+.2g}"
+    return out
 
 
 def first_line(first: Optional[dict]) -> str:
-    """The first bad block of a report as one line."""
+    """The first departure of a report as one line."""
     if first is None:
         return "every implementation is within its bounds on every layer"
-    head = f"layer {first['layer']}, {first['impl']}: " if "layer" in first else f"{first['impl']}: "
+    head = f"layer {first['layer']}" if "layer" in first else ""
+    head += f" (M={first['M']})" if "M" in first else ""
+    head = (head + ", " if head else "") + f"{first['impl']}: "
     if first["stage"] == "error":
         return head + f"raised {first['detail']}"
     return head + check.describe_first(first) + _weight_note(first.get("weight"))
@@ -242,20 +432,59 @@ def _weight_note(w) -> str:
 
 
 def first_weight_what(what: str) -> str:
-    return {"codes": "a code", "scale": "a block scale", "global_scale": "the global scale"}.get(what, what)
+    return {"codes": "a code", "scale": "a block scale", "global_scale": "the global scale",
+            "tensor_scale": "the per-tensor scale"}.get(what, what)
+
+
+def checkpoint_line(ckpt: dict) -> str:
+    """Whether the checkpoint is sound, as one statement (the first finding when it is not)."""
+    bad = [f for f in ckpt["findings"] if f["severity"] == UNSOUND]
+    if not bad:
+        warn = len(ckpt["findings"])
+        return ("the checkpoint is sound (no NaN code; no NaN, Inf, zero or negative scale; the oracle finite on "
+                "every finite input)" + (f"; {warn} warning(s)" if warn else ""))
+    layers = sorted({f["layer"] for f in bad})
+    f = bad[0]
+    return (f"the checkpoint is NOT sound: {len(bad)} finding(s) in {len(layers)} layer(s); first: layer "
+            f"{f['layer']}: {describe_finding(f)}")
+
+
+def verdict(result: dict[str, Any]) -> str:
+    """The final line: the implementations' statement, the checkpoint's statement, the exit status."""
+    if result["agree"]:
+        impl = "every implementation agrees with the oracle (within its bound, no bias) on every layer and M"
+    else:
+        impl = "an implementation departs from the oracle (" + first_line(result["first"]) + ")"
+    return f"{impl}; {checkpoint_line(result['checkpoint'])} (exit {result['exit']})"
+
+
+def _where(f) -> str:
+    if f is None:
+        return "-"
+    if "bias" in f:
+        return f"{f['stage']} bias"
+    if f["stage"] == "activation":
+        return f"act row {f['row']} kblk {f['kblock']}"
+    return f"{f['stage']} row {f['row']} tile {f['tile']}"
 
 
 def print_report(result: dict[str, Any], *, plain: bool = False) -> None:
-    """The rich table (one row per layer and implementation), the bounds, skips and the first bad block."""
+    """The checkpoint findings, the table (one row per layer, M and implementation), the bounds, the
+    routes each M took, skips, the replay's context, the first departure and the verdict."""
+    ckpt = result["checkpoint"]
+    if ckpt["findings"]:
+        H.print_table(f"checkpoint stage ({len(ckpt['findings'])} finding(s), before any kernel ran)",
+                      ["layer", "severity", "tensor", "count", "finding"],
+                      [[f["layer"], f["severity"], f["tensor"], f["count"],
+                        describe_finding(f).split(": ", 1)[1] + (" (not run: the converters refuse it)"
+                                                                 if f.get("refused") else "")]
+                       for f in ckpt["findings"]], plain=plain)
     rows = []
     bounds = {}
     for r in result["layers"]:
         for impl, res in r["results"].items():
-            f = res["first"]
-            where = "-" if f is None else (f"act row {f['row']} kblk {f['kblock']}" if f["stage"] == "activation"
-                                           else f"{f['stage']} row {f['row']} tile {f['tile']}")
             rows.append([r["layer"], r["variant"], f"{r['M']}x{r['N']}x{r['K']}", impl, _act_str(res["activation"]),
-                         _stage_str(res["gemm"]), _stage_str(res["linear"]), where,
+                         _stage_str(res["gemm"]), _stage_str(res["linear"]), _where(res["first"]),
                          "ok" if res["ok"] else ("ERROR" if res["error"] else "DEPARTS")])
             bounds[(impl, r["variant"], res["out_dtype"])] = res["bound"]
     H.print_table(f"b12x-dual diff {result['model']} ({result['kind']}) on {result['device']['name']}: "
@@ -264,36 +493,56 @@ def print_report(result: dict[str, Any], *, plain: bool = False) -> None:
                    "first bad block", "status"], rows, plain=plain)
     for (impl, variant, dt), text in bounds.items():
         print(f"bound {impl} {variant} {dt}: {text}")
+    routes: dict[tuple, list[str]] = {}
+    for r in result["layers"]:
+        for impl, text in r.get("route_short", {}).items():
+            if impl != "reference":  # the oracle: formats.reference_linear at every M, no kernel
+                routes.setdefault((r["variant"], r["M"], impl, text), []).append(r["layer"])
+    if routes:
+        print("routes exercised (Backend.route on this device: kernels, tile; the reference runs no kernel):")
+        for (variant, m, impl, text), names in routes.items():
+            print(f"  {variant} M={m} {impl}: {text} ({len(names)} layer(s))")
+    if result.get("order"):
+        print(f"layer order: {result['order']}")
     skipped = {}
     for r in result["layers"]:
         for impl, why in r["skipped"].items():
-            skipped.setdefault((impl, why), []).append(r["layer"])
+            skipped.setdefault((impl, why), set()).add(r["layer"])
     for (impl, why), names in skipped.items():
         print(f"not run: {impl} on {len(names)} layer(s): {why}")
     for r in result["layers"]:
         for impl, res in r["results"].items():
             if res["error"]:
-                print(f"ERROR {r['layer']} {impl}: {res['error']}")
+                print(f"ERROR {r['layer']} M={r['M']} {impl}: {res['error']}")
     if "replay" in result:
         rp = result["replay"]
         dev = rp["recorded_on"]
-        print(f"replay of layer {rp['layer']}: recorded on {dev.get('name', '?')} ({dev.get('capability', dev.get('kind', '?'))}) "
-              f"with {rp['impl']} ({rp['variant']}), route: {rp['route'] or '-'}")
+        print(f"replay of layer {rp['layer']} (file version {rp['version']}): recorded on {dev.get('name', '?')} "
+              f"({dev.get('capability', dev.get('kind', '?'))}) with {rp['impl']} ({rp['variant']}), "
+              f"route: {rp['route'] or '-'}")
+        print(rp["layout"])
+        reported = (rp.get("recorded_report") or {}).get("first")
+        print("recorded by the watchdog: " + (check.describe_first(reported) if reported else "(no report in the file)"))
         rec = rp["recorded_output"]
         if rec is not None:
+            stage = ("" if rp["stage_rechecked"] else " (the file holds no quantized activation of the implementation "
+                     "(version 1): the output is checked on the oracle's, so an activation fault reads as a gemm one)")
             print("recorded output against the oracle here: " + (
-                "within the bound" if rec["ok"] else check.describe_first(rec["first"])))
+                "within the bound" if rec["ok"] else check.describe_first(rec["first"])) + stage)
         if rp["reproduces"] is None:
             print(f"reproduces here: cannot tell: {rp['impl']} does not run here ({rp['why_not_here']})")
         else:
-            print(f"reproduces here: {'YES' if rp['reproduces'] else 'no'} ({rp['impl']} rerun on this machine)")
+            print(f"reproduces here: {'YES' if rp['reproduces'] else 'no'} ({rp['impl']} rerun on this machine"
+                  + ("" if rp["layout_rebuilt"] else ", on a contiguous copy of x") + ")")
     print("first bad block: " + first_line(result["first"]))
+    print("verdict: " + result["verdict"])
     sys.stdout.flush()
 
 
 def plot(result: dict[str, Any], folder: str) -> list[str]:
-    """A heat map per layer and implementation: rows x column tiles, log10(error / bound) of the gemm
-    stage (linear where there is no gemm). Returns the files written; [] without matplotlib (said)."""
+    """A heat map per layer, M and implementation: rows x column tiles, log10(error / bound) of the
+    gemm stage (linear where there is no gemm); named <layer>-<impl>.png, or <layer>-M<M>-<impl>.png
+    where a layer ran several M. Returns the files written; [] without matplotlib (said)."""
     try:
         import matplotlib
 
@@ -305,6 +554,7 @@ def plot(result: dict[str, Any], folder: str) -> list[str]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     written = []
     for r in result["layers"]:
+        several = len(result.get("tokens", {}).get(r["layer"], [])) > 1
         for impl, res in r["results"].items():
             st = res["gemm"] or res["linear"]
             if st is None:
@@ -316,11 +566,12 @@ def plot(result: dict[str, Any], folder: str) -> list[str]:
                            interpolation="nearest")
             ax.set_xlabel(f"column tile ({check.TILE_N} columns)")
             ax.set_ylabel("row")
-            ax.set_title(f"{r['layer']} {impl} {st['stage']}: log10(error / bound)", fontsize=8)
+            ax.set_title(f"{r['layer']} M={r['M']} {impl} {st['stage']}: log10(error / bound)", fontsize=8)
             fig.colorbar(im, ax=ax)
             if st["first"] is not None:
                 ax.scatter([st["first"]["tile"]], [st["first"]["row"]], marker="x", color="cyan")
-            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{r['layer']}-{impl}") + ".png"
+            stem = f"{r['layer']}-M{r['M']}-{impl}" if several else f"{r['layer']}-{impl}"
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) + ".png"
             fig.tight_layout()
             fig.savefig(Path(folder) / name, dpi=100)
             plt.close(fig)
@@ -367,7 +618,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", type=A.input_file, default=None, metavar="FILE",
                    help="rerun a replay file written by the watchdog (B12X_CHECK)")
     p.add_argument("--layers", default=None, metavar="GLOB[,GLOB]",
-                   help="layer names or fnmatch globs, comma-separated (default: every quantized linear)")
+                   help="layer names or fnmatch globs, comma-separated, with or without the 'model.' prefix "
+                        "(default: every quantized linear)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", default=None, help="capture each linear's input from the model's forward on this text")
     src.add_argument("--inputs", type=A.input_file, default=None, metavar="FILE",
@@ -378,7 +630,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what a transformers model folder is quantized to (default nvfp4)")
     p.add_argument("--impls", type=A.choice_list(registry.IMPLS, "implementation"), default=None,
                    help=f"comma list from {','.join(registry.IMPLS)} (default: every one this device runs)")
-    p.add_argument("--tokens", type=A.positive_int, default=16, help="rows of the random activations (default 16)")
+    p.add_argument("--tokens", type=A.int_list, default=None, metavar="M[,M]",
+                   help="rows of the random activations, one run per M (default: a decode M, 17, 300 and every "
+                        "M at which a route changes on this device)")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--seed", type=A.nonnegative_int, default=0)
     p.add_argument("--device", type=A.torch_device, default=None, help="cpu or cuda (default: cuda when present)")
@@ -390,10 +644,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    """0: every implementation within its bounds; 1: one departs (or raised); 2: bad arguments."""
+    """The exit status: 0 sound and agreeing, 1 an implementation departs, 2 bad arguments, 3 the
+    checkpoint is not sound, 4 both (:func:`exit_status`)."""
     if (args.model is None) == (args.replay is None):
         print("b12x-dual diff: error: give MODEL or --replay FILE (one of them)", file=sys.stderr)
-        return 2
+        return EXIT_ARGS
     try:
         if args.replay:
             result = run_replay(args.replay, impls=args.impls, device=args.device)
@@ -405,7 +660,7 @@ def run(args) -> int:
                               save_inputs=args.save_inputs)
     except ValueError as e:
         print(f"b12x-dual diff: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ARGS
     print_report(result, plain=args.plain)
     if args.plot:
         files = plot(result, args.plot)
@@ -413,7 +668,7 @@ def run(args) -> int:
     if args.json:
         H.write_json(args.json, jsonable(result))
         print(f"wrote {args.json}")
-    return 0 if result["ok"] else 1
+    return result["exit"]
 
 
 def main(argv=None) -> int:

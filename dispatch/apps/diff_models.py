@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from formats import QuantizedTensor
-from formats.validate import check_scale_values
+from formats.validate import scan_raw
 
 
 @dataclass
@@ -55,14 +55,92 @@ class Layer:
 
 @dataclass
 class Model:
-    """The layers of a MODEL and what it is (``kind``); ``float_model`` is the transformers model
-    for --text (None when there is none)."""
+    """The layers of a MODEL, in forward order, and what it is (``kind``); ``float_model`` is the
+    transformers model for --text (None when there is none); ``refused``: {module: findings} of
+    checkpoint modules whose values the converters refuse (formats.validate.scan_raw on the stored
+    tensors), which no implementation can run; ``order``: how the forward order was found."""
 
     path: str
     kind: str
     layers: list[Layer]
     skipped: dict = field(default_factory=dict)
     float_model: object = None
+    refused: dict = field(default_factory=dict)
+    order: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward order and the two spellings of a layer name
+# ---------------------------------------------------------------------------------------------
+ROLE_ORDER = (
+    "embed_tokens", "embeddings", "self_attn", "attention", "attn", "self_attention", "self",
+    "q_proj", "query", "k_proj", "key", "v_proj", "value", "qkv_proj", "query_key_value", "Wqkv",
+    "o_proj", "out_proj", "dense", "mlp", "feed_forward", "ffn", "block_sparse_moe", "experts",
+    "intermediate", "gate_proj", "w1", "up_proj", "w3", "gate_up_proj", "fc1", "down_proj", "w2", "fc2",
+    "output", "norm", "lm_head",
+)
+"""The order modules run in within a layer, by the names common architectures give them (Llama,
+Mistral, Qwen, BERT, GPT-NeoX, Mixtral): the fallback when transformers cannot build the model."""
+
+
+def canonical(name: str) -> str:
+    """A layer name without the causal-LM wrapper's ``model.`` prefix: a transformers folder
+    (``AutoModel``) names a layer ``layers.0.mlp.up_proj``, its checkpoint ``model.layers.0.mlp.up_proj``."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def spellings(name: str) -> tuple[str, ...]:
+    """The names a --layers pattern may use for a layer: as the model names it, without the
+    ``model.`` prefix, and with it."""
+    c = canonical(name)
+    return (name, c, "model." + c)
+
+
+def _role_key(name: str) -> tuple:
+    """Numeric components as numbers (layers.2 before layers.10), names by :data:`ROLE_ORDER`."""
+    key = []
+    for part in canonical(name).split("."):
+        if part.isdigit():
+            key.append((0, int(part), ""))
+        else:
+            key.append((1, ROLE_ORDER.index(part) if part in ROLE_ORDER else len(ROLE_ORDER), part))
+    return tuple(key)
+
+
+def module_order(folder: Path) -> Optional[dict[str, int]]:
+    """{canonical module name: its index in the model's own module order} for the model that
+    ``folder``'s config.json describes, built by transformers on the meta device (no weights, no
+    quantizer), or None where transformers is missing or cannot build it."""
+    try:
+        import transformers
+        from transformers import AutoConfig, AutoModel
+    except ImportError:
+        return None
+    transformers.logging.set_verbosity_error()
+    try:
+        cfg = AutoConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            net = AutoModel.from_config(cfg)
+    except Exception:  # noqa: BLE001  (any failure: fall back to the role table)
+        return None
+    return {canonical(n): i for i, (n, _m) in enumerate(net.named_modules())}
+
+
+def forward_order(layers: list[Layer], order: Optional[dict[str, int]],
+                  source: str = "transformers, built on the meta device") -> tuple[list[Layer], str]:
+    """``layers`` sorted in the model's forward order, and how it was found: the model's module order
+    (``order``, from :func:`module_order`) where it names the layer, else the numeric layer index
+    (layers.2 before layers.10) then the usual order of module roles within a layer (attention
+    before MLP; q, k, v, o; gate, up, down: :data:`ROLE_ORDER`)."""
+    known = order if order and any(canonical(lay.name) in order for lay in layers) else {}
+    how = (f"the model's module order ({source})" if known
+           else "layer index, then module role (no model definition here)")
+
+    def key(lay: Layer) -> tuple:
+        c = canonical(lay.name)
+        return (0, known[c], ()) if c in known else (1, 0, _role_key(lay.name))
+
+    return sorted(layers, key=key), how
 
 
 E4M3 = torch.float8_e4m3fn
@@ -156,7 +234,6 @@ def convert_module(prefix: str, t: dict[str, torch.Tensor], qcfg: dict) -> tuple
                           "(per-tensor, per-channel, 128x128 blocks or MX 1x32)")
     else:
         return None, f"weight is {str(packed.dtype).replace('torch.', '')} (not quantized)"
-    check_scale_values(qw, name=f"module {prefix} weight")
     return Layer(prefix, variant, qw, None if bias is None else bias.to(torch.bfloat16), opts), None
 
 
@@ -168,17 +245,29 @@ def load_checkpoint(folder: Path, config: dict) -> Model:
     for key, t in tensors.items():
         prefix, _, leaf = key.rpartition(".")
         modules.setdefault(prefix, {})[leaf] = t
-    layers, skipped = [], {}
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    layers, skipped, refused = [], {}, {}
     for prefix, t in modules.items():
         if "weight" not in t and "weight_packed" not in t:
             continue
-        layer, why = convert_module(prefix, t, qcfg)
+        try:
+            layer, why = convert_module(prefix, t, qcfg)
+        except CheckpointError:
+            # a value the converters refuse (a NaN or zero scale): a checkpoint finding, located in
+            # the stored tensors; any other refusal (a dtype, a shape) is a bad MODEL
+            findings = [f for leaf, v in sorted(t.items()) for f in scan_raw(v, f"{prefix}.{leaf}")]
+            if not findings:
+                raise
+            refused[prefix] = findings
+            continue
         if layer is None:
             skipped[prefix] = why
         else:
             layers.append(layer)
     kind = str(qcfg.get("quant_method", "?"))
-    return Model(str(folder), f"checkpoint ({kind})", layers, skipped)
+    layers, how = forward_order(layers, module_order(folder))
+    return Model(str(folder), f"checkpoint ({kind})", layers, skipped, refused=refused, order=how)
 
 
 def load_own(path: Path) -> Model:
@@ -187,7 +276,8 @@ def load_own(path: Path) -> Model:
 
     layers = [Layer(name, m["variant"], q, None if b is None else b.to(torch.bfloat16))
               for name, (q, b, m) in read_quantized(path).items()]
-    return Model(str(path), "b12x-dual safetensors", layers)
+    layers, how = forward_order(layers, None)
+    return Model(str(path), "b12x-dual safetensors", layers, order=how)
 
 
 def _transformers(what: str):
@@ -221,8 +311,11 @@ def load_transformers(folder: Path, fmt: str, patterns: Optional[list[str]] = No
     layers = [Layer(name, m.variant, m.qweight, None if m.bias is None else m.bias.detach().to(torch.bfloat16),
                     dict(m.act_opts))
               for name, m in qmodel.named_modules() if isinstance(m, QuantLinear)]
+    layers, how = forward_order(layers, {canonical(n): i for i, (n, _m) in enumerate(model.named_modules())},
+                                "the transformers model built here")
     return Model(str(folder), f"transformers model quantized to {fmt}", layers,
-                 {k: v for k, v in getattr(qmodel, "b12x_skipped", {}).items() if k in wanted}, float_model=model)
+                 {k: v for k, v in getattr(qmodel, "b12x_skipped", {}).items() if k in wanted}, float_model=model,
+                 order=how)
 
 
 def load_model(path: str, fmt: str = "nvfp4", patterns: Optional[list[str]] = None) -> Model:
@@ -242,22 +335,29 @@ def load_model(path: str, fmt: str = "nvfp4", patterns: Optional[list[str]] = No
                              "transformers model folder or a b12x-dual .safetensors file)")
         config = json.loads(cfg_path.read_text())
         m = load_checkpoint(p, config) if config.get("quantization_config") else load_transformers(p, fmt, patterns)
-    if not m.layers:
+    if not m.layers and not m.refused:
         raise ValueError(f"MODEL {path!r}: no quantized linear layers found ({m.kind})")
     return m
 
 
-def select(layers: list[Layer], patterns: Optional[list[str]]) -> list[Layer]:
-    """The layers whose name matches any fnmatch pattern (or equals it); all when ``patterns`` is
-    None. ValueError naming each pattern that matches no layer, with a few names that exist."""
+def matches(name: str, pattern: str) -> bool:
+    """Whether a --layers pattern (a name or an fnmatch glob) matches a layer, in either spelling
+    (:func:`spellings`: ``layers.0.mlp.up_proj`` and ``model.layers.0.mlp.up_proj`` are one layer)."""
+    return any(fnmatch.fnmatchcase(n, pattern) for n in spellings(name))
+
+
+def select(layers: list[Layer], patterns: Optional[list[str]], also: tuple[str, ...] = ()) -> list[Layer]:
+    """The layers whose name matches any pattern (:func:`matches`), in their order; all when
+    ``patterns`` is None. ``also``: further names a pattern may match (modules the checkpoint
+    stage refused). ValueError naming each pattern that matches nothing, with a few names that exist."""
     if not patterns:
         return layers
-    names = [lay.name for lay in layers]
-    dead = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
+    names = [lay.name for lay in layers] + list(also)
+    dead = [pat for pat in patterns if not any(matches(n, pat) for n in names)]
     if dead:
         raise ValueError(f"--layers {','.join(dead)!r} matches no quantized layer; layers are e.g. "
                          f"{names[:4]} ({len(names)} in all)")
-    return [lay for lay in layers if any(fnmatch.fnmatchcase(lay.name, pat) for pat in patterns)]
+    return [lay for lay in layers if any(matches(lay.name, pat) for pat in patterns)]
 
 
 def capture_text(model: Model, text: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -287,12 +387,12 @@ def capture_text(model: Model, text: str, dtype: torch.dtype) -> dict[str, torch
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"--text: MODEL {model.path!r} has no tokenizer transformers can load "
                          f"({type(e).__name__}: {e}); pass --inputs FILE instead") from None
-    wanted = {lay.name for lay in model.layers}
+    wanted = {canonical(lay.name): lay.name for lay in model.layers}  # the checkpoint's spelling may differ
     got: dict[str, torch.Tensor] = {}
     hooks = []
     for name, mod in net.named_modules():
-        if name in wanted and isinstance(mod, torch.nn.Linear):
-            def hook(m, args, name=name):
+        if canonical(name) in wanted and isinstance(mod, torch.nn.Linear):
+            def hook(m, args, name=wanted[canonical(name)]):
                 got[name] = args[0].detach().reshape(-1, args[0].shape[-1]).to(dtype)
             hooks.append(mod.register_forward_pre_hook(hook))
     try:

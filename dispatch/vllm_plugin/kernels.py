@@ -30,12 +30,10 @@ from vllm.model_executor.kernels.linear import (
 from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, kMxfp4Dynamic
 from vllm.model_executor.utils import replace_parameter
 
-from formats.validate import check_scale_values
-
 from .. import check as _check
 from ..contract import KERNEL_DTYPES
 from ..devices import current_device
-from . import convert, ops, placement, scheme
+from . import convert, loading, ops, placement, scheme
 
 log = logging.getLogger("dispatch.vllm_plugin")
 
@@ -66,6 +64,7 @@ def _check_copy(qw):
 class _Adapter:
     """What the seven classes share: placement, load (choose, prepare, free) and the op call."""
 
+    B12X_DUAL_KERNEL = True  # what loading.our_kernel looks for (it cannot import this module back)
     VARIANT: str = ""
     QUANT_KEY: str = ""
     FREED: tuple[str, ...] = ("weight", "weight_scale")
@@ -106,10 +105,7 @@ class _Adapter:
     def _load(self, layer: torch.nn.Module, qw, act_opts: dict) -> None:
         n, k = qw.shape
         name = convert.layer_name(layer)
-        try:  # once per layer at load (reads the scales): every implementation then trusts them
-            check_scale_values(qw, name=f"layer {name} weight")
-        except ValueError as e:
-            raise convert.CheckpointError(str(e)) from None
+        loading.check_values(qw, act_opts, name)  # once per layer (reads codes and scales): diff's checkpoint checks
         variant = self._checkpoint_variant(layer, name)
         dtype = getattr(layer, "params_dtype", None) or torch.get_default_dtype()
         handle = getattr(layer, "b12x_dual_handle", None)

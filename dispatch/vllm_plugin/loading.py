@@ -30,12 +30,16 @@ column's ``output_sizes[i]``; else ``layer.output_size``).
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from .convert import CheckpointError, layer_name
+
+log = logging.getLogger("dispatch.vllm_plugin")
 
 E8M0 = (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
 SCALE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # upcast to vLLM's float32 exactly
@@ -142,13 +146,11 @@ def _full_n(layer, shard) -> Optional[int]:
 
 def our_kernel(layer):
     """The b12x-dual kernel object serving ``layer`` (held by its quant method or CT scheme), else None."""
-    from .kernels import _Adapter
-
     for owner in (getattr(layer, "quant_method", None), getattr(layer, "scheme", None)):
         if owner is None:
             continue
         for v in vars(owner).values():
-            if isinstance(v, _Adapter):
+            if getattr(type(v), "B12X_DUAL_KERNEL", False):  # kernels._Adapter's mark (kernels imports us)
                 return v
     return None
 
@@ -293,3 +295,64 @@ def check_complete(layer: torch.nn.Module) -> None:
                               f"uninitialised memory ({record.variant})")
     record.arrived.clear()
     record.checked = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Values: the checkpoint checks of ``b12x-dual diff`` (formats.validate.scan_values), at load
+# ---------------------------------------------------------------------------------------------
+ENV_ALLOW_NAN_WEIGHTS = "B12X_VLLM_ALLOW_NAN_WEIGHTS"
+ALLOW_ON = ("1", "true", "on", "yes")
+ALLOW_OFF = ("", "0", "false", "off", "no")
+
+
+def allow_nan_weights() -> bool:
+    """True when B12X_VLLM_ALLOW_NAN_WEIGHTS is 1/true/on/yes (serve a layer whose weight holds NaN
+    codes, with a WARNING), False when it is unset, empty or 0/false/off/no (refuse it: the
+    default). Case and surrounding blanks are ignored.
+
+    Raises:
+        ValueError: any other value, naming the variable, the value and what is allowed (as
+            B12X_VLLM_AUTO does), so that a typo never silently serves NaN weights.
+    """
+    raw = os.environ.get(ENV_ALLOW_NAN_WEIGHTS, "")
+    value = raw.strip().lower()
+    if value in ALLOW_OFF:
+        return False
+    if value in ALLOW_ON:
+        return True
+    raise ValueError(f"{ENV_ALLOW_NAN_WEIGHTS}={raw!r} is not allowed; allowed: {', '.join(ALLOW_ON)} (serve NaN "
+                     f"weight codes) or {', '.join(ALLOW_OFF[1:])} / unset (refuse them)")
+
+
+def check_values(qw, act_opts: dict, name: str) -> list[dict]:
+    """The value checks of a layer's weight as loaded, once per layer (formats.validate.scan_values
+    on the weight, scan_scalar on static activation scales; it reads every code and scale, one
+    device synchronization): the same findings as ``b12x-dual diff``'s checkpoint stage.
+
+    Raises CheckpointError naming the layer, the tensor, the positions and what the value means for
+    a NaN, Inf, zero or negative scale or an E8M0 0xFF (always: every implementation trusts the
+    scales), and for a NaN weight code unless B12X_VLLM_ALLOW_NAN_WEIGHTS is on (then one WARNING
+    per layer). A zero block scale over non-zero codes is logged once per layer (WARNING) and
+    served. Returns the findings (for reports and tests).
+    """
+    from formats.validate import UNSOUND, describe_finding, scan_scalar, scan_values
+
+    findings = scan_values(qw, name="weight")
+    for key, t in act_opts.items():
+        if isinstance(t, torch.Tensor):
+            findings += scan_scalar(t, f"input {key}")
+    refused = [f for f in findings if f["severity"] == UNSOUND and f["kind"] != "nan_code"]
+    if refused:
+        raise CheckpointError(f"layer {name}: " + "; ".join(describe_finding(f) for f in refused))
+    nan_codes = [f for f in findings if f["kind"] == "nan_code"]
+    if nan_codes:
+        text = f"layer {name}: " + describe_finding(nan_codes[0])
+        if not allow_nan_weights():
+            raise CheckpointError(f"{text}. Refused: the layer would answer NaN. Serve it anyway with "
+                                  f"{ENV_ALLOW_NAN_WEIGHTS}=1; b12x-dual diff MODEL lists every such value")
+        log.warning("b12x-dual: %s; served anyway (%s=%s)", text, ENV_ALLOW_NAN_WEIGHTS,
+                    os.environ.get(ENV_ALLOW_NAN_WEIGHTS))
+    for f in findings:
+        if f["severity"] != UNSOUND:
+            log.warning("b12x-dual: layer %s: %s", name, describe_finding(f))
+    return findings

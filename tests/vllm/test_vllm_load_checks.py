@@ -436,3 +436,85 @@ def test_per_channel_conversion_names_a_bad_scale_that_reaches_it(dist, ckpt, im
     layer.weight_scale = torch.nn.Parameter(w[:-1].abs().clone(), requires_grad=False)
     with pytest.raises(convert.CheckpointError, match=r"'weight_scale' has shape \(383, 1\), expected \(384, 1\) or \(384,\)"):
         convert.fp8_channel(layer, n, k, static_input=False)
+
+# ---------------------------------------------------------------------------------------------
+# Values: the checkpoint checks of `b12x-dual diff`, at load (loading.check_values)
+# ---------------------------------------------------------------------------------------------
+def _set_byte(r: int, c: int, byte: int):
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(torch.uint8)[r, c] = byte
+        return t
+
+    return fn
+
+
+def _load_one(d, which, tamper):
+    with harness.vllm_context(d) as cfg:
+        layers = harness.make_layers(harness.quant_config(cfg), (which,))
+        return harness.load(layers, d, tamper=tamper)[which]
+
+
+NAN_IN_K = _tamper("weight", _set_byte(9, 300, 0xFF), "attention.self.key")  # k's row 9 = fused row 384 + 9
+
+
+def test_nan_weight_code_is_refused_at_load_by_name(dist, ckpt, impl, monkeypatch):
+    """An e4m3 weight code 0xFF (NaN) in the key projection of an MXFP8 checkpoint: the fused qkv layer
+    is refused at load, naming the layer, the tensor, the position in the fused weight (row 393,
+    column 300, K-block 9) and the variable that serves it anyway."""
+    impl("reference")
+    monkeypatch.delenv(loading.ENV_ALLOW_NAN_WEIGHTS, raising=False)
+    with pytest.raises(convert.CheckpointError,
+                       match=re.escape(f"layer {PREFIX['qkv']}: weight.data: 1 NaN weight code(s) (e4m3 0x7F/0xFF")
+                       + r".* at row 393, column 300 \(K-block 9\)\. Refused: .*B12X_VLLM_ALLOW_NAN_WEIGHTS=1"):
+        _load_one(ckpt("ct_mxfp8"), "qkv", NAN_IN_K)
+
+
+def test_nan_weight_code_is_served_when_allowed(dist, ckpt, impl, monkeypatch, caplog):
+    """B12X_VLLM_ALLOW_NAN_WEIGHTS=1: the layer loads with one WARNING naming it and the position, and
+    answers NaN in output column 393 for every token, finite elsewhere (the oracle's answer)."""
+    import logging
+
+    impl("reference")
+    monkeypatch.setenv(loading.ENV_ALLOW_NAN_WEIGHTS, "1")
+    with caplog.at_level(logging.WARNING, "dispatch.vllm_plugin"):
+        layer = _load_one(ckpt("ct_mxfp8"), "qkv", NAN_IN_K)
+    msgs = [r.getMessage() for r in caplog.records if "NaN weight code" in r.getMessage()]
+    assert len(msgs) == 1 and PREFIX["qkv"] in msgs[0] and "row 393, column 300" in msgs[0]
+    assert "served anyway (B12X_VLLM_ALLOW_NAN_WEIGHTS=1)" in msgs[0]
+    y = forward(layer, _x(384))
+    assert torch.isnan(y[:, 393]).all() and torch.isfinite(torch.cat([y[:, :393], y[:, 394:]], 1)).all()
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "allow"])
+def test_an_unknown_allow_nan_weights_value_is_refused_by_name(dist, ckpt, impl, monkeypatch, value):
+    impl("reference")
+    monkeypatch.setenv(loading.ENV_ALLOW_NAN_WEIGHTS, value)
+    with pytest.raises(ValueError, match=re.escape(f"B12X_VLLM_ALLOW_NAN_WEIGHTS={value!r} is not allowed; allowed: "
+                                                   "1, true, on, yes (serve NaN weight codes) or 0, false, off, no")):
+        _load_one(ckpt("ct_mxfp8"), "qkv", NAN_IN_K)
+
+
+def test_e8m0_nan_scale_is_refused_even_with_nan_codes_allowed(dist, ckpt, impl, monkeypatch):
+    """An E8M0 scale byte 0xFF (NaN) in an MXFP4 checkpoint: refused whatever the variable says,
+    naming the layer and the block (row 7, K-block 3, columns 96-127)."""
+    impl("reference")
+    monkeypatch.setenv(loading.ENV_ALLOW_NAN_WEIGHTS, "1")
+    with pytest.raises(convert.CheckpointError,
+                       match=re.escape(f"layer {PREFIX['down']}: weight.scale: 1 E8M0 scale byte(s) 0xFF")
+                       + r".* at row 7, K-block 3 \(columns 96-127\)"):
+        _load_one(ckpt("ct_mxfp4"), "down", _tamper("weight_scale", _set_byte(7, 3, 0xFF)))
+
+
+def test_zero_block_scale_over_nonzero_codes_is_served_with_a_warning(dist, ckpt, impl, caplog):
+    """An NVFP4 block scale set to 0 where the block's codes are not zero: its weights read as 0. The
+    layer is served (a quantizer writes 0 for an all-zero block, and one that underflows may leave
+    codes), with one WARNING naming the layer and the block."""
+    import logging
+
+    impl("reference")
+    with caplog.at_level(logging.WARNING, "dispatch.vllm_plugin"):
+        layer = _load_one(ckpt("ct_nvfp4"), "o", _tamper("weight_scale", _set_byte(5, 2, 0x00)))
+    msgs = [r.getMessage() for r in caplog.records if "zero block scale" in r.getMessage()]
+    assert len(msgs) == 1 and PREFIX["o"] in msgs[0] and "row 5, K-block 2 (columns 32-47)" in msgs[0]
+    assert torch.isfinite(forward(layer, _x(384))).all()

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("B12X_IMPL", "reference")
 
 import harness  # noqa: E402
 import torch  # noqa: E402
@@ -74,6 +73,10 @@ def rank_main(rank: int, port: int, out: str, root: str, kinds: list[str]) -> No
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp
+
+    # Only as a script: test_vllm_tp imports this module into the pytest process, where a default
+    # written into os.environ would leak into every later test and its subprocesses.
+    os.environ.setdefault("B12X_IMPL", "reference")
 
     out, root, *kinds = sys.argv[1:]
     mp.spawn(rank_main, args=(harness.free_port(), out, root, kinds), nprocs=WORLD)
