@@ -22,9 +22,9 @@ from conftest import device_name, make_input
 from dispatch import registry
 from dispatch.devices import current_device
 from dispatch.vllm_plugin import ops, warmup
-from kernels_triton._common import interpreting
+from kernels_triton import interpreting
 from dispatch.devices import KNOWN_DEVICES
-from kernels_triton._common import quant_config
+from kernels_triton.tuning import quant_config
 
 VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_w4a16", "mxfp4_w4a16")
 SHAPES = ((1024, 2048), (384, 1536))  # (N, K): K a multiple of 128 (block FP8)
