@@ -1,16 +1,6 @@
-"""What the five lessons share besides the codecs (``_codecs``): the host side and the epilogue.
-
-Sections, top to bottom:
-    interpreting        whether Triton runs kernels in its CPU interpreter
-    TileConfig          one GEMM launch configuration, and the lessons' default tiles
-    Route, launch       which kernels a call launches, with which tile, and why; ``launch``
-                        records every kernel launched, so tests can compare the two
-    the GEMM path       native (tl.dot_scaled, SM12x) or portable (dequantize in registers)
-    epilogue            acc * alpha + bias, rounded for a bf16 store under the interpreter
-    host checks         activation, weight, bias, GEMM operands, out_dtype
-
-A lesson takes its tiles from here unless the caller passes ``tile=`` (and ``quant_tile=``);
-``kernels_triton.tuning`` holds the tuned tables a server passes, and no lesson imports it.
+"""What the five lessons share besides the codecs (``_codecs``), top to bottom: the tiles (the
+lessons' defaults; tuned ones come in as ``tile=`` from kernels_triton.tuning, which no lesson
+imports), routes and launch recording, the GEMM path policy, the epilogue, the host checks.
 """
 
 from __future__ import annotations
@@ -27,6 +17,7 @@ import triton.language as tl
 
 from formats import FORMAT_NAMES, QuantizedTensor, spec
 from formats import validate as _validate
+from formats.validate import check_bias
 from formats.layout import swizzled_size
 
 from ._codecs import global_alpha, round_to_bf16_rne
@@ -37,9 +28,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# ---------------------------------------------------------------------------------------------
-# Tiles
-# ---------------------------------------------------------------------------------------------
+# -- Tiles ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TileConfig:
     """One GEMM launch configuration: the tile sizes and the compiler knobs."""
@@ -56,37 +45,27 @@ class TileConfig:
 
 
 def interpreter_config(M: int, N: int, K: int, *, block_k: Optional[int] = None, min_block_k: int = 32) -> TileConfig:
-    """The GEMM tile under the interpreter, where each (program x K step) costs milliseconds of
-    Python whatever the tile size: as large as the problem, up to 256 x 256 and K 512 per step (at
-    least ``min_block_k``). ``block_k`` forces BLOCK_K (fp8_block: one 128-wide scale per K step)."""
+    """The tile under the interpreter, where a (program x K step) costs milliseconds of Python at any
+    size: as large as the problem up to 256 x 256 x 512 (BLOCK_K >= min_block_k, or ``block_k``)."""
     p2 = triton.next_power_of_2
     bk = block_k or max(min_block_k, min(512, p2(max(K, 1))))
     return TileConfig(min(256, max(16, p2(M))), min(256, max(16, p2(N))), bk, GROUP_M=8, num_warps=4, num_stages=1)
 
 
 def default_quant_tile(M: int, K: int, group: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K) of an activation-quantizer program when the caller gives none: as large as
-    the problem under the interpreter (up to 256 rows and 1024 columns), 32 x 128 on a GPU; BLOCK_K
-    is at least one scale ``group``."""
+    """(BLOCK_M, BLOCK_K) of a quantizer program: as large as the problem under the interpreter (up
+    to 256 x 1024), 32 x 128 on a GPU; BLOCK_K at least one scale ``group``."""
     if interpreting():
         return min(256, triton.next_power_of_2(max(M, 1))), max(group, min(1024, triton.next_power_of_2(K)))
     return 32, max(group, 128)
 
 
-# ---------------------------------------------------------------------------------------------
-# Routes as data, and launch recording
-# ---------------------------------------------------------------------------------------------
+# -- Routes as data, and launch recording ---------------------------------------------------------
 @dataclass(frozen=True)
 class Route:
-    """The kernels one call launches, in order, and why.
-
-    impl: the implementation ("triton", "hopper", ...).
-    kernels: the ``@triton.jit`` function names launched, in launch order (e.g.
-        ("_quantize_kernel", "_portable_gemm_kernel")); a kernel launched twice appears twice.
-    tile: the GEMM tile as text (``str(TileConfig)``), or "" when no GEMM is launched.
-    split_k: the split-K factor launched (1: none; the lessons never split K).
-    why: one sentence saying why this route (the rule and the values that decided it).
-    """
+    """The kernels one call launches: ``impl`` ("triton", "hopper", ...), ``kernels`` (the
+    @triton.jit names in launch order), ``tile`` (str(TileConfig); "" without a GEMM), ``split_k``
+    (1: none; the lessons never split K) and ``why`` (the rule and the values that decided it)."""
 
     impl: str
     kernels: tuple[str, ...]
@@ -107,47 +86,35 @@ _state = threading.local()
 @contextlib.contextmanager
 def record_launches() -> Iterator[list[str]]:
     """Collect the names of the kernels launched inside the block (this thread), in order."""
-    prev = getattr(_state, "log", None)
-    log: list[str] = []
-    _state.log = log
+    prev, _state.log = getattr(_state, "log", None), []
     try:
-        yield log
+        yield _state.log
     finally:
         _state.log = prev
 
 
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, recorded under the kernel's function name."""
-    log: Optional[list] = getattr(_state, "log", None)
-    if log is not None:
-        log.append(getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)))
+    if getattr(_state, "log", None) is not None:
+        _state.log.append(getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)))
     return kernel[grid](*args, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------
-# The GEMM path: native (tl.dot_scaled on SM12x) or portable
-# ---------------------------------------------------------------------------------------------
+# -- The GEMM path: native (tl.dot_scaled on SM12x) or portable -----------------------------------
 PATHS = ("native", "portable")
 # W4A16 exists for the formats with e2m1 elements (weight-only FP4); derived, not listed.
 A16_FORMATS = tuple(f for f in FORMAT_NAMES if spec(f).element == "e2m1")
-
-
-def _triton_version() -> tuple[int, int]:
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int(minor)
+TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2])
 
 
 def native_instruction(fmt: str) -> str:
-    """The SM12x tensor-core instruction the native kernel of ``fmt`` lowers to (from its spec)."""
+    """The SM12x block-scaled MMA the native kernel of ``fmt`` lowers to (from its spec)."""
     s = spec(fmt)
-    if s.element == "e4m3":
-        unit = "" if fmt == "mxfp8" else " (unit E8M0 scales, byte 127)"
-        if fmt == "fp8_block":
-            unit = " (unit scales + fp32 promotion per 128-K step; UE8M0 scales as E8M0 bytes)"
-        return f"mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ue8m0{unit}"
-    if s.scale.startswith("e4m3"):
-        return "mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::4X ue4m3"
-    return "mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::2X ue8m0"
+    if s.element == "e2m1":
+        vec = "4X ue4m3" if s.scale.startswith("e4m3") else "2X ue8m0"
+        return f"mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::{vec}"
+    unit = {"mxfp8": "", "fp8_block": " (unit scales + fp32 promotion per 128-K step; UE8M0 scales as E8M0 bytes)"}
+    return "mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ue8m0" + unit.get(fmt, " (unit E8M0 scales)")
 
 
 def _check_fmt(fmt: str, a16: bool) -> None:
@@ -158,20 +125,10 @@ def _check_fmt(fmt: str, a16: bool) -> None:
 
 
 def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = False) -> tuple[str, str]:
-    """The GEMM path the Triton kernels take for ``fmt`` on a device, and why.
-
-    Args:
-        fmt: one of formats.FORMAT_NAMES.
-        capability: CUDA compute capability (major, minor), or None for no CUDA device (the
-            Triton interpreter).
-        a16: W4A16 (bf16/fp16 activations, FP4 weights; nvfp4 and mxfp4 only).
-    Returns:
-        (path, reason): path "native" (tl.dot_scaled) or "portable" (dequantize in registers).
-    Raises:
-        ValueError: unknown fmt, or a16 for a format without W4A16.
-    Source: Triton's SM120 block-scaled lowering (triton#7918 MXFP8, #8494 MXFP4/NVFP4, #10010
-    SM121); shared/notes/triton.md.
-    """
+    """(path, reason): "native" (tl.dot_scaled) or "portable" (dequantize in registers), the GEMM
+    path for ``fmt`` (FORMAT_NAMES; ``a16``: W4A16, FP4 only) on a device of ``capability``
+    ((major, minor); None: the interpreter). ValueError for an unknown fmt or a16 without W4A16.
+    Source: Triton's SM120 block-scaled lowering (triton#7918, #8494; SM121 #10010)."""
     _check_fmt(fmt, a16)
     # [gemm-path]
     if capability is None:
@@ -184,7 +141,7 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
                             "weight to bf16 anyway, which is what this kernel does, exactly")
     if major == 12:
         need = (3, 8) if minor == 1 else (3, 6)
-        if _triton_version() < need:
+        if TRITON_VERSION < need:
             return "portable", (f"{arch}: Triton {triton.__version__} does not lower dot_scaled natively there "
                                 f"(needs {need[0]}.{need[1]}+: triton#8494, #10010)")
         return "native", f"{arch} has block-scaled MMA: tl.dot_scaled -> {native_instruction(fmt)}"
@@ -195,15 +152,10 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
 
 def route_path(path: Optional[str], fmt: str, capability: Optional[tuple[int, int]], *,
                a16: bool = False) -> tuple[str, str]:
-    """(path, why) a call takes on a device of ``capability`` (None: the interpreter): ``path`` when
-    forced ("native" | "portable"), else gemm_path's choice. The one place a forced path is checked.
-
-    Raises:
-        ValueError: an unknown fmt or path, a16 for a format without W4A16, or a forced native path
-            that would be wrong or cannot exist there (W4A16; NVFP4 under the interpreter, whose
-            dot_scaled decodes e4m3 scales as E8M0; NVFP4 on a non-SM12x GPU with Triton < 3.7,
-            where it does not compile: triton#7549).
-    """
+    """(path, why) on a device of ``capability``: ``path`` when forced ("native" | "portable"), else
+    gemm_path's; the one place a forced path is checked. ValueError for an unknown fmt or path, a16
+    without W4A16, or a native path that cannot be: W4A16; NVFP4 under the interpreter (its
+    dot_scaled decodes e4m3 scales as E8M0) or off SM12x with Triton < 3.7 (triton#7549)."""
     if path is None:
         return gemm_path(fmt, capability, a16=a16)
     if path not in PATHS:
@@ -216,13 +168,10 @@ def route_path(path: Optional[str], fmt: str, capability: Optional[tuple[int, in
             if capability is None:
                 raise ValueError(f"{fmt} path='native' cannot run under the Triton interpreter: its dot_scaled "
                                  "decodes e4m3 scales as E8M0 (the result would be wrong)")
-            if capability[0] != 12 and _triton_version() < (3, 7):
+            if capability[0] != 12 and TRITON_VERSION < (3, 7):
                 raise ValueError(f"{fmt} path='native' does not compile on sm_{capability[0]}{capability[1]} with "
                                  f"Triton {triton.__version__} (triton#7549, fixed in 3.7)")
     return path, f"path={path!r} forced"
-
-
-THIS_DEVICE = "this device"  # a capability argument's default where it means this process's device
 
 
 def device_capability(device) -> Optional[tuple[int, int]]:
@@ -233,31 +182,15 @@ def device_capability(device) -> Optional[tuple[int, int]]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def default_device() -> torch.device:
-    """The device this process's kernels run on when none is given: the current GPU, else the CPU."""
-    if torch.cuda.is_available() and not interpreting():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def capability_of(capability) -> Optional[tuple[int, int]]:
-    """``capability``, or this process's device's when it is THIS_DEVICE."""
-    return device_capability(default_device()) if capability is THIS_DEVICE else capability
-
-
-# ---------------------------------------------------------------------------------------------
-# The epilogue: acc * alpha + bias
-# ---------------------------------------------------------------------------------------------
+# -- The epilogue: acc * alpha + bias -------------------------------------------------------------
 @triton.jit
 def epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, TENSOR_SCALES: tl.constexpr,
              GLOBAL_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 times alpha, plus bias[offs_n] (any float dtype, added in fp32),
     rounded to bf16 values (RNE) when ROUND_BF16 (the interpreter's fp32 -> bf16 cast truncates).
-
-    alpha: 1 when every scale was applied in the K loop; s1 * s2 with TENSOR_SCALES (fp8_tensor's two
-    per-tensor scales: they meet first, as acc * s1 alone can overflow where the result does not);
-    (1 / s1) * (1 / s2) with GLOBAL_SCALES (nvfp4's global scales, read from device tensors, so no
-    host sync; NaN unless both are finite and > 0: _codecs.global_alpha)."""
+    alpha is 1, or s1 * s2 with TENSOR_SCALES (fp8_tensor's two scales meet first: acc * s1 alone
+    can overflow), or (1 / s1) * (1 / s2) with GLOBAL_SCALES (nvfp4's global scales, read from device
+    tensors: no host sync; NaN unless both are finite and > 0, _codecs.global_alpha)."""
     if TENSOR_SCALES:
         acc = acc * (tl.load(s1_ptr) * tl.load(s2_ptr))
     if GLOBAL_SCALES:
@@ -269,12 +202,8 @@ def epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr, TENSOR_SCALES: tl.cons
     return acc
 
 
-# ---------------------------------------------------------------------------------------------
-# Host-side checks shared by the wrappers
-# ---------------------------------------------------------------------------------------------
-ACT_DTYPES = _validate.ACT_DTYPES
+# -- Host-side checks shared by the wrappers ------------------------------------------------------
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NATIVE_SCALE_LAYOUTS = ("linear", "swizzled_128x4")
 
 
@@ -283,20 +212,9 @@ def check_activation(x, k: Optional[int], k_multiple: int, fmt: str, device=None
     _validate.check_activation(x, k, fmt, device=device, k_multiple=k_multiple)
 
 
-def check_weight(qweight, fmt: str, layouts: tuple[str, ...] = ("linear",)) -> None:
-    """formats.validate.check_weight; linear-layout scales unless ``layouts`` says more (the native
-    SM12x path also reads swizzled 128x4 ones)."""
-    _validate.check_weight(qweight, fmt, layouts=layouts)
-
-
-def weight_layouts(path: Optional[str]) -> tuple[str, ...]:
-    """The weight scale layouts a call with ``path`` reads: swizzled 128x4 too on a forced native path."""
-    return NATIVE_SCALE_LAYOUTS if path == "native" else ("linear",)
-
-
-def check_bias(bias, n: int, device) -> None:
-    """formats.validate.check_bias: None, or a float [n] tensor on ``device``."""
-    _validate.check_bias(bias, n, device)
+def check_weight(qweight, fmt: str, path: Optional[str] = None) -> None:
+    """formats.validate.check_weight: linear scales, swizzled 128x4 too on a forced native path."""
+    _validate.check_weight(qweight, fmt, layouts=NATIVE_SCALE_LAYOUTS if path == "native" else ("linear",))
 
 
 def check_out_dtype(out_dtype) -> None:
@@ -306,23 +224,18 @@ def check_out_dtype(out_dtype) -> None:
 
 
 def check_linear(x, qweight, bias, fmt: str, k_multiple: int, path: Optional[str] = None) -> None:
-    """The checks of a lesson's ``linear``: the weight (check_weight, swizzled scales too with a forced
-    native path), x (check_activation: K the weight's, on its device) and the bias."""
-    check_weight(qweight, fmt, weight_layouts(path))
+    """A lesson linear's checks: the weight (swizzled scales too with a forced native path), x
+    (its K, on its device) and the bias."""
+    check_weight(qweight, fmt, path)
     check_activation(x, qweight.k, k_multiple, fmt, device=qweight.device)
     check_bias(bias, qweight.shape[0], qweight.device)
 
 
-def check_gemm_operands(xq, qweight, bias, out_dtype, fmt: str,
-                        layouts: tuple[str, ...] = ("linear",)) -> tuple[int, int, int]:
-    """Validate the GEMM operands of format ``fmt``; returns (M, N, K).
-
-    Raises ValueError naming the argument for: a weight that is not a ``fmt`` weight with a scale
-    layout of ``layouts``, an ``xq`` that is not a ``fmt`` activation with linear scales, a K
-    mismatch, operands on different devices, an out_dtype outside bf16/fp16/fp32, or a bias that
-    is not a float32/bf16/fp16 [N] tensor on the same device.
-    """
-    check_weight(qweight, fmt, layouts)
+def check_gemm_operands(xq, qweight, bias, out_dtype, fmt: str, path: Optional[str] = None) -> tuple[int, int, int]:
+    """(M, N, K) of a ``fmt`` GEMM's operands; ValueError naming the argument for a weight that is
+    not a ``fmt`` weight (check_weight), an xq that is not a ``fmt`` activation with linear scales,
+    a K or device mismatch, a bad out_dtype or bias."""
+    check_weight(qweight, fmt, path)
     if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != fmt:
         got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
         raise ValueError(f"xq must be a {fmt} activation QuantizedTensor, got {got}")
@@ -345,22 +258,19 @@ def check_sizes(M: int, N: int, K: int) -> None:
 
 
 def kernel_bias(bias):
-    """The bias as every launcher takes it: contiguous (the kernels read ``bias_ptr + offs_n``, so a
-    strided view such as a column of a matrix would read the wrong elements), in its own float dtype
-    (float32, bf16 or fp16: check_bias), which the epilogue widens to fp32 in registers, exactly."""
+    """The bias contiguous (the kernels read ``bias_ptr + offs_n``), in its own float dtype, which
+    the epilogue widens to fp32 in registers, exactly."""
     return None if bias is None else bias.contiguous()
 
 
 def flatten_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> [M, K]; a view when the strides allow it (the kernels take both strides, so a
-    strided 2-D x needs no copy), otherwise a copy."""
+    """x [..., K] -> [M, K]; a view when the strides allow it (the kernels take both strides)."""
     return x.reshape(-1, x.shape[-1])
 
 
 def weight_scale_bytes(qweight: QuantizedTensor, fmt: str, vec_size: int) -> tuple[torch.Tensor, bool]:
-    """(scale bytes as uint8, swizzled?) of a weight with 1-byte block scales (nvfp4, mxfp4, mxfp8),
-    linear [N, K/vec_size] or flat swizzled 128x4. ValueError for another layout or a swizzled
-    buffer of the wrong size."""
+    """(scale bytes as uint8, swizzled?) of a weight with 1-byte block scales, linear [N, K/vec_size]
+    or flat swizzled 128x4; ValueError for another layout or a swizzled buffer of the wrong size."""
     n, k = qweight.shape
     if qweight.scale_layout == "linear":
         return qweight.scale.contiguous().view(torch.uint8), False
@@ -371,9 +281,3 @@ def weight_scale_bytes(qweight: QuantizedTensor, fmt: str, vec_size: int) -> tup
         raise ValueError(f"{fmt} swizzled_128x4 weight scales must be 1-D with {need} bytes for [{n}, {k}], "
                          f"got shape {tuple(qweight.scale.shape)}")
     return qweight.scale.contiguous().view(torch.uint8), True
-
-
-def e4m3_operand(data: torch.Tensor, dot_fp8: bool) -> torch.Tensor:
-    """The e4m3 codes as a kernel should see them: float8_e4m3fn (Triton's float8e4nv pointer) when
-    the GPU dots them directly, uint8 when the kernel dequantizes them with dequantize_e4m3."""
-    return data if dot_fp8 else data.view(torch.uint8)

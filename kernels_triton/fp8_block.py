@@ -62,8 +62,8 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK
 
 from ._codecs import abs_or_inf, amax_or_nan, ceil_log2, dequantize_e4m3, encode_e4m3, exp2_int, grouped_tile
-from ._common import (THIS_DEVICE, Route, TileConfig, capability_of, check_activation, check_gemm_operands,
-                      check_linear, check_sizes, default_quant_tile, device_capability, e4m3_operand, epilogue,
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
+                      check_linear, check_sizes, default_quant_tile, device_capability, epilogue,
                       flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path)
 
 __all__ = ["fp8_block_dequantize_tile", "fp8_block_quantize_tile", "gemm", "linear", "linear_unchecked",
@@ -76,9 +76,7 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _GROUP = tl.constexpr(FP8_BLOCK)
 
 
-# =============================================================================================
-# 1. The activation quantizer
-# =============================================================================================
+# == 1. The activation quantizer ==================================================================
 @triton.jit
 def fp8_block_quantize_tile(x, UE8M0: tl.constexpr):
     """x fp32 [BLOCK_M, 128], one group per row -> (e4m3 codes uint8 [BLOCK_M, 128], scales fp32
@@ -117,9 +115,7 @@ def _quantize_kernel(
     tl.store(s_ptr + offs_m.to(tl.int64) * stride_sm + kb * stride_sk, scale, mask=row_ok)
 
 
-# =============================================================================================
-# 2. The portable GEMM: y = sum_kb dot(qx_kb, qw_kb^T) * sx[:, kb] * sw[n // 128, kb] + bias
-# =============================================================================================
+# == 2. The portable GEMM: y = sum_kb dot(qx_kb, qw_kb^T) * sx[:, kb] * sw[n // 128, kb] + bias ====
 @triton.jit
 def fp8_block_dequantize_tile(codes):
     """e4m3 codes (uint8, any shape) -> their fp32 values, exactly; the block scales are not applied
@@ -177,9 +173,7 @@ def _portable_gemm_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# =============================================================================================
-# 3. The native SM12x GEMM: the block-scaled MMA, with unit scales + fp32 promotion, or UE8M0
-# =============================================================================================
+# == 3. The native SM12x GEMM: the block-scaled MMA, with unit scales + fp32 promotion, or UE8M0 ====
 # [native-kernel]
 @triton.jit
 def _native_gemm_kernel(
@@ -250,17 +244,10 @@ def _native_gemm_kernel(
 # [/native-kernel]
 
 
-# =============================================================================================
-# 4. The route: which kernels, which tile, why
-# =============================================================================================
-_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
-
-
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE) -> TileConfig:
-    """The GEMM's tile when the caller gives none, on a device of ``capability`` (None: the
-    interpreter; THIS_DEVICE: this process's device): as large as the problem under the
-    interpreter, 64 x 64 on a GPU; BLOCK_K is 128 (one scale per K step)."""
-    capability = capability_of(capability)
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None) -> TileConfig:
+    """The GEMM's tile without ``tile=`` on a device of ``capability`` (None: the interpreter): as
+    large as the problem there, 64 x 64 on a GPU; BLOCK_K is 128 (one scale per K step)."""
     route_path(path, FMT, capability)  # a forced path is checked even where the tile does not depend on it
     return interpreter_config(M, N, K, block_k=FP8_BLOCK) if capability is None else TileConfig(64, 64, FP8_BLOCK)
 
@@ -274,32 +261,19 @@ def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Option
     quant = () if M == 0 else ("_quantize_kernel",)
     if M == 0 or N == 0:
         return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
-    return Route("triton", quant + (_GEMM_KERNEL[path],), str(tile), 1, why), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
           path: Optional[str] = None, tile: Optional[TileConfig] = None, ue8m0: bool = False) -> Route:
-    """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_block problem.
-
-    Args:
-        M, N, K: activation rows, output features, reduction length (>= 0; K a multiple of 128).
-        capability: the device's (major, minor); None: no CUDA device (the interpreter).
-        sm_count: the device's SM count (one program per output tile: it does not change the route).
-        a16: must be False (fp8_block has no weight-only mode).
-        path: None (gemm_path's choice), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-        ue8m0: ``linear``'s option (the native kernel's E8M0 MMA); it does not change the route.
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a16=True, a negative size, or a bad path (route_path).
-    """
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1]); K a multiple of 128) and a
+    weight [N, K] on a device of ``capability`` ((major, minor); None: the interpreter), with
+    ``linear``'s options (ue8m0 and sm_count do not change it). Pure: no GPU needed. ValueError:
+    a16=True (no weight-only mode), a negative size, or a path route_path refuses."""
     return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
 
-# =============================================================================================
-# 5. The launchers (operands checked by the caller)
-# =============================================================================================
+# == 5. The launchers (operands checked by the caller) ============================================
 def _quantize(x2: torch.Tensor, ue8m0: bool, quant_tile) -> QuantizedTensor:
     """quantize_activation on x2 [M, K]: one quantize kernel (BLOCK_K is the 128-wide group)."""
     M, K = x2.shape
@@ -337,9 +311,8 @@ def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype, ue8m
                x.stride(0), w.stride(0), sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0),
                UE8M0=bool(ue8m0), **common)
         return y
-    dot_fp8 = not interp
-    x = e4m3_operand(xq.data, dot_fp8)
-    w = e4m3_operand(qweight.data, dot_fp8)
+    dot_fp8 = not interp  # the GPU dots the e4m3 codes; the interpreter dequantizes uint8 codes first
+    x, w = (xq.data, qweight.data) if dot_fp8 else (xq.data.view(torch.uint8), qweight.data.view(torch.uint8))
     launch(_portable_gemm_kernel, grid,
            x, w, sx, sw, bias if bias is not None else y, y,
            M, N, K,
@@ -349,26 +322,14 @@ def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype, ue8m
     return y
 
 
-# =============================================================================================
-# 6. The public functions: check, then launch
-# =============================================================================================
+# == 6. The public functions: check, then launch ==================================================
 def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False,
                         quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
-    """Quantize activations to block FP8 (1x128 groups) with the Triton kernel, bit for bit as
-    ``formats.quantize(x, "fp8_block", role="activation", ue8m0=ue8m0)``.
-
-    Args:
-        x: bfloat16/float16 [..., K], K a multiple of 128, any strides; NaN/Inf follow the
-            non-finite rule (docs/formats.md).
-        ue8m0: round every scale up to a power of two (DeepGEMM's UE8M0 scales).
-        quant_tile: (BLOCK_M, BLOCK_K) of a quantize program (None: default_quant_tile's; BLOCK_K
-            is ignored: a program quantizes one 128-wide group).
-    Returns:
-        QuantizedTensor(fmt="fp8_block", role="activation", data float8_e4m3fn [M, K],
-        scale float32 [M, K/128], block_shape (1, 128)), M = prod(leading dims).
-    Raises:
-        ValueError: x not bf16/fp16, or K not a positive multiple of 128.
-    """
+    """x bf16/fp16 [..., K] (K a multiple of 128, any strides; NaN/Inf: docs/formats.md's non-finite
+    rule) -> QuantizedTensor(fp8_block activation, data float8_e4m3fn [M, K], scale float32
+    [M, K/128]), bit for bit ``formats.quantize(x, "fp8_block", role="activation", ue8m0=ue8m0)``.
+    ue8m0: round each scale up to a power of two (DeepGEMM's UE8M0). quant_tile: (BLOCK_M, _) of a
+    program (one 128-wide group each). ValueError: x not bf16/fp16, K not a positive multiple of 128."""
     check_activation(x, None, K_MULTIPLE, FMT)
     return _quantize(flatten_rows(x), ue8m0, quant_tile)
 
@@ -376,24 +337,13 @@ def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False,
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
          out_dtype: torch.dtype = torch.bfloat16, *, ue8m0: bool = False, path: Optional[str] = None,
          tile: Optional[TileConfig] = None) -> torch.Tensor:
-    """y = sum over 128-wide K blocks of (qx . qw^T) * sx * sw (+ bias) on quantized operands.
-
-    Args:
-        xq: fp8_block activation QuantizedTensor [M, K] (scale float32 [M, K/128]).
-        qweight: fp8_block weight QuantizedTensor [N, K] (scale float32 [ceil(N/128), K/128]), linear layout.
-        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
-        ue8m0: both operands' scales are powers of two (native path: E8M0 scales in the MMA; a
-            scale that is not makes its rows/columns of y NaN; the portable kernel is the same
-            either way).
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-    Returns:
-        [M, N] tensor of out_dtype (empty when M == 0).
-    Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
-            unknown path.
-    """
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = sum over 128-wide K blocks of (qx . qw^T) * sx * sw
+    (+ bias [N], fp32/bf16/fp16, added in fp32). xq: fp8_block activation [M, K] (scale [M, K/128]);
+    qweight: fp8_block weight [N, K] (scale [ceil(N/128), K/128]). ue8m0: both operands' scales are
+    powers of two (native path: E8M0 scales in the MMA; one that is not makes its rows / columns of
+    y NaN; the portable kernel is the same either way). path: None (gemm_path's) or forced; tile:
+    the GEMM's tile. ValueError: a wrong operand (format, role, K, device), bias or out_dtype, or a
+    path route_path refuses."""
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
     return _launch_gemm(path, tile, xq, qweight, bias, out_dtype, ue8m0)
@@ -402,24 +352,12 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            ue8m0: bool = False, path: Optional[str] = None, tile: Optional[TileConfig] = None,
            quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to block FP8 (1x128 groups) on the fly: ``route``
-    once, then exactly its kernels (the quantizer, then the GEMM of its path and tile).
-
-    Args:
-        x: bfloat16/float16 [..., K], K a multiple of 128, any strides.
-        qweight: fp8_block weight QuantizedTensor [N, K] (linear layout) on x's device.
-        bias: optional float32/bf16/fp16 [N].
-        ue8m0: power-of-two activation scales (see quantize_activation), and a statement that the
-            weight's scales are powers of two too (a UE8M0 checkpoint): the native path then runs
-            the E8M0 MMA (a weight scale that is not a power of two gives NaN there).
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-        tile, quant_tile: the GEMM's and the quantizer's tiles (None: this module's defaults).
-    Returns:
-        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
-    Raises:
-        ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 128 or
-            not the weight's K, devices, bias shape.
-    """
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]) with x quantized on the fly in 1x128 groups;
+    exactly the kernels of ``route``. ue8m0: power-of-two activation scales, and a statement that
+    the weight's are too (a UE8M0 checkpoint: the native path then runs the E8M0 MMA). x: bf16/fp16
+    [..., K], K a multiple of 128, any strides; qweight: fp8_block [N, K] on x's device. path, tile,
+    quant_tile: as gemm and quantize_activation. ValueError naming the argument: x (dtype, K,
+    device), the weight, bias, or a bad path."""
     check_linear(x, qweight, bias, FMT, K_MULTIPLE)
     return linear_unchecked(x, qweight, bias, ue8m0=ue8m0, path=path, tile=tile, quant_tile=quant_tile)
 

@@ -66,8 +66,8 @@ from formats.constants import AMAX_FLOOR, E4M3_MAX
 from formats.validate import static_scale
 
 from ._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite
-from ._common import (THIS_DEVICE, Route, TileConfig, capability_of, check_activation, check_gemm_operands,
-                      check_linear, check_sizes, default_quant_tile, device_capability, e4m3_operand, epilogue,
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
+                      check_linear, check_sizes, default_quant_tile, device_capability, epilogue,
                       flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path)
 
 __all__ = ["fp8_tensor_dequantize_tile", "fp8_tensor_quantize_tile", "gemm", "linear", "linear_unchecked",
@@ -83,9 +83,7 @@ PARTIALS_BLOCK = 1024  # partial maxima reduced per step in the quantize kernel
 IMPRECISE_ACC = 128
 
 
-# =============================================================================================
-# 1. The activation quantizer
-# =============================================================================================
+# == 1. The activation quantizer ==================================================================
 @triton.jit
 def fp8_tensor_quantize_tile(x, scale):
     """x fp32 (any shape) and the per-tensor scale -> e4m3 codes uint8 e4m3(x / scale); NaN/Inf
@@ -162,9 +160,7 @@ def _quantize_kernel(
     tl.store(q_ptrs, q, mask=mask)
 
 
-# =============================================================================================
-# 2. The portable GEMM: y = (qx . qw^T) * sx * sw + bias
-# =============================================================================================
+# == 2. The portable GEMM: y = (qx . qw^T) * sx * sw + bias =======================================
 @triton.jit
 def fp8_tensor_dequantize_tile(codes):
     """e4m3 codes (uint8, any shape) -> their fp32 values, exactly; the per-tensor scales are not
@@ -217,9 +213,7 @@ def _portable_gemm_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-# =============================================================================================
-# 3. The native SM12x GEMM: the codes through the block-scaled MMA with unit scales
-# =============================================================================================
+# == 3. The native SM12x GEMM: the codes through the block-scaled MMA with unit scales ============
 # [native-kernel]
 @triton.jit
 def _native_gemm_kernel(
@@ -267,17 +261,10 @@ def _native_gemm_kernel(
 # [/native-kernel]
 
 
-# =============================================================================================
-# 4. The route: which kernels, which tile, why
-# =============================================================================================
-_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
-
-
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE) -> TileConfig:
-    """The GEMM's tile when the caller gives none, on a device of ``capability`` (None: the
-    interpreter; THIS_DEVICE: this process's device): as large as the problem under the
-    interpreter, 64 x 64 x 128 on a GPU (either path)."""
-    capability = capability_of(capability)
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None) -> TileConfig:
+    """The GEMM's tile without ``tile=`` on a device of ``capability`` (None: the interpreter): as
+    large as the problem there, 64 x 64 x 128 on a GPU (either path)."""
     route_path(path, FMT, capability)  # a forced path is checked even where the tile does not depend on it
     return interpreter_config(M, N, K) if capability is None else TileConfig(64, 64, 128)
 
@@ -291,32 +278,19 @@ def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Option
     quant = () if M == 0 else ("_amax_partials_kernel",) * (scale is None) + ("_quantize_kernel",)
     if M == 0 or N == 0:
         return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
-    return Route("triton", quant + (_GEMM_KERNEL[path],), str(tile), 1, why), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
           path: Optional[str] = None, tile: Optional[TileConfig] = None, scale=None) -> Route:
-    """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_tensor problem.
-
-    Args:
-        M, N, K: activation rows, output features, reduction length (>= 0).
-        capability: the device's (major, minor); None: no CUDA device (the interpreter).
-        sm_count: the device's SM count (one program per output tile: it does not change the route).
-        a16: must be False (fp8_tensor has no weight-only mode).
-        path: None (gemm_path's choice), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-        scale: ``linear``'s activation option: a static scale skips the amax kernel.
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a16=True, a negative size, or a bad path (route_path).
-    """
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1])) and a weight [N, K] on a
+    device of ``capability`` ((major, minor); None: the interpreter), with ``linear``'s options (a
+    static ``scale`` drops the amax kernel; sm_count does not change it). Pure: no GPU needed.
+    ValueError: a16=True (no weight-only mode), a negative size, or a path route_path refuses."""
     return _plan(M, N, K, capability, a16=a16, path=path, tile=tile, scale=scale)[0]
 
 
-# =============================================================================================
-# 5. The launchers (operands checked by the caller)
-# =============================================================================================
+# == 5. The launchers (operands checked by the caller) ============================================
 def amax_grid(M: int, K: int, block_m: int, block_k: int) -> tuple[int, int]:
     """The amax kernel's grid (row tiles, K tiles) for x [M, K]: K is split only on a GPU, and only
     as far as the quantize kernel reduces the partials in one PARTIALS_BLOCK step."""
@@ -370,9 +344,8 @@ def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> t
                M, N, K,
                x.stride(0), w.stride(0), y.stride(0), **common)
         return y
-    dot_fp8 = not interp
-    x = e4m3_operand(xq.data, dot_fp8)
-    w = e4m3_operand(qweight.data, dot_fp8)
+    dot_fp8 = not interp  # the GPU dots the e4m3 codes; the interpreter dequantizes uint8 codes first
+    x, w = (xq.data, qweight.data) if dot_fp8 else (xq.data.view(torch.uint8), qweight.data.view(torch.uint8))
     launch(_portable_gemm_kernel, grid,
            x, w, xq.scale, qweight.scale, bias if bias is not None else y, y,
            M, N, K,
@@ -382,25 +355,14 @@ def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> t
     return y
 
 
-# =============================================================================================
-# 6. The public functions: check, then launch
-# =============================================================================================
+# == 6. The public functions: check, then launch ==================================================
 def quantize_activation(x: torch.Tensor, *, scale=None, quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
-    """Quantize activations to per-tensor FP8 with the Triton kernels, bit for bit as
-    ``formats.quantize(x, "fp8_tensor", role="activation", scale=scale)``.
-
-    Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides); a NaN/Inf follows the
-            non-finite rule (docs/formats.md).
-        scale: static scale (a positive number or 0-d tensor, e.g. a calibrated input_scale);
-            None for the dynamic max(amax, AMAX_FLOOR) / 448.
-        quant_tile: (BLOCK_M, BLOCK_K) of a quantize program (None: default_quant_tile's).
-    Returns:
-        QuantizedTensor(fmt="fp8_tensor", role="activation", data float8_e4m3fn [M, K],
-        scale float32 0-d on x's device), M = prod(leading dims).
-    Raises:
-        ValueError: x not a bf16/fp16 tensor with K >= 1, or a non-positive/non-finite ``scale``.
-    """
+    """x bf16/fp16 [..., K] (any K >= 1, any strides; NaN/Inf: docs/formats.md's non-finite rule)
+    -> QuantizedTensor(fp8_tensor activation, data float8_e4m3fn [M, K], scale float32 0-d), bit for
+    bit ``formats.quantize(x, "fp8_tensor", role="activation", scale=scale)``. scale: a static
+    positive scale (number or 0-d tensor, e.g. a calibrated input_scale); None: max(amax,
+    AMAX_FLOOR) / 448. quant_tile: (BLOCK_M, BLOCK_K) of a program. ValueError: x not bf16/fp16
+    with K >= 1, a non-positive or non-finite scale."""
     check_activation(x, None, K_MULTIPLE, FMT)
     return _quantize(flatten_rows(x), scale, quant_tile)
 
@@ -408,22 +370,11 @@ def quantize_activation(x: torch.Tensor, *, scale=None, quant_tile: Optional[tup
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
          out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
          tile: Optional[TileConfig] = None) -> torch.Tensor:
-    """y = (qx . qw^T) * sx * sw (+ bias) on quantized operands (native: the block-scaled MMA
-    with unit scales; portable: a plain fp8 tl.dot; gemm_path picks by device).
-
-    Args:
-        xq: fp8_tensor activation QuantizedTensor [M, K] (data float8_e4m3fn, scale float32 0-d).
-        qweight: fp8_tensor weight QuantizedTensor [N, K], linear scale layout.
-        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-    Returns:
-        [M, N] tensor of out_dtype (empty when M == 0).
-    Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
-            unknown path.
-    """
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = (qx . qw^T) * sx * sw (+ bias [N], fp32/bf16/fp16,
+    added in fp32): natively the block-scaled MMA with unit scales, portably a plain fp8 tl.dot.
+    xq: fp8_tensor activation [M, K]; qweight: fp8_tensor weight [N, K]. path: None (gemm_path's)
+    or forced; tile: the GEMM's tile. ValueError: a wrong operand (format, role, K, device), bias or
+    out_dtype, or a path route_path refuses."""
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
     return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
@@ -432,21 +383,10 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            scale=None, path: Optional[str] = None, tile: Optional[TileConfig] = None,
            quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to per-tensor FP8 on the fly: ``route`` once, then
-    exactly its kernels (the quantizer, then the GEMM of its path and tile).
-
-    Args:
-        x: bfloat16/float16 [..., K], any strides.
-        qweight: fp8_tensor weight QuantizedTensor [N, K] (linear layout) on x's device.
-        bias: optional float32/bf16/fp16 [N].
-        scale: static activation scale (see quantize_activation); None for dynamic.
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-        tile, quant_tile: the GEMM's and the quantizer's tiles (None: this module's defaults).
-    Returns:
-        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
-    Raises:
-        ValueError: naming the argument: wrong weight format, x dtype, K mismatch, devices, bias shape.
-    """
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]) with x quantized on the fly (quantize_activation's
+    ``scale``); exactly the kernels of ``route``. x: bf16/fp16 [..., K], any strides; qweight:
+    fp8_tensor [N, K] on x's device. path, tile, quant_tile: as gemm and quantize_activation.
+    ValueError naming the argument: x (dtype, K, device), the weight, bias, or a bad path."""
     check_linear(x, qweight, bias, FMT, K_MULTIPLE)
     return linear_unchecked(x, qweight, bias, scale=scale, path=path, tile=tile, quant_tile=quant_tile)
 

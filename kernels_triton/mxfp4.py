@@ -1,5 +1,5 @@
-"""MXFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM
-and the wrappers that route, launch and check them, in that order.
+"""MXFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM,
+the route, the launchers and the public functions, in that order.
 
 What MXFP4 stores (formats/mxfp4.py and formats/_mx.py are the spec and the oracle): e2m1 codes
 packed two per byte along K (uint8 [rows, K/2], element 2i in the low nibble) and one E8M0 scale
@@ -9,49 +9,38 @@ byte per 32 elements (uint8 [rows, K/32]; byte b means 2^(b - 127)):
          = floor(log2(max(amax_block, FLOOR))) - 2           scale_rule="floor" (OCP MX v1.0 6.3)
     e    = clamp(e, -127, 127);  scale byte = e + 127
     code = e2m1(x * 2^-e)                                    (a power of two: exact, no division)
-    x   ~= e2m1_value(code) * 2^e
 
-1. The quantizer (``_quantize_kernel``; the tile math is ``mxfp4_quantize_tile``), one program per
-   [BLOCK_M, BLOCK_K] tile of x, bit for bit as the oracle. ceil_log2/floor_log2 read the fp32
-   exponent bits and exp2_int writes them, so the exponent is exact on every backend (tl.exp2 and
-   tl.log2 may be approximate on GPU). A block with NaN/Inf input gets the E8M0 NaN byte 0xFF.
+1. The quantizer (``_quantize_kernel``; tile math: ``mxfp4_quantize_tile``), bit for bit as the
+   oracle. ceil_log2/floor_log2 read the fp32 exponent bits and exp2_int writes them, so the
+   exponent is exact on every backend (tl.exp2/tl.log2 may be approximate on GPU). A block with
+   NaN/Inf input gets the E8M0 NaN byte 0xFF.
 
-2. The portable GEMM (``_portable_gemm_kernel``; the tile math is ``mxfp4_dequantize_tile``):
-   dequantize each operand tile in registers, then a plain tl.dot. An E8M0 scale is a power of two,
-   so e2m1 * scale keeps e2m1's 2 significant bits and is exact in bf16 (the GPU's dot dtype: fp32's
-   exponent range; fp32 under the interpreter, whose bf16 tl.dot is wrong):
+2. The portable GEMM (``_portable_gemm_kernel``; tile math: ``mxfp4_dequantize_tile``): dequantize
+   each operand tile in registers, then a plain tl.dot. An E8M0 scale is a power of two, so
+   e2m1 * scale keeps e2m1's 2 significant bits: exact in bf16 (the GPU's dot dtype; fp32 under the
+   interpreter, whose bf16 tl.dot is wrong):
 
-       acc = 0                                                       fp32 [BLOCK_M, BLOCK_N]
        for k0 in range(0, K, BLOCK_K):
            a = e2m1(A bytes) * 2^(A scale - 127)[:, k // 32]         [BLOCK_M, BLOCK_K]
            w = e2m1(W bytes) * 2^(W scale - 127)[:, k // 32]         [BLOCK_N, BLOCK_K]
-           acc += tl.dot(a, w^T)
+           acc += tl.dot(a, w^T)                                     fp32 [BLOCK_M, BLOCK_N]
        y = acc + bias
 
-   W4A16 (``gemm_w4a16``, ``linear(a16=True)``): bf16 x dots directly with the bf16 dequantized
-   weight. fp16 has 3 more mantissa bits than bf16 and the dequantized weights (up to 6 * 2^127) do
-   not fit fp16's range, so on GPU each fp16 tile is split exactly into bf16 hi + lo and dotted twice.
+   W4A16 (``gemm_w4a16``, ``linear(a16=True)``): bf16 x dots with the bf16 dequantized weight; fp16
+   x has 3 more mantissa bits than bf16 and the weights (up to 6 * 2^127) overflow fp16, so on GPU
+   each fp16 tile is split exactly into bf16 hi + lo and dotted twice.
 
-3. The native SM12x GEMM (``_native_gemm_kernel``): tl.dot_scaled on the packed codes with one
-   E8M0 (uint8) scale per 32 elements; on SM120/SM121 it lowers to the block-scaled MMA
-
-       mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::2X.f32.e2m1.e2m1.f32.ue8m0
-
-   which applies the scales inside the instruction. The weight scales may be linear [N, K/32] or
-   swizzled 128x4 (``scale_offsets``). The interpreter's dot_scaled is right for E8M0 scales, so the
-   CPU tests run this kernel too.
-
-4. ``route``, the launchers, then the public functions: ``quantize_activation``, ``gemm``,
-   ``gemm_w4a16``, ``linear`` (its argument checks, then ``linear_unchecked``).
+3. The native SM12x GEMM (``_native_gemm_kernel``): tl.dot_scaled on the codes with one E8M0 scale
+   per 32 elements lowers to mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::2X ... ue8m0,
+   which applies the scales inside the instruction. The weight scales may be linear or swizzled
+   128x4 (``scale_offsets``). The interpreter's dot_scaled is right for E8M0 scales, so the CPU
+   tests run this kernel too.
 
 Where each GEMM runs (_common.gemm_path): native on SM120/SM121 with a Triton that lowers it; the
-portable kernel elsewhere and under the interpreter; W4A16 always portable. Tiles: the caller's
-``tile=`` / ``quant_tile=`` (kernels_triton.tuning), else ``tile_config``.
-
-Constraints: K % 32 == 0; x bf16/fp16 [..., K], any leading dims and strides; weights with
-linear-layout scales (swizzled 128x4 too on the native path).
+portable kernel elsewhere and under the interpreter; W4A16 always portable. Tiles: ``tile=`` /
+``quant_tile=`` (kernels_triton.tuning), else ``tile_config`` / ``default_quant_tile``.
+Constraints: K % 32 == 0; x bf16/fp16 [..., K], any leading dims and strides.
 """
-
 from __future__ import annotations
 
 from typing import Optional
@@ -65,9 +54,9 @@ from formats.constants import AMAX_FLOOR, E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
 from ._codecs import (abs_or_inf, ceil_log2, dequantize_e2m1, dequantize_e8m0, encode_e2m1, exp2_int, floor_log2,
                       grouped_tile, scale_offsets)
-from ._common import (THIS_DEVICE, Route, TileConfig, capability_of, check_activation, check_gemm_operands,
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
                       check_linear, check_out_dtype, check_sizes, default_quant_tile, device_capability, epilogue,
-                      flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path, weight_layouts,
+                      flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path,
                       weight_scale_bytes)
 
 __all__ = ["gemm", "gemm_w4a16", "linear", "linear_unchecked", "mxfp4_dequantize_tile", "mxfp4_quantize_tile",
@@ -82,9 +71,7 @@ _E2M1_MAX = tl.constexpr(E2M1_MAX)  # 6.0
 _E2M1_EMAX = tl.constexpr(E2M1_EMAX)  # 2: 6 = 1.5 * 2^2
 
 
-# =============================================================================================
-# 1. The activation quantizer
-# =============================================================================================
+# == 1. The activation quantizer ==================================================================
 @triton.jit
 def mxfp4_quantize_tile(x, CEIL_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """x fp32 [BLOCK_M, BLOCK_K] -> (packed e2m1 bytes uint8 [BLOCK_M, BLOCK_K / 2], element 2j in
@@ -138,9 +125,7 @@ def _quantize_kernel(
              mask=m_mask[:, None] & (offs_ks[None, :] < K // 32))
 
 
-# =============================================================================================
-# 2. The portable GEMM: dequantize in registers, then tl.dot
-# =============================================================================================
+# == 2. The portable GEMM: dequantize in registers, then tl.dot ===================================
 @triton.jit
 def mxfp4_dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -212,9 +197,7 @@ def _portable_gemm_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-# =============================================================================================
-# 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA
-# =============================================================================================
+# == 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA ================================
 @triton.jit
 def _native_gemm_kernel(
     a_ptr, a_scale_ptr,  # activation: packed e2m1 uint8 [M, K/2], E8M0 bytes [M, K/32] (linear)
@@ -260,18 +243,11 @@ def _native_gemm_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-# =============================================================================================
-# 4. The route: which kernels, which tile, why
-# =============================================================================================
-_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
-
-
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE, *, a16: bool = False) -> TileConfig:
-    """The GEMM's tile when the caller gives none, for ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` (None: the interpreter; THIS_DEVICE: this process's device): as large as
-    the problem under the interpreter (BLOCK_K >= 64: dot_scaled's e2m1 operands, triton#11776); on
-    a GPU 64 x 64, BLOCK_K 128 natively and 64 portably (its dequantized fp32 tiles live in registers)."""
-    capability = capability_of(capability)
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None, *, a16: bool = False) -> TileConfig:
+    """The GEMM's tile without ``tile=``, for ``path`` on a device of ``capability`` (None: the
+    interpreter): as large as the problem there (BLOCK_K >= 64, triton#11776); on a GPU 64 x 64,
+    BLOCK_K 128 natively and 64 portably (its dequantized fp32 tiles live in registers)."""
     path = route_path(path, FMT, capability, a16=a16)[0]
     if capability is None:
         return interpreter_config(M, N, K, min_block_k=64)
@@ -287,33 +263,19 @@ def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Option
     quant = () if a16 or M == 0 else ("_quantize_kernel",)
     if M == 0 or N == 0:
         return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
-    return Route("triton", quant + (_GEMM_KERNEL[path],), str(tile), 1, why), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
           path: Optional[str] = None, tile: Optional[TileConfig] = None, scale_rule: str = "ceil") -> Route:
-    """The kernels ``linear`` launches for x [M, K] and a weight [N, K] on a device of
-    ``capability``, in order, with the GEMM's tile and why. Pure: no GPU needed.
-
-    Args:
-        M, N, K: the problem (M = prod(x.shape[:-1])).
-        capability: (major, minor) of the device, or None for the CPU interpreter.
-        sm_count: the device's SMs (one program per output tile: it does not change the route).
-        a16: W4A16 (x used as it is: no quantizer, the portable kernel).
-        path: None (gemm_path's choice), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-        scale_rule: ``linear``'s activation option; it does not change the route.
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a negative dimension, an unknown path, path="native" with a16.
-    """
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1])) and a weight [N, K] on a
+    device of ``capability`` ((major, minor); None: the interpreter), with ``linear``'s options
+    (scale_rule and sm_count do not change it). Pure: no GPU needed. ValueError: a negative
+    dimension, or a path route_path refuses."""
     return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
 
-# =============================================================================================
-# 5. The launchers (operands checked by the caller)
-# =============================================================================================
+# == 5. The launchers (operands checked by the caller) ============================================
 def _quantize(x2: torch.Tensor, scale_rule: str, quant_tile) -> QuantizedTensor:
     """quantize_activation on x2 [M, K]: one quantize kernel."""
     M, K = x2.shape
@@ -331,8 +293,7 @@ def _launch_gemm(path: str, tile: TileConfig, a, qweight, bias, out_dtype) -> to
     """y [M, N] = the GEMM of ``path`` with ``tile``. a: the activation, an MXFP4 QuantizedTensor
     (W4A4) or the bf16/fp16 x [M, K] itself (W4A16: the portable kernel)."""
     a16 = not isinstance(a, QuantizedTensor)
-    N, K = qweight.shape
-    M = a.shape[0]
+    M, (N, K) = a.shape[0], qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0 or N == 0:
         return y
@@ -362,9 +323,7 @@ def _launch_gemm(path: str, tile: TileConfig, a, qweight, bias, out_dtype) -> to
     return y
 
 
-# =============================================================================================
-# 6. The public functions: check, then launch
-# =============================================================================================
+# == 6. The public functions: check, then launch ==================================================
 def _check_scale_rule(scale_rule: str) -> None:
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
@@ -372,20 +331,11 @@ def _check_scale_rule(scale_rule: str) -> None:
 
 def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil",
                         quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
-    """Quantize activations to MXFP4 with the Triton kernel, bit for bit as
-    ``formats.quantize(x, "mxfp4", role="activation", scale_rule=scale_rule)``.
-
-    Args:
-        x: bfloat16/float16 [..., K], K % 32 == 0, any leading dims and strides; NaN/Inf follow the
-            non-finite rule (docs/formats.md).
-        scale_rule: "ceil" (default) or "floor" (see the module docstring).
-        quant_tile: (BLOCK_M, BLOCK_K) of a quantize program (None: default_quant_tile's).
-    Returns:
-        QuantizedTensor(fmt="mxfp4", role="activation", data=uint8 [M, K/2], scale=uint8 E8M0
-        [M, K/32], global_scale=None, shape=(M, K)), M = prod(x.shape[:-1]).
-    Raises:
-        ValueError: x not a bf16/fp16 tensor, K not a positive multiple of 32, unknown scale_rule.
-    """
+    """x bf16/fp16 [..., K] (K % 32 == 0, any strides; NaN/Inf: docs/formats.md's non-finite rule)
+    -> QuantizedTensor(mxfp4 activation, data uint8 [M, K/2], scale uint8 E8M0 [M, K/32]), bit for
+    bit ``formats.quantize(x, "mxfp4", role="activation", scale_rule=scale_rule)``. scale_rule:
+    "ceil" or "floor" (module docstring); quant_tile: (BLOCK_M, BLOCK_K) of a program. ValueError:
+    x not bf16/fp16, K not a positive multiple of 32, an unknown scale_rule."""
     check_activation(x, None, VEC_SIZE, FMT)
     _check_scale_rule(scale_rule)
     return _quantize(flatten_rows(x), scale_rule, quant_tile)
@@ -394,43 +344,22 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil",
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
          out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
          tile: Optional[TileConfig] = None) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias) from MXFP4 operands (W4A4).
-
-    Args:
-        xq: MXFP4 activation [M, K] (data uint8 [M, K/2], scale uint8 E8M0 [M, K/32]).
-        qweight: MXFP4 weight [N, K]; scales linear, or swizzled 128x4 on the native path.
-        bias: optional float tensor [N] (any float dtype) on the weight's device, added in fp32.
-        out_dtype: torch.bfloat16, torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-    Returns:
-        [M, N] tensor of out_dtype (fp32 accumulation).
-    Raises:
-        ValueError: wrong format/role/layout of either operand, K or device mismatch, bad bias
-            shape or device, unsupported out_dtype, unknown path.
-    """
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, weight_layouts(path))
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = dequant(xq) . dequant(qweight)^T (+ bias [N], any
+    float dtype, added in fp32), fp32 accumulation. xq: MXFP4 activation [M, K]; qweight: MXFP4
+    weight [N, K] (linear scales; swizzled 128x4 too with path="native"). path: None (gemm_path's)
+    or forced; tile: the GEMM's tile. ValueError: a wrong operand (format, role, layout, K,
+    device), bias or out_dtype, or a path route_path refuses."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, path)
     _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
     return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
 
 
 def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
                out_dtype: Optional[torch.dtype] = None, *, tile: Optional[TileConfig] = None) -> torch.Tensor:
-    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16): the portable
-    kernel on every device (bf16 x dequantized weight; gemm_path(fmt, cap, a16=True) says why).
-
-    Args:
-        x2d: bfloat16/float16 [M, K] (any strides), on the weight's device.
-        qweight: MXFP4 weight [N, K] with linear-layout scales.
-        bias: optional float tensor [N].
-        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default x2d's dtype.
-        tile: the GEMM's tile (None: tile_config's).
-    Returns:
-        [M, N] tensor of out_dtype. Products are exact (see the module docstring for fp16).
-    Raises:
-        ValueError: x2d not a 2-D bf16/fp16 tensor, K not a multiple of 32 or not the weight's K,
-            device mismatch, wrong weight format or layout, bad bias, unsupported out_dtype.
-    """
+    """W4A16: y [M, N] of out_dtype (default x2d's) = x2d . dequant(qweight)^T (+ bias), the portable
+    kernel on every device (gemm_path(fmt, cap, a16=True) says why), exact products, fp32 sums.
+    x2d: bf16/fp16 [M, K] (any strides); qweight: MXFP4 [N, K], linear scales. ValueError: x2d not
+    2-D bf16/fp16, a wrong K, device, weight, bias or out_dtype."""
     check_linear(x2d, qweight, bias, FMT, VEC_SIZE)
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
@@ -443,25 +372,11 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            a16: bool = False, scale_rule: str = "ceil", path: Optional[str] = None,
            tile: Optional[TileConfig] = None, quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with MXFP4 weights: W4A4 (x quantized to MXFP4) or, with a16=True,
-    W4A16 (x used as it is); the kernels of ``route`` for this call, exactly.
-
-    Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides).
-        qweight: MXFP4 weight QuantizedTensor [N, K] on x's device (linear scales; swizzled 128x4
-            too with path="native").
-        bias: optional [N] float tensor (any float dtype).
-        a16: keep the activations in bf16/fp16 (weight-only quantization).
-        scale_rule: activation scale rule for W4A4, "ceil" or "floor" (ignored with a16).
-        path: None (auto for x's device), "native" or "portable" (see gemm; W4A16 is portable).
-        tile, quant_tile: the GEMM's and the quantizer's tiles (None: this module's defaults).
-    Returns:
-        [..., N] tensor of x's dtype; an empty [..., N] when x has no rows.
-    Raises:
-        ValueError: x not bf16/fp16, K not a multiple of 32 or not the weight's K, x and weight on
-            different devices, wrong weight format or layout, bad bias shape, unknown scale_rule,
-            unknown path, path="native" with a16.
-    """
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]): W4A4 (x quantized with ``scale_rule``), or
+    W4A16 with a16=True (x as it is); exactly the kernels of ``route``. x: bf16/fp16 [..., K], any
+    strides; qweight: MXFP4 [N, K] on x's device. path, tile, quant_tile: as gemm and
+    quantize_activation. ValueError naming the argument: x (dtype, K, device), the weight (format,
+    layout), bias, scale_rule, or a path route_path refuses."""
     check_linear(x, qweight, bias, FMT, VEC_SIZE, path)
     if not a16:
         _check_scale_rule(scale_rule)

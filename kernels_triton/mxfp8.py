@@ -63,9 +63,9 @@ from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS, MX_BLO
 
 from ._codecs import (abs_or_inf, ceil_log2, dequantize_e4m3, dequantize_e8m0, encode_e4m3, exp2_int, floor_log2,
                       grouped_tile, scale_offsets)
-from ._common import (THIS_DEVICE, Route, TileConfig, capability_of, check_activation, check_gemm_operands,
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
                       check_linear, check_sizes, default_quant_tile, device_capability, epilogue, flatten_rows,
-                      interpreter_config, interpreting, kernel_bias, launch, route_path, weight_layouts,
+                      interpreter_config, interpreting, kernel_bias, launch, route_path,
                       weight_scale_bytes)
 
 __all__ = ["gemm", "linear", "linear_unchecked", "mxfp8_dequantize_tile", "mxfp8_quantize_tile",
@@ -80,9 +80,7 @@ _E4M3_EMAX = tl.constexpr(E4M3_EMAX)
 _E8M0_BIAS = tl.constexpr(E8M0_BIAS)
 
 
-# =============================================================================================
-# 1. The activation quantizer
-# =============================================================================================
+# == 1. The activation quantizer ==================================================================
 @triton.jit
 def mxfp8_quantize_tile(x, FLOOR_RULE: tl.constexpr):
     """x fp32 [R, G, 32], one 1x32 block per last axis -> (codes uint8 [R, G, 32], E8M0 bytes uint8
@@ -130,9 +128,7 @@ def _quantize_kernel(
     tl.store(s_ptr + s_off, s, mask=(offs_m < M)[:, None] & (offs_g < num_groups)[None, :])
 
 
-# =============================================================================================
-# 2. The portable GEMM: dequantize both tiles in registers (exact in bf16), then dot
-# =============================================================================================
+# == 2. The portable GEMM: dequantize both tiles in registers (exact in bf16), then dot ===========
 @triton.jit
 def mxfp8_dequantize_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -191,9 +187,7 @@ def _portable_gemm_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# =============================================================================================
-# 3. The native SM12x GEMM: the scales go into the block-scaled MMA, nothing is dequantized
-# =============================================================================================
+# == 3. The native SM12x GEMM: the scales go into the block-scaled MMA, nothing is dequantized ====
 # [native-kernel]
 @triton.jit
 def _native_gemm_kernel(
@@ -244,18 +238,11 @@ def _native_gemm_kernel(
 # [/native-kernel]
 
 
-# =============================================================================================
-# 4. The route: which kernels, which tile, why
-# =============================================================================================
-_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
-
-
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE) -> TileConfig:
-    """The GEMM's tile when the caller gives none, for ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` (None: the interpreter; THIS_DEVICE: this process's device): as large as
-    the problem under the interpreter; on a GPU 64 x 64, BLOCK_K 128 natively and 64 portably (the
-    dequantized tiles live in registers before the dot)."""
-    capability = capability_of(capability)
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None) -> TileConfig:
+    """The GEMM's tile without ``tile=``, for ``path`` on a device of ``capability`` (None: the
+    interpreter): as large as the problem there; on a GPU 64 x 64, BLOCK_K 128 natively and 64
+    portably (the dequantized tiles live in registers before the dot)."""
     path = route_path(path, FMT, capability)[0]
     return interpreter_config(M, N, K) if capability is None else TileConfig(64, 64, 128 if path == "native" else 64)
 
@@ -269,32 +256,19 @@ def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Option
     quant = () if M == 0 else ("_quantize_kernel",)
     if M == 0 or N == 0:
         return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
-    return Route("triton", quant + (_GEMM_KERNEL[path],), str(tile), 1, why), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
           path: Optional[str] = None, tile: Optional[TileConfig] = None, scale_rule: str = "ceil") -> Route:
-    """The kernels ``linear`` launches for an [M, K] x [N, K]^T mxfp8 problem.
-
-    Args:
-        M, N, K: activation rows, output features, reduction length (>= 0; K a multiple of 32).
-        capability: the device's (major, minor); None: no CUDA device (the interpreter).
-        sm_count: the device's SM count (one program per output tile: it does not change the route).
-        a16: must be False (mxfp8 has no weight-only mode).
-        path: None (gemm_path's choice), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-        scale_rule: ``linear``'s activation option ("ceil" or "floor"); it does not change the route.
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a16=True, a negative size, or a bad path (route_path).
-    """
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1]); K a multiple of 32) and a
+    weight [N, K] on a device of ``capability`` ((major, minor); None: the interpreter), with
+    ``linear``'s options (scale_rule and sm_count do not change it). Pure: no GPU needed.
+    ValueError: a16=True (no weight-only mode), a negative size, or a path route_path refuses."""
     return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
 
-# =============================================================================================
-# 5. The launchers (operands checked by the caller)
-# =============================================================================================
+# == 5. The launchers (operands checked by the caller) ============================================
 def _quantize(x2: torch.Tensor, scale_rule: str, quant_tile) -> QuantizedTensor:
     """quantize_activation on x2 [M, K]: one quantize kernel, BLOCK_K / 32 scale blocks per program."""
     M, K = x2.shape
@@ -346,9 +320,7 @@ def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> t
     return y
 
 
-# =============================================================================================
-# 6. The public functions: check, then launch
-# =============================================================================================
+# == 6. The public functions: check, then launch ==================================================
 def _check_scale_rule(scale_rule: str) -> None:
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
@@ -356,20 +328,12 @@ def _check_scale_rule(scale_rule: str) -> None:
 
 def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil",
                         quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
-    """Quantize activations to MXFP8 with the Triton kernel, bit for bit as
-    ``formats.quantize(x, "mxfp8", role="activation", scale_rule=scale_rule)``.
-
-    Args:
-        x: bfloat16/float16 [..., K], K a multiple of 32, any strides; NaN/Inf follow the
-            non-finite rule (docs/formats.md).
-        scale_rule: "ceil" (default: 2^ceil(log2(amax/448))) or "floor" (OCP MX 6.3).
-        quant_tile: (BLOCK_M, BLOCK_K) of a quantize program (None: default_quant_tile's).
-    Returns:
-        QuantizedTensor(fmt="mxfp8", role="activation", data float8_e4m3fn [M, K],
-        scale uint8 E8M0 [M, K/32], block_shape (1, 32)), M = prod(leading dims).
-    Raises:
-        ValueError: x not bf16/fp16, K not a positive multiple of 32, or an unknown scale_rule.
-    """
+    """x bf16/fp16 [..., K] (K a multiple of 32, any strides; NaN/Inf: docs/formats.md's non-finite
+    rule) -> QuantizedTensor(mxfp8 activation, data float8_e4m3fn [M, K], scale uint8 E8M0
+    [M, K/32]), bit for bit ``formats.quantize(x, "mxfp8", role="activation", scale_rule=...)``.
+    scale_rule: "ceil" (2^ceil(log2(amax/448))) or "floor" (OCP MX 6.3); quant_tile: (BLOCK_M,
+    BLOCK_K) of a program. ValueError: x not bf16/fp16, K not a positive multiple of 32, an unknown
+    scale_rule."""
     _check_scale_rule(scale_rule)
     check_activation(x, None, K_MULTIPLE, FMT)
     return _quantize(flatten_rows(x), scale_rule, quant_tile)
@@ -378,24 +342,12 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil",
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
          out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
          tile: Optional[TileConfig] = None) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias): natively (tl.dot_scaled, the SM12x
-    block-scaled MMA) or portably (dequantizing in registers); gemm_path picks by device.
-
-    Args:
-        xq: mxfp8 activation QuantizedTensor [M, K] (scale uint8 E8M0 [M, K/32]).
-        qweight: mxfp8 weight QuantizedTensor [N, K] (scale uint8 [N, K/32]), linear layout
-            (swizzled 128x4 too with path="native").
-        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-    Returns:
-        [M, N] tensor of out_dtype (empty when M == 0).
-    Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
-            unknown path.
-    """
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, weight_layouts(path))
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = dequant(xq) . dequant(qweight)^T (+ bias [N],
+    fp32/bf16/fp16, added in fp32): natively tl.dot_scaled, portably dequantizing in registers.
+    xq: mxfp8 activation [M, K]; qweight: mxfp8 weight [N, K] (linear scales; swizzled 128x4 too
+    with path="native"). path: None (gemm_path's) or forced; tile: the GEMM's tile. ValueError: a
+    wrong operand (format, role, layout, K, device), bias or out_dtype, or a bad path."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, path)
     _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
     return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
 
@@ -403,23 +355,11 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            scale_rule: str = "ceil", path: Optional[str] = None, tile: Optional[TileConfig] = None,
            quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly: ``route`` once, then exactly its
-    kernels (the quantizer, then the GEMM of its path and tile).
-
-    Args:
-        x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
-        qweight: mxfp8 weight QuantizedTensor [N, K] on x's device (linear layout; swizzled 128x4 too
-            with path="native").
-        bias: optional float32/bf16/fp16 [N].
-        scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation).
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-        tile, quant_tile: the GEMM's and the quantizer's tiles (None: this module's defaults).
-    Returns:
-        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
-    Raises:
-        ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 32 or
-            not the weight's K, devices, bias shape, scale_rule.
-    """
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]) with x quantized on the fly (``scale_rule``);
+    exactly the kernels of ``route``. x: bf16/fp16 [..., K], K a multiple of 32, any strides;
+    qweight: mxfp8 [N, K] on x's device (swizzled 128x4 scales too with path="native"). path, tile,
+    quant_tile: as gemm and quantize_activation. ValueError naming the argument: x (dtype, K,
+    device), the weight, bias, scale_rule, or a bad path."""
     check_linear(x, qweight, bias, FMT, K_MULTIPLE, path)
     _check_scale_rule(scale_rule)
     return linear_unchecked(x, qweight, bias, scale_rule=scale_rule, path=path, tile=tile, quant_tile=quant_tile)

@@ -1,66 +1,45 @@
-"""NVFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM
-and the wrappers that route, launch and check them, in that order.
+"""NVFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM,
+the route, the launchers and the public functions, in that order.
 
 What NVFP4 stores (formats/nvfp4.py is the spec and the oracle): e2m1 codes packed two per byte
 along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements and one
-fp32 global scale g per tensor:
+fp32 global scale g per tensor: x[m, k] ~= e2m1(qx[m, k]) * e4m3(sx[m, k // 16]) / g_x.
 
-    x[m, k] ~= e2m1(qx[m, k]) * e4m3(sx[m, k // 16]) / g_x
-
-1. The quantizer (``_amax_partials_kernel``, ``_quantize_kernel``; the tile math is
-   ``nvfp4_quantize_tile``), bit for bit as the oracle:
+1. The quantizer, bit for bit as the oracle (tile math: ``nvfp4_quantize_tile``):
 
        g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
        s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
        code = e2m1(div_rn(x * g, dequantize(s)))    code 0 where s == 0
 
-   The dynamic g needs the amax of the whole tensor before any block can be scaled: a first kernel
-   writes one partial amax per program (no atomics, so the result does not depend on timing) and
-   every program of the second reduces them itself, then quantizes its [BLOCK_M, BLOCK_K] tile.
-   Rounding uses the bit-arithmetic encoders of _codecs (Triton's fp8 cast is wrong in the
-   interpreter) and IEEE division (tl.math.div_rn).
+   The dynamic g needs the amax of the whole tensor first: ``_amax_partials_kernel`` writes one
+   partial amax per program (no atomics: the result does not depend on timing) and every program of
+   ``_quantize_kernel`` reduces them itself. Rounding uses the bit-arithmetic encoders of _codecs
+   (Triton's fp8 cast is wrong in the interpreter) and IEEE division (tl.math.div_rn).
 
-2. The portable GEMM (``_portable_gemm_kernel``; the tile math is ``nvfp4_dequantize_tile``):
-   dequantize each operand tile in registers, then a plain tl.dot. An e2m1 value has 2 significant
-   bits and an e4m3 scale 4, so their product has at most 6 and is exact in bf16 (the GPU's dot
-   dtype; fp32 under the interpreter, whose bf16 tl.dot is wrong); products of two such values are
-   exact in the fp32 accumulator, so only the accumulation rounds:
+2. The portable GEMM (``_portable_gemm_kernel``; tile math: ``nvfp4_dequantize_tile``): dequantize
+   each operand tile in registers, then a plain tl.dot. An e2m1 value has 2 significant bits and an
+   e4m3 scale 4, so their product has at most 6 and is exact in bf16 (the GPU's dot dtype; fp32 under
+   the interpreter, whose bf16 tl.dot is wrong); only the fp32 accumulation rounds:
 
-       acc = 0                                                       fp32 [BLOCK_M, BLOCK_N]
        for k0 in range(0, K, BLOCK_K):
            a = e2m1(A bytes) * e4m3(A scales)[:, k // 16]            [BLOCK_M, BLOCK_K]
            w = e2m1(W bytes) * e4m3(W scales)[:, k // 16]            [BLOCK_N, BLOCK_K]
-           acc += tl.dot(a, w^T)
+           acc += tl.dot(a, w^T)                                     fp32 [BLOCK_M, BLOCK_N]
        y = acc * (1 / g_x) * (1 / g_w) + bias
 
-   W4A16 (``gemm_w4a16``, ``linear(a16=True)``): A is the bf16/fp16 activation itself. bf16 dots as
-   it is; fp16 has 3 more mantissa bits than bf16, so on GPU each fp16 tile is split exactly into
-   bf16 hi + lo (hi = bf16(x), lo = bf16(x - hi), at most 3 significant bits), dotted twice.
+   W4A16 (``gemm_w4a16``, ``linear(a16=True)``, always portable): A is x itself; on GPU an fp16 tile
+   is split exactly into bf16 hi + lo (lo = bf16(x - hi), at most 3 significant bits), dotted twice.
 
-3. The native SM12x GEMM (``_native_gemm_kernel``). SM120/SM121 have a block-scaled MMA,
-
-       mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3
-
-   which applies the scales inside the instruction, so the K loop never dequantizes an element.
-   Triton exposes it as ``acc = tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)`` (a: uint8
-   [BLOCK_M, BLOCK_K/2] packed along K, b: [BLOCK_K/2, BLOCK_N], sa: [BLOCK_M, BLOCK_K/16], sb:
-   [BLOCK_N, BLOCK_K/16], scales as float8e4nv). The global scales are not part of the instruction:
-   alpha = (1 / g_x) * (1 / g_w) multiplies the accumulator once, in the epilogue. The weight scales
-   may be linear [N, K/16] or swizzled 128x4 (formats.layout; ``scale_offsets``), the b12x layout.
-
-4. ``route`` (which kernels a call launches, with which tile, and why: a pure function of the
-   problem and the device), the launchers, then the public functions: ``quantize_activation``,
-   ``gemm``, ``gemm_w4a16``, ``linear`` (its argument checks, then ``linear_unchecked``).
+3. The native SM12x GEMM (``_native_gemm_kernel``): tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)
+   lowers to mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::4X ... ue4m3, which applies
+   the e4m3 scales inside the instruction; alpha multiplies the accumulator once, in the epilogue.
+   The weight scales may be linear or swizzled 128x4 (b12x's layout; ``scale_offsets``).
 
 Where each GEMM runs (_common.gemm_path): native on SM120/SM121 with a Triton that lowers it; the
-portable kernel elsewhere (Hopper, Ada) and under the interpreter, whose dot_scaled decodes e4m3
-scales as E8M0 (so it cannot run the native kernel). W4A16 is always portable. Tiles: the caller's
-``tile=`` / ``quant_tile=`` (kernels_triton.tuning has the tuned ones), else ``tile_config``.
-
-Constraints: K % 16 == 0 (the K tail of a tile is masked; BLOCK_K >= 64, triton#11776); x bf16/fp16
-[..., K], any leading dims and strides.
+portable kernel elsewhere and under the interpreter (whose dot_scaled decodes e4m3 scales as E8M0).
+Tiles: ``tile=`` / ``quant_tile=`` (kernels_triton.tuning), else ``tile_config`` /
+``default_quant_tile``. Constraints: K % 16 == 0; x bf16/fp16 [..., K], any leading dims and strides.
 """
-
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -75,10 +54,10 @@ from formats.validate import nan_unless_positive, static_global_scale
 
 from ._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3, dequantize_e4m3_finite, encode_e2m1,
                       encode_e4m3, grouped_tile, nan_if_nonfinite, scale_offsets)
-from ._common import (THIS_DEVICE, Route, TileConfig, capability_of, check_activation, check_gemm_operands,
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
                       check_linear, check_out_dtype, check_sizes, default_quant_tile, device_capability,
                       epilogue, flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path,
-                      weight_layouts, weight_scale_bytes)
+                      weight_scale_bytes)
 
 __all__ = ["gemm", "gemm_w4a16", "linear", "linear_unchecked", "nvfp4_dequantize_tile", "nvfp4_quantize_tile",
            "quantize_activation", "route", "tile_config"]
@@ -92,9 +71,7 @@ _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
 
 
-# =============================================================================================
-# 1. The activation quantizer
-# =============================================================================================
+# == 1. The activation quantizer ==================================================================
 @triton.jit
 def nvfp4_quantize_tile(x, g, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """x fp32 [BLOCK_M, BLOCK_K] and the global scale g -> (packed e2m1 bytes uint8 [BLOCK_M,
@@ -172,9 +149,7 @@ def _quantize_kernel(
              mask=m_mask[:, None] & (offs_ks[None, :] < K // 16))
 
 
-# =============================================================================================
-# 2. The portable GEMM: dequantize in registers, then tl.dot
-# =============================================================================================
+# == 2. The portable GEMM: dequantize in registers, then tl.dot ===================================
 @triton.jit
 def nvfp4_dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NAN_SCALES: tl.constexpr = True):
@@ -250,9 +225,7 @@ def _portable_gemm_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-# =============================================================================================
-# 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA
-# =============================================================================================
+# == 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA ================================
 # [native-kernel]
 @triton.jit
 def _native_gemm_kernel(
@@ -302,18 +275,11 @@ def _native_gemm_kernel(
 # [/native-kernel]
 
 
-# =============================================================================================
-# 4. The route: which kernels, which tile, why
-# =============================================================================================
-_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
-
-
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE, *, a16: bool = False) -> TileConfig:
-    """The GEMM's tile when the caller gives none, for ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` (None: the interpreter; THIS_DEVICE: this process's device): as large as
-    the problem under the interpreter (BLOCK_K >= 64: dot_scaled's e2m1 operands, triton#11776); on
-    a GPU 64 x 64, BLOCK_K 128 natively and 64 portably (its dequantized fp32 tiles live in registers)."""
-    capability = capability_of(capability)
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None, *, a16: bool = False) -> TileConfig:
+    """The GEMM's tile without ``tile=``, for ``path`` on a device of ``capability`` (None: the
+    interpreter): as large as the problem there (BLOCK_K >= 64, triton#11776); on a GPU 64 x 64,
+    BLOCK_K 128 natively and 64 portably (its dequantized fp32 tiles live in registers)."""
     path = route_path(path, FMT, capability, a16=a16)[0]
     if capability is None:
         return interpreter_config(M, N, K, min_block_k=64)
@@ -329,37 +295,21 @@ def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Option
     quant = () if a16 or M == 0 else ("_amax_partials_kernel",) * (global_scale is None) + ("_quantize_kernel",)
     if M == 0 or N == 0:
         return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
-    return Route("triton", quant + (_GEMM_KERNEL[path],), str(tile), 1, why), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
           path: Optional[str] = None, tile: Optional[TileConfig] = None, global_scale=None) -> Route:
-    """The kernels ``linear`` launches for x [M, K] and a weight [N, K] on a device of
-    ``capability``, in order, with the GEMM's tile and why. Pure: no GPU needed.
-
-    Args:
-        M, N, K: the problem (M = prod(x.shape[:-1])).
-        capability: (major, minor) of the device, or None for the CPU interpreter.
-        sm_count: the device's SMs (one program per output tile: it does not change the route).
-        a16: W4A16 (x used as it is: no quantizer, the portable kernel).
-        path: None (gemm_path's choice), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-        global_scale: ``linear``'s option: a static global scale drops the amax kernel.
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a negative dimension, an unknown path, path="native" with a16 or under the
-            interpreter (its dot_scaled decodes e4m3 scales as E8M0).
-    """
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1])) and a weight [N, K] on a
+    device of ``capability`` ((major, minor); None: the interpreter), with ``linear``'s options (a
+    static global_scale drops the amax kernel); sm_count does not change it. Pure: no GPU needed.
+    ValueError: a negative dimension, or a path route_path refuses."""
     return _plan(M, N, K, capability, a16=a16, path=path, tile=tile, global_scale=global_scale)[0]
 
 
-# =============================================================================================
-# 5. The launchers (operands checked by the caller)
-# =============================================================================================
+# == 5. The launchers (operands checked by the caller) ============================================
 def amax_partials(M: int, block_m: int) -> int:
-    """How many partial amaxes the dynamic global scale is reduced from: one per quantizer row tile
-    of ``block_m`` rows, at most MAX_PARTIALS (MAX_PARTIALS_INTERPRETED under the interpreter)."""
+    """The partial amaxes g is reduced from: one per ``block_m`` row tile, at most MAX_PARTIALS(_INTERPRETED)."""
     return min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interpreting() else MAX_PARTIALS)
 
 
@@ -395,8 +345,7 @@ def _launch_gemm(path: str, tile: TileConfig, a, qweight, bias, out_dtype) -> to
     """y [M, N] = the GEMM of ``path`` with ``tile``. a: the activation, an NVFP4 QuantizedTensor
     (W4A4) or the bf16/fp16 x [M, K] itself (W4A16: the portable kernel, g_x = 1)."""
     a16 = not isinstance(a, QuantizedTensor)
-    N, K = qweight.shape
-    M = a.shape[0]
+    M, (N, K) = a.shape[0], qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0 or N == 0:
         return y
@@ -428,26 +377,15 @@ def _launch_gemm(path: str, tile: TileConfig, a, qweight, bias, out_dtype) -> to
     return y
 
 
-# =============================================================================================
-# 6. The public functions: check, then launch
-# =============================================================================================
+# == 6. The public functions: check, then launch ==================================================
 def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None,
                         quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
-    """Quantize activations to NVFP4 with the Triton kernels, bit for bit as
-    ``formats.quantize(x, "nvfp4", role="activation", global_scale=global_scale)``.
-
-    Args:
-        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; NaN/Inf follow the
-            non-finite rule (docs/formats.md).
-        global_scale: static g (e.g. a calibrated input_global_scale = 2688 / amax), a Python number
-            or a one-element float tensor; None = dynamic, 2688 / max(amax(x), 2^-100).
-        quant_tile: (BLOCK_M, BLOCK_K) of a quantize program (None: default_quant_tile's).
-    Returns:
-        QuantizedTensor(fmt="nvfp4", role="activation", data=uint8 [M, K/2],
-        scale=float8_e4m3fn [M, K/16], global_scale=float32 0-d, shape=(M, K)), M = prod(x.shape[:-1]).
-    Raises:
-        ValueError: x not a bf16/fp16 tensor, K not a positive multiple of 16, or a bad global_scale.
-    """
+    """x bf16/fp16 [..., K] (K % 16 == 0, any strides; NaN/Inf: docs/formats.md's non-finite rule)
+    -> QuantizedTensor(nvfp4 activation, data uint8 [M, K/2], scale float8_e4m3fn [M, K/16],
+    global_scale float32 0-d), bit for bit ``formats.quantize(x, "nvfp4", role="activation",
+    global_scale=global_scale)``. global_scale: a static g (number or one-element tensor); None:
+    2688 / max(amax(x), 2^-100). quant_tile: (BLOCK_M, BLOCK_K) of a program. ValueError: x not
+    bf16/fp16, K not a positive multiple of 16, a bad global_scale."""
     check_activation(x, None, VEC_SIZE, FMT)
     return _quantize(flatten_rows(x), global_scale, quant_tile)
 
@@ -455,45 +393,22 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
          out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
          tile: Optional[TileConfig] = None) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias) from NVFP4 operands (W4A4).
-
-    Args:
-        xq: NVFP4 activation [M, K] (data uint8 [M, K/2], scale e4m3 [M, K/16], global_scale).
-        qweight: NVFP4 weight [N, K]; scales linear, or swizzled 128x4 on the native path.
-        bias: optional float tensor [N] (any float dtype) on the weight's device, added in fp32.
-        out_dtype: torch.bfloat16, torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-        tile: the GEMM's tile (None: tile_config's).
-    Returns:
-        [M, N] tensor of out_dtype (fp32 accumulation, alpha = (1/g_x)(1/g_w) applied once).
-    Raises:
-        ValueError: wrong format/role/layout of either operand, K or device mismatch, bad bias
-            shape or device, unsupported out_dtype, unknown path, or path="native" where it would
-            be wrong (the interpreter) or does not compile (sm_90 with Triton < 3.7).
-    """
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, weight_layouts(path))
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = dequant(xq) . dequant(qweight)^T (+ bias [N], any
+    float dtype, added in fp32); fp32 accumulation, alpha = (1/g_x)(1/g_w) once. xq: NVFP4 activation
+    [M, K]; qweight: NVFP4 weight [N, K] (linear scales; swizzled 128x4 too with path="native").
+    path: None (gemm_path's) or forced; tile: the GEMM's tile. ValueError: a wrong operand (format,
+    role, layout, K, device), bias or out_dtype, or a path route_path refuses."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, path)
     _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
     return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
 
 
 def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
                out_dtype: Optional[torch.dtype] = None, *, tile: Optional[TileConfig] = None) -> torch.Tensor:
-    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16): the portable
-    kernel on every device (bf16 x dequantized weight; gemm_path(fmt, cap, a16=True) says why).
-
-    Args:
-        x2d: bfloat16/float16 [M, K] (any strides), on the weight's device.
-        qweight: NVFP4 weight [N, K] with linear-layout scales.
-        bias: optional float tensor [N].
-        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default x2d's dtype.
-        tile: the GEMM's tile (None: tile_config's).
-    Returns:
-        [M, N] tensor of out_dtype: fp32 sums of exact products (fp16 x: two exact bf16 halves on
-        GPU), times 1/g_w once in the epilogue.
-    Raises:
-        ValueError: x2d not a 2-D bf16/fp16 tensor, K not a multiple of 16 or not the weight's K,
-            device mismatch, wrong weight format or layout, bad bias, unsupported out_dtype.
-    """
+    """W4A16: y [M, N] of out_dtype (default x2d's) = x2d . dequant(qweight)^T (+ bias), the portable
+    kernel on every device (gemm_path(fmt, cap, a16=True) says why): fp32 sums of exact products,
+    times 1/g_w once. x2d: bf16/fp16 [M, K] (any strides); qweight: NVFP4 [N, K], linear scales.
+    ValueError: x2d not 2-D bf16/fp16, a wrong K, device, weight, bias or out_dtype."""
     check_linear(x2d, qweight, bias, FMT, VEC_SIZE)
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
@@ -506,26 +421,11 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
            a16: bool = False, global_scale: Union[None, float, torch.Tensor] = None, path: Optional[str] = None,
            tile: Optional[TileConfig] = None, quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with NVFP4 weights: W4A4 (x quantized to NVFP4) or, with a16=True,
-    W4A16 (x used as it is); the kernels of ``route`` for this call, exactly.
-
-    Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides).
-        qweight: NVFP4 weight QuantizedTensor [N, K] on x's device (linear scales; swizzled 128x4
-            too with path="native").
-        bias: optional [N] float tensor (any float dtype).
-        a16: keep the activations in bf16/fp16 (weight-only quantization; the portable kernel).
-        global_scale: static activation global scale (see quantize_activation); None = dynamic.
-            Ignored with a16.
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-        tile, quant_tile: the GEMM's and the quantizer's tiles (None: this module's defaults).
-    Returns:
-        [..., N] tensor of x's dtype; an empty [..., N] when x has no rows.
-    Raises:
-        ValueError: x not bf16/fp16, K not a multiple of 16 or not the weight's K, x and weight on
-            different devices, wrong weight format or layout, bad bias shape, bad global_scale,
-            unknown path, path="native" with a16 or where it would be wrong.
-    """
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]): W4A4 (x quantized, quantize_activation's
+    global_scale), or W4A16 with a16=True (x as it is); exactly the kernels of ``route``. x:
+    bf16/fp16 [..., K], any strides; qweight: NVFP4 [N, K] on x's device. path, tile, quant_tile:
+    as gemm and quantize_activation. ValueError naming the argument: x (dtype, K, device), the
+    weight (format, layout), bias, global_scale, or a path route_path refuses."""
     check_linear(x, qweight, bias, FMT, VEC_SIZE, path)
     return linear_unchecked(x, qweight, bias, a16=a16, global_scale=global_scale, path=path, tile=tile,
                             quant_tile=quant_tile)

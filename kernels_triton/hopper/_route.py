@@ -1,7 +1,7 @@
 """What every Hopper route is made of: the lessons' TileConfig and Route with the production
 machinery the lessons leave out (split-K, the dequantizing pre-pass, the launch options a route
-hands to its launcher), the SM count split-K aims at, and the checks each format module's route
-and wrappers open with.
+hands to its launcher), the SM count split-K aims at, the checks each format module's route and
+wrappers open with, and two small host helpers of the e4m3 kernels.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from formats.validate import BIAS_DTYPES  # noqa: F401  (the bias dtypes the e4m3 decode launcher takes)
 
 from .. import _common
 from .._common import device_capability, interpreting
@@ -45,6 +47,12 @@ class Route(_common.Route):
     (kernels_triton.tuning.int_specialization), so a warmup can cover every compile."""
 
     options: tuple[tuple[str, object], ...] = ()
+
+
+def e4m3_operand(data: torch.Tensor, dot_fp8: bool) -> torch.Tensor:
+    """The e4m3 codes as float8_e4m3fn when the GPU dots them directly, as uint8 when the kernel
+    dequantizes them first (the interpreter)."""
+    return data if dot_fp8 else data.view(torch.uint8)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,10 +25,10 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK
 
 from .._codecs import abs_or_inf, amax_or_nan, ceil_log2, dequantize_e4m3, encode_e4m3, exp2_int, grouped_tile
-from .._common import (check_activation, check_bias, check_gemm_operands, check_weight,
-                       e4m3_operand, flatten_rows, interpreting, kernel_bias, launch)
+from .._common import (check_activation, check_bias, check_gemm_operands, check_weight, flatten_rows, interpreting,
+                       kernel_bias, launch)
 from ..tuning import quant_config
-from ._route import Route, TileConfig, check_device, check_route, sm_count
+from ._route import Route, TileConfig, check_device, check_route, e4m3_operand, sm_count
 from . import supported  # noqa: F401  (each format module answers supported(capability))
 from ._fp8_decode import FP8_BLOCK_SCALE, decode_config, launch_fp8_decode
 from ._fp8_prefill import BLOCK_PREFILL_TILE, launch_fp8_prefill, tma_ok

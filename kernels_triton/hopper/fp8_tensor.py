@@ -32,10 +32,10 @@ from formats.constants import AMAX_FLOOR, E4M3_MAX
 from formats.validate import static_scale
 
 from .._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite, round_to_bf16_rne
-from .._common import (check_activation, check_bias, check_gemm_operands, check_weight,
-                       e4m3_operand, flatten_rows, interpreting, kernel_bias, launch)
+from .._common import (check_activation, check_bias, check_gemm_operands, check_weight, flatten_rows, interpreting,
+                       kernel_bias, launch)
 from ..tuning import int_specialization, quant_config
-from ._route import Route, TileConfig, check_device, check_route, sm_count
+from ._route import Route, TileConfig, check_device, check_route, e4m3_operand, sm_count
 from . import supported  # noqa: F401  (each format module answers supported(capability))
 from ._fp8_decode import TENSOR_SCALE, decode_config, launch_fp8_decode
 from ._fp8_prefill import TENSOR_PREFILL_TILE, launch_fp8_prefill, tma_ok
