@@ -74,8 +74,8 @@ _E2M1_EMAX = tl.constexpr(E2M1_EMAX)  # 2: 6 = 1.5 * 2^2
 # == 1. The activation quantizer ==================================================================
 @triton.jit
 def mxfp4_quantize_tile(x, CEIL_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x fp32 [BLOCK_M, BLOCK_K] -> (packed e2m1 bytes uint8 [BLOCK_M, BLOCK_K / 2], element 2j in
-    the low nibble; E8M0 scale bytes uint8 [BLOCK_M, BLOCK_K / 32], 0xFF for a block with NaN/Inf)."""
+    """x fp32 [BLOCK_M, BLOCK_K] -> (e2m1 codes uint8 [BLOCK_M, BLOCK_K], one per element; E8M0 scale
+    bytes uint8 [BLOCK_M, BLOCK_K / 32], 0xFF for a block with NaN/Inf)."""
     # per-32 block exponent e: [BLOCK_M, BLOCK_K / 32]
     xb = x.reshape(BLOCK_M, BLOCK_K // 32, 32)
     amax = tl.max(abs_or_inf(xb), axis=2)  # +Inf marks a NaN/Inf in the block
@@ -91,9 +91,7 @@ def mxfp4_quantize_tile(x, CEIL_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
     # 0xFF and codes 0 (e2m1 has no NaN code)
     codes = encode_e2m1(xb * exp2_int(-e)[:, :, None])
     codes = tl.where(bad[:, :, None], 0, codes).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
-    # two codes per byte: split pairs the columns (2j, 2j + 1)
-    even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
-    return even | (odd << 4), tl.where(bad, 0xFF, e + 127).to(tl.uint8)
+    return codes, tl.where(bad, 0xFF, e + 127).to(tl.uint8)
 
 
 @triton.jit
@@ -114,11 +112,13 @@ def _quantize_kernel(
     m_mask = offs_m < M
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
                 mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-    packed, s_bytes = mxfp4_quantize_tile(x, CEIL_RULE, BLOCK_M, BLOCK_K)
+    codes, s_bytes = mxfp4_quantize_tile(x, CEIL_RULE, BLOCK_M, BLOCK_K)
 
-    # ----- store bytes [BLOCK_M, BLOCK_K / 2] and scale bytes [BLOCK_M, BLOCK_K / 32]
+    # ----- two codes per byte, element 2j in the low nibble (split pairs the columns 2j, 2j + 1);
+    # store bytes [BLOCK_M, BLOCK_K / 2] and scale bytes [BLOCK_M, BLOCK_K / 32]
+    even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
     offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], even | (odd << 4),
              mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
     offs_ks = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], s_bytes,

@@ -74,8 +74,8 @@ _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
 # == 1. The activation quantizer ==================================================================
 @triton.jit
 def nvfp4_quantize_tile(x, g, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x fp32 [BLOCK_M, BLOCK_K] and the global scale g -> (packed e2m1 bytes uint8 [BLOCK_M,
-    BLOCK_K / 2], element 2j in the low nibble; e4m3 scale codes uint8 [BLOCK_M, BLOCK_K / 16])."""
+    """x fp32 [BLOCK_M, BLOCK_K] and the global scale g -> (e2m1 codes uint8 [BLOCK_M, BLOCK_K], one
+    per element; e4m3 scale codes uint8 [BLOCK_M, BLOCK_K / 16])."""
     # per-16 block scale s = e4m3(amax_b / 6 * g)
     xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
     amax_b = amax_or_nan(tl.max(abs_or_inf(xb), axis=2), _FLOOR)  # NaN for a block with NaN/Inf
@@ -84,10 +84,7 @@ def nvfp4_quantize_tile(x, g, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # element codes e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf) or s is NaN
     # (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf; the non-finite rule)
     codes = encode_e2m1(tl.math.div_rn(xb * g, tl.where(s_val > 0, s_val, 1.0)))
-    codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
-    # two codes per byte: split pairs the columns (2j, 2j + 1)
-    even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
-    return even | (odd << 4), s_code
+    return tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K), s_code
 
 
 @triton.jit
@@ -138,11 +135,13 @@ def _quantize_kernel(
     m_mask = offs_m < M
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
                 mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-    packed, s_code = nvfp4_quantize_tile(x, g, BLOCK_M, BLOCK_K)
+    codes, s_code = nvfp4_quantize_tile(x, g, BLOCK_M, BLOCK_K)
 
-    # ----- store bytes [BLOCK_M, BLOCK_K / 2] and scale codes [BLOCK_M, BLOCK_K / 16]
+    # ----- two codes per byte, element 2j in the low nibble (split pairs the columns 2j, 2j + 1);
+    # store bytes [BLOCK_M, BLOCK_K / 2] and scale codes [BLOCK_M, BLOCK_K / 16]
+    even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
     offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], packed,
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], even | (odd << 4),
              mask=m_mask[:, None] & (offs_kb[None, :] < K // 2))
     offs_ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
     tl.store(s_ptr + rows[:, None] * stride_sm + offs_ks[None, :], s_code,
