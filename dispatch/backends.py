@@ -417,9 +417,11 @@ class CuteBackend(_KernelBackend):
         mod = self._module()
         if quantizer == "triton" and not self.a16:
             import kernels_triton
+            from kernels_triton import tuning
 
             x2 = x.reshape(-1, x.shape[-1])
-            xq = kernels_triton.module(self.fmt).quantize_activation(x2, **act_opts)
+            xq = kernels_triton.module(self.fmt).quantize_activation(
+                x2, quant_tile=tuning.quant_tile(self.fmt, *x2.shape), **act_opts)
             y = mod.gemm(xq, prepared, bias, out_dtype=x.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return self._linear(mod, x, prepared, bias, act_opts)

@@ -124,6 +124,12 @@ def _quant_group(fmt: str) -> int:
     return max(spec(fmt).k_multiple, 32) if fmt == "fp8_tensor" else spec(fmt).k_multiple
 
 
+def quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:
+    """The ``quant_tile=`` of a kernels_triton.<fmt> quantizer call on x [M, K] in this process
+    (quant_config: the lessons' own tile under the interpreter, the decode row on a GPU)."""
+    return quant_config(M, K, interpreting(), _quant_group(fmt))
+
+
 # ---------------------------------------------------------------------------------------------
 # The tiles of one lesson call
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +153,7 @@ def tiles(fmt: str, M: int, N: int, K: int, *, capability: Optional[tuple[int, i
         tile = sm12x_config("e2m1_portable", M)
     else:
         tile = e4m3_portable_config(M, 64 if fmt == "mxfp8" else 128)
-    return {"tile": tile, "quant_tile": quant_config(M, K, False, _quant_group(fmt))}
+    return {"tile": tile, "quant_tile": quant_config(M, K, False, _quant_group(fmt))}  # a GPU's, not this process's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +173,7 @@ def specializations(fmt: str, M: int, K: int, *, a16: bool = False) -> tuple:
     variant a call can need."""
     if a16:
         return ()
-    block_m, block_k = quant_config(M, K, interpreting(), _quant_group(fmt))
+    block_m, block_k = quant_tile(fmt, M, K)
     if fmt == "nvfp4":
         n = nvfp4.amax_partials(M, block_m)
         return (block_m, block_k), int_specialization(n), max(16, triton.next_power_of_2(n))
@@ -178,5 +184,5 @@ def specializations(fmt: str, M: int, K: int, *, a16: bool = False) -> tuple:
 
 
 __all__ = ["KINDS", "QUANT_DECODE_ROW_BLOCK", "SM12X_SMEM_PER_BLOCK", "SM12X_SM_COUNTS", "default_quant_tile",
-           "e4m3_portable_config", "int_specialization", "quant_config", "sm12x_config", "sm12x_entries",
-           "specializations", "tiles"]
+           "e4m3_portable_config", "int_specialization", "quant_config", "quant_tile", "sm12x_config",
+           "sm12x_entries", "specializations", "tiles"]
