@@ -144,9 +144,8 @@ def floor_log2(v):
 
 @triton.jit
 def round_to_bf16_rne(x):
-    """float32 -> the nearest bf16 value (ties to even), still float32: add 0x7FFF plus the kept LSB to
-    the 16 dropped bits, then clear them. For a bf16 store under the interpreter, whose cast
-    truncates (the GPU's is RNE already). Finite inputs (inf stays inf)."""
+    """float32 -> the nearest bf16 value (RNE), still float32: add 0x7FFF plus the kept LSB to the 16
+    dropped bits, then clear them; before a bf16 store under the interpreter, whose cast truncates."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)

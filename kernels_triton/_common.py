@@ -1,7 +1,6 @@
-"""What the five lessons share besides the codecs (``_codecs``), top to bottom: the tiles (the
-lessons' defaults; tuned ones come in as ``tile=`` from kernels_triton.tuning, which no lesson
-imports), routes and launch recording, the GEMM path policy, the epilogue, the host checks.
-"""
+"""What the five lessons share besides the codecs (``_codecs``), top to bottom: the tiles (their
+defaults; tuned ones come in as ``tile=`` from kernels_triton.tuning, which no lesson imports),
+routes and launch recording, the GEMM path policy, the epilogue, the host checks."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ import triton.language as tl
 
 from formats import FORMAT_NAMES, QuantizedTensor, spec
 from formats import validate as _validate
-from formats.validate import check_bias
 from formats.layout import swizzled_size
+from formats.validate import check_bias  # noqa: F401  (the lessons' bias check, as it is)
 
 from ._codecs import global_alpha, round_to_bf16_rne
 
@@ -102,8 +101,7 @@ def launch(kernel, grid, *args, **kwargs):
 
 # -- The GEMM path: native (tl.dot_scaled on SM12x) or portable -----------------------------------
 PATHS = ("native", "portable")
-# W4A16 exists for the formats with e2m1 elements (weight-only FP4); derived, not listed.
-A16_FORMATS = tuple(f for f in FORMAT_NAMES if spec(f).element == "e2m1")
+A16_FORMATS = tuple(f for f in FORMAT_NAMES if spec(f).element == "e2m1")  # W4A16: weight-only FP4
 TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2])
 
 
@@ -224,8 +222,7 @@ def check_out_dtype(out_dtype) -> None:
 
 
 def check_linear(x, qweight, bias, fmt: str, k_multiple: int, path: Optional[str] = None) -> None:
-    """A lesson linear's checks: the weight (swizzled scales too with a forced native path), x
-    (its K, on its device) and the bias."""
+    """A lesson linear's checks: the weight (check_weight), x (its K, on its device), the bias."""
     check_weight(qweight, fmt, path)
     check_activation(x, qweight.k, k_multiple, fmt, device=qweight.device)
     check_bias(bias, qweight.shape[0], qweight.device)
@@ -252,14 +249,13 @@ def check_gemm_operands(xq, qweight, bias, out_dtype, fmt: str, path: Optional[s
 
 
 def check_sizes(M: int, N: int, K: int) -> None:
-    """ValueError unless M, N and K are >= 0 (a route's problem)."""
+    """ValueError unless M, N and K are >= 0."""
     if min(M, N, K) < 0:
         raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
 
 
 def kernel_bias(bias):
-    """The bias contiguous (the kernels read ``bias_ptr + offs_n``), in its own float dtype, which
-    the epilogue widens to fp32 in registers, exactly."""
+    """The bias contiguous (the kernels read ``bias_ptr + offs_n``), in its own dtype (widened in fp32)."""
     return None if bias is None else bias.contiguous()
 
 

@@ -66,9 +66,6 @@ from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
                       check_linear, check_sizes, default_quant_tile, device_capability, epilogue,
                       flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path)
 
-__all__ = ["fp8_block_dequantize_tile", "fp8_block_quantize_tile", "gemm", "linear", "linear_unchecked",
-           "quantize_activation", "route", "tile_config"]
-
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)

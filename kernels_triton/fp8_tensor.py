@@ -70,9 +70,6 @@ from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
                       check_linear, check_sizes, default_quant_tile, device_capability, epilogue,
                       flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path)
 
-__all__ = ["fp8_tensor_dequantize_tile", "fp8_tensor_quantize_tile", "gemm", "linear", "linear_unchecked",
-           "quantize_activation", "route", "tile_config"]
-
 FMT = "fp8_tensor"
 K_MULTIPLE = 1  # per-tensor scaling puts no constraint on K
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)

@@ -59,9 +59,6 @@ from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
                       flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path,
                       weight_scale_bytes)
 
-__all__ = ["gemm", "gemm_w4a16", "linear", "linear_unchecked", "mxfp4_dequantize_tile", "mxfp4_quantize_tile",
-           "quantize_activation", "route", "tile_config"]
-
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
 SCALE_RULES = ("ceil", "floor")

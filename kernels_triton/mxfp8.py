@@ -68,9 +68,6 @@ from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
                       interpreter_config, interpreting, kernel_bias, launch, route_path,
                       weight_scale_bytes)
 
-__all__ = ["gemm", "linear", "linear_unchecked", "mxfp8_dequantize_tile", "mxfp8_quantize_tile",
-           "quantize_activation", "route", "tile_config"]
-
 FMT = "mxfp8"
 K_MULTIPLE = MX_BLOCK  # 32
 VEC_SIZE = tl.constexpr(MX_BLOCK)  # elements per E8M0 scale

@@ -1,5 +1,5 @@
 """NVFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM,
-the route, the launchers and the public functions, in that order.
+the route, the launchers and the public functions, in that order (the same in every lesson).
 
 What NVFP4 stores (formats/nvfp4.py is the spec and the oracle): e2m1 codes packed two per byte
 along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements and one
@@ -58,9 +58,6 @@ from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
                       check_linear, check_out_dtype, check_sizes, default_quant_tile, device_capability,
                       epilogue, flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path,
                       weight_scale_bytes)
-
-__all__ = ["gemm", "gemm_w4a16", "linear", "linear_unchecked", "nvfp4_dequantize_tile", "nvfp4_quantize_tile",
-           "quantize_activation", "route", "tile_config"]
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
@@ -299,10 +296,9 @@ def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Option
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
           path: Optional[str] = None, tile: Optional[TileConfig] = None, global_scale=None) -> Route:
-    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1])) and a weight [N, K] on a
-    device of ``capability`` ((major, minor); None: the interpreter), with ``linear``'s options (a
-    static global_scale drops the amax kernel); sm_count does not change it. Pure: no GPU needed.
-    ValueError: a negative dimension, or a path route_path refuses."""
+    """The Route ``linear`` launches for x [M, K] and a weight [N, K] on a device of ``capability``
+    (None: the interpreter), with linear's options (a static global_scale drops the amax kernel;
+    sm_count changes nothing). Pure. ValueError: a negative size, or a path route_path refuses."""
     return _plan(M, N, K, capability, a16=a16, path=path, tile=tile, global_scale=global_scale)[0]
 
 
@@ -314,8 +310,7 @@ def amax_partials(M: int, block_m: int) -> int:
 
 def _quantize(x2: torch.Tensor, global_scale, quant_tile) -> QuantizedTensor:
     """quantize_activation on x2 [M, K]: the amax kernel (dynamic g), then the quantize kernel."""
-    M, K = x2.shape
-    device = x2.device
+    (M, K), device = x2.shape, x2.device
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
     scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=device)
     dynamic = global_scale is None
