@@ -273,6 +273,26 @@ class TritonBackend(_KernelBackend):
         self.validate_device(x)  # where x lives, not what it is: the door cannot know the interpreter's state
         return self._run_linear(self._module(), x, prepared, bias, act_opts)
 
+    def _tiles(self, M: int, N: int, K: int, device: DeviceInfo) -> dict:
+        """The tuned tiles of a call on ``device`` (kernels_triton.tuning: the SM12x tables, the
+        quantizer's decode tile), as the lessons' ``tile=`` / ``quant_tile=``; {} on the CPU."""
+        from kernels_triton import tuning
+
+        return tuning.tiles(self.fmt, M, N, K, capability=self._route_args(device)["capability"], a16=self.a16)
+
+    def route(self, problem: Problem, device: DeviceInfo, **act_opts) -> Route:
+        return super().route(problem, device, **act_opts, **self._tiles(problem.M, problem.N, problem.K, device))
+
+    def _linear(self, mod, x, prepared, bias, act_opts):
+        n, k = prepared.shape
+        return super()._linear(mod, x, prepared, bias, {**act_opts, **self._tiles(x.numel() // k, n, k,
+                                                                                   current_device(x.device))})
+
+    def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
+        self.check_tensor_device(xq.data)
+        tile = self._tiles(xq.rows, *prepared.shape, current_device(xq.device)).get("tile")
+        return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype, **({"tile": tile} if tile else {}))
+
 
 # ---------------------------------------------------------------------------------------------
 # hopper
@@ -294,6 +314,9 @@ class HopperBackend(TritonBackend):
         from kernels_triton import hopper
 
         return hopper.module(self.fmt)
+
+    def _tiles(self, M: int, N: int, K: int, device: DeviceInfo) -> dict:
+        return {}  # the hopper modules choose their own sm_90 tiles
 
     def is_supported(self, device: DeviceInfo) -> tuple[bool, str]:
         if device.kind == "cpu":
@@ -414,9 +437,11 @@ class CuteBackend(_KernelBackend):
         mod = self._module()
         if quantizer == "triton" and not self.a16:
             import kernels_triton
+            from kernels_triton import tuning
 
             x2 = x.reshape(-1, x.shape[-1])
-            xq = kernels_triton.module(self.fmt).quantize_activation(x2, **act_opts)
+            xq = kernels_triton.module(self.fmt).quantize_activation(
+                x2, quant_tile=tuning.quant_tile(self.fmt, *x2.shape), **act_opts)
             y = mod.gemm(xq, prepared, bias, out_dtype=x.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return self._run_linear(mod, x, prepared, bias, act_opts)

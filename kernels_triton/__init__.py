@@ -6,6 +6,7 @@ kernel, a GEMM kernel and host wrappers with the same names:
     quantize_activation(x, **opts) -> formats.QuantizedTensor   (bit-exact with the oracle)
     gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16) -> Tensor [M, N]
     linear(x, qweight, bias=None, **opts) -> Tensor [..., N]    (quantize + gemm)
+    linear_unchecked(x, qweight, bias=None, **opts)             (linear without its argument checks)
 
 Two GEMM paths per format (``path=None | "native" | "portable"`` on gemm and linear): native is
 tl.dot_scaled, the block-scaled tensor-core MMA on SM120/SM121; portable decodes operand tiles in
@@ -14,9 +15,10 @@ a16=...) -> (path, reason)`` is the policy, a pure function the dispatcher can r
 
 Routes as data: ``route(M, N, K, *, capability, ...)`` of a format module returns the ``Route``
 (kernels by name, tile, split-K, why) that its ``linear`` launches; ``record_launches()`` lists
-what a block of code actually launched. The shared pieces are two modules: ``_codecs`` (the
+what a block of code actually launched. The lessons share two modules: ``_codecs`` (the
 ``@triton.jit`` element codecs) and ``_common`` (tiles, routes, path policy, epilogue, host
-checks). The Hopper production kernels are the subpackage ``kernels_triton.hopper``.
+checks). Tuned tiles (the SM12x tables) are ``kernels_triton.tuning``, passed into a lesson as
+``tile=`` / ``quant_tile=``; the Hopper production kernels are the subpackage ``kernels_triton.hopper``.
 
 With no CUDA device and TRITON_INTERPRET unset, importing this package sets TRITON_INTERPRET=1, so
 the kernels run on CPU tensors in Triton's interpreter. Triton reads the variable when it is first
@@ -47,15 +49,10 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set and not "0")."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 from formats import FORMAT_NAMES  # noqa: E402
 
-from ._common import PATHS, Route, gemm_path, record_launches  # noqa: E402,F401  (after interpreting: _common imports it)
+# after TRITON_INTERPRET is settled: _common imports triton
+from ._common import PATHS, Route, gemm_path, interpreting, record_launches  # noqa: E402,F401
 
 
 def module(fmt: str):

@@ -1,14 +1,11 @@
-"""The element codecs every Triton kernel here shares, as ``@triton.jit`` functions written as bit
-arithmetic, plus the block-scale addressing and the grouped tile order of the GEMMs.
+"""The element codecs every Triton kernel here shares, as ``@triton.jit`` bit arithmetic, plus the
+block-scale addressing and the grouped tile order of the GEMMs. ``dequantize_*`` turns codes into
+values (e2m1, e4m3, E8M0), ``encode_*`` values into codes (RNE, saturating).
 
 Why bit arithmetic: under TRITON_INTERPRET=1 Triton's fp32 -> float8e4nv cast rounds wrongly for
-~13% of values and does not saturate, and tl.dot on bf16 operands returns garbage. Integer and
-fp32 arithmetic is exact on every backend (GPU and interpreter), so these encoders reproduce the
-formats/ oracle bit for bit everywhere. Division that must match the oracle uses tl.math.div_rn
-(IEEE round-to-nearest; Triton's plain ``/`` may lower to an approximate division on GPU).
-
-Names: ``dequantize_*`` turns codes into values (e2m1, e4m3, E8M0); ``encode_*`` turns values
-into codes (RNE, saturating). "Decode" in this package means only the M <= 16 regime.
+~13% of values and does not saturate. Integer and fp32 arithmetic is exact on every backend, so
+these encoders reproduce the formats/ oracle bit for bit everywhere; division that must match it
+uses tl.math.div_rn (IEEE; Triton's plain ``/`` may be approximate on GPU).
 """
 
 from __future__ import annotations
@@ -17,28 +14,21 @@ import triton
 import triton.language as tl
 
 
-# ---------------------------------------------------------------------------------------------
-# Dequantizers: code -> float32
-# ---------------------------------------------------------------------------------------------
+# -- Dequantizers: code -> float32 ----------------------------------------------------------------
 @triton.jit
 def exp2_int(e):
-    """2^e as float32 for an int32 e in [-127, 127], exactly: built from the exponent bits (tl.exp2
-    may be approximate on GPU and flushes subnormals; 2^-127 is the subnormal 0x00400000)."""
+    """2^e as float32 for an int32 e in [-127, 127], exactly, from the exponent bits (tl.exp2 may be
+    approximate and flush subnormals; 2^-127 is the subnormal 0x00400000)."""
     normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
     return tl.where(e == -127, tl.full(e.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True), normal)
 
 
 @triton.jit
 def dequantize_e2m1(nibble):
-    """4-bit e2m1 code (any int type, values 0..15) -> float32 value.
-
-    Cheap form (this runs once per weight element, so every instruction counts): the 3 magnitude
-    bits e e m are placed at fp32 bits 24..22, i.e. the low 2 bits of the exponent field and the top
-    mantissa bit. That fp32 number is exactly value * 2^-126 for every code, the subnormal 0.5 too
-    (exponent field 0 is fp32's subnormal range, whose spacing matches), so one multiply by 2^126
-    gives the value: and/shift/or plus one fmul, no int->float conversion, no select. The multiply
-    must not flush subnormals; Triton emits plain mul.f32 (no .ftz), checked in the PTX.
-    """
+    """4-bit e2m1 code (any int type, 0..15) -> float32. Once per weight element, so cheap: the 3
+    magnitude bits e e m go to fp32 bits 24..22 (the low 2 exponent bits and the top mantissa bit),
+    which is exactly value * 2^-126 for every code, the subnormal 0.5 too (fp32's subnormal spacing
+    matches); one multiply by 2^126 restores it (plain mul.f32, no .ftz: checked in the PTX)."""
     n = nibble.to(tl.uint32)
     bits = ((n & 0x7) << 22) | ((n & 0x8) << 28)  # magnitude at bits 24..22, sign at bit 31
     return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
@@ -46,23 +36,17 @@ def dequantize_e2m1(nibble):
 
 @triton.jit
 def dequantize_e4m3(code):
-    """8-bit e4m3fn code -> float32; the NaN codes 0x7F/0xFF dequantize to NaN (an activation block
-    that held a NaN/Inf is written as 0x7F: the non-finite rule, docs/formats.md).
-
-    Same trick as dequantize_e2m1: the 7 magnitude bits eeee mmm go to fp32 bits 26..20 (low 4 exponent
-    bits, top 3 mantissa bits); that is value * 2^-120 for every code, subnormals included, and one
-    multiply by 2^120 restores it. The NaN codes would come out as +-480, which no other code gives,
-    hence the select on the value.
-    """
+    """8-bit e4m3fn code -> float32, the NaN codes 0x7F/0xFF to NaN (docs/formats.md's non-finite
+    rule). dequantize_e2m1's trick: the 7 magnitude bits go to fp32 bits 26..20, value * 2^-120 for
+    every code; the NaN codes come out as +-480, which no other code gives, hence the select."""
     v = dequantize_e4m3_finite(code)
     return tl.where(tl.abs(v) == 480.0, float("nan"), v)
 
 
 @triton.jit
 def dequantize_e4m3_finite(code):
-    """dequantize_e4m3 for codes known not to be NaN (0x7F/0xFF would read as +-480): only for weight
-    scales, which formats.validate.check_scale_values refuses with NaN codes where the weight is
-    loaded, in a kernel at its register limit (the nvfp4 W4A16 kernel: one select more spills)."""
+    """dequantize_e4m3 for codes known not to be NaN (they would read as +-480): weight scales, checked
+    at load (formats.validate), in a kernel at its register limit (nvfp4 W4A16: a select spills)."""
     c = code.to(tl.uint32)
     bits = ((c & 0x7F) << 20) | ((c & 0x80) << 24)
     return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
@@ -75,9 +59,7 @@ def dequantize_e8m0(code):
     return tl.where(c == 0xFF, float("nan"), exp2_int(c - 127))
 
 
-# ---------------------------------------------------------------------------------------------
-# The non-finite rule (docs/formats.md): a NaN/Inf makes its block's scale NaN
-# ---------------------------------------------------------------------------------------------
+# -- The non-finite rule (docs/formats.md): a NaN/Inf makes its block's scale NaN -----------------
 # [nonfinite]
 @triton.jit
 def abs_or_inf(x):
@@ -102,16 +84,13 @@ def nan_if_nonfinite(x):
 
 @triton.jit
 def global_alpha(gx, gw):
-    """nvfp4's alpha = (1 / g_x) * (1 / g_w) (two IEEE reciprocals, so g_x * g_w cannot overflow),
-    NaN unless both global scales are finite and > 0: a tensor-valued global scale is not checked
-    on the host (that would synchronize), and a bad one must give NaN, never zeros."""
+    """nvfp4's alpha = (1 / g_x) * (1 / g_w) (so g_x * g_w cannot overflow); NaN unless both are
+    finite and > 0 (a global scale tensor is not checked on the host: that would synchronize)."""
     ok = (gx > 0) & (gx <= 3.4028234663852886e38) & (gw > 0) & (gw <= 3.4028234663852886e38)
     return tl.where(ok, tl.math.div_rn(1.0, gx) * tl.math.div_rn(1.0, gw), float("nan"))
 
 
-# ---------------------------------------------------------------------------------------------
-# Encoders: float32 -> code (RNE, saturating), bit for bit equal to formats.codecs
-# ---------------------------------------------------------------------------------------------
+# -- Encoders: float32 -> code (RNE, saturating), bit for bit equal to formats.codecs -------------
 @triton.jit
 def encode_e4m3(x):
     """float32 -> e4m3fn code as uint8 (RNE, saturating to +-448, sign kept for zeros; NaN -> 0x7F)."""
@@ -134,11 +113,8 @@ def encode_e4m3(x):
 
 @triton.jit
 def encode_e2m1(x):
-    """float32 -> 4-bit e2m1 code in a uint8 (RNE ties to the even code, saturating to +-6).
-
-    Each midpoint between neighbouring magnitudes (0|.5|1|1.5|2|3|4|6) either rounds up on a tie
-    (>=) or down (>), alternating so that ties land on the even code.
-    """
+    """float32 -> 4-bit e2m1 code in a uint8 (RNE, saturating to +-6): each midpoint between the
+    magnitudes 0|.5|1|1.5|2|3|4|6 rounds up on a tie (>=) or down (>), so ties land on even codes."""
     a = tl.abs(x)
     code = (
         (a > 0.25).to(tl.int32)
@@ -168,26 +144,20 @@ def floor_log2(v):
 
 @triton.jit
 def round_to_bf16_rne(x):
-    """float32 -> the nearest bf16 value (ties to even), still as float32, by bit arithmetic: add
-    0x7FFF plus the kept LSB to the 16 bits being dropped, then clear them (a carry moves into the
-    exponent). Needed before a bf16 store under the interpreter, whose fp32 -> bf16 cast truncates;
-    the value is then exact in bf16, so the truncating cast keeps it. On GPU the cast is already
-    RNE and the kernels skip this behind a constexpr. Finite inputs (inf stays inf)."""
+    """float32 -> the nearest bf16 value (RNE), still float32: add 0x7FFF plus the kept LSB to the 16
+    dropped bits, then clear them; before a bf16 store under the interpreter, whose cast truncates."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Block-scale addressing: linear [rows, K/VEC_SIZE] or swizzled 128x4 (formats.layout)
-# ---------------------------------------------------------------------------------------------
+# -- Block-scale addressing: linear [rows, K/VEC_SIZE] or swizzled 128x4 (formats.layout) ---------
 # [scale-offsets]
 @triton.jit
 def scale_offsets(rows, cols, n_cols, stride_row, SWIZZLED: tl.constexpr):
-    """Element offsets [len(rows), len(cols)] of the block scales (rows, cols) of a scale matrix
-    with ``n_cols`` columns. Linear: rows * stride_row + cols. Swizzled 128x4 (the layout cuBLAS
-    and b12x read; formats.layout.swizzled_offset): 512-byte tiles of 128 rows x 4 columns, row r at
-    (r % 32) * 16 + ((r // 32) % 4) * 4 inside its tile, so each row's 4 scales are one 4-byte word."""
+    """Offsets [len(rows), len(cols)] of the block scales (rows, cols) of an ``n_cols``-column scale
+    matrix. Linear: rows * stride_row + cols. Swizzled 128x4 (cuBLAS's and b12x's; formats.layout):
+    512-byte tiles of 128 rows x 4 columns, row r at (r % 32) * 16 + ((r // 32) % 4) * 4 in its tile."""
     r = rows.to(tl.int64)[:, None]
     c = cols[None, :]
     if SWIZZLED:
@@ -197,9 +167,7 @@ def scale_offsets(rows, cols, n_cols, stride_row, SWIZZLED: tl.constexpr):
 # [/scale-offsets]
 
 
-# ---------------------------------------------------------------------------------------------
-# Program order of a GEMM grid
-# ---------------------------------------------------------------------------------------------
+# -- Program order of a GEMM grid -----------------------------------------------------------------
 @triton.jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (pid_m, pid_n), walking GROUP_M row tiles per weight column tile (the "grouped

@@ -1,4 +1,6 @@
-"""Block FP8 (DeepSeek-V3 / DeepGEMM style) in Triton: 1x128 activation groups, 128x128 weight blocks.
+"""Block FP8 (DeepSeek-V3 / DeepGEMM style) in Triton, the lesson: 1x128 activation groups, 128x128
+weight blocks; the activation quantizer, the portable GEMM, the native SM12x GEMM and the wrappers
+that route, launch and check them, in that order.
 
 What this file teaches: scales that change along K cannot be pulled out of the K sum, but scales
 that are *constant over one K step* can be pulled out of that step. With BLOCK_K = 128 every K step
@@ -16,30 +18,32 @@ it joins the fp32 accumulator. Scales (spec: formats/fp8_block.py, the oracle):
             and with ue8m0=True rounded up to a power of two: 2^ceil(log2(scale))
     code  = e4m3(x / scale)                      (div_rn, RNE, saturating)
 
-GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
+1. The quantizer (``_quantize_kernel``; the tile math is ``fp8_block_quantize_tile``): one program
+   per [BLOCK_M rows] x [one 128-wide group], so the group amax is a row max.
 
-    acc = 0                                             (fp32 [BLOCK_M, BLOCK_N])
-    for kb in range(K // 128):
-        partial = dot(qx[offs_m, kb], qw[offs_n, kb]^T) (fp32 [BLOCK_M, BLOCK_N], fresh each step)
-        acc += partial * sx[offs_m, kb][:, None] * sw[offs_n // 128, kb][None, :]
-    y = acc + bias                                      (epilogue, then cast to out_dtype)
+2. The portable GEMM (``_portable_gemm_kernel``), one program per [BLOCK_M, BLOCK_N] output tile:
 
-sw is loaded per column as a vector, sw[offs_n // 128, kb], so BLOCK_N need not line up with the
-128-row weight blocks (any power of two works; a tile may straddle two weight blocks).
+       acc = 0                                             (fp32 [BLOCK_M, BLOCK_N])
+       for kb in range(K // 128):
+           partial = dot(qx[offs_m, kb], qw[offs_n, kb]^T) (fp32 [BLOCK_M, BLOCK_N], fresh each step)
+           acc += partial * sx[offs_m, kb][:, None] * sw[offs_n // 128, kb][None, :]
+       y = acc + bias                                      (epilogue, then cast to out_dtype)
 
-On GPU the e4m3 tiles go straight into tl.dot. Each partial is a fresh 128-deep dot whose result
-is added to the fp32 accumulator in registers, so the accumulation is promoted to fp32 every K
-step whatever Triton's Hopper default is; we still pass max_num_imprecise_acc=BLOCK_K to say so.
-Under the interpreter the codes are dequantized to fp32 with _codecs.dequantize_e4m3 before the dot.
+   sw is loaded per column as a vector, sw[offs_n // 128, kb], so BLOCK_N need not line up with the
+   128-row weight blocks (a tile may straddle two). On GPU the e4m3 tiles go straight into tl.dot;
+   each partial is a fresh 128-deep dot added to the fp32 accumulator in registers, so the sum is
+   promoted to fp32 every K step whatever Triton's Hopper default is. Under the interpreter the
+   codes are dequantized to fp32 first (``fp8_block_dequantize_tile``).
 
-Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
-each 128-deep partial is a tl.dot_scaled with unit E8M0 scales (the full-rate block-scaled MMA)
-promoted as above; with ``ue8m0=True`` (power-of-two scales, DeepGEMM's UE8M0) each scale 2^e is
-handed to the MMA as its E8M0 byte e + 127, repeated over its four 32-blocks, and no promotion
-step is needed (a scale that is not a power of two makes its rows/columns of y NaN).
+3. The native SM12x GEMM (``_native_gemm_kernel``): each 128-deep partial is a tl.dot_scaled with
+   unit E8M0 scales (the full-rate block-scaled MMA) promoted as above; with ``ue8m0=True``
+   (power-of-two scales, DeepGEMM's UE8M0) each scale 2^e is handed to the MMA as its E8M0 byte
+   e + 127, repeated over its four 32-blocks, and no promotion step is needed (a scale that is not
+   a power of two makes its rows/columns of y NaN).
 
-One program per output tile; ``route`` names the kernels a call launches. (The Hopper production
-kernels for this format are kernels_triton.hopper.fp8_block.)
+4. ``route``, the launchers, then the public functions: ``quantize_activation``, ``gemm``, ``linear``
+   (its argument checks, then ``linear_unchecked``). Tiles: the caller's ``tile=`` / ``quant_tile=``
+   (kernels_triton.tuning), else ``tile_config``.
 
 Constraints: K a multiple of 128 and BLOCK_K == 128; x bf16/fp16 [..., K]; weight a linear-layout
 fp8_block QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md: the
@@ -58,10 +62,9 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK
 
 from ._codecs import abs_or_inf, amax_or_nan, ceil_log2, dequantize_e4m3, encode_e4m3, exp2_int, grouped_tile
-from ._common import (NO_ALPHA, Route, THIS_DEVICE, check_activation, check_bias, check_gemm_operands,
-                      check_weight, default_device, device_capability, e4m3_operand, e4m3_portable_config,
-                      epilogue, flatten_rows, interpreting, kernel_bias, launch, native_config, quant_config,
-                      route_path)
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
+                      check_linear, check_sizes, default_quant_tile, device_capability, epilogue,
+                      flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path)
 
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
@@ -70,9 +73,20 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _GROUP = tl.constexpr(FP8_BLOCK)
 
 
-# ---------------------------------------------------------------------------------------------
-# Activation quantization: one program per [BLOCK_M rows] x [one 128-wide group]
-# ---------------------------------------------------------------------------------------------
+# == 1. The activation quantizer ==================================================================
+@triton.jit
+def fp8_block_quantize_tile(x, UE8M0: tl.constexpr):
+    """x fp32 [BLOCK_M, 128], one group per row -> (e4m3 codes uint8 [BLOCK_M, 128], scales fp32
+    [BLOCK_M]): scale = max(amax, floor) / 448 (UE8M0: rounded up to a power of two), code =
+    e4m3(x / scale); a group with NaN/Inf gets a NaN scale and codes 0x7F."""
+    amax = tl.max(abs_or_inf(x), axis=1)  # [BLOCK_M]; +Inf marks a NaN/Inf in the group
+    scale = tl.math.div_rn(amax_or_nan(amax, _AMAX_FLOOR), _E4M3_MAX)  # NaN: all codes become 0x7F
+    if UE8M0:
+        # power-of-two scale, exponent kept in the float32 normal range as formats.codecs.pow2_ceil
+        scale = tl.where(scale != scale, scale, exp2_int(tl.minimum(tl.maximum(ceil_log2(scale), -126), 127)))
+    return encode_e4m3(tl.math.div_rn(x, scale[:, None])), scale
+
+
 @triton.jit
 def _quantize_kernel(
     # pointers
@@ -92,23 +106,22 @@ def _quantize_kernel(
     row_ok = offs_m < M
     # x tile [BLOCK_M, 128]: exactly one group per row, so the group amax is a row max
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
-    x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(abs_or_inf(x), axis=1)  # [BLOCK_M]; +Inf marks a NaN/Inf in the group
-    scale = tl.math.div_rn(amax_or_nan(amax, _AMAX_FLOOR), _E4M3_MAX)  # NaN: all codes become 0x7F
-    if UE8M0:
-        # power-of-two scale, exponent kept in the float32 normal range as formats.codecs.pow2_ceil
-        scale = tl.where(scale != scale, scale, exp2_int(tl.minimum(tl.maximum(ceil_log2(scale), -126), 127)))
-    q = encode_e4m3(tl.math.div_rn(x, scale[:, None]))
+    q, scale = fp8_block_quantize_tile(tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32), UE8M0)
     q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
     tl.store(q_ptrs, q, mask=row_ok[:, None])
     tl.store(s_ptr + offs_m.to(tl.int64) * stride_sm + kb * stride_sk, scale, mask=row_ok)
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMM: y = sum_kb dot(qx_kb, qw_kb^T) * sx[:, kb] * sw[n // 128, kb] + bias
-# ---------------------------------------------------------------------------------------------
+# == 2. The portable GEMM: y = sum_kb dot(qx_kb, qw_kb^T) * sx[:, kb] * sw[n // 128, kb] + bias ====
 @triton.jit
-def _gemm_kernel(
+def fp8_block_dequantize_tile(codes):
+    """e4m3 codes (uint8, any shape) -> their fp32 values, exactly; the block scales are not applied
+    here: they are constant over a 128-deep K step and multiply its partial sum."""
+    return dequantize_e4m3(codes)
+
+
+@triton.jit
+def _portable_gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
     # dimensions
@@ -119,7 +132,6 @@ def _gemm_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_FP8: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    
 ):
     """One [BLOCK_M, BLOCK_N] tile of y; BLOCK_K must be 128 (one scale per K step)."""
     tl.static_assert(BLOCK_K == _GROUP, "block FP8 needs BLOCK_K == 128: one scale per K step")
@@ -144,24 +156,21 @@ def _gemm_kernel(
         if DOT_FP8:
             partial = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
         else:
-            partial = tl.dot(dequantize_e4m3(a), dequantize_e4m3(b))
+            partial = tl.dot(fp8_block_dequantize_tile(a), fp8_block_dequantize_tile(b))
         sx = tl.load(sx_ptrs + kb * stride_sxk, mask=m_ok, other=0.0)  # [BLOCK_M]
         sw = tl.load(sw_ptrs + kb * stride_swk, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += partial * (sx[:, None] * sw[None, :])  # scales together first: partial * sx can overflow
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    # ----- epilogue: bias, cast, store -----
-    # (ROUND_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
-    # (NO_ALPHA: every scale was applied in the K loop, so the two scale pointers are unused)
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    # ----- epilogue: bias, cast, store (every scale was applied in the K loop) -----
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=False,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMM, native path (SM12x): the block-scaled MMA, with unit scales + fp32 promotion, or UE8M0
-# ---------------------------------------------------------------------------------------------
+# == 3. The native SM12x GEMM: the block-scaled MMA, with unit scales + fp32 promotion, or UE8M0 ====
 # [native-kernel]
 @triton.jit
 def _native_gemm_kernel(
@@ -225,78 +234,50 @@ def _native_gemm_kernel(
     if UE8M0:
         acc = tl.where((bad_m[:, None] | bad_n[None, :]) != 0, float("nan"), acc)
 
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=False,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 # [/native-kernel]
 
 
-# ---------------------------------------------------------------------------------------------
-# Host wrappers
-# ---------------------------------------------------------------------------------------------
-# ---------------------------------------------------------------------------------------------
-# The route: which kernels a call launches, with which tile, and why
-# ---------------------------------------------------------------------------------------------
-def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False, path=None,
-          ue8m0: bool = False) -> Route:
-    """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_block problem.
-
-    Args:
-        M, N, K: activation rows, output features, reduction length (>= 0; K a multiple of 128).
-        capability: the device's (major, minor); None: no CUDA device (the interpreter).
-        sm_count: the device's SM count (one program per output tile: it does not change the route).
-        a16: must be False (fp8_block has no weight-only mode).
-        path: None (gemm_path's choice), "native" or "portable".
-        ue8m0: ``linear``'s option; on the native path the E8M0 MMA (the SM12x "e4m3" table).
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a16=True, a negative size, or a bad path (route_path).
-    """
-    if a16:
-        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
-    gemm_path_, why = route_path(path, FMT, capability)
-    if M == 0:
-        return Route("triton", (), "", 1, "M=0: nothing to launch")
-    gemm = "_native_gemm_kernel" if gemm_path_ == "native" else "_gemm_kernel"
-    cfg = tile_config(M, N, K, gemm_path_, capability, ue8m0=ue8m0)
-    return Route("triton", ("_quantize_kernel", gemm), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None) -> TileConfig:
+    """The GEMM's tile without ``tile=`` on a device of ``capability`` (None: the interpreter): as
+    large as the problem there, 64 x 64 on a GPU; BLOCK_K is 128 (one scale per K step)."""
+    route_path(path, FMT, capability)  # a forced path is checked even where the tile does not depend on it
+    return interpreter_config(M, N, K, block_k=FP8_BLOCK) if capability is None else TileConfig(64, 64, FP8_BLOCK)
 
 
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE, *, ue8m0: bool = False):
-    """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` ((major, minor); None: the interpreter; THIS_DEVICE, the default: this
-    process's device), as ``route`` reports it and gemm launches it.
-    BLOCK_K is 128 (one scale per K step)."""
-    if capability is THIS_DEVICE:
-        capability = device_capability(default_device())
-    if route_path(path, FMT, capability)[0] == "native":
-        return native_config(M, N, K, capability, kind="e4m3" if ue8m0 else "fp8_block", block_k=FP8_BLOCK)
-    return e4m3_portable_config(M, N, K, capability, block_k=FP8_BLOCK)
+def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Optional[str] = None,
+          tile: Optional[TileConfig] = None) -> tuple[Route, str, TileConfig]:
+    """(the route, its GEMM path, its tile): the one place a call's kernels are decided."""
+    check_sizes(M, N, K)
+    path, why = route_path(path, FMT, capability, a16=a16)
+    tile = tile or tile_config(M, N, K, path, capability)
+    quant = () if M == 0 else ("_quantize_kernel",)
+    if M == 0 or N == 0:
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
-def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTensor:
-    """Quantize activations to block FP8 (1x128 groups) with the Triton kernel, bit for bit as
-    ``formats.quantize(x, "fp8_block", role="activation", ue8m0=ue8m0)``.
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
+          path: Optional[str] = None, tile: Optional[TileConfig] = None, ue8m0: bool = False) -> Route:
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1]); K a multiple of 128) and a
+    weight [N, K] on a device of ``capability`` ((major, minor); None: the interpreter), with
+    ``linear``'s options (ue8m0 and sm_count do not change it). Pure: no GPU needed. ValueError:
+    a16=True (no weight-only mode), a negative size, or a path route_path refuses."""
+    return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
-    Args:
-        x: bfloat16/float16 [..., K], K a multiple of 128, any strides; NaN/Inf follow the non-finite rule (docs/formats.md).
-        ue8m0: round every scale up to a power of two (DeepGEMM's UE8M0 scales).
-    Returns:
-        QuantizedTensor(fmt="fp8_block", role="activation", data float8_e4m3fn [M, K],
-        scale float32 [M, K/128], block_shape (1, 128)), M = prod(leading dims).
-    Raises:
-        ValueError: x not bf16/fp16, or K not a positive multiple of 128.
-    """
-    check_activation(x, None, K_MULTIPLE, FMT)
-    x2 = flatten_rows(x)
+
+# == 5. The launchers (operands checked by the caller) ============================================
+def _quantize(x2: torch.Tensor, ue8m0: bool, quant_tile) -> QuantizedTensor:
+    """quantize_activation on x2 [M, K]: one quantize kernel (BLOCK_K is the 128-wide group)."""
     M, K = x2.shape
-    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((M, K // FP8_BLOCK), dtype=torch.float32, device=x.device)
+    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty((M, K // FP8_BLOCK), dtype=torch.float32, device=x2.device)
     if M:
-        block_m, _ = quant_config(M, K, interpreting(), group=FP8_BLOCK)
+        block_m, _ = quant_tile or default_quant_tile(M, K, FP8_BLOCK)
         q = data.view(torch.uint8)
         launch(_quantize_kernel, (triton.cdiv(M, block_m), K // FP8_BLOCK),
                x2, q, scale,
@@ -306,100 +287,85 @@ def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False) -> QuantizedTen
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, FP8_BLOCK), (M, K))
 
 
-def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16, *, ue8m0: bool = False, path: Optional[str] = None) -> torch.Tensor:
-    """y = sum over 128-wide K blocks of (qx . qw^T) * sx * sw (+ bias) on quantized operands.
-
-    Native path (SM12x): fp32 scales take one unit-scale block-scaled MMA per 128-K step plus the
-    fp32 promotion; ``ue8m0=True`` declares both operands' scales powers of two (DeepGEMM UE8M0)
-    and hands them to the MMA as E8M0 bytes. Portable path: fp8 tl.dot partials (ue8m0 is then
-    only a statement: the same kernel serves both).
-
-    Args:
-        xq: fp8_block activation QuantizedTensor [M, K] (scale float32 [M, K/128]).
-        qweight: fp8_block weight QuantizedTensor [N, K] (scale float32 [ceil(N/128), K/128]), linear layout.
-        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
-        ue8m0: both operands' scales are powers of two (native path: E8M0 scales in the MMA; a
-            scale that is not makes its rows/columns of y NaN).
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-    Returns:
-        [M, N] tensor of out_dtype (empty when M == 0).
-    Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
-            unknown path.
-    """
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype, ue8m0: bool) -> torch.Tensor:
+    """y [M, N] = the GEMM of ``path`` with ``tile`` on the quantized activation xq."""
+    M, (N, K) = xq.rows, qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
-    if M == 0:
+    if M == 0 or N == 0:
         return y
-    cap = device_capability(qweight.device)
-    gemm_path_ = route_path(path, FMT, cap)[0]
-    cfg = tile_config(M, N, K, gemm_path_, cap, ue8m0=ue8m0)
-    return _run_gemm(gemm_path_, cfg, xq, qweight, kernel_bias(bias), y, bool(ue8m0))
-
-
-def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y, ue8m0: bool) -> torch.Tensor:
-    """Launch the GEMM kernel of ``gemm_path_`` with tile ``cfg`` into y [M, N] (bias: kernel_bias's)."""
-    M, N = y.shape
-    K = qweight.k
+    bias = kernel_bias(bias)
     interp = interpreting()
     sx, sw = xq.scale, qweight.scale
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-    if gemm_path_ == "native":
+    grid = (triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N),)
+    common = dict(HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
+                  BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if path == "native":
         x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
         launch(_native_gemm_kernel, grid,
                x, w, sx, sw, bias if bias is not None else y, y,
                M, N, K,
                x.stride(0), w.stride(0), sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0),
-               UE8M0=ue8m0, HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
-               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               UE8M0=bool(ue8m0), **common)
         return y
-    dot_fp8 = not interp
-    x = e4m3_operand(xq.data, dot_fp8)
-    w = e4m3_operand(qweight.data, dot_fp8)
-    launch(_gemm_kernel, grid,
+    dot_fp8 = not interp  # the GPU dots the e4m3 codes; the interpreter dequantizes uint8 codes first
+    x, w = (xq.data, qweight.data) if dot_fp8 else (xq.data.view(torch.uint8), qweight.data.view(torch.uint8))
+    launch(_portable_gemm_kernel, grid,
            x, w, sx, sw, bias if bias is not None else y, y,
            M, N, K,
            x.stride(0), x.stride(1), w.stride(0), w.stride(1),
            sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
-           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, ROUND_BF16=interp and y.dtype == torch.bfloat16,
-           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           DOT_FP8=dot_fp8, **common)
     return y
 
 
-def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           ue8m0: bool = False, path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to block FP8 (1x128 groups) on the fly: ``route``
-    once, then exactly its kernels (the quantizer, then the GEMM of its path and tile).
+# == 6. The public functions: check, then launch ==================================================
+def quantize_activation(x: torch.Tensor, *, ue8m0: bool = False,
+                        quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
+    """x bf16/fp16 [..., K] (K a multiple of 128, any strides; NaN/Inf: docs/formats.md's non-finite
+    rule) -> QuantizedTensor(fp8_block activation, data float8_e4m3fn [M, K], scale float32
+    [M, K/128]), bit for bit ``formats.quantize(x, "fp8_block", role="activation", ue8m0=ue8m0)``.
+    ue8m0: round each scale up to a power of two (DeepGEMM's UE8M0). quant_tile: (BLOCK_M, _) of a
+    program (one 128-wide group each). ValueError: x not bf16/fp16, K not a positive multiple of 128."""
+    check_activation(x, None, K_MULTIPLE, FMT)
+    return _quantize(flatten_rows(x), ue8m0, quant_tile)
 
-    Args:
-        x: bfloat16/float16 [..., K], K a multiple of 128, any strides.
-        qweight: fp8_block weight QuantizedTensor [N, K] (linear layout) on x's device.
-        bias: optional float32/bf16/fp16 [N].
-        ue8m0: power-of-two activation scales (see quantize_activation), and a statement that the
-            weight's scales are powers of two too (a UE8M0 checkpoint): the native path then runs
-            the E8M0 MMA (a weight scale that is not a power of two gives NaN there).
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-    Returns:
-        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
-    Raises:
-        ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 128 or
-            not the weight's K, devices, bias shape.
-    """
-    check_weight(qweight, FMT)
+
+def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16, *, ue8m0: bool = False, path: Optional[str] = None,
+         tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = sum over 128-wide K blocks of (qx . qw^T) * sx * sw
+    (+ bias [N], fp32/bf16/fp16, added in fp32). xq: fp8_block activation [M, K] (scale [M, K/128]);
+    qweight: fp8_block weight [N, K] (scale [ceil(N/128), K/128]). ue8m0: both operands' scales are
+    powers of two (native path: E8M0 scales in the MMA; one that is not makes its rows / columns of
+    y NaN; the portable kernel is the same either way). path: None (gemm_path's) or forced; tile:
+    the GEMM's tile. ValueError: a wrong operand (format, role, K, device), bias or out_dtype, or a
+    path route_path refuses."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, out_dtype, ue8m0)
+
+
+def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+           ue8m0: bool = False, path: Optional[str] = None, tile: Optional[TileConfig] = None,
+           quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]) with x quantized on the fly in 1x128 groups;
+    exactly the kernels of ``route``. ue8m0: power-of-two activation scales, and a statement that
+    the weight's are too (a UE8M0 checkpoint: the native path then runs the E8M0 MMA). x: bf16/fp16
+    [..., K], K a multiple of 128, any strides; qweight: fp8_block [N, K] on x's device. path, tile,
+    quant_tile: as gemm and quantize_activation. ValueError naming the argument: x (dtype, K,
+    device), the weight, bias, or a bad path."""
+    check_linear(x, qweight, bias, FMT, K_MULTIPLE)
+    return linear_unchecked(x, qweight, bias, ue8m0=ue8m0, path=path, tile=tile, quant_tile=quant_tile)
+
+
+def linear_unchecked(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+                     ue8m0: bool = False, path: Optional[str] = None, tile: Optional[TileConfig] = None,
+                     quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """``linear`` without its argument checks, for a caller that made them (dispatch's bound call):
+    the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers."""
     N, K = qweight.shape
-    check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
-    check_bias(bias, N, qweight.device)
-    cap = device_capability(qweight.device)
     x2 = flatten_rows(x)
-    M = x2.shape[0]
-    r = route(M, N, K, capability=cap, path=path, ue8m0=ue8m0)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if r.kernels:
-        xq = quantize_activation(x2, ue8m0=ue8m0)
-        opts = dict(r.options)
-        _run_gemm(opts["path"], opts["config"], xq, qweight, kernel_bias(bias), y, bool(ue8m0))
-    return y.reshape(*x.shape[:-1], N)
+    _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), path=path, tile=tile)
+    xq = _quantize(x2, ue8m0, quant_tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, x.dtype, ue8m0).reshape(*x.shape[:-1], N)

@@ -1,4 +1,5 @@
-"""Per-tensor FP8 (W8A8) in Triton: dynamic activation quantization and the e4m3 GEMM.
+"""Per-tensor FP8 (W8A8) in Triton, the lesson: the activation quantizer, the portable GEMM, the
+native SM12x GEMM and the wrappers that route, launch and check them, in that order.
 
 What this file teaches: the simplest scaled GEMM. One float32 scale for the whole activation and
 one for the whole weight, so the scales factor out of the K sum entirely:
@@ -9,43 +10,42 @@ one for the whole weight, so the scales factor out of the K sum entirely:
 and the K loop is a plain matrix multiply of the e4m3 codes; the scales are applied once, in the
 epilogue.
 
-Activation quantization (spec: formats/fp8_tensor.py, the oracle):
+1. The quantizer (spec: formats/fp8_tensor.py, the oracle; the tile math is
+   ``fp8_tensor_quantize_tile``):
 
-    sx   = max(amax(|x|), AMAX_FLOOR) / 448        (div_rn; or a static calibrated ``scale``)
-    qx   = e4m3(x / sx)                            (div_rn, then RNE with saturation to +-448)
+       sx   = max(amax(|x|), AMAX_FLOOR) / 448        (div_rn; or a static calibrated ``scale``)
+       qx   = e4m3(x / sx)                            (div_rn, then RNE with saturation to +-448)
 
-The amax is a reduction over the whole tensor, so quantization is two launches with no atomics
-and no host synchronization:
+   The amax is a reduction over the whole tensor, so quantization is two launches with no atomics
+   and no host synchronization: ``_amax_partials_kernel`` (program (p, q) reduces row tile p over
+   the K tiles q, q + Pk, ... into one partial), then ``_quantize_kernel``, whose every program
+   reduces the (few) partials itself, computes sx (program (0, 0) stores it) and quantizes its
+   [BLOCK_M, BLOCK_K] tile. A static ``scale`` skips the first launch.
 
-    stage 1  _amax_partials_kernel: program (p, q) reduces rows [p*BLOCK_M, (p+1)*BLOCK_M) over the
-             K tiles q, q + Pk, ... and writes one float to partials[p * Pk + q].
-    stage 2  _quantize_kernel: every program reduces the (few) partials itself, computes sx,
-             program (0, 0) writes sx to the scale tensor, and each program quantizes its
-             [BLOCK_M, BLOCK_K] tile. A static ``scale`` skips stage 1 (the kernel reads sx).
+2. The portable GEMM (``_portable_gemm_kernel``), one program per [BLOCK_M, BLOCK_N] output tile:
 
-GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
+       acc = 0                                        (fp32 [BLOCK_M, BLOCK_N])
+       for k0 in range(0, K, BLOCK_K):
+           a = qx[offs_m, k0:k0+BLOCK_K]              (e4m3 [BLOCK_M, BLOCK_K])
+           b = qw[offs_n, k0:k0+BLOCK_K]^T            (e4m3 [BLOCK_K, BLOCK_N])
+           acc = dot(a, b, acc)                       (fp32 accumulation)
+       y = acc * sx * sw + bias                       (epilogue, then cast to out_dtype)
 
-    acc = 0                                        (fp32 [BLOCK_M, BLOCK_N])
-    for k0 in range(0, K, BLOCK_K):
-        a = qx[offs_m, k0:k0+BLOCK_K]              (e4m3 [BLOCK_M, BLOCK_K])
-        b = qw[offs_n, k0:k0+BLOCK_K]^T            (e4m3 [BLOCK_K, BLOCK_N])
-        acc = dot(a, b, acc)                       (fp32 accumulation)
-    y = acc * sx * sw + bias                       (epilogue, then cast to out_dtype)
+   On GPU the e4m3 tiles go straight into tl.dot (fp8 tensor cores). On Hopper, Triton's default
+   for fp8 dots is *imprecise* accumulation (max_num_imprecise_acc = 2^30: the wgmma accumulator is
+   never promoted to full fp32), which loses about 3 bits at K = 8192; we pass
+   max_num_imprecise_acc=128, a promotion into the fp32 accumulator after every 128 products. Under
+   the interpreter the codes are dequantized to fp32 first (``fp8_tensor_dequantize_tile``: exact;
+   the interpreter's fp8 paths are trusted for loads only).
 
-On GPU the e4m3 tiles go straight into tl.dot (fp8 tensor cores). On Hopper, Triton's default for
-fp8 dots is *imprecise* accumulation (max_num_imprecise_acc = 2^30: the wgmma accumulator is never
-promoted to full fp32), which loses about 3 bits at K = 8192 (docs/results.md). We pass
-max_num_imprecise_acc=BLOCK_K (128), which promotes into the fp32 accumulator after every K step
-(a few times more accurate, somewhat slower). Other architectures ignore the argument. Under the interpreter
-the codes are dequantized to fp32 with _codecs.dequantize_e4m3 first (exact; the interpreter's fp8 paths
-are not trusted for anything but loads).
+3. The native SM12x GEMM (``_native_gemm_kernel``): the same codes through tl.dot_scaled with every
+   E8M0 scale 127 (2^0), because on SM12x the plain fp8 MMA runs at half the 8-bit rate and the
+   block-scaled one at full rate (triton#11320); the two scales stay in the epilogue.
 
-Two paths (``gemm_path`` picks by device; ``path=`` forces one): the portable kernel above
-(``_gemm_kernel``, a plain fp8 tl.dot), and on SM12x ``_native_gemm_kernel``: the same codes
-through tl.dot_scaled with every E8M0 scale 127 (2^0), because there the plain fp8 MMA runs at
-half the 8-bit rate and the block-scaled one at full rate (triton#11320); the two scales stay in
-the epilogue either way. One program per output tile; ``route`` names the kernels a call launches.
-(The Hopper production kernels for this format are kernels_triton.hopper.fp8_tensor.)
+4. ``route`` (which kernels a call launches, with which tile, and why), the launchers, then the
+   public functions: ``quantize_activation``, ``gemm``, ``linear`` (its argument checks, then
+   ``linear_unchecked``). Tiles: the caller's ``tile=`` / ``quant_tile=`` (kernels_triton.tuning),
+   else ``tile_config``.
 
 Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
 fp8_tensor QuantizedTensor [N, K]. NaN/Inf in x follow the non-finite rule of docs/formats.md:
@@ -65,27 +65,29 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX
 from formats.validate import static_scale
 
-from ._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite, round_to_bf16_rne
-from ._common import (ALPHA_SCALES, Route, THIS_DEVICE, check_activation, check_bias, check_gemm_operands,
-                      check_weight, default_device, device_capability, e4m3_operand, e4m3_portable_config,
-                      epilogue, flatten_rows, int_specialization, interpreting, kernel_bias, launch, native_config, quant_config,
-                      route_path)
-
-_ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
+from ._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
+                      check_linear, check_sizes, default_quant_tile, device_capability, epilogue,
+                      flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path)
 
 FMT = "fp8_tensor"
 K_MULTIPLE = 1  # per-tensor scaling puts no constraint on K
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
-PARTIALS_BLOCK = 1024  # partial maxima reduced per step in stage 2
+PARTIALS_BLOCK = 1024  # partial maxima reduced per step in the quantize kernel
 # max_num_imprecise_acc of the Hopper fp8 dot: promote the wgmma accumulator to fp32 every 128
 # products (never promoting loses about 3 bits at K = 8192, over the 1e-3 relative-error budget)
 IMPRECISE_ACC = 128
 
 
-# ---------------------------------------------------------------------------------------------
-# Activation quantization, stage 1: one partial amax per row block
-# ---------------------------------------------------------------------------------------------
+# == 1. The activation quantizer ==================================================================
+@triton.jit
+def fp8_tensor_quantize_tile(x, scale):
+    """x fp32 (any shape) and the per-tensor scale -> e4m3 codes uint8 e4m3(x / scale); NaN/Inf
+    become 0x7F, with a static scale too (the non-finite rule)."""
+    return encode_e4m3(tl.math.div_rn(nan_if_nonfinite(x), scale))
+
+
 @triton.jit
 def _amax_partials_kernel(
     # pointers
@@ -115,9 +117,6 @@ def _amax_partials_kernel(
     tl.store(partials_ptr + pid_m * num_pk + pid_k, tl.max(amax, axis=0))
 
 
-# ---------------------------------------------------------------------------------------------
-# Activation quantization, stage 2: reduce the partials, compute the scale, quantize a tile
-# ---------------------------------------------------------------------------------------------
 @triton.jit
 def _quantize_kernel(
     # pointers
@@ -153,17 +152,21 @@ def _quantize_kernel(
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     # x tile [BLOCK_M, BLOCK_K], read through both strides (x may be non-contiguous)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :].to(tl.int64) * stride_xk
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    q = encode_e4m3(tl.math.div_rn(nan_if_nonfinite(x), scale))  # NaN/Inf -> 0x7F, static scale too
+    q = fp8_tensor_quantize_tile(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32), scale)
     q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :].to(tl.int64) * stride_qk
     tl.store(q_ptrs, q, mask=mask)
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMM: y = (qx . qw^T) * sx * sw + bias
-# ---------------------------------------------------------------------------------------------
+# == 2. The portable GEMM: y = (qx . qw^T) * sx * sw + bias =======================================
 @triton.jit
-def _gemm_kernel(
+def fp8_tensor_dequantize_tile(codes):
+    """e4m3 codes (uint8, any shape) -> their fp32 values, exactly; the per-tensor scales are not
+    applied here: they factor out of the K sum and meet in the epilogue."""
+    return dequantize_e4m3(codes)
+
+
+@triton.jit
+def _portable_gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
     # dimensions
@@ -196,23 +199,18 @@ def _gemm_kernel(
             # Triton's default (2^30) never does and loses ~3 bits at large K.
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         else:
-            acc = tl.dot(dequantize_e4m3(a), dequantize_e4m3(b), acc)
+            acc = tl.dot(fp8_tensor_dequantize_tile(a), fp8_tensor_dequantize_tile(b), acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
     # ----- epilogue: the two per-tensor scales, then the bias -----
-    y = acc * (tl.load(sx_ptr) * tl.load(sw_ptr))  # scales together first: acc * sx can overflow
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    if ROUND_BF16:
-        y = round_to_bf16_rne(y)  # interpreter: its fp32 -> bf16 cast truncates
+    y = epilogue(acc, offs_n, offs_n < N, sx_ptr, sw_ptr, bias_ptr, TENSOR_SCALES=True, GLOBAL_SCALES=False,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMM, native path (SM12x): the codes through the block-scaled MMA with unit scales
-# ---------------------------------------------------------------------------------------------
+# == 3. The native SM12x GEMM: the codes through the block-scaled MMA with unit scales ============
 # [native-kernel]
 @triton.jit
 def _native_gemm_kernel(
@@ -252,106 +250,67 @@ def _native_gemm_kernel(
                     mask=n_ok[:, None] & k_ok[None, :], other=0)
         acc = tl.dot_scaled(a, unit_a, "e4m3", b.T, unit_b, "e4m3", acc)
 
-    # ----- epilogue: the two per-tensor scales (ALPHA_SCALES), then the bias -----
-    y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
+    # ----- epilogue: the two per-tensor scales, then the bias -----
+    y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, TENSOR_SCALES=True, GLOBAL_SCALES=False,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 # [/native-kernel]
 
 
-# ---------------------------------------------------------------------------------------------
-# Host wrappers
-# ---------------------------------------------------------------------------------------------
-# ---------------------------------------------------------------------------------------------
-# The route: which kernels a call launches, with which tile, and why
-# ---------------------------------------------------------------------------------------------
-def amax_partials(M: int, K: int, interp: bool) -> int:
-    """How many partial maxima stage 1 writes for x [M, K] (its grid: row tiles times K tiles, the K
-    tiles only on a GPU and within PARTIALS_BLOCK); stage 2's ``num_partials``."""
-    block_m, block_k = quant_config(M, K, interp, group=32)
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None) -> TileConfig:
+    """The GEMM's tile without ``tile=`` on a device of ``capability`` (None: the interpreter): as
+    large as the problem there, 64 x 64 x 128 on a GPU (either path)."""
+    route_path(path, FMT, capability)  # a forced path is checked even where the tile does not depend on it
+    return interpreter_config(M, N, K) if capability is None else TileConfig(64, 64, 128)
+
+
+def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Optional[str] = None,
+          tile: Optional[TileConfig] = None, scale=None) -> tuple[Route, str, TileConfig]:
+    """(the route, its GEMM path, its tile): the one place a call's kernels are decided."""
+    check_sizes(M, N, K)
+    path, why = route_path(path, FMT, capability, a16=a16)
+    tile = tile or tile_config(M, N, K, path, capability)
+    quant = () if M == 0 else ("_amax_partials_kernel",) * (scale is None) + ("_quantize_kernel",)
+    if M == 0 or N == 0:
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
+
+
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
+          path: Optional[str] = None, tile: Optional[TileConfig] = None, scale=None) -> Route:
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1])) and a weight [N, K] on a
+    device of ``capability`` ((major, minor); None: the interpreter), with ``linear``'s options (a
+    static ``scale`` drops the amax kernel; sm_count does not change it). Pure: no GPU needed.
+    ValueError: a16=True (no weight-only mode), a negative size, or a path route_path refuses."""
+    return _plan(M, N, K, capability, a16=a16, path=path, tile=tile, scale=scale)[0]
+
+
+# == 5. The launchers (operands checked by the caller) ============================================
+def amax_grid(M: int, K: int, block_m: int, block_k: int) -> tuple[int, int]:
+    """The amax kernel's grid (row tiles, K tiles) for x [M, K]: K is split only on a GPU, and only
+    as far as the quantize kernel reduces the partials in one PARTIALS_BLOCK step."""
     pm = triton.cdiv(M, block_m)
-    pk = 1 if interp else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
-    return pm * pk
+    return pm, 1 if interpreting() else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
 
 
-def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False, path=None,
-          scale=None) -> Route:
-    """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_tensor problem.
-
-    Args:
-        M, N, K: activation rows, output features, reduction length (>= 0).
-        capability: the device's (major, minor); None: no CUDA device (the interpreter).
-        sm_count: the device's SM count (one program per output tile: it does not change the route).
-        a16: must be False (fp8_tensor has no weight-only mode).
-        path: None (gemm_path's choice), "native" or "portable".
-        scale: ``linear``'s activation option: a static scale skips the amax kernel.
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a16=True, a negative size, or a bad path (route_path).
-    """
-    if a16:
-        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
-    gemm_path_, why = route_path(path, FMT, capability)
-    if M == 0:
-        return Route("triton", (), "", 1, "M=0: nothing to launch")
-    quant = ("_quantize_kernel",) if scale is not None else ("_amax_partials_kernel", "_quantize_kernel")
-    gemm = "_native_gemm_kernel" if gemm_path_ == "native" else "_gemm_kernel"
-    cfg = tile_config(M, N, K, gemm_path_, capability)
-    options = (("path", gemm_path_), ("config", cfg))
-    if scale is None:  # stage 2's M-derived int (one compile per class)
-        options += (("num_partials", int_specialization(amax_partials(M, K, capability is None))),)
-    return Route("triton", quant + (gemm,), str(cfg), 1, why, options)
-
-
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE):
-    """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` ((major, minor); None: the interpreter; THIS_DEVICE, the default: this
-    process's device), as ``route`` reports it and gemm launches it."""
-    if capability is THIS_DEVICE:
-        capability = device_capability(default_device())
-    if route_path(path, FMT, capability)[0] == "native":
-        return native_config(M, N, K, capability)
-    return e4m3_portable_config(M, N, K, capability)
-
-
-def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
-    """Quantize activations to per-tensor FP8 with the Triton kernels, bit for bit as
-    ``formats.quantize(x, "fp8_tensor", role="activation", scale=scale)``.
-
-    Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides); a NaN/Inf follows the non-finite rule (docs/formats.md).
-        scale: static scale (a positive number or 0-d tensor, e.g. a calibrated input_scale);
-            None for the dynamic max(amax, AMAX_FLOOR) / 448.
-    Returns:
-        QuantizedTensor(fmt="fp8_tensor", role="activation", data float8_e4m3fn [M, K],
-        scale float32 0-d on x's device), M = prod(leading dims).
-    Raises:
-        ValueError: x not a bf16/fp16 tensor with K >= 1, or a non-positive/non-finite ``scale``.
-    """
-    check_activation(x, None, K_MULTIPLE, FMT)
-    x2 = flatten_rows(x)
+def _quantize(x2: torch.Tensor, scale, quant_tile) -> QuantizedTensor:
+    """quantize_activation on x2 [M, K]: the amax kernel (dynamic scale), then the quantize kernel."""
     M, K = x2.shape
-    s = torch.empty((), dtype=torch.float32, device=x.device) if scale is None else static_scale(scale, x.device)
-    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((), dtype=torch.float32, device=x2.device) if scale is None else static_scale(scale, x2.device)
+    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
     if M == 0:
         if scale is None:  # the oracle's scale of an empty tensor: the amax floor over 448
-            s = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x.device) / E4M3_MAX
+            s = torch.full((), AMAX_FLOOR, dtype=torch.float32, device=x2.device) / E4M3_MAX
         return QuantizedTensor(FMT, "activation", data, s, None, None, (M, K))
-
-    interp = interpreting()
-    block_m, block_k = quant_config(M, K, interp, group=32)
+    block_m, block_k = quant_tile or default_quant_tile(M, K, 32)
     partials = s  # unused placeholder pointer when the scale is static
     num_partials = 0
     if scale is None:
-        # stage 1 spans K as well as M on GPU: a program walking all of K alone issues its loads
-        # one after another
-        num_partials = amax_partials(M, K, interp)
-        pm = triton.cdiv(M, block_m)
-        pk = num_partials // pm
-        partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
+        pm, pk = amax_grid(M, K, block_m, block_k)
+        num_partials = pm * pk
+        partials = torch.empty(num_partials, dtype=torch.float32, device=x2.device)
         launch(_amax_partials_kernel, (pm, pk),
                x2, partials, M, K, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k)
     q = data.view(torch.uint8)
@@ -363,90 +322,79 @@ def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
     return QuantizedTensor(FMT, "activation", data, s, None, None, (M, K))
 
 
-def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
-    """y = (qx . qw^T) * sx * sw (+ bias) on quantized operands (native: the block-scaled MMA
-    with unit scales; portable: a plain fp8 tl.dot; gemm_path picks by device).
-
-    Args:
-        xq: fp8_tensor activation QuantizedTensor [M, K] (data float8_e4m3fn, scale float32 0-d).
-        qweight: fp8_tensor weight QuantizedTensor [N, K], linear scale layout.
-        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-    Returns:
-        [M, N] tensor of out_dtype (empty when M == 0).
-    Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
-            unknown path.
-    """
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> torch.Tensor:
+    """y [M, N] = the GEMM of ``path`` with ``tile`` on the quantized activation xq."""
+    M, (N, K) = xq.rows, qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
-    if M == 0:
+    if M == 0 or N == 0:
         return y
-    cap = device_capability(qweight.device)
-    gemm_path_ = route_path(path, FMT, cap)[0]
-    return _run_gemm(gemm_path_, tile_config(M, N, K, gemm_path_, cap), xq, qweight, kernel_bias(bias), y)
-
-
-def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y) -> torch.Tensor:
-    """Launch the GEMM kernel of ``gemm_path_`` with tile ``cfg`` into y [M, N] (bias: kernel_bias's)."""
-    M, N = y.shape
-    K = qweight.k
+    bias = kernel_bias(bias)
     interp = interpreting()
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-    if gemm_path_ == "native":
+    grid = (triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N),)
+    common = dict(HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
+                  BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if path == "native":
         x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
-        sx, sw = xq.scale.reshape(1), qweight.scale.reshape(1)
         launch(_native_gemm_kernel, grid,
-               x, w, sx, sw, bias if bias is not None else y, y,
+               x, w, xq.scale.reshape(1), qweight.scale.reshape(1), bias if bias is not None else y, y,
                M, N, K,
-               x.stride(0), w.stride(0), y.stride(0),
-               HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
-               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               x.stride(0), w.stride(0), y.stride(0), **common)
         return y
-    dot_fp8 = not interp
-    x = e4m3_operand(xq.data, dot_fp8)
-    w = e4m3_operand(qweight.data, dot_fp8)
-    launch(_gemm_kernel, grid,
+    dot_fp8 = not interp  # the GPU dots the e4m3 codes; the interpreter dequantizes uint8 codes first
+    x, w = (xq.data, qweight.data) if dot_fp8 else (xq.data.view(torch.uint8), qweight.data.view(torch.uint8))
+    launch(_portable_gemm_kernel, grid,
            x, w, xq.scale, qweight.scale, bias if bias is not None else y, y,
            M, N, K,
            x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, ROUND_BF16=interp and y.dtype == torch.bfloat16,
-           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-           IMPRECISE_ACC=min(IMPRECISE_ACC, cfg.BLOCK_K),  # Triton needs it <= BLOCK_K
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           DOT_FP8=dot_fp8, IMPRECISE_ACC=min(IMPRECISE_ACC, tile.BLOCK_K),  # Triton needs it <= BLOCK_K
+           **common)
     return y
 
 
-def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           scale=None, path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to per-tensor FP8 on the fly: ``route`` once, then
-    exactly its kernels (the quantizer, then the GEMM of its path and tile).
+# == 6. The public functions: check, then launch ==================================================
+def quantize_activation(x: torch.Tensor, *, scale=None, quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
+    """x bf16/fp16 [..., K] (any K >= 1, any strides; NaN/Inf: docs/formats.md's non-finite rule)
+    -> QuantizedTensor(fp8_tensor activation, data float8_e4m3fn [M, K], scale float32 0-d), bit for
+    bit ``formats.quantize(x, "fp8_tensor", role="activation", scale=scale)``. scale: a static
+    positive scale (number or 0-d tensor, e.g. a calibrated input_scale); None: max(amax,
+    AMAX_FLOOR) / 448. quant_tile: (BLOCK_M, BLOCK_K) of a program. ValueError: x not bf16/fp16
+    with K >= 1, a non-positive or non-finite scale."""
+    check_activation(x, None, K_MULTIPLE, FMT)
+    return _quantize(flatten_rows(x), scale, quant_tile)
 
-    Args:
-        x: bfloat16/float16 [..., K], any strides.
-        qweight: fp8_tensor weight QuantizedTensor [N, K] (linear layout) on x's device.
-        bias: optional float32/bf16/fp16 [N].
-        scale: static activation scale (see quantize_activation); None for dynamic.
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-    Returns:
-        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
-    Raises:
-        ValueError: naming the argument: wrong weight format, x dtype, K mismatch, devices, bias shape.
-    """
-    check_weight(qweight, FMT)
+
+def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
+         tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = (qx . qw^T) * sx * sw (+ bias [N], fp32/bf16/fp16,
+    added in fp32): natively the block-scaled MMA with unit scales, portably a plain fp8 tl.dot.
+    xq: fp8_tensor activation [M, K]; qweight: fp8_tensor weight [N, K]. path: None (gemm_path's)
+    or forced; tile: the GEMM's tile. ValueError: a wrong operand (format, role, K, device), bias or
+    out_dtype, or a path route_path refuses."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
+
+
+def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+           scale=None, path: Optional[str] = None, tile: Optional[TileConfig] = None,
+           quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]) with x quantized on the fly (quantize_activation's
+    ``scale``); exactly the kernels of ``route``. x: bf16/fp16 [..., K], any strides; qweight:
+    fp8_tensor [N, K] on x's device. path, tile, quant_tile: as gemm and quantize_activation.
+    ValueError naming the argument: x (dtype, K, device), the weight, bias, or a bad path."""
+    check_linear(x, qweight, bias, FMT, K_MULTIPLE)
+    return linear_unchecked(x, qweight, bias, scale=scale, path=path, tile=tile, quant_tile=quant_tile)
+
+
+def linear_unchecked(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+                     scale=None, path: Optional[str] = None, tile: Optional[TileConfig] = None,
+                     quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """``linear`` without its argument checks, for a caller that made them (dispatch's bound call):
+    the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers."""
     N, K = qweight.shape
-    check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
-    check_bias(bias, N, qweight.device)
-    cap = device_capability(qweight.device)
     x2 = flatten_rows(x)
-    M = x2.shape[0]
-    r = route(M, N, K, capability=cap, path=path, scale=scale)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if r.kernels:
-        xq = quantize_activation(x2, scale=scale)
-        opts = dict(r.options)
-        _run_gemm(opts["path"], opts["config"], xq, qweight, kernel_bias(bias), y)
-    return y.reshape(*x.shape[:-1], N)
+    _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), path=path, tile=tile, scale=scale)
+    xq = _quantize(x2, scale, quant_tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, x.dtype).reshape(*x.shape[:-1], N)

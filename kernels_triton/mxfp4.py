@@ -1,5 +1,5 @@
-"""MXFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM
-and the wrappers that check, allocate and launch them, in that order.
+"""MXFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM,
+the route, the launchers and the public functions, in that order.
 
 What MXFP4 stores (formats/mxfp4.py and formats/_mx.py are the spec and the oracle): e2m1 codes
 packed two per byte along K (uint8 [rows, K/2], element 2i in the low nibble) and one E8M0 scale
@@ -9,61 +9,38 @@ byte per 32 elements (uint8 [rows, K/32]; byte b means 2^(b - 127)):
          = floor(log2(max(amax_block, FLOOR))) - 2           scale_rule="floor" (OCP MX v1.0 6.3)
     e    = clamp(e, -127, 127);  scale byte = e + 127
     code = e2m1(x * 2^-e)                                    (a power of two: exact, no division)
-    x   ~= e2m1_value(code) * 2^e
 
-1. The quantizer (``_quantize_kernel``), one program per [BLOCK_M, BLOCK_K] tile of x, bit for bit
-   as the oracle:
+1. The quantizer (``_quantize_kernel``; tile math: ``mxfp4_quantize_tile``), bit for bit as the
+   oracle. ceil_log2/floor_log2 read the fp32 exponent bits and exp2_int writes them, so the
+   exponent is exact on every backend (tl.exp2/tl.log2 may be approximate on GPU). A block with
+   NaN/Inf input gets the E8M0 NaN byte 0xFF.
 
-       xb    = x tile as [BLOCK_M, BLOCK_K/32, 32] float32
-       amax  = max(max|xb|, FLOOR)                                   # [BLOCK_M, BLOCK_K/32]
-       e     = clamp(ceil_log2(div_rn(amax, 6)) or floor_log2(amax) - 2, -127, 127)
-       codes = encode_e2m1(xb * exp2_int(-e))                        # exp2_int builds 2^-e from bits
-       bytes = codes[..., 0::2] | codes[..., 1::2] << 4              # low nibble = even element
+2. The portable GEMM (``_portable_gemm_kernel``; tile math: ``mxfp4_dequantize_tile``): dequantize
+   each operand tile in registers, then a plain tl.dot. An E8M0 scale is a power of two, so
+   e2m1 * scale keeps e2m1's 2 significant bits: exact in bf16 (the GPU's dot dtype; fp32 under the
+   interpreter, whose bf16 tl.dot is wrong):
 
-   ceil_log2/floor_log2 read the fp32 exponent bits and exp2_int writes them, so the exponent is
-   exact on every backend (tl.exp2/tl.log2 may be approximate on GPU). A block with NaN/Inf input
-   gets the E8M0 NaN byte 0xFF (docs/formats.md), which dequantizes to NaN.
-
-2. The portable GEMM (``_portable_gemm_kernel``): dequantize each operand tile in registers, then a
-   plain tl.dot. An E8M0 scale is a power of two, so e2m1 * scale keeps e2m1's 2 significant bits
-   and is exact in bf16 (the GPU's dot dtype: fp32's exponent range; fp32 under the interpreter,
-   whose bf16 tl.dot is wrong); products of two such values are exact in the fp32 accumulator:
-
-       acc = 0                                                       fp32 [BLOCK_M, BLOCK_N]
        for k0 in range(0, K, BLOCK_K):
            a = e2m1(A bytes) * 2^(A scale - 127)[:, k // 32]         [BLOCK_M, BLOCK_K]
            w = e2m1(W bytes) * 2^(W scale - 127)[:, k // 32]         [BLOCK_N, BLOCK_K]
-           acc += tl.dot(a, w^T)
+           acc += tl.dot(a, w^T)                                     fp32 [BLOCK_M, BLOCK_N]
        y = acc + bias
 
-   W4A16 (``gemm_w4a16``): the activation tile is loaded as it is. bf16 dots directly with the bf16
-   dequantized weight. fp16 has 3 more mantissa bits than bf16, and the dequantized weights (up to
-   6 * 2^127) do not fit fp16's range, so neither dtype holds both operands: on GPU each fp16 tile
-   is split exactly into bf16 hi + lo (hi = bf16(x), lo = bf16(x - hi)) and dotted twice into the
-   same fp32 accumulator; under the interpreter both operands are fp32.
+   W4A16 (``gemm_w4a16``, ``linear(a16=True)``): bf16 x dots with the bf16 dequantized weight; fp16
+   x has 3 more mantissa bits than bf16 and the weights (up to 6 * 2^127) overflow fp16, so on GPU
+   each fp16 tile is split exactly into bf16 hi + lo and dotted twice.
 
-3. The native SM12x GEMM (``_native_gemm_kernel``): tl.dot_scaled on the packed codes with one
-   E8M0 (uint8) scale per 32 elements; on SM120/SM121 it lowers to the block-scaled MMA
+3. The native SM12x GEMM (``_native_gemm_kernel``): tl.dot_scaled on the codes with one E8M0 scale
+   per 32 elements lowers to mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::2X ... ue8m0,
+   which applies the scales inside the instruction. The weight scales may be linear or swizzled
+   128x4 (``scale_offsets``). The interpreter's dot_scaled is right for E8M0 scales, so the CPU
+   tests run this kernel too.
 
-       mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::2X.f32.e2m1.e2m1.f32.ue8m0
-
-   which applies the scales inside the instruction (so the K loop never dequantizes an element).
-   The weight scales may be linear [N, K/32] or swizzled 128x4 (formats.layout; ``scale_offsets``).
-   The interpreter runs it too (its dot_scaled is right for E8M0 scales), so CPU tests check it.
-
-4. The wrappers: ``route`` (which kernels a call launches, with which tile, and why: a pure function
-   of the problem and the device), ``linear`` (quantize + GEMM, executing exactly its route),
-   ``gemm``, ``gemm_w4a16``, ``quantize_activation``, ``tile_config``.
-
-Where each GEMM runs (kernels_triton._common.gemm_path): native on SM120/SM121 with a Triton that
-lowers it; the portable kernel on other GPUs (Hopper, Ada) and under the interpreter; W4A16 always
-portable. The Hopper production kernels (split-K, PDL, swapped-wgmma decode GEMMs) are
-kernels_triton.hopper.mxfp4.
-
-Constraints: K % 32 == 0; x bf16/fp16 [..., K], any leading dims and strides; weights with
-linear-layout scales (swizzled 128x4 too on the native path).
+Where each GEMM runs (_common.gemm_path): native on SM120/SM121 with a Triton that lowers it; the
+portable kernel elsewhere and under the interpreter; W4A16 always portable. Tiles: ``tile=`` /
+``quant_tile=`` (kernels_triton.tuning), else ``tile_config`` / ``default_quant_tile``.
+Constraints: K % 32 == 0; x bf16/fp16 [..., K], any leading dims and strides.
 """
-
 from __future__ import annotations
 
 from typing import Optional
@@ -77,12 +54,10 @@ from formats.constants import AMAX_FLOOR, E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
 from ._codecs import (abs_or_inf, ceil_log2, dequantize_e2m1, dequantize_e8m0, encode_e2m1, exp2_int, floor_log2,
                       grouped_tile, scale_offsets)
-from ._common import (NO_ALPHA, PREPASS_MIN_M, Route, TileConfig, check_activation, check_bias,
-                      check_native_weight, check_out_dtype, check_weight, default_device, device_capability,
-                      epilogue, gemm_path, interpreter_config, interpreting, kernel_bias, launch, native_config,
-                      quant_config, resolve_path, sm12x_config, sm_count, weight_scale_bytes)
-
-__all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "tile_config"]
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
+                      check_linear, check_out_dtype, check_sizes, default_quant_tile, device_capability, epilogue,
+                      flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path,
+                      weight_scale_bytes)
 
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
@@ -93,9 +68,29 @@ _E2M1_MAX = tl.constexpr(E2M1_MAX)  # 6.0
 _E2M1_EMAX = tl.constexpr(E2M1_EMAX)  # 2: 6 = 1.5 * 2^2
 
 
-# =============================================================================================
-# 1. The activation quantizer
-# =============================================================================================
+# == 1. The activation quantizer ==================================================================
+@triton.jit
+def mxfp4_quantize_tile(x, CEIL_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x fp32 [BLOCK_M, BLOCK_K] -> (e2m1 codes uint8 [BLOCK_M, BLOCK_K], one per element; E8M0 scale
+    bytes uint8 [BLOCK_M, BLOCK_K / 32], 0xFF for a block with NaN/Inf)."""
+    # per-32 block exponent e: [BLOCK_M, BLOCK_K / 32]
+    xb = x.reshape(BLOCK_M, BLOCK_K // 32, 32)
+    amax = tl.max(abs_or_inf(xb), axis=2)  # +Inf marks a NaN/Inf in the block
+    bad = amax > 3.4028234663852886e38
+    amax = tl.maximum(amax, _FLOOR)
+    if CEIL_RULE:
+        e = ceil_log2(tl.math.div_rn(amax, _E2M1_MAX))
+    else:
+        e = floor_log2(amax) - _E2M1_EMAX
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    # element codes e2m1(x * 2^-e): the power-of-two product is exact (or one correctly rounded
+    # subnormal, like the oracle's float64 ldexp cast to float32); a bad block gets the NaN byte
+    # 0xFF and codes 0 (e2m1 has no NaN code)
+    codes = encode_e2m1(xb * exp2_int(-e)[:, :, None])
+    codes = tl.where(bad[:, :, None], 0, codes).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
+    return codes, tl.where(bad, 0xFF, e + 127).to(tl.uint8)
+
+
 @triton.jit
 def _quantize_kernel(
     x_ptr,  # bf16/fp16 [M, K], any strides
@@ -107,33 +102,17 @@ def _quantize_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
 
-    # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16)
+    # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16), quantized
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     rows = offs_m.to(tl.int64)
     m_mask = offs_m < M
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
                 mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+    codes, s_bytes = mxfp4_quantize_tile(x, CEIL_RULE, BLOCK_M, BLOCK_K)
 
-    # ----- per-32 block exponent e: [BLOCK_M, BLOCK_K / 32]
-    xb = x.reshape(BLOCK_M, BLOCK_K // 32, 32)
-    amax = tl.max(abs_or_inf(xb), axis=2)  # +Inf marks a NaN/Inf in the block
-    bad = amax > 3.4028234663852886e38
-    amax = tl.maximum(amax, _FLOOR)
-    if CEIL_RULE:
-        e = ceil_log2(tl.math.div_rn(amax, _E2M1_MAX))
-    else:
-        e = floor_log2(amax) - _E2M1_EMAX
-    e = tl.minimum(tl.maximum(e, -127), 127)
-
-    # ----- element codes e2m1(x * 2^-e): the power-of-two product is exact (or one correctly
-    # rounded subnormal, like the oracle's float64 ldexp cast to float32); a bad block gets the NaN
-    # byte 0xFF and codes 0 (e2m1 has no NaN code)
-    codes = encode_e2m1(xb * exp2_int(-e)[:, :, None])
-    codes = tl.where(bad[:, :, None], 0, codes).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
-    s_bytes = tl.where(bad, 0xFF, e + 127).to(tl.uint8)
-
-    # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
+    # ----- two codes per byte, element 2j in the low nibble (split pairs the columns 2j, 2j + 1);
+    # store bytes [BLOCK_M, BLOCK_K / 2] and scale bytes [BLOCK_M, BLOCK_K / 32]
     even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
     offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], even | (odd << 4),
@@ -143,12 +122,10 @@ def _quantize_kernel(
              mask=m_mask[:, None] & (offs_ks[None, :] < K // 32))
 
 
-# =============================================================================================
-# 2. The portable GEMM: dequantize in registers, then tl.dot
-# =============================================================================================
+# == 2. The portable GEMM: dequantize in registers, then tl.dot ===================================
 @triton.jit
-def dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def mxfp4_dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed MXFP4 matrix, block scales applied, as
     float32 [BLOCK_R, BLOCK_K]; out-of-range rows and K columns read as 0, E8M0 0xFF as NaN."""
     rows = offs_r.to(tl.int64)
@@ -202,23 +179,22 @@ def _portable_gemm_kernel(
             else:  # bf16 x on GPU: already the dot dtype; interpreter: widened to fp32 (exact)
                 a = x.to(tl.float32).to(DOT_DTYPE)
         else:
-            a = dequantize_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm, BLOCK_M,
-                                BLOCK_K).to(DOT_DTYPE)
-        w = dequantize_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn, BLOCK_N, BLOCK_K)
+            a = mxfp4_dequantize_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm, BLOCK_M,
+                                      BLOCK_K).to(DOT_DTYPE)
+        w = mxfp4_dequantize_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn, BLOCK_N, BLOCK_K)
         w_t = tl.trans(w.to(DOT_DTYPE))
         acc = tl.dot(a, w_t, acc)
         if SPLIT_A16:
             acc = tl.dot(a_lo, w_t, acc)
 
-    # ----- epilogue: bias, cast, masked store
-    y = epilogue(acc, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    # ----- epilogue: bias, cast, masked store (every scale was applied in the K loop)
+    y = epilogue(acc, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=False,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-# =============================================================================================
-# 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA
-# =============================================================================================
+# == 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA ================================
 @triton.jit
 def _native_gemm_kernel(
     a_ptr, a_scale_ptr,  # activation: packed e2m1 uint8 [M, K/2], E8M0 bytes [M, K/32] (linear)
@@ -258,128 +234,74 @@ def _native_gemm_kernel(
         acc = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1", acc)
 
     # ----- epilogue: bias, cast, masked store
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=False,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     tl.store(c_ptr + rows_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-# =============================================================================================
-# 4. The wrappers: route, check, allocate, launch
-# =============================================================================================
-_QUANTIZER = ("_quantize_kernel",)
-_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
-
-
-def gemm_tile(M: int, N: int, K: int, path: str, capability, sm_count: int = 1) -> TileConfig:
-    """The GEMM's tile for ``path`` on a device of ``capability`` (None: the interpreter).
-
-    Interpreter: _common.interpreter_config, tiles as large as the problem (a program x K step costs
-    milliseconds of Python there), BLOCK_K >= 64 (dot_scaled's e2m1 operands: triton#11776).
-    GPU: the SM12x tables of _common, sized for SM12x's 101,376 B of shared memory so they fit every
-    GPU: native, kind "e2m1"; portable, kind "e2m1_portable" (16 x 64 x 128 at M <= 16, 64 x 64 x 64
-    at M <= 64, 64 x 128 x 64 with 8 warps above; the lesson has no pre-pass, so M > PREPASS_MIN_M
-    keeps the last fused row). ``sm_count`` does not change the choice (one program per tile).
-    """
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None, *, a16: bool = False) -> TileConfig:
+    """The GEMM's tile without ``tile=``, for ``path`` on a device of ``capability`` (None: the
+    interpreter): as large as the problem there (BLOCK_K >= 64, triton#11776); on a GPU 64 x 64,
+    BLOCK_K 128 natively and 64 portably (its dequantized fp32 tiles live in registers)."""
+    path = route_path(path, FMT, capability, a16=a16)[0]
     if capability is None:
-        return interpreter_config(M, N, K, block_k=max(64, min(512, triton.next_power_of_2(max(K, 1)))))
-    if path == "native":
-        return native_config(M, N, K, capability, kind="e2m1")
-    return sm12x_config("e2m1_portable", min(M, PREPASS_MIN_M), N, K, sm_count)
+        return interpreter_config(M, N, K, min_block_k=64)
+    return TileConfig(64, 64, 128 if path == "native" else 64)
 
 
-def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool,
-          path: Optional[str]) -> tuple[Route, str, TileConfig]:
-    """The route with the GEMM's path and tile: the one place a call's kernels are decided."""
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
-    chosen, why = gemm_path(FMT, capability, a16=a16)
-    if path is not None:
-        if path not in _GEMM_KERNEL:
-            raise ValueError(f"path must be None or one of {tuple(_GEMM_KERNEL)}, got {path!r}")
-        if path == "native" and a16:
-            raise ValueError(f"{FMT} W4A16 has no native kernel: {why}")
-        chosen, why = path, f"path={path!r} forced"
-    cfg = gemm_tile(M, N, K, chosen, capability, sm_count)
-    quant = () if a16 or M == 0 else _QUANTIZER
+def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Optional[str] = None,
+          tile: Optional[TileConfig] = None) -> tuple[Route, str, TileConfig]:
+    """(the route, its GEMM path, its tile): the one place a call's kernels are decided."""
+    check_sizes(M, N, K)
+    path, why = route_path(path, FMT, capability, a16=a16)
+    tile = tile or tile_config(M, N, K, path, capability, a16=a16)
+    quant = () if a16 or M == 0 else ("_quantize_kernel",)
     if M == 0 or N == 0:
-        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), chosen, cfg
-    return Route("triton", quant + (_GEMM_KERNEL[chosen],), str(cfg), 1, why), chosen, cfg
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
-          path: Optional[str] = None) -> Route:
-    """The kernels ``linear`` launches for x [M, K] and a weight [N, K] on a device of
-    ``capability``, in order, with the GEMM's tile and why. Pure: no GPU needed.
-
-    Args:
-        M, N, K: the problem (M = prod(x.shape[:-1])).
-        capability: (major, minor) of the device, or None for the CPU interpreter.
-        sm_count: the device's SMs (the native tile table's input).
-        a16: W4A16 (x used as it is: no quantizer, the portable kernel).
-        path: None (gemm_path's choice), "native" or "portable".
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a negative dimension, an unknown path, path="native" with a16.
-    """
-    return _plan(M, N, K, capability, sm_count, a16, path)[0]
+          path: Optional[str] = None, tile: Optional[TileConfig] = None, scale_rule: str = "ceil") -> Route:
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1])) and a weight [N, K] on a
+    device of ``capability`` ((major, minor); None: the interpreter), with ``linear``'s options
+    (scale_rule and sm_count do not change it). Pure: no GPU needed. ValueError: a negative
+    dimension, or a path route_path refuses."""
+    return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
 
-def _device_route(M, N, K, device, *, a16=False, path=None) -> tuple[Route, str, TileConfig]:
-    """_plan for ``device`` (path checked first by resolve_path: the errors of a forced path)."""
-    resolve_path(path, FMT, device, a16=a16)
-    return _plan(M, N, K, device_capability(device), sm_count(device), a16, path)
-
-
-def tile_config(M: int, N: int, K: int, path=None) -> TileConfig:
-    """The GEMM's tile for an [M, K] x [N, K]^T problem on this process's device and ``path`` (None:
-    gemm_path's choice), as gemm launches it (the bench reports it)."""
-    return _device_route(M, N, K, default_device(), path=path)[2]
-
-
-def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
-    """Quantize activations to MXFP4 with the Triton kernel, bit for bit as
-    ``formats.quantize(x, "mxfp4", role="activation", scale_rule=scale_rule)``.
-
-    Args:
-        x: bfloat16/float16 [..., K], K % 32 == 0, any leading dims and strides; NaN/Inf follow the
-            non-finite rule (docs/formats.md).
-        scale_rule: "ceil" (default) or "floor" (see the module docstring).
-    Returns:
-        QuantizedTensor(fmt="mxfp4", role="activation", data=uint8 [M, K/2], scale=uint8 E8M0
-        [M, K/32], global_scale=None, shape=(M, K)), M = prod(x.shape[:-1]).
-    Raises:
-        ValueError: x not a bf16/fp16 tensor, K not a positive multiple of 32, unknown scale_rule.
-    """
-    check_activation(x, None, VEC_SIZE, FMT)
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)  # a view when the strides allow; the kernel takes both strides
-    M = x2.shape[0]
-    data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=x.device)
+# == 5. The launchers (operands checked by the caller) ============================================
+def _quantize(x2: torch.Tensor, scale_rule: str, quant_tile) -> QuantizedTensor:
+    """quantize_activation on x2 [M, K]: one quantize kernel."""
+    M, K = x2.shape
+    data = torch.empty((M, K // 2), dtype=torch.uint8, device=x2.device)
+    scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=x2.device)
     if M > 0:
-        block_m, block_k = quant_config(M, K, interpreting(), VEC_SIZE)
+        block_m, block_k = quant_tile or default_quant_tile(M, K, VEC_SIZE)
         launch(_quantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(K, block_k)),
                x2, data, scale, M, K, x2.stride(0), x2.stride(1), data.stride(0), scale.stride(0),
                CEIL_RULE=scale_rule == "ceil", BLOCK_M=block_m, BLOCK_K=block_k)
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, VEC_SIZE), (M, K))
 
 
-def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, *, a16=False) -> torch.Tensor:
-    """y [M, N] = the GEMM of ``path`` with tile ``cfg`` (the route's); operands checked by the caller.
-    a, sa: the activation's packed bytes and E8M0 bytes, or with a16 the bf16/fp16 x [M, K]."""
-    N, K = qweight.shape
-    M = a.shape[0]
+def _launch_gemm(path: str, tile: TileConfig, a, qweight, bias, out_dtype) -> torch.Tensor:
+    """y [M, N] = the GEMM of ``path`` with ``tile``. a: the activation, an MXFP4 QuantizedTensor
+    (W4A4) or the bf16/fp16 x [M, K] itself (W4A16: the portable kernel)."""
+    a16 = not isinstance(a, QuantizedTensor)
+    M, (N, K) = a.shape[0], qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0 or N == 0:
         return y
+    sa = None
+    if not a16:
+        a, sa = a.data.contiguous(), a.scale.contiguous()
     bias = kernel_bias(bias)
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    grid = (triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N),)
     common = dict(HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and out_dtype == torch.bfloat16,
-                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
     bias_arg = bias if bias is not None else y  # an unused pointer still needs a tensor
     # [native-call]
     if path == "native":
@@ -398,96 +320,74 @@ def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, *,
     return y
 
 
-def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias) from MXFP4 operands (W4A4).
+# == 6. The public functions: check, then launch ==================================================
+def _check_scale_rule(scale_rule: str) -> None:
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
 
-    Args:
-        xq: MXFP4 activation [M, K] (data uint8 [M, K/2], scale uint8 E8M0 [M, K/32]).
-        qweight: MXFP4 weight [N, K]; scales linear, or swizzled 128x4 on the native path.
-        bias: optional float tensor [N] (any float dtype) on the weight's device, added in fp32.
-        out_dtype: torch.bfloat16, torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-    Returns:
-        [M, N] tensor of out_dtype (fp32 accumulation).
-    Raises:
-        ValueError: wrong format/role/layout of either operand, K or device mismatch, bad bias
-            shape or device, unsupported out_dtype, unknown path.
-    """
-    check_native_weight(qweight, FMT, path)
-    if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != FMT:
-        got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
-        raise ValueError(f"xq must be an {FMT} activation QuantizedTensor, got {got}")
-    if xq.scale_layout != "linear":
-        raise ValueError(f"xq.scale_layout must be 'linear', got {xq.scale_layout!r}")
-    if xq.k != qweight.k:
-        raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
-    if xq.device != qweight.device:
-        raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
-    check_out_dtype(out_dtype)
-    N, K = qweight.shape
-    check_bias(bias, N, qweight.device)
-    _, chosen, cfg = _device_route(xq.rows, N, K, qweight.device, path=path)
-    return _launch_gemm(chosen, cfg, xq.data.contiguous(), xq.scale.contiguous(), qweight, bias, out_dtype)
+
+def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil",
+                        quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
+    """x bf16/fp16 [..., K] (K % 32 == 0, any strides; NaN/Inf: docs/formats.md's non-finite rule)
+    -> QuantizedTensor(mxfp4 activation, data uint8 [M, K/2], scale uint8 E8M0 [M, K/32]), bit for
+    bit ``formats.quantize(x, "mxfp4", role="activation", scale_rule=scale_rule)``. scale_rule:
+    "ceil" or "floor" (module docstring); quant_tile: (BLOCK_M, BLOCK_K) of a program. ValueError:
+    x not bf16/fp16, K not a positive multiple of 32, an unknown scale_rule."""
+    check_activation(x, None, VEC_SIZE, FMT)
+    _check_scale_rule(scale_rule)
+    return _quantize(flatten_rows(x), scale_rule, quant_tile)
+
+
+def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
+         tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = dequant(xq) . dequant(qweight)^T (+ bias [N], any
+    float dtype, added in fp32), fp32 accumulation. xq: MXFP4 activation [M, K]; qweight: MXFP4
+    weight [N, K] (linear scales; swizzled 128x4 too with path="native"). path: None (gemm_path's)
+    or forced; tile: the GEMM's tile. ValueError: a wrong operand (format, role, layout, K,
+    device), bias or out_dtype, or a path route_path refuses."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, path)
+    _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
 
 
 def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16): the portable
-    kernel on every device (bf16 x dequantized weight; gemm_path(fmt, cap, a16=True) says why).
-
-    Args:
-        x2d: bfloat16/float16 [M, K] (any strides), on the weight's device.
-        qweight: MXFP4 weight [N, K] with linear-layout scales.
-        bias: optional float tensor [N].
-        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default x2d's dtype.
-    Returns:
-        [M, N] tensor of out_dtype. Products are exact (see the module docstring for fp16).
-    Raises:
-        ValueError: x2d not a 2-D bf16/fp16 tensor, K not a multiple of 32 or not the weight's K,
-            device mismatch, wrong weight format or layout, bad bias, unsupported out_dtype.
-    """
-    check_weight(qweight, FMT)
-    check_activation(x2d, qweight.k, VEC_SIZE, FMT, device=qweight.device)
+               out_dtype: Optional[torch.dtype] = None, *, tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """W4A16: y [M, N] of out_dtype (default x2d's) = x2d . dequant(qweight)^T (+ bias), the portable
+    kernel on every device (gemm_path(fmt, cap, a16=True) says why), exact products, fp32 sums.
+    x2d: bf16/fp16 [M, K] (any strides); qweight: MXFP4 [N, K], linear scales. ValueError: x2d not
+    2-D bf16/fp16, a wrong K, device, weight, bias or out_dtype."""
+    check_linear(x2d, qweight, bias, FMT, VEC_SIZE)
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
     out_dtype = out_dtype or x2d.dtype
     check_out_dtype(out_dtype)
-    N, K = qweight.shape
-    check_bias(bias, N, qweight.device)
-    _, chosen, cfg = _device_route(x2d.shape[0], N, K, qweight.device, a16=True)
-    return _launch_gemm(chosen, cfg, x2d, None, qweight, bias, out_dtype, a16=True)
+    _, path, tile = _plan(x2d.shape[0], *qweight.shape, device_capability(qweight.device), a16=True, tile=tile)
+    return _launch_gemm(path, tile, x2d, qweight, bias, out_dtype)
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           a16: bool = False, scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with MXFP4 weights: W4A4 (x quantized to MXFP4) or, with a16=True,
-    W4A16 (x used as it is); the kernels of ``route`` for this call, exactly.
+           a16: bool = False, scale_rule: str = "ceil", path: Optional[str] = None,
+           tile: Optional[TileConfig] = None, quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]): W4A4 (x quantized with ``scale_rule``), or
+    W4A16 with a16=True (x as it is); exactly the kernels of ``route``. x: bf16/fp16 [..., K], any
+    strides; qweight: MXFP4 [N, K] on x's device. path, tile, quant_tile: as gemm and
+    quantize_activation. ValueError naming the argument: x (dtype, K, device), the weight (format,
+    layout), bias, scale_rule, or a path route_path refuses."""
+    check_linear(x, qweight, bias, FMT, VEC_SIZE, path)
+    if not a16:
+        _check_scale_rule(scale_rule)
+    return linear_unchecked(x, qweight, bias, a16=a16, scale_rule=scale_rule, path=path, tile=tile,
+                            quant_tile=quant_tile)
 
-    Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides).
-        qweight: MXFP4 weight QuantizedTensor [N, K] on x's device (linear scales; swizzled 128x4
-            too with path="native").
-        bias: optional [N] float tensor (any float dtype).
-        a16: keep the activations in bf16/fp16 (weight-only quantization).
-        scale_rule: activation scale rule for W4A4, "ceil" or "floor" (ignored with a16).
-        path: None (auto for x's device), "native" or "portable" (see gemm; W4A16 is portable).
-    Returns:
-        [..., N] tensor of x's dtype; an empty [..., N] when x has no rows.
-    Raises:
-        ValueError: x not bf16/fp16, K not a multiple of 32 or not the weight's K, x and weight on
-            different devices, wrong weight format or layout, bad bias shape, unknown scale_rule,
-            unknown path, path="native" with a16.
-    """
-    check_native_weight(qweight, FMT, path)
-    check_activation(x, qweight.k, VEC_SIZE, FMT, device=qweight.device)
+
+def linear_unchecked(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+                     a16: bool = False, scale_rule: str = "ceil", path: Optional[str] = None,
+                     tile: Optional[TileConfig] = None, quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """``linear`` without its argument checks, for a caller that made them (dispatch's bound call):
+    the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers."""
     N, K = qweight.shape
-    check_bias(bias, N, qweight.device)
-    x2 = x.reshape(-1, K)
-    _, chosen, cfg = _device_route(x2.shape[0], N, K, qweight.device, a16=a16, path=path)
-    if a16:
-        y = _launch_gemm(chosen, cfg, x2, None, qweight, bias, x.dtype, a16=True)
-    else:
-        xq = quantize_activation(x2, scale_rule=scale_rule)
-        y = _launch_gemm(chosen, cfg, xq.data, xq.scale, qweight, bias, x.dtype)
-    return y.reshape(*x.shape[:-1], N)
+    x2 = flatten_rows(x)
+    _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), a16=a16, path=path, tile=tile)
+    a = x2 if a16 else _quantize(x2, scale_rule, quant_tile)
+    return _launch_gemm(path, tile, a, qweight, bias, x.dtype).reshape(*x.shape[:-1], N)

@@ -1,59 +1,52 @@
-"""MXFP8 (OCP MX, E4M3 elements, one E8M0 scale per 32 along K) in Triton.
+"""MXFP8 (OCP MX, E4M3 elements, one E8M0 scale per 32 along K) in Triton, the lesson: the
+activation quantizer, the portable GEMM, the native SM12x GEMM and the wrappers that route, launch
+and check them, in that order.
 
 What this file teaches: a block-scaled GEMM whose scale blocks (32) are smaller than a K step, and
 how power-of-two scales make the simplest approach exact. Each operand tile is *dequantized in
-registers* (code value times its block's scale), then an ordinary tl.dot runs on the dequantized
-values:
+registers* (code value times its block's scale), then an ordinary tl.dot runs on the values:
 
     y[m, n] = sum_k (qx[m, k] * 2^ex[m, k // 32]) * (qw[n, k] * 2^ew[n, k // 32]) + bias[n]
 
-Scales (spec: formats/mxfp8.py and formats/_mx.py, the oracle), per 1x32 block of a row:
+1. The quantizer (``_quantize_kernel``; the tile math is ``mxfp8_quantize_tile``; spec:
+   formats/mxfp8.py and formats/_mx.py, the oracle), per 1x32 block of a row:
 
-    ceil rule (default):  e = ceil(log2(max(amax, AMAX_FLOOR) / 448))      (div_rn, then exponent bits)
-    floor rule (OCP 6.3): e = floor(log2(max(amax, AMAX_FLOOR))) - 8       (8 = e4m3's emax)
-    e clamped to [-127, 127]; scale byte = e + 127 (E8M0)
-    code = e4m3(x * 2^-e)       (exact power-of-two scaling, then RNE with saturation)
+       ceil rule (default):  e = ceil(log2(max(amax, AMAX_FLOOR) / 448))      (div_rn, then exponent bits)
+       floor rule (OCP 6.3): e = floor(log2(max(amax, AMAX_FLOOR))) - 8       (8 = e4m3's emax)
+       e clamped to [-127, 127]; scale byte = e + 127 (E8M0)
+       code = e4m3(x * 2^-e)       (exact power-of-two scaling, then RNE with saturation)
 
-GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
+2. The portable GEMM (``_portable_gemm_kernel``; the tile math is ``mxfp8_dequantize_tile``), one
+   program per [BLOCK_M, BLOCK_N] output tile:
 
-    acc = 0                                                   (fp32 [BLOCK_M, BLOCK_N])
-    for k0 in range(0, K, BLOCK_K):                           (BLOCK_K a multiple of 32)
-        a = dequantize_e4m3(qx[offs_m, k]) * dequantize_e8m0(sx[offs_m, k // 32])   -> DOT dtype [BLOCK_M, BLOCK_K]
-        b = dequantize_e4m3(qw[offs_n, k]) * dequantize_e8m0(sw[offs_n, k // 32])   -> DOT dtype [BLOCK_K, BLOCK_N]
-        acc = dot(a, b, acc)
-    y = acc + bias
+       acc = 0                                                   (fp32 [BLOCK_M, BLOCK_N])
+       for k0 in range(0, K, BLOCK_K):                           (BLOCK_K a multiple of 32)
+           a = e4m3(qx[offs_m, k]) * 2^(sx[offs_m, k // 32] - 127)   -> DOT dtype [BLOCK_M, BLOCK_K]
+           b = e4m3(qw[offs_n, k]) * 2^(sw[offs_n, k // 32] - 127)   -> DOT dtype [BLOCK_N, BLOCK_K]
+           acc = dot(a, b^T, acc)
+       y = acc + bias
 
-Why this is exact: an e4m3 value has 4 significant bits and an E8M0 scale is a power of two, so
-their product has 4 significant bits and an 8-bit exponent -- it is representable exactly in bf16
-(8 significant bits, fp32's exponent range) for every scale our quantizer produces (e in
-[-108, 120]). The tensor core then multiplies two such bf16 values exactly (8 significant bits
-in fp32) and accumulates in fp32. So the only rounding is fp32 accumulation, as in any fp32 GEMM;
-no scale is rounded. For this kernel's mma.sync tile we chose that over per-32 sub-dots (dot the
-e4m3 codes 32 deep, multiply the partial by 2^(ex+ew)): also exact per product, but one tl.dot per
-32 elements of K and a [BLOCK_M, BLOCK_N] scale multiply per sub-dot, which was slower there
-(docs/results.md). On SM12x the native path below hands the codes and scales to the block-scaled
-MMA instead, which applies the scales inside the instruction. (The Hopper production kernels for
-this format, decode-sized and prefill-sized, are kernels_triton.hopper.mxfp8.)
+   Why this is exact: an e4m3 value has 4 significant bits and an E8M0 scale is a power of two, so
+   their product has 4 significant bits and an 8-bit exponent: exact in bf16 (8 significant bits,
+   fp32's exponent range) for every scale our quantizer produces (e in [-108, 120]). The tensor core
+   multiplies two such values exactly and accumulates in fp32, so no scale is rounded anywhere. The
+   DOT dtype is bf16 on GPU and fp32 under the interpreter (its bf16 tl.dot is wrong). The scales
+   are loaded once per 32-element block and broadcast by a reshape to [BLOCK_R, BLOCK_K / 32, 32].
 
-DOT dtype: bf16 on GPU (the tensor cores), fp32 under the interpreter (tl.dot on bf16 is garbage
-there). The scales are loaded once per 32-element block, [BLOCK_M, BLOCK_K / 32], and broadcast by a
-reshape to [BLOCK_M, BLOCK_K / 32, 32] (a per-element gather sx[offs_m, offs_k // 32] would hit
-the cache but cost one load instruction per element).
+3. The native SM12x GEMM (``_native_gemm_kernel``): no decoding at all. tl.dot_scaled takes the
+   e4m3 codes and the E8M0 bytes and lowers to mma.sync m16n8k32 kind::mxf8f6f4.block_scale
+   .scale_vec::1X ... ue8m0, which applies one scale per 32 elements of each row inside the
+   instruction: the same exact products, fp32 accumulation.
 
-One program per output tile at every M (``route`` names the kernels a call launches): a large M
-dequantizes each weight tile M / BLOCK_M times, which the Hopper implementation avoids with a
-pre-pass.
-
-Native path (SM12x, ``_native_gemm_kernel``; gemm_path picks by device, ``path=`` forces one):
-no decoding at all. tl.dot_scaled takes the e4m3 codes and the E8M0 bytes and lowers to
-mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ... ue8m0, which applies one scale per
-32 elements of each row inside the instruction: the same exact products, fp32 accumulation.
+4. ``route``, the launchers, then the public functions: ``quantize_activation``, ``gemm``, ``linear``
+   (its argument checks, then ``linear_unchecked``). Tiles: the caller's ``tile=`` / ``quant_tile=``
+   (kernels_triton.tuning), else ``tile_config``.
 
 Constraints: K a multiple of 32; x bf16/fp16 [..., K]; weight a linear-layout mxfp8
-QuantizedTensor [N, K] (scale uint8 [N, K/32]). E8M0 byte 0xFF and e4m3 codes 0x7F/0xFF
-dequantize to NaN; scale bytes below 2^-117 (never produced by our quantizer) could underflow bf16 on
-GPU. NaN/Inf in x follow the non-finite rule of docs/formats.md (the block's scale becomes 0xFF and
-its codes 0x7F, so that row of y is NaN and no other row is).
+QuantizedTensor [N, K] (scale uint8 [N, K/32]; swizzled 128x4 too on the native path). E8M0 byte
+0xFF and e4m3 codes 0x7F/0xFF dequantize to NaN; scale bytes below 2^-117 (never produced by our
+quantizer) could underflow bf16 on GPU. NaN/Inf in x follow the non-finite rule of docs/formats.md
+(the block's scale becomes 0xFF and its codes 0x7F, so that row of y is NaN and no other row is).
 """
 
 from __future__ import annotations
@@ -70,26 +63,23 @@ from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS, MX_BLO
 
 from ._codecs import (abs_or_inf, ceil_log2, dequantize_e4m3, dequantize_e8m0, encode_e4m3, exp2_int, floor_log2,
                       grouped_tile, scale_offsets)
-from ._common import (NATIVE_SCALE_LAYOUTS, NO_ALPHA, Route, THIS_DEVICE, check_activation, check_bias,
-                      check_gemm_operands, check_native_weight, default_device, device_capability,
-                      e4m3_portable_config, epilogue, flatten_rows, interpreting, kernel_bias, launch,
-                      native_config, quant_config, route_path, weight_scale_bytes)
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
+                      check_linear, check_sizes, default_quant_tile, device_capability, epilogue, flatten_rows,
+                      interpreter_config, interpreting, kernel_bias, launch, route_path,
+                      weight_scale_bytes)
 
 FMT = "mxfp8"
 K_MULTIPLE = MX_BLOCK  # 32
 VEC_SIZE = tl.constexpr(MX_BLOCK)  # elements per E8M0 scale
-PORTABLE_BLOCK_K = 64  # GPU: the dequantized tiles live in registers before the dot
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _E4M3_EMAX = tl.constexpr(E4M3_EMAX)
 _E8M0_BIAS = tl.constexpr(E8M0_BIAS)
 
 
-# ---------------------------------------------------------------------------------------------
-# Activation quantization: one program per [BLOCK_M rows] x [GROUPS blocks of 32]
-# ---------------------------------------------------------------------------------------------
+# == 1. The activation quantizer ==================================================================
 @triton.jit
-def mx_e4m3_quantize(x, FLOOR_RULE: tl.constexpr):
+def mxfp8_quantize_tile(x, FLOOR_RULE: tl.constexpr):
     """x fp32 [R, G, 32], one 1x32 block per last axis -> (codes uint8 [R, G, 32], E8M0 bytes uint8
     [R, G]): e from the block amax (ceil or floor rule), code = e4m3(x * 2^-e), byte = e + 127; a
     block holding a NaN/Inf gets codes 0x7F and the NaN byte 0xFF (the non-finite rule)."""
@@ -128,19 +118,17 @@ def _quantize_kernel(
     # x tile [BLOCK_M, GROUPS, 32]: the last axis is one scale block, so its amax is one reduction
     x_off = offs_m[:, None, None].to(tl.int64) * stride_xm + offs_k[None, :, :].to(tl.int64) * stride_xk
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-    q, s = mx_e4m3_quantize(x, FLOOR_RULE)  # codes [BLOCK_M, GROUPS, 32], E8M0 bytes [BLOCK_M, GROUPS]
+    q, s = mxfp8_quantize_tile(x, FLOOR_RULE)  # codes [BLOCK_M, GROUPS, 32], E8M0 bytes [BLOCK_M, GROUPS]
     q_off = offs_m[:, None, None].to(tl.int64) * stride_qm + offs_k[None, :, :].to(tl.int64) * stride_qk
     tl.store(q_ptr + q_off, q, mask=mask)
     s_off = offs_m[:, None].to(tl.int64) * stride_sm + offs_g[None, :] * stride_sk
     tl.store(s_ptr + s_off, s, mask=(offs_m < M)[:, None] & (offs_g < num_groups)[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMM: dequantize both tiles in registers (exact in bf16), then dot
-# ---------------------------------------------------------------------------------------------
+# == 2. The portable GEMM: dequantize both tiles in registers (exact in bf16), then dot ===========
 @triton.jit
-def _dequantize_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def mxfp8_dequantize_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stride_sr, stride_sk,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows ``rows`` x K columns [k0, k0 + BLOCK_K) of an MXFP8 matrix, dequantized: fp32 [BLOCK_R, BLOCK_K].
     One scale byte is loaded per 32 elements and broadcast over its block by a reshape (loading it
     per element costs one load instruction per element)."""
@@ -156,7 +144,7 @@ def _dequantize_tile(q_ptr, s_ptr, rows, r_ok, k0, K, stride_qr, stride_qk, stri
 
 
 @triton.jit
-def _gemm_kernel(
+def _portable_gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
     # dimensions
@@ -167,7 +155,6 @@ def _gemm_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    
 ):
     """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale block")
@@ -180,27 +167,24 @@ def _gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
-        a = _dequantize_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
-                          BLOCK_M, BLOCK_K)
-        b = _dequantize_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
-                          BLOCK_N, BLOCK_K)
+        a = mxfp8_dequantize_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
+                                  BLOCK_M, BLOCK_K)
+        b = mxfp8_dequantize_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
+                                  BLOCK_N, BLOCK_K)
         if DOT_BF16:
             # exact: code * 2^e has 4 significant bits (see the module docstring)
             acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
 
-    # ----- epilogue: bias, cast, store (all scales were applied in the K loop) -----
-    # (ROUND_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first)
-    # (NO_ALPHA: every scale was applied in the K loop, so the two scale pointers are unused)
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    # ----- epilogue: bias, cast, store (every scale was applied in the K loop) -----
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=False,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMM, native path: the scales go into the block-scaled MMA (SM12x), nothing is dequantized
-# ---------------------------------------------------------------------------------------------
+# == 3. The native SM12x GEMM: the scales go into the block-scaled MMA, nothing is dequantized ====
 # [native-kernel]
 @triton.jit
 def _native_gemm_kernel(
@@ -244,83 +228,52 @@ def _native_gemm_kernel(
                      mask=n_ok[:, None] & g_ok[None, :], other=127)
         acc = tl.dot_scaled(a, sa, "e4m3", b.T, sb, "e4m3", acc)
 
-    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=False,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 # [/native-kernel]
 
 
-# ---------------------------------------------------------------------------------------------
-# The route: which kernels a call launches, with which tile, and why
-# ---------------------------------------------------------------------------------------------
-def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False, path=None,
-          scale_rule: str = "ceil") -> Route:
-    """The kernels ``linear`` launches for an [M, K] x [N, K]^T mxfp8 problem.
-
-    Args:
-        M, N, K: activation rows, output features, reduction length (>= 0; K a multiple of 32).
-        capability: the device's (major, minor); None: no CUDA device (the interpreter).
-        sm_count: the device's SM count (one program per output tile: it does not change the route).
-        a16: must be False (mxfp8 has no weight-only mode).
-        path: None (gemm_path's choice), "native" or "portable".
-        scale_rule: ``linear``'s activation option ("ceil" or "floor"); it does not change the route.
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a16=True, a negative size, an unknown scale_rule, or a bad path (route_path).
-    """
-    if a16:
-        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
-    gemm_path_, why = route_path(path, FMT, capability)
-    if M == 0:
-        return Route("triton", (), "", 1, "M=0: nothing to launch")
-    gemm = "_native_gemm_kernel" if gemm_path_ == "native" else "_gemm_kernel"
-    cfg = tile_config(M, N, K, gemm_path_, capability)
-    return Route("triton", ("_quantize_kernel", gemm), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None) -> TileConfig:
+    """The GEMM's tile without ``tile=``, for ``path`` on a device of ``capability`` (None: the
+    interpreter): as large as the problem there; on a GPU 64 x 64, BLOCK_K 128 natively and 64
+    portably (the dequantized tiles live in registers before the dot)."""
+    path = route_path(path, FMT, capability)[0]
+    return interpreter_config(M, N, K) if capability is None else TileConfig(64, 64, 128 if path == "native" else 64)
 
 
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE):
-    """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` ((major, minor); None: the interpreter; THIS_DEVICE, the default: this
-    process's device), as ``route`` reports it and gemm launches it:
-    the SM12x table natively; portably, 64-deep K steps on a GPU (PORTABLE_BLOCK_K)."""
-    if capability is THIS_DEVICE:
-        capability = device_capability(default_device())
-    if route_path(path, FMT, capability)[0] == "native":
-        return native_config(M, N, K, capability)
-    return e4m3_portable_config(M, N, K, capability, block_k=None if capability is None else PORTABLE_BLOCK_K)
+def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Optional[str] = None,
+          tile: Optional[TileConfig] = None) -> tuple[Route, str, TileConfig]:
+    """(the route, its GEMM path, its tile): the one place a call's kernels are decided."""
+    check_sizes(M, N, K)
+    path, why = route_path(path, FMT, capability, a16=a16)
+    tile = tile or tile_config(M, N, K, path, capability)
+    quant = () if M == 0 else ("_quantize_kernel",)
+    if M == 0 or N == 0:
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
-# ---------------------------------------------------------------------------------------------
-# Host wrappers
-# ---------------------------------------------------------------------------------------------
-def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
-    """Quantize activations to MXFP8 with the Triton kernel, bit for bit as
-    ``formats.quantize(x, "mxfp8", role="activation", scale_rule=scale_rule)``.
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
+          path: Optional[str] = None, tile: Optional[TileConfig] = None, scale_rule: str = "ceil") -> Route:
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1]); K a multiple of 32) and a
+    weight [N, K] on a device of ``capability`` ((major, minor); None: the interpreter), with
+    ``linear``'s options (scale_rule and sm_count do not change it). Pure: no GPU needed.
+    ValueError: a16=True (no weight-only mode), a negative size, or a path route_path refuses."""
+    return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
-    Args:
-        x: bfloat16/float16 [..., K], K a multiple of 32, any strides; NaN/Inf follow the non-finite rule (docs/formats.md).
-        scale_rule: "ceil" (default: 2^ceil(log2(amax/448))) or "floor" (OCP MX 6.3).
-    Returns:
-        QuantizedTensor(fmt="mxfp8", role="activation", data float8_e4m3fn [M, K],
-        scale uint8 E8M0 [M, K/32], block_shape (1, 32)), M = prod(leading dims).
-    Raises:
-        ValueError: x not bf16/fp16, K not a positive multiple of 32, or an unknown scale_rule.
-    """
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    check_activation(x, None, K_MULTIPLE, FMT)
-    x2 = flatten_rows(x)
+
+# == 5. The launchers (operands checked by the caller) ============================================
+def _quantize(x2: torch.Tensor, scale_rule: str, quant_tile) -> QuantizedTensor:
+    """quantize_activation on x2 [M, K]: one quantize kernel, BLOCK_K / 32 scale blocks per program."""
     M, K = x2.shape
     num_groups = K // MX_BLOCK
-    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((M, num_groups), dtype=torch.uint8, device=x.device)
+    data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty((M, num_groups), dtype=torch.uint8, device=x2.device)
     if M:
-        block_m, block_k = quant_config(M, K, interpreting(), group=MX_BLOCK)
+        block_m, block_k = quant_tile or default_quant_tile(M, K, MX_BLOCK)
         groups = block_k // MX_BLOCK
         q = data.view(torch.uint8)
         launch(_quantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(num_groups, groups)),
@@ -331,42 +284,19 @@ def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil") -> Quantiz
     return QuantizedTensor(FMT, "activation", data, scale, None, (1, MX_BLOCK), (M, K))
 
 
-def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias): natively (tl.dot_scaled, the SM12x
-    block-scaled MMA) or portably (dequantizing in registers); gemm_path picks by device.
-
-    Args:
-        xq: mxfp8 activation QuantizedTensor [M, K] (scale uint8 E8M0 [M, K/32]).
-        qweight: mxfp8 weight QuantizedTensor [N, K] (scale uint8 [N, K/32]), linear layout
-            (swizzled 128x4 too with path="native").
-        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-    Returns:
-        [M, N] tensor of out_dtype (empty when M == 0).
-    Raises:
-        ValueError: wrong formats/roles, K mismatch, different devices, bad bias or out_dtype,
-            unknown path.
-    """
-    # a forced native path also reads swizzled 128x4 weight scales
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT,
-                                  NATIVE_SCALE_LAYOUTS if path == "native" else ("linear",))
+def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> torch.Tensor:
+    """y [M, N] = the GEMM of ``path`` with ``tile`` on the quantized activation xq."""
+    M, (N, K) = xq.rows, qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
-    if M == 0:
+    if M == 0 or N == 0:
         return y
-    cap = device_capability(qweight.device)
-    gemm_path_ = route_path(path, FMT, cap)[0]
-    return _run_gemm(gemm_path_, tile_config(M, N, K, gemm_path_, cap), xq, qweight, kernel_bias(bias), y)
-
-
-def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y) -> torch.Tensor:
-    """Launch the GEMM kernel of ``gemm_path_`` with tile ``cfg`` into y [M, N] (bias: kernel_bias's)."""
-    M, N = y.shape
-    K = qweight.k
+    bias = kernel_bias(bias)
     interp = interpreting()
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-    if gemm_path_ == "native":
+    grid = (triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N),)
+    common = dict(HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
+                  BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if path == "native":
         x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
         sx = xq.scale.contiguous()
         sw, swizzled = weight_scale_bytes(qweight, FMT, MX_BLOCK)
@@ -374,52 +304,71 @@ def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y) -> torch.Tensor:
                x, w, sx, sw, bias if bias is not None else y, y,
                M, N, K,
                x.stride(0), w.stride(0), sx.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
-               W_SWIZZLED=swizzled, HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
-               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               W_SWIZZLED=swizzled, **common)
         return y
     x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
     sx, sw = xq.scale, qweight.scale
-    launch(_gemm_kernel, grid,
+    launch(_portable_gemm_kernel, grid,
            x, w, sx, sw, bias if bias is not None else y, y,
            M, N, K,
            x.stride(0), x.stride(1), w.stride(0), w.stride(1),
            sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
-           HAS_BIAS=bias is not None, DOT_BF16=not interp, ROUND_BF16=interp and y.dtype == torch.bfloat16,
-           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           DOT_BF16=not interp, **common)
     return y
 
 
-def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           scale_rule: str = "ceil", path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly: ``route`` once, then exactly its
-    kernels (the quantizer, then the GEMM of its path and tile).
+# == 6. The public functions: check, then launch ==================================================
+def _check_scale_rule(scale_rule: str) -> None:
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
 
-    Args:
-        x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
-        qweight: mxfp8 weight QuantizedTensor [N, K] on x's device (linear layout; swizzled 128x4 too
-            with path="native").
-        bias: optional float32/bf16/fp16 [N].
-        scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation).
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-    Returns:
-        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
-    Raises:
-        ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 32 or
-            not the weight's K, devices, bias shape, scale_rule.
-    """
-    check_native_weight(qweight, FMT, path)
+
+def quantize_activation(x: torch.Tensor, *, scale_rule: str = "ceil",
+                        quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
+    """x bf16/fp16 [..., K] (K a multiple of 32, any strides; NaN/Inf: docs/formats.md's non-finite
+    rule) -> QuantizedTensor(mxfp8 activation, data float8_e4m3fn [M, K], scale uint8 E8M0
+    [M, K/32]), bit for bit ``formats.quantize(x, "mxfp8", role="activation", scale_rule=...)``.
+    scale_rule: "ceil" (2^ceil(log2(amax/448))) or "floor" (OCP MX 6.3); quant_tile: (BLOCK_M,
+    BLOCK_K) of a program. ValueError: x not bf16/fp16, K not a positive multiple of 32, an unknown
+    scale_rule."""
+    _check_scale_rule(scale_rule)
+    check_activation(x, None, K_MULTIPLE, FMT)
+    return _quantize(flatten_rows(x), scale_rule, quant_tile)
+
+
+def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
+         tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = dequant(xq) . dequant(qweight)^T (+ bias [N],
+    fp32/bf16/fp16, added in fp32): natively tl.dot_scaled, portably dequantizing in registers.
+    xq: mxfp8 activation [M, K]; qweight: mxfp8 weight [N, K] (linear scales; swizzled 128x4 too
+    with path="native"). path: None (gemm_path's) or forced; tile: the GEMM's tile. ValueError: a
+    wrong operand (format, role, layout, K, device), bias or out_dtype, or a bad path."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, path)
+    _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
+
+
+def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+           scale_rule: str = "ceil", path: Optional[str] = None, tile: Optional[TileConfig] = None,
+           quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]) with x quantized on the fly (``scale_rule``);
+    exactly the kernels of ``route``. x: bf16/fp16 [..., K], K a multiple of 32, any strides;
+    qweight: mxfp8 [N, K] on x's device (swizzled 128x4 scales too with path="native"). path, tile,
+    quant_tile: as gemm and quantize_activation. ValueError naming the argument: x (dtype, K,
+    device), the weight, bias, scale_rule, or a bad path."""
+    check_linear(x, qweight, bias, FMT, K_MULTIPLE, path)
+    _check_scale_rule(scale_rule)
+    return linear_unchecked(x, qweight, bias, scale_rule=scale_rule, path=path, tile=tile, quant_tile=quant_tile)
+
+
+def linear_unchecked(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+                     scale_rule: str = "ceil", path: Optional[str] = None, tile: Optional[TileConfig] = None,
+                     quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """``linear`` without its argument checks, for a caller that made them (dispatch's bound call):
+    the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers."""
     N, K = qweight.shape
-    check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
-    check_bias(bias, N, qweight.device)
-    cap = device_capability(qweight.device)
     x2 = flatten_rows(x)
-    M = x2.shape[0]
-    r = route(M, N, K, capability=cap, path=path, scale_rule=scale_rule)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if r.kernels:
-        xq = quantize_activation(x2, scale_rule=scale_rule)
-        opts = dict(r.options)
-        _run_gemm(opts["path"], opts["config"], xq, qweight, kernel_bias(bias), y)
-    return y.reshape(*x.shape[:-1], N)
+    _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), path=path, tile=tile)
+    xq = _quantize(x2, scale_rule, quant_tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, x.dtype).reshape(*x.shape[:-1], N)

@@ -1,70 +1,45 @@
-"""NVFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM
-and the wrappers that check, allocate and launch them, in that order.
+"""NVFP4 in Triton, the lesson: the activation quantizer, the portable GEMM, the native SM12x GEMM,
+the route, the launchers and the public functions, in that order (the same in every lesson).
 
 What NVFP4 stores (formats/nvfp4.py is the spec and the oracle): e2m1 codes packed two per byte
 along K (uint8 [rows, K/2], element 2i in the low nibble), one e4m3 scale per 16 elements and one
-fp32 global scale g per tensor:
+fp32 global scale g per tensor: x[m, k] ~= e2m1(qx[m, k]) * e4m3(sx[m, k // 16]) / g_x.
 
-    x[m, k] ~= e2m1(qx[m, k]) * e4m3(sx[m, k // 16]) / g_x
-
-1. The quantizer (``_amax_partial_kernel``, ``_quantize_kernel``), bit for bit as the oracle:
+1. The quantizer, bit for bit as the oracle (tile math: ``nvfp4_quantize_tile``):
 
        g    = 2688 / max(amax(x), AMAX_FLOOR)       dynamic (2688 = 448 * 6), or a static global_scale
        s    = e4m3(div_rn(amax_block, 6) * g)        per 16-element block
-       code = e2m1(div_rn(x * g, dequantize(s)))         code 0 where s == 0
+       code = e2m1(div_rn(x * g, dequantize(s)))    code 0 where s == 0
 
-   The dynamic g needs the amax of the whole tensor before any block can be scaled: a first kernel
-   writes one partial amax per program (no atomics, so the result does not depend on timing) and
-   every program of the second reduces them itself, then quantizes its [BLOCK_M, BLOCK_K] tile.
-   Rounding to e4m3 / e2m1 uses the bit-arithmetic encoders of _common (never Triton's fp8 cast,
-   which is wrong in the interpreter) and IEEE division (tl.math.div_rn).
+   The dynamic g needs the amax of the whole tensor first: ``_amax_partials_kernel`` writes one
+   partial amax per program (no atomics: the result does not depend on timing) and every program of
+   ``_quantize_kernel`` reduces them itself. Rounding uses the bit-arithmetic encoders of _codecs
+   (Triton's fp8 cast is wrong in the interpreter) and IEEE division (tl.math.div_rn).
 
-2. The portable GEMM (``_portable_gemm_kernel``): dequantize each operand tile in registers, then a
-   plain tl.dot. An e2m1 value has 2 significant bits and an e4m3 scale 4, so their product has at
-   most 6 and is exact in bf16 (the GPU's dot dtype; fp32 under the interpreter, whose bf16 tl.dot
-   is wrong); products of two such values are exact in the fp32 accumulator, so only the
-   accumulation rounds:
+2. The portable GEMM (``_portable_gemm_kernel``; tile math: ``nvfp4_dequantize_tile``): dequantize
+   each operand tile in registers, then a plain tl.dot. An e2m1 value has 2 significant bits and an
+   e4m3 scale 4, so their product has at most 6 and is exact in bf16 (the GPU's dot dtype; fp32 under
+   the interpreter, whose bf16 tl.dot is wrong); only the fp32 accumulation rounds:
 
-       acc = 0                                                       fp32 [BLOCK_M, BLOCK_N]
        for k0 in range(0, K, BLOCK_K):
            a = e2m1(A bytes) * e4m3(A scales)[:, k // 16]            [BLOCK_M, BLOCK_K]
            w = e2m1(W bytes) * e4m3(W scales)[:, k // 16]            [BLOCK_N, BLOCK_K]
-           acc += tl.dot(a, w^T)
+           acc += tl.dot(a, w^T)                                     fp32 [BLOCK_M, BLOCK_N]
        y = acc * (1 / g_x) * (1 / g_w) + bias
 
-   W4A16 (``gemm_w4a16``): A is the bf16/fp16 activation itself. bf16 dots as it is; fp16 has 3 more
-   mantissa bits than bf16, so on GPU each fp16 tile is split exactly into bf16 hi + lo (hi =
-   bf16(x), lo = bf16(x - hi), at most 3 significant bits) and dotted twice into the same
-   accumulator.
+   W4A16 (``gemm_w4a16``, ``linear(a16=True)``, always portable): A is x itself; on GPU an fp16 tile
+   is split exactly into bf16 hi + lo (lo = bf16(x - hi), at most 3 significant bits), dotted twice.
 
-3. The native SM12x GEMM (``_native_gemm_kernel``). SM120/SM121 have a block-scaled MMA,
+3. The native SM12x GEMM (``_native_gemm_kernel``): tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)
+   lowers to mma.sync m16n8k64 kind::mxf4nvf4.block_scale.scale_vec::4X ... ue4m3, which applies
+   the e4m3 scales inside the instruction; alpha multiplies the accumulator once, in the epilogue.
+   The weight scales may be linear or swizzled 128x4 (b12x's layout; ``scale_offsets``).
 
-       mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3
-
-   D[16x8] = sum over a 64-deep K slice of (A[m, k] * SA[m, k // 16]) * (B[k, n] * SB[n, k // 16]) + C:
-   the scales are applied inside the instruction, so the K loop never dequantizes an element.
-   Triton exposes it as ``acc = tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)`` (a: uint8
-   [BLOCK_M, BLOCK_K/2] packed along K, b: uint8 [BLOCK_K/2, BLOCK_N], sa: [BLOCK_M, BLOCK_K/16],
-   sb: [BLOCK_N, BLOCK_K/16], scales as float8e4nv). The global scales are not part of the
-   instruction: alpha = (1 / g_x) * (1 / g_w) multiplies the accumulator once, in the epilogue (two
-   IEEE reciprocals, so g_x * g_w cannot overflow). The weight scales may be linear [N, K/16] or in
-   the swizzled 128x4 layout of formats.layout (cuBLAS / b12x: 512-byte tiles of 128 rows x 4
-   scales; ``scale_offsets``), so a checkpoint in the b12x layout needs no conversion.
-
-4. The wrappers: ``route`` (which kernels a call launches, with which tile, and why: a pure function
-   of the problem and the device), ``linear`` (quantize + GEMM, executing exactly its route),
-   ``gemm``, ``gemm_w4a16``, ``quantize_activation``, ``tile_config``.
-
-Where each GEMM runs (kernels_triton._common.gemm_path): native on SM120/SM121 with a Triton that
-lowers it; the portable kernel on other GPUs (Hopper, Ada: no block-scaled MMA Triton targets) and
-under the CPU interpreter, whose dot_scaled reads e4m3 scales as E8M0 (the native kernel is the one
-kernel of this file that the interpreter cannot run). W4A16 is always portable. The Hopper
-production kernels (split-K, PDL, swapped-wgmma decode GEMMs) are kernels_triton.hopper.nvfp4.
-
-Constraints: K % 16 == 0 (the K tail of a tile is masked; BLOCK_K >= 64, triton#11776); x bf16/fp16
-[..., K], any leading dims and strides.
+Where each GEMM runs (_common.gemm_path): native on SM120/SM121 with a Triton that lowers it; the
+portable kernel elsewhere and under the interpreter (whose dot_scaled decodes e4m3 scales as E8M0).
+Tiles: ``tile=`` / ``quant_tile=`` (kernels_triton.tuning), else ``tile_config`` /
+``default_quant_tile``. Constraints: K % 16 == 0; x bf16/fp16 [..., K], any leading dims and strides.
 """
-
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -79,12 +54,10 @@ from formats.validate import nan_unless_positive, static_global_scale
 
 from ._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3, dequantize_e4m3_finite, encode_e2m1,
                       encode_e4m3, grouped_tile, nan_if_nonfinite, scale_offsets)
-from ._common import (ALPHA_GLOBAL_RECIP, PREPASS_MIN_M, Route, TileConfig, check_activation, check_bias,
-                      check_native_weight, check_out_dtype, check_weight, default_device, device_capability,
-                      epilogue, gemm_path, interpreter_config, interpreting, kernel_bias, launch, native_config,
-                      quant_config, resolve_path, sm12x_config, sm_count, weight_scale_bytes, int_specialization)
-
-__all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "tile_config"]
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
+                      check_linear, check_out_dtype, check_sizes, default_quant_tile, device_capability,
+                      epilogue, flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path,
+                      weight_scale_bytes)
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
@@ -93,15 +66,27 @@ MAX_PARTIALS_INTERPRETED = 4  # under the interpreter: few programs, each over s
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)  # 2688.0
-_ALPHA = tl.constexpr(ALPHA_GLOBAL_RECIP)  # the epilogue's alpha: (1 / g_x) * (1 / g_w)
 
 
-# =============================================================================================
-# 1. The activation quantizer
-# =============================================================================================
+# == 1. The activation quantizer ==================================================================
 @triton.jit
-def _amax_partial_kernel(x_ptr, partial_ptr, M, K, stride_xm, stride_xk,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def nvfp4_quantize_tile(x, g, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x fp32 [BLOCK_M, BLOCK_K] and the global scale g -> (e2m1 codes uint8 [BLOCK_M, BLOCK_K], one
+    per element; e4m3 scale codes uint8 [BLOCK_M, BLOCK_K / 16])."""
+    # per-16 block scale s = e4m3(amax_b / 6 * g)
+    xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
+    amax_b = amax_or_nan(tl.max(abs_or_inf(xb), axis=2), _FLOOR)  # NaN for a block with NaN/Inf
+    s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
+    s_val = dequantize_e4m3(s_code)[:, :, None]
+    # element codes e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf) or s is NaN
+    # (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf; the non-finite rule)
+    codes = encode_e2m1(tl.math.div_rn(xb * g, tl.where(s_val > 0, s_val, 1.0)))
+    return tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K), s_code
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, partial_ptr, M, K, stride_xm, stride_xk,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """partial[pid] = max |x| over the row tiles pid, pid + P, ... (all of K); +Inf marks a NaN/Inf."""
     amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for m0 in range(tl.program_id(0) * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
@@ -140,26 +125,17 @@ def _quantize_kernel(
         g = nan_if_nonfinite(tl.where(g > 0, g, float("nan")))
     tl.store(g_out_ptr, g, mask=(pid_m == 0) & (pid_k == 0))
 
-    # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16)
+    # ----- x tile [BLOCK_M, BLOCK_K] as float32 (exact for bf16/fp16), quantized
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     rows = offs_m.to(tl.int64)
     m_mask = offs_m < M
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
                 mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+    codes, s_code = nvfp4_quantize_tile(x, g, BLOCK_M, BLOCK_K)
 
-    # ----- per-16 block scale s = e4m3(amax_b / 6 * g): [BLOCK_M, BLOCK_K / 16]
-    xb = x.reshape(BLOCK_M, BLOCK_K // 16, 16)
-    amax_b = amax_or_nan(tl.max(abs_or_inf(xb), axis=2), _FLOOR)  # NaN for a block with NaN/Inf
-    s_code = encode_e4m3(tl.math.div_rn(amax_b, 6.0) * g)
-    s_val = dequantize_e4m3(s_code)[:, :, None]
-
-    # ----- element codes e2m1(x * g / s), 0 where s == 0 (the quotient would be NaN or inf) or s is
-    # NaN (0x7F: the block, or with dynamic g the tensor, held a NaN/Inf; the non-finite rule)
-    codes = encode_e2m1(tl.math.div_rn(xb * g, tl.where(s_val > 0, s_val, 1.0)))
-    codes = tl.where(s_val > 0, codes, 0).to(tl.uint8).reshape(BLOCK_M, BLOCK_K)
-
-    # ----- pack two codes per byte, element 2j in the low nibble: [BLOCK_M, BLOCK_K / 2]
+    # ----- two codes per byte, element 2j in the low nibble (split pairs the columns 2j, 2j + 1);
+    # store bytes [BLOCK_M, BLOCK_K / 2] and scale codes [BLOCK_M, BLOCK_K / 16]
     even, odd = tl.split(codes.reshape(BLOCK_M, BLOCK_K // 2, 2))
     offs_kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_kb[None, :], even | (odd << 4),
@@ -169,12 +145,10 @@ def _quantize_kernel(
              mask=m_mask[:, None] & (offs_ks[None, :] < K // 16))
 
 
-# =============================================================================================
-# 2. The portable GEMM: dequantize in registers, then tl.dot
-# =============================================================================================
+# == 2. The portable GEMM: dequantize in registers, then tl.dot ===================================
 @triton.jit
-def dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NAN_SCALES: tl.constexpr = True):
+def nvfp4_dequantize_tile(data_ptr, scale_ptr, offs_r, r_mask, k0, K, stride_dr, stride_sr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NAN_SCALES: tl.constexpr = True):
     """Rows ``offs_r`` x K [k0, k0 + BLOCK_K) of a packed NVFP4 matrix, block scales applied, as
     float32 [BLOCK_R, BLOCK_K]; out-of-range rows and K columns read as 0. NAN_SCALES: scale code
     0x7F dequantizes to NaN (False only for load-checked weight scales: dequantize_e4m3_finite)."""
@@ -231,24 +205,23 @@ def _portable_gemm_kernel(
             else:  # bf16 x on GPU: already the dot dtype; interpreter: widened to fp32 (exact)
                 a = x.to(tl.float32).to(DOT_DTYPE)
         else:
-            a = dequantize_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm, BLOCK_M,
-                                BLOCK_K).to(DOT_DTYPE)
-        w = dequantize_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
-                            BLOCK_N, BLOCK_K, not A16)  # W4A16: at its register limit
+            a = nvfp4_dequantize_tile(a_ptr, a_scale_ptr, offs_m, m_mask, k0, K, stride_am, stride_asm, BLOCK_M,
+                                      BLOCK_K).to(DOT_DTYPE)
+        w = nvfp4_dequantize_tile(w_ptr, w_scale_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wsn,
+                                  BLOCK_N, BLOCK_K, not A16)  # W4A16: at its register limit
         w_t = tl.trans(w.to(DOT_DTYPE))
         acc = tl.dot(a, w_t, acc)
         if SPLIT_A16:
             acc = tl.dot(a_lo, w_t, acc)
 
     # ----- epilogue: alpha = (1/g_x)(1/g_w) (NaN for a bad global scale), bias, cast, masked store
-    y = epilogue(acc, offs_n, n_mask, gx_ptr, gw_ptr, bias_ptr, _ALPHA, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_mask, gx_ptr, gw_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=True,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-# =============================================================================================
-# 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA
-# =============================================================================================
+# == 3. The native SM12x GEMM: tl.dot_scaled, the block-scaled MMA ================================
 # [native-kernel]
 @triton.jit
 def _native_gemm_kernel(
@@ -291,116 +264,53 @@ def _native_gemm_kernel(
                             w.T, sw.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
 
     # ----- epilogue: global scales, bias, cast, masked store
-    y = epilogue(acc, offs_n, n_ok, gx_ptr, gw_ptr, bias_ptr, _ALPHA, HAS_BIAS, ROUND_BF16)
+    y = epilogue(acc, offs_n, n_ok, gx_ptr, gw_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=True,
+                 HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     tl.store(c_ptr + rows_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 # [/native-kernel]
 
 
-# =============================================================================================
-# 4. The wrappers: route, check, allocate, launch
-# =============================================================================================
-_QUANTIZER = {True: ("_amax_partial_kernel", "_quantize_kernel"), False: ("_quantize_kernel",)}
-_GEMM_KERNEL = {"native": "_native_gemm_kernel", "portable": "_portable_gemm_kernel"}
-
-
-def gemm_tile(M: int, N: int, K: int, path: str, capability, sm_count: int = 1) -> TileConfig:
-    """The GEMM's tile for ``path`` on a device of ``capability`` (None: the interpreter).
-
-    Interpreter: _common.interpreter_config, tiles as large as the problem (a program x K step costs
-    milliseconds of Python there), BLOCK_K >= 64 (dot_scaled's e2m1 operands: triton#11776).
-    GPU: the SM12x tables of _common, sized for SM12x's 101,376 B of shared memory so they fit every
-    GPU: native, kind "e2m1"; portable, kind "e2m1_portable" (16 x 64 x 128 at M <= 16, 64 x 64 x 64
-    at M <= 64, 64 x 128 x 64 with 8 warps above; the lesson has no pre-pass, so M > PREPASS_MIN_M
-    keeps the last fused row). ``sm_count`` does not change the choice (one program per tile).
-    """
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None, *, a16: bool = False) -> TileConfig:
+    """The GEMM's tile without ``tile=``, for ``path`` on a device of ``capability`` (None: the
+    interpreter): as large as the problem there (BLOCK_K >= 64, triton#11776); on a GPU 64 x 64,
+    BLOCK_K 128 natively and 64 portably (its dequantized fp32 tiles live in registers)."""
+    path = route_path(path, FMT, capability, a16=a16)[0]
     if capability is None:
-        return interpreter_config(M, N, K, block_k=max(64, min(512, triton.next_power_of_2(max(K, 1)))))
-    if path == "native":
-        return native_config(M, N, K, capability, kind="e2m1")
-    return sm12x_config("e2m1_portable", min(M, PREPASS_MIN_M), N, K, sm_count)
+        return interpreter_config(M, N, K, min_block_k=64)
+    return TileConfig(64, 64, 128 if path == "native" else 64)
 
 
-def amax_partials(M: int, K: int, interp: bool) -> int:
-    """How many partial amaxes the dynamic global scale is reduced from: one per quantizer row
-    tile, at most MAX_PARTIALS (MAX_PARTIALS_INTERPRETED under the interpreter). The amax kernel's
-    grid and the quantize kernel's ``num_partials`` / ``BLOCK_P``."""
-    block_m, _ = quant_config(M, K, interp, VEC_SIZE)
-    return min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interp else MAX_PARTIALS)
-
-
-def _plan(M: int, N: int, K: int, capability, sm_count: int, a16: bool, path: Optional[str],
-          dynamic_scale: bool) -> tuple[Route, str, TileConfig]:
-    """The route with the GEMM's path and tile: the one place a call's kernels are decided."""
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
-    chosen, why = gemm_path(FMT, capability, a16=a16)
-    if path is not None:
-        if path not in _GEMM_KERNEL:
-            raise ValueError(f"path must be None or one of {tuple(_GEMM_KERNEL)}, got {path!r}")
-        if path == "native" and (a16 or capability is None):
-            raise ValueError(f"{FMT} path='native' is not available here: "
-                             f"{why if a16 else 'the interpreter reads e4m3 dot_scaled scales as E8M0'}")
-        chosen, why = path, f"path={path!r} forced"
-    cfg = gemm_tile(M, N, K, chosen, capability, sm_count)
-    quant = () if a16 or M == 0 else _QUANTIZER[bool(dynamic_scale)]
-    options = ()
-    if quant and dynamic_scale:  # the quantize kernel's M-derived ints (one compile per class)
-        n = amax_partials(M, K, capability is None)
-        options = (("num_partials", int_specialization(n)), ("BLOCK_P", max(16, triton.next_power_of_2(n))))
+def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Optional[str] = None,
+          tile: Optional[TileConfig] = None, global_scale=None) -> tuple[Route, str, TileConfig]:
+    """(the route, its GEMM path, its tile): the one place a call's kernels are decided."""
+    check_sizes(M, N, K)
+    path, why = route_path(path, FMT, capability, a16=a16)
+    tile = tile or tile_config(M, N, K, path, capability, a16=a16)
+    quant = () if a16 or M == 0 else ("_amax_partials_kernel",) * (global_scale is None) + ("_quantize_kernel",)
     if M == 0 or N == 0:
-        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch", options=options), chosen, cfg
-    return Route("triton", quant + (_GEMM_KERNEL[chosen],), str(cfg), 1, why, options), chosen, cfg
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
 def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
-          path: Optional[str] = None, dynamic_scale: bool = True) -> Route:
-    """The kernels ``linear`` launches for x [M, K] and a weight [N, K] on a device of
-    ``capability``, in order, with the GEMM's tile and why. Pure: no GPU needed.
-
-    Args:
-        M, N, K: the problem (M = prod(x.shape[:-1])).
-        capability: (major, minor) of the device, or None for the CPU interpreter.
-        sm_count: the device's SMs (the native tile table's input).
-        a16: W4A16 (x used as it is: no quantizer, the portable kernel).
-        path: None (gemm_path's choice), "native" or "portable".
-        dynamic_scale: W4A4 with the dynamic global scale (the amax kernel first); False for a
-            static global_scale.
-    Returns:
-        Route(impl="triton", kernels, tile, split_k=1, why).
-    Raises:
-        ValueError: a negative dimension, an unknown path, path="native" with a16 or under the
-            interpreter (its dot_scaled reads e4m3 scales as E8M0).
-    """
-    return _plan(M, N, K, capability, sm_count, a16, path, dynamic_scale)[0]
+          path: Optional[str] = None, tile: Optional[TileConfig] = None, global_scale=None) -> Route:
+    """The Route ``linear`` launches for x [M, K] and a weight [N, K] on a device of ``capability``
+    (None: the interpreter), with linear's options (a static global_scale drops the amax kernel;
+    sm_count changes nothing). Pure. ValueError: a negative size, or a path route_path refuses."""
+    return _plan(M, N, K, capability, a16=a16, path=path, tile=tile, global_scale=global_scale)[0]
 
 
-def tile_config(M: int, N: int, K: int, path=None) -> TileConfig:
-    """The GEMM's tile for an [M, K] x [N, K]^T problem on this process's device and ``path`` (None:
-    gemm_path's choice), as gemm launches it (the bench reports it)."""
-    return _device_route(M, N, K, default_device(), path=path)[2]
+# == 5. The launchers (operands checked by the caller) ============================================
+def amax_partials(M: int, block_m: int) -> int:
+    """The partial amaxes g is reduced from: one per ``block_m`` row tile, at most MAX_PARTIALS(_INTERPRETED)."""
+    return min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interpreting() else MAX_PARTIALS)
 
 
-def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None) -> QuantizedTensor:
-    """Quantize activations to NVFP4 with the Triton kernels, bit for bit as
-    ``formats.quantize(x, "nvfp4", role="activation", global_scale=global_scale)``.
-
-    Args:
-        x: bfloat16/float16 [..., K], K % 16 == 0, any leading dims and strides; NaN/Inf follow the
-            non-finite rule (docs/formats.md).
-        global_scale: static g (e.g. a calibrated input_global_scale = 2688 / amax), a Python number
-            or a one-element float tensor; None = dynamic, 2688 / max(amax(x), 2^-100).
-    Returns:
-        QuantizedTensor(fmt="nvfp4", role="activation", data=uint8 [M, K/2],
-        scale=float8_e4m3fn [M, K/16], global_scale=float32 0-d, shape=(M, K)), M = prod(x.shape[:-1]).
-    Raises:
-        ValueError: x not a bf16/fp16 tensor, K not a positive multiple of 16, or a bad global_scale.
-    """
-    check_activation(x, None, VEC_SIZE, FMT)
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)  # a view when the strides allow; the kernels take both strides
-    M = x2.shape[0]
-    device = x.device
+def _quantize(x2: torch.Tensor, global_scale, quant_tile) -> QuantizedTensor:
+    """quantize_activation on x2 [M, K]: the amax kernel (dynamic g), then the quantize kernel."""
+    (M, K), device = x2.shape, x2.device
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
     scale = torch.empty((M, K // VEC_SIZE), dtype=torch.uint8, device=device)
     dynamic = global_scale is None
@@ -409,12 +319,12 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
         g = (torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=device)
              / torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=device)) if dynamic else nan_unless_positive(g_in)
     else:
-        block_m, block_k = quant_config(M, K, interpreting(), VEC_SIZE)
+        block_m, block_k = quant_tile or default_quant_tile(M, K, VEC_SIZE)
         num_partials = 1
         if dynamic:
-            num_partials = amax_partials(M, K, interpreting())
+            num_partials = amax_partials(M, block_m)
             g_in = torch.empty((num_partials,), dtype=torch.float32, device=device)
-            launch(_amax_partial_kernel, (num_partials,), x2, g_in, M, K, x2.stride(0), x2.stride(1),
+            launch(_amax_partials_kernel, (num_partials,), x2, g_in, M, K, x2.stride(0), x2.stride(1),
                    BLOCK_M=block_m, BLOCK_K=block_k)
         g = torch.empty((1,), dtype=torch.float32, device=device)
         launch(_quantize_kernel, (triton.cdiv(M, block_m), triton.cdiv(K, block_k)),
@@ -425,20 +335,24 @@ def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, tor
                            (1, VEC_SIZE), (M, K))
 
 
-def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, gx, *, a16=False) -> torch.Tensor:
-    """y [M, N] = the GEMM of ``path`` with tile ``cfg`` (the route's); operands checked by the caller.
-    a, sa: the activation's packed bytes and scale bytes (uint8), or with a16 the bf16/fp16 x [M, K]."""
-    N, K = qweight.shape
-    M = a.shape[0]
+def _launch_gemm(path: str, tile: TileConfig, a, qweight, bias, out_dtype) -> torch.Tensor:
+    """y [M, N] = the GEMM of ``path`` with ``tile``. a: the activation, an NVFP4 QuantizedTensor
+    (W4A4) or the bf16/fp16 x [M, K] itself (W4A16: the portable kernel, g_x = 1)."""
+    a16 = not isinstance(a, QuantizedTensor)
+    M, (N, K) = a.shape[0], qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0 or N == 0:
         return y
+    if a16:
+        sa, gx = None, torch.ones(1, dtype=torch.float32, device=qweight.device)
+    else:
+        a, sa, gx = a.data.contiguous(), a.scale.contiguous().view(torch.uint8), a.global_scale.reshape(1).float()
     gw = qweight.global_scale.reshape(1).to(torch.float32)
     bias = kernel_bias(bias)
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    grid = (triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N),)
     common = dict(HAS_BIAS=bias is not None, ROUND_BF16=interpreting() and out_dtype == torch.bfloat16,
-                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
     bias_arg = bias if bias is not None else y  # an unused pointer still needs a tensor
     # [native-launch]
     if path == "native":
@@ -457,111 +371,68 @@ def _launch_gemm(path: str, cfg: TileConfig, a, sa, qweight, bias, out_dtype, gx
     return y
 
 
-def _device_route(M, N, K, device, *, a16=False, path=None, dynamic_scale=True) -> tuple[Route, str, TileConfig]:
-    """_plan for ``device`` (path checked first by resolve_path: the errors of a forced path)."""
-    resolve_path(path, FMT, device, a16=a16)
-    return _plan(M, N, K, device_capability(device), sm_count(device), a16, path, dynamic_scale)
+# == 6. The public functions: check, then launch ==================================================
+def quantize_activation(x: torch.Tensor, *, global_scale: Union[None, float, torch.Tensor] = None,
+                        quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
+    """x bf16/fp16 [..., K] (K % 16 == 0, any strides; NaN/Inf: docs/formats.md's non-finite rule)
+    -> QuantizedTensor(nvfp4 activation, data uint8 [M, K/2], scale float8_e4m3fn [M, K/16],
+    global_scale float32 0-d), bit for bit ``formats.quantize(x, "nvfp4", role="activation",
+    global_scale=global_scale)``. global_scale: a static g (number or one-element tensor); None:
+    2688 / max(amax(x), 2^-100). quant_tile: (BLOCK_M, BLOCK_K) of a program. ValueError: x not
+    bf16/fp16, K not a positive multiple of 16, a bad global_scale."""
+    check_activation(x, None, VEC_SIZE, FMT)
+    return _quantize(flatten_rows(x), global_scale, quant_tile)
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
-    """y = dequant(xq) . dequant(qweight)^T (+ bias) from NVFP4 operands (W4A4).
-
-    Args:
-        xq: NVFP4 activation [M, K] (data uint8 [M, K/2], scale e4m3 [M, K/16], global_scale).
-        qweight: NVFP4 weight [N, K]; scales linear, or swizzled 128x4 on the native path.
-        bias: optional float tensor [N] (any float dtype) on the weight's device, added in fp32.
-        out_dtype: torch.bfloat16, torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-    Returns:
-        [M, N] tensor of out_dtype (fp32 accumulation, alpha = (1/g_x)(1/g_w) applied once).
-    Raises:
-        ValueError: wrong format/role/layout of either operand, K or device mismatch, bad bias
-            shape or device, unsupported out_dtype, unknown path, or path="native" where it would
-            be wrong (the interpreter) or does not compile (sm_90 with Triton < 3.7).
-    """
-    check_native_weight(qweight, FMT, path)
-    if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != FMT:
-        got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
-        raise ValueError(f"xq must be an {FMT} activation QuantizedTensor, got {got}")
-    if xq.scale_layout != "linear":
-        raise ValueError(f"xq.scale_layout must be 'linear', got {xq.scale_layout!r}")
-    if xq.k != qweight.k:
-        raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
-    if xq.device != qweight.device:
-        raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
-    check_out_dtype(out_dtype)
-    N, K = qweight.shape
-    check_bias(bias, N, qweight.device)
-    _, chosen, cfg = _device_route(xq.rows, N, K, qweight.device, path=path)
-    return _launch_gemm(chosen, cfg, xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8), qweight, bias,
-                        out_dtype, xq.global_scale.reshape(1).to(torch.float32))
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
+         tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = dequant(xq) . dequant(qweight)^T (+ bias [N], any
+    float dtype, added in fp32); fp32 accumulation, alpha = (1/g_x)(1/g_w) once. xq: NVFP4 activation
+    [M, K]; qweight: NVFP4 weight [N, K] (linear scales; swizzled 128x4 too with path="native").
+    path: None (gemm_path's) or forced; tile: the GEMM's tile. ValueError: a wrong operand (format,
+    role, layout, K, device), bias or out_dtype, or a path route_path refuses."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT, path)
+    _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
 
 
 def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W4A16): the portable
-    kernel on every device (bf16 x dequantized weight; gemm_path(fmt, cap, a16=True) says why).
-
-    Args:
-        x2d: bfloat16/float16 [M, K] (any strides), on the weight's device.
-        qweight: NVFP4 weight [N, K] with linear-layout scales.
-        bias: optional float tensor [N].
-        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default x2d's dtype.
-    Returns:
-        [M, N] tensor of out_dtype: fp32 sums of exact products (fp16 x: two exact bf16 halves on
-        GPU), times 1/g_w once in the epilogue.
-    Raises:
-        ValueError: x2d not a 2-D bf16/fp16 tensor, K not a multiple of 16 or not the weight's K,
-            device mismatch, wrong weight format or layout, bad bias, unsupported out_dtype.
-    """
-    check_weight(qweight, FMT)
-    check_activation(x2d, qweight.k, VEC_SIZE, FMT, device=qweight.device)
+               out_dtype: Optional[torch.dtype] = None, *, tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """W4A16: y [M, N] of out_dtype (default x2d's) = x2d . dequant(qweight)^T (+ bias), the portable
+    kernel on every device (gemm_path(fmt, cap, a16=True) says why): fp32 sums of exact products,
+    times 1/g_w once. x2d: bf16/fp16 [M, K] (any strides); qweight: NVFP4 [N, K], linear scales.
+    ValueError: x2d not 2-D bf16/fp16, a wrong K, device, weight, bias or out_dtype."""
+    check_linear(x2d, qweight, bias, FMT, VEC_SIZE)
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
     out_dtype = out_dtype or x2d.dtype
     check_out_dtype(out_dtype)
-    N, K = qweight.shape
-    check_bias(bias, N, qweight.device)
-    _, chosen, cfg = _device_route(x2d.shape[0], N, K, qweight.device, a16=True)
-    one = torch.ones(1, dtype=torch.float32, device=qweight.device)  # alpha = (1/1) * (1/g_w)
-    return _launch_gemm(chosen, cfg, x2d, None, qweight, bias, out_dtype, one, a16=True)
+    _, path, tile = _plan(x2d.shape[0], *qweight.shape, device_capability(qweight.device), a16=True, tile=tile)
+    return _launch_gemm(path, tile, x2d, qweight, bias, out_dtype)
 
 
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           a16: bool = False, global_scale: Union[None, float, torch.Tensor] = None,
-           path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with NVFP4 weights: W4A4 (x quantized to NVFP4) or, with a16=True,
-    W4A16 (x used as it is); the kernels of ``route`` for this call, exactly.
+           a16: bool = False, global_scale: Union[None, float, torch.Tensor] = None, path: Optional[str] = None,
+           tile: Optional[TileConfig] = None, quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]): W4A4 (x quantized, quantize_activation's
+    global_scale), or W4A16 with a16=True (x as it is); exactly the kernels of ``route``. x:
+    bf16/fp16 [..., K], any strides; qweight: NVFP4 [N, K] on x's device. path, tile, quant_tile:
+    as gemm and quantize_activation. ValueError naming the argument: x (dtype, K, device), the
+    weight (format, layout), bias, global_scale, or a path route_path refuses."""
+    check_linear(x, qweight, bias, FMT, VEC_SIZE, path)
+    return linear_unchecked(x, qweight, bias, a16=a16, global_scale=global_scale, path=path, tile=tile,
+                            quant_tile=quant_tile)
 
-    Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides).
-        qweight: NVFP4 weight QuantizedTensor [N, K] on x's device (linear scales; swizzled 128x4
-            too with path="native").
-        bias: optional [N] float tensor (any float dtype).
-        a16: keep the activations in bf16/fp16 (weight-only quantization; the portable kernel).
-        global_scale: static activation global scale (see quantize_activation); None = dynamic.
-            Ignored with a16.
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-    Returns:
-        [..., N] tensor of x's dtype; an empty [..., N] when x has no rows.
-    Raises:
-        ValueError: x not bf16/fp16, K not a multiple of 16 or not the weight's K, x and weight on
-            different devices, wrong weight format or layout, bad bias shape, bad global_scale,
-            unknown path, path="native" with a16 or where it would be wrong.
-    """
-    check_native_weight(qweight, FMT, path)
-    check_activation(x, qweight.k, VEC_SIZE, FMT, device=qweight.device)
+
+def linear_unchecked(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+                     a16: bool = False, global_scale=None, path: Optional[str] = None,
+                     tile: Optional[TileConfig] = None, quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """``linear`` without its argument checks, for a caller that made them (dispatch's bound call):
+    the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers."""
     N, K = qweight.shape
-    check_bias(bias, N, qweight.device)
-    x2 = x.reshape(-1, K)
-    _, chosen, cfg = _device_route(x2.shape[0], N, K, qweight.device, a16=a16, path=path,
-                                   dynamic_scale=global_scale is None)
-    if a16:
-        one = torch.ones(1, dtype=torch.float32, device=qweight.device)
-        y = _launch_gemm(chosen, cfg, x2, None, qweight, bias, x.dtype, one, a16=True)
-    else:
-        xq = quantize_activation(x2, global_scale=global_scale)
-        y = _launch_gemm(chosen, cfg, xq.data, xq.scale.view(torch.uint8), qweight, bias, x.dtype,
-                         xq.global_scale.reshape(1))
-    return y.reshape(*x.shape[:-1], N)
+    x2 = flatten_rows(x)
+    _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), a16=a16, path=path, tile=tile,
+                          global_scale=global_scale)
+    a = x2 if a16 else _quantize(x2, global_scale, quant_tile)
+    return _launch_gemm(path, tile, a, qweight, bias, x.dtype).reshape(*x.shape[:-1], N)

@@ -58,11 +58,12 @@ def cases():
     return out
 
 
-def _native_tile(fmt, m, n, k, device):
-    """The FP4 lesson's native tile on ``device`` (its gemm_tile, as its route takes it)."""
-    from kernels_triton._common import device_capability, sm_count
+def _native_tile(fmt, m, opts):
+    """The native tile the triton backend passes on SM12x (kernels_triton.tuning's table)."""
+    from kernels_triton import tuning
 
-    return kernels_triton.module(fmt).gemm_tile(m, n, k, "native", device_capability(device), sm_count(device))
+    kind = "e2m1" if spec(fmt).element == "e2m1" else ("fp8_block" if fmt == "fp8_block" and not opts else "e4m3")
+    return tuning.sm12x_config(kind, m)
 
 
 def run_cell(fmt, opts, m, n, k, gen, timing: bool) -> dict:
@@ -80,11 +81,10 @@ def run_cell(fmt, opts, m, n, k, gen, timing: bool) -> dict:
     rec["portable_ratio"] = ratio(yp, ref, b)
     try:
         if spec(fmt).scale.startswith("e4m3") and _cap()[0] != 12:
-            # bypass resolve_path's refusal to record what Triton itself says
-            yn = nvfp4._launch_gemm("native", _native_tile(fmt, m, n, k, w.device), xq.data,
-                                    xq.scale.view(torch.uint8), qw, bias, torch.float32, xq.global_scale.reshape(1))
+            # bypass route_path's refusal to record what Triton itself says
+            yn = nvfp4._launch_gemm("native", _native_tile(fmt, m, opts), xq, qw, bias, torch.float32)
         else:
-            yn = mod.gemm(xq, qw, bias, out_dtype=torch.float32, path="native", **opts)
+            yn = mod.gemm(xq, qw, bias, out_dtype=torch.float32, path="native", tile=_native_tile(fmt, m, opts), **opts)
         if DEV == "cuda":
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - recorded, not hidden
@@ -92,11 +92,7 @@ def run_cell(fmt, opts, m, n, k, gen, timing: bool) -> dict:
         return rec
     rec["native_ratio"] = ratio(yn, ref, b)
     rec["native_vs_portable_ratio"] = float(((yn.double() - yp.double()).abs() / (2 * b)).max())
-    rec["native_tile"] = str(_native_tile(fmt, m, n, k, w.device) if spec(fmt).element == "e2m1"
-                             else kernels_triton._common.native_config(
-                                 m, n, k, kernels_triton._common.device_capability(w.device),
-                                 kind="fp8_block" if fmt == "fp8_block" and not opts else "e4m3",
-                                 block_k=128 if fmt == "fp8_block" else None))
+    rec["native_tile"] = str(_native_tile(fmt, m, opts))
     if timing:
         from triton.testing import do_bench
 

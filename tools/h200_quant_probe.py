@@ -3,8 +3,8 @@
 For each W8A8/W4A4 format at M = 1 and 16, N = K = 8192, bf16 x: the activation quantizer alone,
 the GEMM alone on a quantized x, and the whole linear, each as CUDA-graph replays over 5 distinct
 inputs/weights (tools/h200_decode_probe.graph_us), PDL on and off; for fp8_tensor, nvfp4, mxfp8 and
-mxfp4 also other quantization tiles (BLOCK_M, BLOCK_K) in place of kernels_triton._common.quant_config's (which
-the nvfp4 and mxfp4 quantizers take too), with a check that the codes stay the same.
+mxfp4 also other quantization tiles (BLOCK_M, BLOCK_K), passed as the lessons' quant_tile= in place of
+their default, with a check that the codes stay the same.
 
     PYTHONPATH=. python3 tools/h200_quant_probe.py --json $OUT/quant.json [--formats mxfp4 --m 1,16]
 """
@@ -19,7 +19,6 @@ import os
 import torch
 
 import formats
-from kernels_triton.hopper import _nvfp4_quant
 
 from h200_decode_probe import SETS, graph_us  # noqa: E402  (same folder)
 
@@ -45,24 +44,14 @@ def rows(fmt, M, gen):
         out[f"linear pdl={pdl}"] = graph_us([lambda x=x, w=w: mod.linear(x, w) for x, w in zip(xs, ws)])
     os.environ["B12X_PDL"] = "1"
     for bm, bk in TILES.get(fmt, []):
-        if fmt == "nvfp4":
-            old = _nvfp4_quant._quantize_tiles
-            _nvfp4_quant._quantize_tiles = lambda M_, K_, interp, bm=bm, bk=bk: (bm, bk)
-        else:
-            old = mod.quant_config
-            mod.quant_config = lambda M_, K_, interp, group, bm=bm, bk=bk: (bm, max(bk, group))
-        try:
-            ref = xqs[0]
-            got = mod.quantize_activation(xs[0])
-            same = torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
-            out[f"quant tile {bm}x{bk}"] = graph_us([lambda x=x: mod.quantize_activation(x) for x in xs])
-            out[f"linear tile {bm}x{bk}"] = graph_us([lambda x=x, w=w: mod.linear(x, w) for x, w in zip(xs, ws)])
-            out[f"tile {bm}x{bk} same codes"] = same
-        finally:
-            if fmt == "nvfp4":
-                _nvfp4_quant._quantize_tiles = old
-            else:
-                mod.quant_config = old
+        tile = (bm, bk)  # the lessons' quant_tile= (BLOCK_M, BLOCK_K), in place of the default
+        ref = xqs[0]
+        got = mod.quantize_activation(xs[0], quant_tile=tile)
+        same = torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+        out[f"quant tile {bm}x{bk}"] = graph_us([lambda x=x: mod.quantize_activation(x, quant_tile=tile) for x in xs])
+        out[f"linear tile {bm}x{bk}"] = graph_us([lambda x=x, w=w: mod.linear(x, w, quant_tile=tile)
+                                                  for x, w in zip(xs, ws)])
+        out[f"tile {bm}x{bk} same codes"] = same
     return out
 
 

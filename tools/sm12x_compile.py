@@ -5,7 +5,7 @@ on a machine without a GPU, and report what ptxas made of each.
     python tools/sm12x_compile.py --json out.json # the full records, for tests/kernels_triton
     python tools/sm12x_compile.py --arch 120 --jobs 2
 
-A build is one kernel with its tile (the SM12x tables of kernels_triton._common) and its format's constexprs. Each is
+A build is one kernel with its tile (the SM12x tables of kernels_triton.tuning) and its format's constexprs. Each is
 compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` in a worker
 process with TRITON_INTERPRET=0 and a fresh Triton cache (so ptxas runs and its -v report is
 read). Pointer arguments and every integer but M are marked divisible by 16, as Triton's launcher
@@ -82,7 +82,7 @@ def builds() -> list[Build]:
     """Every build the SM12x tables can select (pure Python: nothing is compiled here)."""
     sys.path.insert(0, ROOT)
     from formats import FORMAT_NAMES, spec
-    from kernels_triton import _common as _tiles  # the SM12x tile tables
+    from kernels_triton import tuning  # the SM12x tile tables
 
     out = []
     for fmt in FORMAT_NAMES:
@@ -91,7 +91,7 @@ def builds() -> list[Build]:
         e4m3_scales = s.scale.startswith("e4m3")
         native_kinds = ["e2m1"] if fp4 else (["fp8_block", "e4m3"] if fmt == "fp8_block" else ["e4m3"])
         for kind in native_kinds:
-            for row, cfg in _tiles.sm12x_entries(kind).items():
+            for row, cfg in tuning.sm12x_entries(kind).items():
                 for split in (False,):  # the SM12x tables do not split K
                     if fp4:
                         # each FP4 lesson has its own native kernel; swizzled weight scales only change
@@ -119,10 +119,8 @@ def builds() -> list[Build]:
         if not fp4:
             continue
         # W4A16: the lesson's portable kernel with the SM12x "e2m1_portable" table, bf16 and fp16
-        # activations (the lessons launch no pre-pass: above PREPASS_MIN_M they keep the medium row)
-        for row, cfg in _tiles.sm12x_entries("e2m1_portable").items():
-            if cfg.PREPASS:
-                continue
+        # activations
+        for row, cfg in tuning.sm12x_entries("e2m1_portable").items():
             for act in ("bf16", "fp16"):
                 c = dict(A16=True, SPLIT_A16=act == "fp16", HAS_BIAS=True, DOT_DTYPE="bf16", ROUND_BF16=False,
                          BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,

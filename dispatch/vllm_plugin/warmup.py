@@ -50,22 +50,25 @@ def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
 
     triton / hopper: the backend's route on ``device`` (a DeviceInfo; None: this process's device),
     i.e. the kernels it launches, their tile and split-K and the Triton specialization classes of the
-    M-derived ints it passes (``Route.options``: the amax partial count), plus the activation quantizer's tile
-    (``kernels_triton._common.quant_config``, the same M rule for every format) and M's Triton
+    M-derived ints it passes (a hopper route's ``options``; for the triton lessons
+    ``kernels_triton.tuning.specializations``: the quantizer's tile and amax partial count), plus the
+    activation quantizer's tile (``kernels_triton.tuning.quant_config``, the same M rule for every format) and M's Triton
     specialization. cute: the b12x plan capacity ``cap_for(next_pow2(M), K)`` that kernels_cute
     plans for an unprepared M. reference: nothing (torch only). Raises ValueError for another impl.
     """
     if impl == "reference":
         return ()
     if impl in ("triton", "hopper"):
-        from kernels_triton._common import interpreting, quant_config
+        from kernels_triton import interpreting
+        from kernels_triton.tuning import quant_config, specializations
 
         from .. import registry
         from ..devices import current_device
 
         dev = current_device() if device is None else device
         r = registry.get(impl, variant).route(registry.Problem(variant, m, n, k, dtype), dev)
-        return (r.kernels, r.tile, r.split_k, r.options, quant_config(m, k, interpreting(), 32), _specialization(m))
+        options = r.options if impl == "hopper" else specializations(fmt, m, k, a16=variant != fmt)
+        return (r.kernels, r.tile, r.split_k, options, quant_config(m, k, interpreting(), 32), _specialization(m))
     if impl == "cute":
         import kernels_cute
         from kernels_cute._common import next_pow2

@@ -11,7 +11,8 @@ re-dequantize every weight tile at prefill. The kernels here are what the H200 r
                       a bf16 GEMM (_twopass)
     split-K           fp32 partials reduced in a fixed order (_twopass)
     PDL               programmatic dependent launch between the kernels of one linear (_pdl)
-    tiles             the sm_90 tile tables (_tiles)
+    tiles             the sm_90 tile tables (_tiles); TileConfig with split-K and the pre-pass,
+                      Route with its launch options (_route)
 
 Each format module ``kernels_triton.hopper.<fmt>`` has ``supported(capability)``,
 ``route(M, N, K, *, capability, sm_count, ...)`` and ``quantize_activation``/``gemm``/``linear``
@@ -26,7 +27,7 @@ from typing import Optional
 
 from formats import FORMAT_NAMES
 
-from .._common import device_capability, sm_count  # noqa: F401  (sm_count: the split-K target)
+from .._common import device_capability
 
 SM90 = (9, 0)
 

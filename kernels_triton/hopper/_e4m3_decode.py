@@ -62,8 +62,9 @@ import triton
 import triton.language as tl
 
 from .._codecs import dequantize_e4m3, dequantize_e8m0
-from .._common import BIAS_DTYPES, TileConfig, launch, interpreting, sm_count
-from ..mxfp8 import mx_e4m3_quantize
+from .._common import launch, interpreting
+from ..mxfp8 import mxfp8_quantize_tile as mx_e4m3_quantize
+from ._route import BIAS_DTYPES, TileConfig, sm_count
 from ._fp4_decode import e8m0_bf16, fragment_order, scale_planes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (NO_ALPHA, decode_split, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace,

@@ -58,7 +58,8 @@ import triton
 import triton.language as tl
 
 from .._codecs import dequantize_e2m1, dequantize_e4m3, dequantize_e8m0, global_alpha, round_to_bf16_rne
-from .._common import TileConfig, interpreting, launch
+from .._common import interpreting, launch
+from ._route import TileConfig
 from ._fp4_decode_tile import (DECODE_MAX_M, PLANE_DTYPES, check_planes, check_quantize_planes,  # noqa: F401
                                decode_applies, decode_config, decode_tile, min_block_k, plane_layout)
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._common import TileConfig, interpreting, sm_count
+from .._common import interpreting
+from ._route import TileConfig, sm_count
 from ._twopass import decode_split
 
 DECODE_MAX_M = 16  # the B operand is padded to 16 rows (the smallest wgmma N that Triton emits)

@@ -48,7 +48,8 @@ import triton.language as tl
 
 from .._codecs import (dequantize_e2m1, dequantize_e4m3, dequantize_e4m3_finite, dequantize_e8m0, global_alpha,
                        round_to_bf16_rne)
-from .._common import TileConfig, interpreting, launch
+from .._common import interpreting, launch
+from ._route import TileConfig
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._twopass import (
     ALPHA_GLOBAL_RECIP,

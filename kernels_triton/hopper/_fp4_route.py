@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._common import Route, TileConfig, device_capability, sm_count
+from .._common import device_capability
 from . import supported
+from ._route import Route, TileConfig, sm_count
 from ._twopass import splitk_plan
 from ._fp4_decode_tile import decode_applies, decode_tile
 from ._fp4_gemm import PREPASS_MIN_M, fp4_gemm_config, gemm_kernels

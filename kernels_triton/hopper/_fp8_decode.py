@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from .._codecs import dequantize_e4m3
-from .._common import TileConfig, launch, e4m3_operand, interpreting, sm_count
+from .._common import launch, interpreting
+from ._route import TileConfig, e4m3_operand, sm_count
 from ._fp8_prefill import prefill_config
 from . import is_sm90
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait

@@ -40,7 +40,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from formats.constants import FP8_BLOCK
 
 from .._codecs import dequantize_e4m3, grouped_tile
-from .._common import TileConfig, launch, interpreting
+from .._common import launch, interpreting
+from ._route import TileConfig
 from . import is_sm90
 from ._twopass import ALPHA_SCALES, NO_ALPHA, epilogue
 

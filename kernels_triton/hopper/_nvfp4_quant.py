@@ -41,7 +41,8 @@ from formats.validate import nan_unless_positive, static_global_scale
 
 from .._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3, encode_e2m1, encode_e4m3,
                        nan_if_nonfinite)
-from .._common import check_activation, interpreting, launch, quant_config
+from .._common import check_activation, interpreting, launch
+from ..tuning import quant_config
 from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, store_planes
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -172,7 +173,7 @@ def _quantize_kernel(
 def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K) of the quantize kernels: whole small problems in the interpreter (each
     program costs milliseconds there); on GPU the tiles of every activation quantizer
-    (_common.quant_config: 32 x 128, one row 1024 wide per program at decode)."""
+    (tuning.quant_config: 32 x 128, one row 1024 wide per program at decode)."""
     if interp:
         return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
     return quant_config(M, K, False, group=VEC_SIZE)

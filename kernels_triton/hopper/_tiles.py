@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .._common import TileConfig
+from ._route import TileConfig
 from ._twopass import split_k_for
 
 PREPASS_MIN_M = 128  # mxfp8: above this M the pre-pass + bf16 GEMM replaces the fused kernel

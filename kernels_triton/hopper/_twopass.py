@@ -23,8 +23,8 @@ value is exact in bf16: see _fp4_gemm and mxfp8), and ``bf16_gemm_kernel`` multi
 matrices with the scales already applied. Same function, same fp32 accumulation; the price is
 2 bytes per element of scratch traffic, small next to 2 * M * N * K FLOPs once M is a few hundred.
 
-alpha is the epilogue's ALPHA_MODE (kernels_triton._common.epilogue: none, s1 * s2, or nvfp4's
-(1 / s1) * (1 / s2)).
+alpha is the epilogue's ALPHA_MODE (``epilogue`` below: none, s1 * s2, or nvfp4's (1 / s1) * (1 / s2));
+the lessons' epilogue (_common) names the same choices with two flags.
 """
 
 from __future__ import annotations
@@ -35,10 +35,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import (  # noqa: F401  (the epilogue and its modes, re-exported for the hopper kernels)
-    ALPHA_GLOBAL_RECIP, ALPHA_NONE, ALPHA_SCALES, NO_ALPHA, TileConfig, epilogue, interpreting, launch,
-)
+from .._codecs import global_alpha, round_to_bf16_rne
+from .._common import interpreting, launch
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from ._route import TileConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# The epilogue of the hopper kernels: acc * alpha + bias, alpha chosen by an integer mode
+# ---------------------------------------------------------------------------------------------
+# ALPHA_MODE (constexpr): what multiplies the fp32 accumulator before the bias
+ALPHA_NONE = 0          # 1: every scale was applied in the K loop
+ALPHA_SCALES = 1        # s1 * s2: fp8_tensor's two per-tensor scales (they meet first: acc * s1
+                        # alone can overflow where the result does not)
+ALPHA_GLOBAL_RECIP = 2  # (1 / s1) * (1 / s2): nvfp4's global scales, read from device tensors (no
+                        # host sync); NaN unless both are finite and > 0 (_codecs.global_alpha)
+NO_ALPHA = tl.constexpr(ALPHA_NONE)  # for kernels that call epilogue() with every scale already applied
+_ALPHA_SCALES = tl.constexpr(ALPHA_SCALES)
+_ALPHA_GLOBAL_RECIP = tl.constexpr(ALPHA_GLOBAL_RECIP)
+
+
+@triton.jit
+def epilogue(acc, offs_n, n_ok, s1_ptr, s2_ptr, bias_ptr,
+             ALPHA_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 * alpha (ALPHA_MODE) + bias[offs_n] (any float dtype, added in
+    fp32), rounded to bf16 values (RNE) when ROUND_BF16 (the interpreter's fp32 -> bf16 cast truncates)."""
+    if ALPHA_MODE == _ALPHA_SCALES:
+        acc = acc * (tl.load(s1_ptr) * tl.load(s2_ptr))
+    if ALPHA_MODE == _ALPHA_GLOBAL_RECIP:
+        acc = acc * global_alpha(tl.load(s1_ptr), tl.load(s2_ptr))
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = round_to_bf16_rne(acc)
+    return acc
+
 
 @triton.jit
 def swapped_tile(N, M, K, K_PER, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):

@@ -25,15 +25,16 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK
 
 from .._codecs import abs_or_inf, amax_or_nan, ceil_log2, dequantize_e4m3, encode_e4m3, exp2_int, grouped_tile
-from .._common import (NO_ALPHA, Route, TileConfig, check_activation, check_bias, check_gemm_operands, check_weight,
-                       device_capability, e4m3_operand, epilogue, flatten_rows, interpreting, kernel_bias, launch,
-                       quant_config, sm_count)
-from . import supported
+from .._common import (check_activation, check_bias, check_gemm_operands, check_weight, flatten_rows, interpreting,
+                       kernel_bias, launch)
+from ..tuning import quant_config
+from ._route import Route, TileConfig, check_device, check_route, e4m3_operand, sm_count
+from . import supported  # noqa: F401  (each format module answers supported(capability))
 from ._fp8_decode import FP8_BLOCK_SCALE, decode_config, launch_fp8_decode
 from ._fp8_prefill import BLOCK_PREFILL_TILE, launch_fp8_prefill, tma_ok
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._tiles import e4m3_config
-from ._twopass import launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
+from ._twopass import NO_ALPHA, epilogue, launch_splitk_reduce, splitk_plan, splitk_workspace, store_splitk_partial
 
 FMT = "fp8_block"
 K_MULTIPLE = FP8_BLOCK  # 128
@@ -182,13 +183,7 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
     Raises:
         ValueError: a capability other than sm_90 (naming it and why), a16=True, or a negative size.
     """
-    ok, why = supported(capability)
-    if not ok:
-        raise ValueError(f"kernels_triton.hopper.{FMT} runs on sm_90 only: {why}")
-    if a16:
-        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
+    check_route(FMT, capability, a16, M, N, K)
     if M == 0:
         return Route("hopper", (), "", 1, "M=0: nothing to launch")
     kind, cfg, gwhy = _gemm_plan(M, N, K, sm_count, tma_aligned)
@@ -202,14 +197,6 @@ def tile_config(M: int, N: int, K: int, device=None) -> TileConfig:
     TMA-aligned operands (what the bench reports)."""
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return _gemm_plan(max(M, 1), N, K, sm_count(dev), True)[1]
-
-
-def _check_device(device) -> tuple:
-    cap = device_capability(device)
-    ok, why = supported(cap)
-    if not ok:
-        raise ValueError(f"kernels_triton.hopper.{FMT} runs on sm_90 only, got a tensor on {device}: {why}")
-    return cap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +276,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
             device that is not sm_90.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
-    _check_device(qweight.device)
+    check_device(FMT, qweight.device)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
@@ -332,7 +319,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
-    cap = _check_device(qweight.device)
+    cap = check_device(FMT, qweight.device)
     M = x.numel() // K
     r = route(M, N, K, capability=cap, sm_count=sm_count(qweight.device), ue8m0=ue8m0,
               tma_aligned=tma_ok(qweight.data))

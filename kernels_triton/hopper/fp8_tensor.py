@@ -32,10 +32,11 @@ from formats.constants import AMAX_FLOOR, E4M3_MAX
 from formats.validate import static_scale
 
 from .._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite, round_to_bf16_rne
-from .._common import (Route, int_specialization, TileConfig, check_activation, check_bias, check_gemm_operands, check_weight,
-                       device_capability, e4m3_operand, flatten_rows, interpreting, kernel_bias, launch, quant_config,
-                       sm_count)
-from . import supported
+from .._common import (check_activation, check_bias, check_gemm_operands, check_weight, flatten_rows, interpreting,
+                       kernel_bias, launch)
+from ..tuning import int_specialization, quant_config
+from ._route import Route, TileConfig, check_device, check_route, e4m3_operand, sm_count
+from . import supported  # noqa: F401  (each format module answers supported(capability))
 from ._fp8_decode import TENSOR_SCALE, decode_config, launch_fp8_decode
 from ._fp8_prefill import TENSOR_PREFILL_TILE, launch_fp8_prefill, tma_ok
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -236,13 +237,7 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
     Raises:
         ValueError: a capability other than sm_90 (naming it and why), a16=True, or a negative size.
     """
-    ok, why = supported(capability)
-    if not ok:
-        raise ValueError(f"kernels_triton.hopper.{FMT} runs on sm_90 only: {why}")
-    if a16:
-        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
+    check_route(FMT, capability, a16, M, N, K)
     if M == 0:
         return Route("hopper", (), "", 1, "M=0: nothing to launch")
     quant = ("_quantize_kernel",) if scale is not None else ("_amax_partials_kernel", "_quantize_kernel")
@@ -259,14 +254,6 @@ def tile_config(M: int, N: int, K: int, device=None) -> TileConfig:
     TMA-aligned operands (what the bench reports)."""
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return _gemm_plan(max(M, 1), N, K, sm_count(dev), True)[1]
-
-
-def _check_device(device) -> tuple:
-    cap = device_capability(device)
-    ok, why = supported(cap)
-    if not ok:
-        raise ValueError(f"kernels_triton.hopper.{FMT} runs on sm_90 only, got a tensor on {device}: {why}")
-    return cap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,7 +346,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
             device that is not sm_90.
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
-    _check_device(qweight.device)
+    check_device(FMT, qweight.device)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0:
         return y
@@ -404,7 +391,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
-    cap = _check_device(qweight.device)
+    cap = check_device(FMT, qweight.device)
     M = x.numel() // K if K else 0
     r = route(M, N, K, capability=cap, sm_count=sm_count(qweight.device), scale=scale,
               tma_aligned=tma_ok(qweight.data))

@@ -35,8 +35,10 @@ from formats.constants import AMAX_FLOOR, E2M1_EMAX, E2M1_MAX, MX_BLOCK
 
 from .._codecs import (abs_or_inf, ceil_log2, dequantize_e2m1, dequantize_e8m0, encode_e2m1, exp2_int,
                        floor_log2)
-from .._common import (Route, check_activation, check_bias, check_weight, interpreting, kernel_bias, launch,
-                       quant_config)
+from .._common import (check_activation, check_bias, check_gemm_operands, check_out_dtype, check_weight, interpreting,
+                       kernel_bias, launch)
+from ..tuning import quant_config
+from ._route import Route
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._fp4_decode import PLANE_DTYPES, check_quantize_planes, launch_fp4_decode, plane_layout, store_planes
 from ._fp4_gemm import launch_fp4_gemm
@@ -47,7 +49,6 @@ __all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "quantize_plan
 FMT = "mxfp4"
 VEC_SIZE = MX_BLOCK  # 32 elements share one E8M0 scale
 SCALE_RULES = ("ceil", "floor")
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _QUANTIZER = ("_quantize_kernel",)
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -129,7 +130,7 @@ def _quantize_kernel(
 # ---------------------------------------------------------------------------------------------
 def _quantize_tiles(M: int, K: int, interp: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_K): whole small problems in the interpreter; on GPU the tiles of every
-    activation quantizer (_common.quant_config: one row 1024 wide per program at decode, 32 x 128
+    activation quantizer (tuning.quant_config: one row 1024 wide per program at decode, 32 x 128
     above)."""
     if interp:
         return triton.next_power_of_2(min(max(M, 1), 256)), triton.next_power_of_2(min(K, 512))
@@ -224,11 +225,6 @@ def _device_plan(M, N, K, device, *, a16, x_dtype, quantizer):
     return device_plan(FMT, M, N, K, device, a16=a16, x_dtype=x_dtype, quantizer=quantizer)
 
 
-def _check_out_dtype(out_dtype) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-
-
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = dequant(xq) . dequant(qweight)^T (+ bias) from MXFP4 operands (W4A4) on sm_90.
@@ -244,20 +240,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         ValueError: wrong format/role/layout of either operand, K or device mismatch, a device that
             is not sm_90, bad bias, unsupported out_dtype.
     """
-    check_weight(qweight, FMT)
-    if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != FMT:
-        got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
-        raise ValueError(f"xq must be an {FMT} activation QuantizedTensor, got {got}")
-    if xq.scale_layout != "linear":
-        raise ValueError(f"xq.scale_layout must be 'linear', got {xq.scale_layout!r}")
-    if xq.k != qweight.k:
-        raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
-    if xq.device != qweight.device:
-        raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
-    _check_out_dtype(out_dtype)
-    N, K = qweight.shape
-    check_bias(bias, N, qweight.device)
-    M = xq.rows
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     p = _device_plan(M, N, K, qweight.device, a16=False, x_dtype=torch.bfloat16, quantizer=())
     if p.kind == "none":
         return torch.empty((M, N), dtype=out_dtype, device=qweight.device)
@@ -288,7 +271,7 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
     out_dtype = out_dtype or x2d.dtype
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     M = x2d.shape[0]

@@ -3,7 +3,7 @@ kernels and their route.
 
 The lesson (``kernels_triton.mxfp8``) teaches this GEMM; this module runs it on the H200:
 
-    quantize   the lesson's per-block quantizer (mxfp8.mx_e4m3_quantize), with PDL (_pdl)
+    quantize   the lesson's per-block quantizer (mxfp8.mxfp8_quantize_tile), with PDL (_pdl)
     M <= 16    a swapped-operand wgmma decode kernel (the weight on wgmma's 64-row side), chosen by
                ``decode_kernel``:
                  "bf16" (default)  _e4m3_decode: the weight dequantized to bf16 in registers, one
@@ -34,18 +34,19 @@ from formats._mx import SCALE_RULES
 from formats.constants import MX_BLOCK
 
 from .._codecs import dequantize_e4m3, dequantize_e8m0, grouped_tile
-from .._common import (NO_ALPHA, Route, TileConfig, check_activation, check_bias, check_gemm_operands, check_weight,
-                       device_capability, epilogue, flatten_rows, interpreting, kernel_bias, launch, quant_config,
-                       sm_count)
-from ..mxfp8 import mx_e4m3_quantize
-from . import supported
+from .._common import (check_activation, check_bias, check_gemm_operands, check_weight,
+                       flatten_rows, interpreting, kernel_bias, launch)
+from ..mxfp8 import mxfp8_quantize_tile as mx_e4m3_quantize
+from ..tuning import quant_config
+from ._route import Route, TileConfig, check_device, check_route, sm_count
+from . import supported  # noqa: F401  (each format module answers supported(capability))
 from ._e4m3_decode import DECODE_MAX_M, decode_tile, launch_e4m3_decode, launch_e4m3_decode_linear
 from ._fp8_decode import MX_SCALE, launch_fp8_decode
 from ._fp8_decode import decode_config as fp8_decode_config
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._tiles import e4m3_config
-from ._twopass import (launch_bf16_gemm, launch_splitk_reduce, scratch_dtype, splitk_plan, splitk_workspace,
-                       store_splitk_partial)
+from ._twopass import (NO_ALPHA, epilogue, launch_bf16_gemm, launch_splitk_reduce, scratch_dtype, splitk_plan,
+                       splitk_workspace, store_splitk_partial)
 
 FMT = "mxfp8"
 K_MULTIPLE = MX_BLOCK  # 32
@@ -232,16 +233,10 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
         ValueError: a capability other than sm_90 (naming it and why), a16=True, a negative size,
             an unknown scale_rule or decode_kernel.
     """
-    ok, why = supported(capability)
-    if not ok:
-        raise ValueError(f"kernels_triton.hopper.{FMT} runs on sm_90 only: {why}")
-    if a16:
-        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {FMT!r}")
+    check_route(FMT, capability, a16, M, N, K)
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     _check_decode_kernel(decode_kernel)
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
     if M == 0 or N == 0:
         return Route("hopper", (), "", 1, "M=0 or N=0: nothing to launch")
     kind, cfg, gwhy = _gemm_plan(M, N, K, sm_count, decode_kernel)
@@ -259,14 +254,6 @@ def tile_config(M: int, N: int, K: int, device=None, *, decode_kernel: str = "bf
     _check_decode_kernel(decode_kernel)
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return _gemm_plan(max(M, 1), N, K, sm_count(dev), decode_kernel)[1]
-
-
-def _check_device(device) -> tuple:
-    cap = device_capability(device)
-    ok, why = supported(cap)
-    if not ok:
-        raise ValueError(f"kernels_triton.hopper.{FMT} runs on sm_90 only, got a tensor on {device}: {why}")
-    return cap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +338,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     """
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     _check_decode_kernel(decode_kernel)
-    _check_device(qweight.device)
+    check_device(FMT, qweight.device)
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0 or N == 0:
         return y
@@ -402,7 +389,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
-    cap = _check_device(qweight.device)
+    cap = check_device(FMT, qweight.device)
     r = route(x.numel() // K, N, K, capability=cap, sm_count=sm_count(qweight.device), scale_rule=scale_rule,
               decode_kernel=decode_kernel)
     return execute(r, x, qweight, bias, scale_rule=scale_rule)

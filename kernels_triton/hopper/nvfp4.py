@@ -30,7 +30,9 @@ import triton
 from formats import QuantizedTensor
 from formats.constants import NVFP4_BLOCK
 
-from .._common import Route, check_activation, check_bias, check_weight, int_specialization, kernel_bias
+from .._common import check_activation, check_bias, check_gemm_operands, check_out_dtype, check_weight, kernel_bias
+from ..tuning import int_specialization
+from ._route import Route
 from ._fp4_decode import launch_fp4_decode, plane_layout
 from ._fp4_gemm import launch_fp4_gemm
 from ._fp4_route import device_plan, plan, supported
@@ -40,7 +42,6 @@ __all__ = ["gemm", "gemm_w4a16", "linear", "quantize_activation", "route", "supp
 
 FMT = "nvfp4"
 VEC_SIZE = NVFP4_BLOCK  # 16 elements share one e4m3 scale
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _QUANTIZER = {True: ("_amax_partial_kernel", "_quantize_kernel"), False: ("_quantize_kernel",)}
 
 
@@ -79,11 +80,6 @@ def _weight_operands(qweight):
             qweight.global_scale.reshape(1).to(torch.float32))
 
 
-def _check_out_dtype(out_dtype) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-
-
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = dequant(xq) . dequant(qweight)^T (+ bias) from NVFP4 operands (W4A4) on sm_90.
@@ -99,20 +95,7 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
         ValueError: wrong format/role/layout of either operand, K or device mismatch, a device that
             is not sm_90, bad bias, unsupported out_dtype.
     """
-    check_weight(qweight, FMT)
-    if not isinstance(xq, QuantizedTensor) or xq.role != "activation" or xq.fmt != FMT:
-        got = f"a {xq.fmt} {xq.role}" if isinstance(xq, QuantizedTensor) else type(xq).__name__
-        raise ValueError(f"xq must be an {FMT} activation QuantizedTensor, got {got}")
-    if xq.scale_layout != "linear":
-        raise ValueError(f"xq.scale_layout must be 'linear', got {xq.scale_layout!r}")
-    if xq.k != qweight.k:
-        raise ValueError(f"xq has K={xq.k} but qweight has K={qweight.k}")
-    if xq.device != qweight.device:
-        raise ValueError(f"xq must be on the weight's device {qweight.device}, got {xq.device}")
-    _check_out_dtype(out_dtype)
-    N, K = qweight.shape
-    check_bias(bias, N, qweight.device)
-    M = xq.rows
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     p = _device_plan(M, N, K, qweight.device, a16=False, x_dtype=torch.bfloat16, quantizer=())
     w, sw, gw = _weight_operands(qweight)
     a, sa = xq.data.contiguous(), xq.scale.contiguous().view(torch.uint8)
@@ -149,7 +132,7 @@ def gemm_w4a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
     out_dtype = out_dtype or x2d.dtype
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     N, K = qweight.shape
     check_bias(bias, N, qweight.device)
     M = x2d.shape[0]

@@ -228,9 +228,9 @@ def test_route_is_the_backends_route_with_the_calls_options():
     b = TritonBackend("nvfp4")
     dynamic = check.route_of(b, 4, N, K, torch.bfloat16, CPU)
     assert dynamic == b.route(registry.Problem("nvfp4", 4, N, K), CPU).describe()
-    assert "_amax_partial_kernel" in dynamic and "_portable_gemm_kernel" in dynamic
+    assert "_amax_partials_kernel" in dynamic and "_portable_gemm_kernel" in dynamic
     static = check.route_of(b, 4, N, K, torch.bfloat16, CPU, {"global_scale": 100.0})
-    assert "_amax_partial_kernel" not in static and "_portable_gemm_kernel" in static
+    assert "_amax_partials_kernel" not in static and "_portable_gemm_kernel" in static
 
     class Broken(TritonBackend):
         def route(self, problem, device, **opts):

@@ -18,13 +18,15 @@ import torch
 import dispatch  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, without a GPU)
 import formats
 import kernels_triton
-from conftest import device_name, make_input
+from conftest import DEVICE, device_name, make_input
 from dispatch import registry
 from dispatch.devices import current_device
 from dispatch.vllm_plugin import ops, warmup
-from kernels_triton._common import interpreting
+from kernels_triton import interpreting
 from dispatch.devices import KNOWN_DEVICES
-from kernels_triton._common import quant_config
+from kernels_triton import tuning
+from kernels_triton._common import device_capability
+from kernels_triton.tuning import quant_config
 
 VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_w4a16", "mxfp4_w4a16")
 SHAPES = ((1024, 2048), (384, 1536))  # (N, K): K a multiple of 128 (block FP8)
@@ -35,12 +37,16 @@ VLLM_COUNTS = warmup.token_counts((1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 
 
 
 def _what_m_decides(variant: str, m: int, n: int, k: int) -> tuple:
-    """What a Triton call at M tokens compiles, read off the kernel modules: the GEMM's tile
-    (tile_config, with split-K and route), the activation quantizer's tile (quant_config), and
-    Triton's integer specialization of M (== 1, divisible by 16: triton.runtime.jit)."""
+    """What a Triton call at M tokens compiles on this process's device, read off the kernel modules:
+    the GEMM's tile (the lesson's route with kernels_triton.tuning's tiles, as the triton backend
+    passes them), the activation quantizer's tile (quant_config), and Triton's integer
+    specialization of M (== 1, divisible by 16: triton.runtime.jit)."""
     fmt = variant.removesuffix("_w4a16")
-    return (str(kernels_triton.module(fmt).tile_config(m, n, k)), quant_config(m, k, interpreting(), 32),
-            m == 1, m % 16 == 0)
+    a16 = variant != fmt
+    cap = device_capability(torch.device(DEVICE))
+    tiles = tuning.tiles(fmt, m, n, k, capability=cap, a16=a16)
+    tile = kernels_triton.module(fmt).route(m, n, k, capability=cap, a16=a16, tile=tiles.get("tile")).tile
+    return tile, quant_config(m, k, interpreting(), 32), m == 1, m % 16 == 0
 
 
 def _uncovered(variant, n, k, counts, max_tokens=MAX_TOKENS) -> list[int]:

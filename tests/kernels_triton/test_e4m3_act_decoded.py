@@ -18,7 +18,7 @@ from conftest import DEVICE, assert_within_bound, gemm_bound, make_input
 from kernels_triton.hopper import _e4m3_decode as dec
 from kernels_triton import interpreting
 from kernels_triton import mxfp8 as kmx
-from kernels_triton._common import TileConfig
+from kernels_triton.hopper._route import TileConfig
 
 
 def _tile(bn: int, split: int, bk: int = 128) -> TileConfig:

@@ -21,7 +21,8 @@ import triton.language as tl
 import formats
 from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
 from kernels_triton.hopper import _e4m3_decode as dec
-from kernels_triton._common import TileConfig, interpreting
+from kernels_triton import interpreting
+from kernels_triton.hopper._route import TileConfig
 
 CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 

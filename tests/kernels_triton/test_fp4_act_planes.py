@@ -18,7 +18,7 @@ import formats
 from conftest import DEVICE, assert_within_bound, gemm_bound, make_input
 from kernels_triton import interpreting
 from kernels_triton.hopper import _fp4_decode, _nvfp4_quant, mxfp4, nvfp4
-from kernels_triton._common import TileConfig
+from kernels_triton.hopper._route import TileConfig
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 

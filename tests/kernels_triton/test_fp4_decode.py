@@ -22,7 +22,8 @@ import formats
 from _e4m3_testlib import sm90_sm_count
 from conftest import DEVICE, make_input
 from kernels_triton.hopper import _fp4_decode, _fp4_gemm, _twopass, mxfp4, nvfp4
-from kernels_triton._common import TileConfig, interpreting
+from kernels_triton import interpreting
+from kernels_triton.hopper._route import TileConfig
 
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 

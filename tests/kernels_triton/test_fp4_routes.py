@@ -18,9 +18,10 @@ from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_
 
 import formats
 from kernels_triton import interpreting, mxfp4, nvfp4, record_launches
-from kernels_triton._common import device_capability, gemm_path, sm_count
+from kernels_triton._common import device_capability, gemm_path
 from kernels_triton.hopper import _fp4_decode, _fp4_gemm, _nvfp4_quant, _twopass
 from kernels_triton.hopper import mxfp4 as hopper_mxfp4
+from kernels_triton.hopper._route import sm_count
 from kernels_triton.hopper import nvfp4 as hopper_nvfp4
 
 VARIANTS = [("nvfp4", False), ("nvfp4", True), ("mxfp4", False), ("mxfp4", True)]
@@ -72,7 +73,7 @@ def test_lesson_static_scale_and_forced_native_routes():
     cap, sms = device_capability(dev), sm_count(dev)
     x = make_input((5, 64), torch.bfloat16, block=16)
     qw = _weight("nvfp4", 24, 64)
-    r = nvfp4.route(5, 24, 64, capability=cap, sm_count=sms, dynamic_scale=False)
+    r = nvfp4.route(5, 24, 64, capability=cap, sm_count=sms, global_scale=30.0)
     assert r.kernels[0] == "_quantize_kernel"
     with record_launches() as log:
         y = nvfp4.linear(x, qw, global_scale=30.0)
@@ -110,7 +111,7 @@ def test_lesson_route_refuses_what_the_launch_refuses():
         mxfp4.route(1, 8, 64, path="fast")
     with pytest.raises(ValueError, match="W4A16 has no native kernel"):
         mxfp4.route(1, 8, 64, a16=True, path="native")
-    with pytest.raises(ValueError, match="nvfp4 path='native' is not available"):
+    with pytest.raises(ValueError, match="nvfp4 path='native' cannot run under the Triton interpreter"):
         nvfp4.route(1, 8, 64, path="native")  # the interpreter
     with pytest.raises(ValueError, match=r"M, N, K must be >= 0, got \(-1, 8, 64\)"):
         nvfp4.route(-1, 8, 64)

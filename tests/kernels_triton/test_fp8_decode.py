@@ -18,7 +18,8 @@ import torch
 import formats
 from _e4m3_testlib import fp8_decode_interval
 from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
-from kernels_triton._common import TileConfig, interpreting
+from kernels_triton import interpreting
+from kernels_triton.hopper._route import TileConfig
 from kernels_triton.hopper._fp8_decode import (FP8_BLOCK_SCALE, MX_SCALE, TENSOR_SCALE, hopper_config, launch_fp8_decode,
                                         mx_block_k)
 

@@ -18,7 +18,8 @@ import formats
 from _e4m3_testlib import check_gemm, gemm_bound, make_bias, make_weight, sm90_sm_count
 from conftest import DEVICE, assert_within_bound, make_input
 from kernels_triton import fp8_block, fp8_tensor, hopper
-from kernels_triton._common import TileConfig, interpreting
+from kernels_triton import interpreting
+from kernels_triton.hopper._route import TileConfig
 from kernels_triton.hopper._fp8_prefill import (BLOCK_PREFILL_TILE, TENSOR_PREFILL_TILE, launch_fp8_prefill,
                                          fp8_prefill_applies, tma_ok)
 

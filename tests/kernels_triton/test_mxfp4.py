@@ -21,7 +21,7 @@ from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_
 import formats
 from formats.codecs import pack_e2m1
 from kernels_triton import mxfp4
-from kernels_triton.mxfp4 import dequantize_tile
+from kernels_triton.mxfp4 import mxfp4_dequantize_tile
 
 FMT = "mxfp4"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -119,7 +119,7 @@ def test_gemm_matches_reference_on_identical_operands(m, n, k, has_bias, out_dty
 @triton.jit
 def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_r = tl.arange(0, BLOCK_R)
-    v = dequantize_tile(data_ptr, scale_ptr, offs_r, offs_r < R, 0, K, K // 2, K // 32, BLOCK_R, BLOCK_K)
+    v = mxfp4_dequantize_tile(data_ptr, scale_ptr, offs_r, offs_r < R, 0, K, K // 2, K // 32, BLOCK_R, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_r[:, None] * K + offs_k[None, :], v, mask=(offs_r[:, None] < R) & (offs_k[None, :] < K))
 
@@ -237,7 +237,7 @@ def test_errors_name_the_argument():
         (lambda: mxfp4.quantize_activation(x, scale_rule="round"), r"scale_rule.*'round'"),
         (lambda: mxfp4.gemm(oracle_q(x).to(DEVICE), qw, out_dtype=torch.int8), r"out_dtype.*int8"),
         (lambda: mxfp4.gemm(oracle_q(make_input((4, 32), BF16)).to(DEVICE), qw), r"xq has K=32.*K=64"),
-        (lambda: mxfp4.gemm(x, qw), r"xq must be an mxfp4 activation"),
+        (lambda: mxfp4.gemm(x, qw), r"xq must be a mxfp4 activation"),
         (lambda: mxfp4.gemm_w4a16(make_input((2, 4, 64), BF16), qw), r"x2d must be 2-D"),
         (lambda: mxfp4.gemm_w4a16(x, qw, out_dtype=torch.float64), r"out_dtype.*float64"),
     ]

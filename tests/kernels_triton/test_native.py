@@ -84,21 +84,17 @@ def test_native_gemm_matches_oracle(fmt, ue8m0, m, n, k):
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMAT_NAMES if f not in E4M3_SCALED])
-def test_native_split_k_and_bf16_output_match_portable(fmt, monkeypatch):
-    """Split-K (forced: two K ranges reduced by _twopass) and a bf16 store give what the portable
-    path gives, within the fp32 bound of two different summation orders, then one bf16 rounding."""
+def test_native_small_tile_and_bf16_output_match_portable(fmt):
+    """The native kernel with a small tile (``tile=``: several programs, four K steps) and a bf16
+    store gives what the portable path gives, within the fp32 bound of two different summation
+    orders, then one bf16 rounding."""
     mod = kernels_triton.module(fmt)
     m, n, k = 5, 48, 512
-    cfg = TileConfig(16, 64, 128, GROUP_M=1, num_warps=4, num_stages=1, SPLIT_K=2)
-    if fmt in FP4:  # the FP4 lessons have no split-K (kernels_triton.hopper has): the tile alone
-        monkeypatch.setattr(mod, "gemm_tile", lambda *a, **kw: TileConfig(16, 64, 128, GROUP_M=1, num_warps=4,
-                                                                          num_stages=1))
-    else:
-        monkeypatch.setattr(mod, "native_config", lambda *a, **kw: cfg)
+    tile = TileConfig(16, 64, 128, GROUP_M=1, num_warps=4, num_stages=1)
     qw = formats.quantize(make_input((n, k)), fmt).to(DEVICE)
     xq = formats.quantize(make_input((m, k)), fmt, role="activation").to(DEVICE)
     bias = torch.randn(n, device=DEVICE)
-    y32 = mod.gemm(xq, qw, bias, out_dtype=FP32, path="native").cpu().double()
+    y32 = mod.gemm(xq, qw, bias, out_dtype=FP32, path="native", tile=tile).cpu().double()
     p32 = mod.gemm(xq, qw, bias, out_dtype=FP32, path="portable").cpu().double()
     # On a GPU the portable fp8_tensor / fp8_block kernels dot the e4m3 tiles directly, and so does
     # mxfp8's sm_90 decode kernel at this M (32-deep partials): Hopper's fp8 MMA accumulates with
@@ -106,7 +102,7 @@ def test_native_split_k_and_bf16_output_match_portable(fmt, monkeypatch):
     # portable side's bound is ((K + 3) 2^-24 + L 2^-12) |x| . |w|^T.
     portable = _bound(xq, qw, bias, k, fp8_interval=fp8_interval(fmt, m))
     assert bool(((y32 - p32).abs() <= _bound(xq, qw, bias, k) + portable).all())
-    yb = mod.gemm(xq, qw, bias, out_dtype=BF16, path="native").cpu().double()
+    yb = mod.gemm(xq, qw, bias, out_dtype=BF16, path="native", tile=tile).cpu().double()
     # bf16 RNE of a value within the fp32 bound: half a bf16 ulp (2^-9 relative) plus the bound
     assert bool(((yb - y32).abs() <= y32.abs() * 2.0 ** -8 + 2 * _bound(xq, qw, bias, k)).all())
 
@@ -198,24 +194,15 @@ def test_native_nvfp4_is_refused_under_the_interpreter(fmt):
 def test_default_path_is_the_policy_for_this_device(fmt, monkeypatch):
     """With path=None the kernels take gemm_path's choice for the operand's device."""
     taken = []
-    real = _paths.resolve_path
-
-    def spy(path, f, device, **kw):
-        taken.append(real(path, f, device, **kw))
-        return taken[-1]
-
     real_route = kernels_triton._common.route_path
 
-    def spy_route(path, f, capability, **kw):  # the e4m3 lessons decide by capability (route_path)
+    def spy_route(path, f, capability, **kw):  # every lesson decides its path with route_path
         out = real_route(path, f, capability, **kw)
         taken.append(out[0])
         return out
 
     for name in FORMAT_NAMES:
-        if hasattr(kernels_triton.module(name), "resolve_path"):
-            monkeypatch.setattr(kernels_triton.module(name), "resolve_path", spy)
-        if hasattr(kernels_triton.module(name), "route_path"):
-            monkeypatch.setattr(kernels_triton.module(name), "route_path", spy_route)
+        monkeypatch.setattr(kernels_triton.module(name), "route_path", spy_route)
     qw = formats.quantize(make_input((16, 128)), fmt).to(DEVICE)
     kernels_triton.linear(make_input((3, 128)), qw)
     expect = kernels_triton.gemm_path(fmt, _paths.device_capability(qw.device))[0]

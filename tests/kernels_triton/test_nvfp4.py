@@ -23,7 +23,7 @@ from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_
 import formats
 from formats.codecs import pack_e2m1
 from kernels_triton import nvfp4
-from kernels_triton.nvfp4 import dequantize_tile
+from kernels_triton.nvfp4 import nvfp4_dequantize_tile
 
 FMT = "nvfp4"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -128,7 +128,7 @@ def test_gemm_matches_reference_on_identical_operands(m, n, k, has_bias, out_dty
 @triton.jit
 def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_r = tl.arange(0, BLOCK_R)
-    v = dequantize_tile(data_ptr, scale_ptr, offs_r, offs_r < R, 0, K, K // 2, K // 16, BLOCK_R, BLOCK_K)
+    v = nvfp4_dequantize_tile(data_ptr, scale_ptr, offs_r, offs_r < R, 0, K, K // 2, K // 16, BLOCK_R, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_r[:, None] * K + offs_k[None, :], v, mask=(offs_r[:, None] < R) & (offs_k[None, :] < K))
 
@@ -204,7 +204,7 @@ def test_errors_name_the_argument():
         (lambda: nvfp4.quantize_activation(make_input((4, 24), BF16)), r"multiple of 16.*24"),
         (lambda: nvfp4.gemm(oracle_q(x).to(DEVICE), qw, out_dtype=torch.int32), r"out_dtype.*int32"),
         (lambda: nvfp4.gemm(oracle_q(make_input((4, 64), BF16)).to(DEVICE), qw), r"xq has K=64.*K=32"),
-        (lambda: nvfp4.gemm(x, qw), r"xq must be an nvfp4 activation"),
+        (lambda: nvfp4.gemm(x, qw), r"xq must be a nvfp4 activation"),
     ]
     if DEVICE == "cuda":
         cases.append((lambda: nvfp4.linear(x.cpu(), qw), r"x must be on the weight's device"))

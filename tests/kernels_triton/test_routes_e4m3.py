@@ -120,7 +120,7 @@ def test_lesson_routes_name_kernels_of_the_module(fmt, cap):
             assert r.kernels and set(r.kernels) <= names, (cap, M, r.kernels, names)
             assert r.tile and r.why and r.split_k == 1
             want = kernels_triton.gemm_path(fmt, cap)[0]
-            assert r.kernels[-1] == ("_native_gemm_kernel" if want == "native" else "_gemm_kernel")
+            assert r.kernels[-1] == ("_native_gemm_kernel" if want == "native" else "_portable_gemm_kernel")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -25,7 +25,7 @@ import triton
 
 import kernels_triton
 from formats import FORMAT_NAMES, spec
-from kernels_triton import _common as _tiles  # the SM12x tile tables live in _common
+from kernels_triton import tuning  # the SM12x tile tables
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "sm12x_compile.py"
@@ -106,29 +106,41 @@ def test_every_format_and_table_row_is_built():
         if fmt == "fp8_block":
             kinds.append("fp8_block")
         for kind in kinds:
-            for row in _tiles.sm12x_entries(kind):
+            for row in tuning.sm12x_entries(kind):
                 assert (fmt, "native", row) in have, (fmt, kind, row)
         if spec(fmt).element == "e2m1":
-            for row, cfg in _tiles.sm12x_entries("e2m1_portable").items():
-                if cfg.PREPASS:  # the FP4 lessons launch no pre-pass (hopper's does, on sm_90)
-                    continue
+            for row in tuning.sm12x_entries("e2m1_portable"):
                 assert (fmt, "portable", row) in have, (fmt, row)
 
 
-@pytest.mark.parametrize("kind", _tiles.KINDS)
+@pytest.mark.parametrize("kind", tuning.KINDS)
 def test_selection_stays_inside_the_compiled_entries(kind):
-    """sm12x_config picks only tiles that are compiled above (split-K changes nothing but the
-    epilogue branch, which the 'split' builds compile), for decode to prefill M and every SM count."""
-    entries = {str(c) for c in _tiles.sm12x_entries(kind).values()}
-    for sms in _tiles.SM12X_SM_COUNTS:
+    """sm12x_config picks only tiles that are compiled above, for decode to prefill M and every SM
+    count, and each fits the shared memory even with all num_stages operand buffers."""
+    entries = {str(c) for c in tuning.sm12x_entries(kind).values()}
+    for sms in tuning.SM12X_SM_COUNTS:
         for m in (1, 7, 16, 17, 64, 65, 128, 129, 256, 257, 4096):
             for n, k in ((2048, 4096), (4096, 7168), (8192, 8192), (576, 2048)):
-                cfg = _tiles.sm12x_config(kind, m, n, k, sms)
-                base = str(_tiles.TileConfig(**{**cfg.__dict__, "SPLIT_K": 1}))
-                assert base in entries, (kind, m, n, k, sms, str(cfg))
+                cfg = tuning.sm12x_config(kind, m, n, k, sms)
+                assert str(cfg) in entries, (kind, m, n, k, sms, str(cfg))
                 # operand bytes per element: e4m3 1, packed e2m1 1/2, the portable kernel's bf16
-                # activation 2 (its pre-pass GEMM: bf16 both sides); all num_stages buffers
-                a_b, b_b = {"e4m3": (1, 1), "fp8_block": (1, 1), "e2m1": (0.5, 0.5),
-                            "e2m1_portable": (2, 2 if cfg.PREPASS else 0.5)}[kind]
+                # activation 2; all num_stages buffers
+                a_b, b_b = {"e4m3": (1, 1), "fp8_block": (1, 1), "e2m1": (0.5, 0.5), "e2m1_portable": (2, 0.5)}[kind]
                 est = cfg.num_stages * (cfg.BLOCK_M * a_b + cfg.BLOCK_N * b_b) * cfg.BLOCK_K
-                assert est <= _tiles.SM12X_SMEM_PER_BLOCK, (kind, str(cfg), est)
+                assert est <= tuning.SM12X_SMEM_PER_BLOCK, (kind, str(cfg), est)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_lesson_default_tiles_are_compiled_entries(fmt, arch):
+    """A lesson called without tile= on SM12x launches its one default tile: that tile is a row of
+    the table this file compiles for its kernel (native for every format, and the W4A16 portable
+    kernel of the FP4 formats), so the default is compile- and resource-checked too."""
+    cap = (12, int(arch[5]))
+    mod = kernels_triton.module(fmt)
+    fp4 = spec(fmt).element == "e2m1"
+    native_kind = "e2m1" if fp4 else "e4m3"
+    assert str(mod.tile_config(64, 4096, 4096, "native", cap)) in {str(c) for c in tuning.sm12x_entries(native_kind).values()}
+    if fp4:
+        tile = mod.tile_config(64, 4096, 4096, capability=cap, a16=True)
+        assert str(tile) in {str(c) for c in tuning.sm12x_entries("e2m1_portable").values()}

@@ -1,4 +1,4 @@
-"""The two-kernel launch paths of every format (kernels_triton/_twopass.py), forced on small shapes
+"""The two-kernel launch paths of every format (kernels_triton/hopper/_twopass.py), forced on small shapes
 so that they run under the interpreter too: split-K (fp32 workspace + ordered reduction, the
 epilogue in the reduction) and the decode pre-pass + plain GEMM. On a GPU the tile tables pick
 them only for decode-sized M (split-K) and large M (pre-pass); here every format takes each path
@@ -15,9 +15,9 @@ import torch
 import formats
 from _e4m3_testlib import make_bias, tolerance
 from conftest import DEVICE, make_input, rel_err
-from kernels_triton import fp8_block, fp8_tensor, hopper, module
+from kernels_triton import _common, fp8_block, fp8_tensor, hopper, interpreting, module
 from kernels_triton.hopper import _fp4_gemm, _twopass
-from kernels_triton._common import TileConfig, interpreting
+from kernels_triton.hopper._route import TileConfig
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 FP4 = ("nvfp4", "mxfp4")
@@ -86,5 +86,5 @@ def test_split_k_plan_covers_k_once():
 
 def test_tile_config_is_exposed():
     for fmt in ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4"):
-        assert isinstance(module(fmt).tile_config(16, 8192, 8192), TileConfig)
+        assert isinstance(module(fmt).tile_config(16, 8192, 8192), _common.TileConfig)
     assert fp8_tensor.tile_config(16, 64, 128).BLOCK_K and fp8_block.tile_config(1, 64, 128).BLOCK_K == 128
