@@ -283,13 +283,13 @@ class TritonBackend(_KernelBackend):
     def route(self, problem: Problem, device: DeviceInfo, **act_opts) -> Route:
         return super().route(problem, device, **act_opts, **self._tiles(problem.M, problem.N, problem.K, device))
 
-    def _linear(self, mod, x, prepared, bias, act_opts):
+    def _run_linear(self, mod, x, prepared, bias, act_opts):
         n, k = prepared.shape
-        return super()._linear(mod, x, prepared, bias, {**act_opts, **self._tiles(x.numel() // k, n, k,
-                                                                                   current_device(x.device))})
+        return super()._run_linear(mod, x, prepared, bias, {**act_opts, **self._tiles(x.numel() // k, n, k,
+                                                                                       current_device(x.device))})
 
     def gemm(self, xq, prepared, bias=None, out_dtype=torch.bfloat16):
-        self.check_tensor_device(xq.data)
+        self.validate_device(xq.data)
         tile = self._tiles(xq.rows, *prepared.shape, current_device(xq.device)).get("tile")
         return self._module().gemm(xq, prepared, bias, out_dtype=out_dtype, **({"tile": tile} if tile else {}))
 
