@@ -6,7 +6,8 @@ triton backend) passes them into a lesson's functions as ``tile=`` and ``quant_t
     SM12x tables     ``sm12x_config(kind, M, ...)``, ``sm12x_entries(kind)``: the native kernels and
                      the portable FP4 kernel on SM120/SM121 (RTX PRO 6000, RTX 5090/5080, GB10)
     e4m3 by M        ``e4m3_portable_config(M, block_k)``: the e4m3 lessons' portable GEMM on a GPU
-    quantizer tiles  ``quant_config(M, K, interpreting, group)``: one row per program at decode
+    quantizer tiles  ``quant_config(M, K, interpreting, group)``, ``quant_tile(fmt, M, K)``: one row per
+                     program at decode (at every M for fp8_channel's whole-row quantizer)
     warmup           ``int_specialization(n)``, ``specializations(fmt, M, K)``: the M-derived
                      launch values Triton compiles a kernel once per class of
 """
@@ -34,7 +35,8 @@ from ._common import TileConfig, default_quant_tile, interpreting, route_path
 # ptxas' report (registers, spills) for both arches; docs/results.md has the table.
 #
 # Kinds (what the operands are; each kind's kernels share a BLOCK_K):
-#     e4m3           native dot_scaled on e4m3 codes: fp8_tensor, mxfp8, fp8_block with UE8M0 scales
+#     e4m3           native dot_scaled on e4m3 codes: fp8_tensor, fp8_channel (unit scales, fp32 scales in
+#                    the epilogue), mxfp8, fp8_block with UE8M0 scales
 #     fp8_block      native fp8_block with fp32 scales (BLOCK_K must be 128: one scale per K step)
 #     e2m1           native dot_scaled on packed e2m1: nvfp4, mxfp4 (BLOCK_K >= 64: triton#11776; 256
 #                    spills past 64 x 64 tiles)
@@ -90,7 +92,7 @@ def sm12x_entries(kind: str) -> dict[str, TileConfig]:
 # The e4m3 lessons' portable GEMM on any GPU, and the activation quantizers' tiles
 # ---------------------------------------------------------------------------------------------
 def e4m3_portable_config(M: int, block_k: int = 128) -> TileConfig:
-    """The portable e4m3 GEMM's tile on a GPU (fp8_tensor, fp8_block; mxfp8 with block_k 64), by M,
+    """The portable e4m3 GEMM's tile on a GPU (fp8_tensor, fp8_channel, fp8_block; mxfp8 with block_k 64), by M,
     one program per output tile: M <= 16: 16 x 64, 4 stages; M <= 64: 64 x 64; M <= 256: 64 x 128;
     larger: 128 x 128 with 8 warps."""
     if M <= 16:
@@ -119,15 +121,29 @@ def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, i
     return 32, max(group, 128)
 
 
+# The quantizers whose grid is rows only: a program owns whole rows and walks K (fp8_channel's
+# per-token amax). They take one row per program at every M; a 32-row tile would leave M / 32 programs.
+WHOLE_ROW_QUANTIZERS = ("fp8_channel",)
+
+
 def _quant_group(fmt: str) -> int:
-    """The BLOCK_K multiple of fmt's quantizer: its scale block (fp8_tensor, which has none: 32)."""
-    return max(spec(fmt).k_multiple, 32) if fmt == "fp8_tensor" else spec(fmt).k_multiple
+    """The BLOCK_K multiple of fmt's quantizer: its scale block; for the formats with none, the one
+    their lesson's default takes (fp8_tensor 32, fp8_channel 16)."""
+    return {"fp8_tensor": 32, "fp8_channel": 16}.get(fmt, spec(fmt).k_multiple)
+
+
+def _gpu_quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:
+    """The quantizer tile on a GPU: quant_config's, or one row per program (WHOLE_ROW_QUANTIZERS)."""
+    if fmt in WHOLE_ROW_QUANTIZERS:
+        return 1, max(_quant_group(fmt), QUANT_DECODE_ROW_BLOCK)
+    return quant_config(M, K, False, _quant_group(fmt))
 
 
 def quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:
-    """The ``quant_tile=`` of a kernels_triton.<fmt> quantizer call on x [M, K] in this process
-    (quant_config: the lessons' own tile under the interpreter, the decode row on a GPU)."""
-    return quant_config(M, K, interpreting(), _quant_group(fmt))
+    """The ``quant_tile=`` of a kernels_triton.<fmt> quantizer call on x [M, K] in this process: the
+    lessons' own tile under the interpreter (quant_config), on a GPU the decode row (M <= 16; every M
+    for WHOLE_ROW_QUANTIZERS) or 32 x 128."""
+    return quant_config(M, K, True, _quant_group(fmt)) if interpreting() else _gpu_quant_tile(fmt, M, K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +157,8 @@ def tiles(fmt: str, M: int, N: int, K: int, *, capability: Optional[tuple[int, i
     fast ones). The GEMM path is the lesson's own (_common.route_path, ``path`` forced or not).
 
     Native path: the SM12x table of its kind; portable FP4: the "e2m1_portable" table; portable
-    e4m3: e4m3_portable_config (mxfp8's 64-deep K steps: its dequantized tiles live in registers).
+    e4m3 (fp8_tensor, fp8_channel, fp8_block, mxfp8): e4m3_portable_config (mxfp8's 64-deep K steps:
+    its dequantized tiles live in registers). quant_tile: quant_tile's on a GPU.
     Raises ValueError where route_path does (an unknown fmt or path, a16 without W4A16, ...)."""
     if capability is None:
         return {}
@@ -153,7 +170,7 @@ def tiles(fmt: str, M: int, N: int, K: int, *, capability: Optional[tuple[int, i
         tile = sm12x_config("e2m1_portable", M)
     else:
         tile = e4m3_portable_config(M, 64 if fmt == "mxfp8" else 128)
-    return {"tile": tile, "quant_tile": quant_config(M, K, False, _quant_group(fmt))}  # a GPU's, not this process's
+    return {"tile": tile, "quant_tile": _gpu_quant_tile(fmt, M, K)}  # a GPU's, not this process's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,10 +184,10 @@ def int_specialization(n: int) -> str:
 
 def specializations(fmt: str, M: int, K: int, *, a16: bool = False) -> tuple:
     """What a kernels_triton.<fmt> linear at M rows compiles beyond its route (kernels and tile), as
-    far as M decides it, with the quantizer tile of ``tiles`` (quant_config): that tile, and for the
+    far as M decides it, with the quantizer tile of ``quant_tile``: that tile, and for the
     dynamic-scale quantizers (nvfp4, fp8_tensor) the class of the amax partial count and nvfp4's
-    BLOCK_P; () for W4A16 (no quantizer). A warmup that runs one M per distinct value compiles every
-    variant a call can need."""
+    BLOCK_P (fp8_channel's whole-row quantizer passes no M-derived int but M itself); () for W4A16
+    (no quantizer). A warmup that runs one M per distinct value compiles every variant a call can need."""
     if a16:
         return ()
     block_m, block_k = quant_tile(fmt, M, K)
@@ -183,6 +200,6 @@ def specializations(fmt: str, M: int, K: int, *, a16: bool = False) -> tuple:
     return ((block_m, block_k),)
 
 
-__all__ = ["KINDS", "QUANT_DECODE_ROW_BLOCK", "SM12X_SMEM_PER_BLOCK", "SM12X_SM_COUNTS", "default_quant_tile",
-           "e4m3_portable_config", "int_specialization", "quant_config", "quant_tile", "sm12x_config",
-           "sm12x_entries", "specializations", "tiles"]
+__all__ = ["KINDS", "QUANT_DECODE_ROW_BLOCK", "SM12X_SMEM_PER_BLOCK", "SM12X_SM_COUNTS", "WHOLE_ROW_QUANTIZERS",
+           "default_quant_tile", "e4m3_portable_config", "int_specialization", "quant_config", "quant_tile",
+           "sm12x_config", "sm12x_entries", "specializations", "tiles"]
