@@ -19,16 +19,17 @@ import dispatch  # noqa: F401  (sets TRITON_INTERPRET before triton is imported,
 import formats
 import kernels_triton
 from conftest import DEVICE, device_name, make_input
-from dispatch import registry
+from dispatch import contract, registry
 from dispatch.devices import current_device
 from dispatch.vllm_plugin import ops, warmup
 from kernels_triton import interpreting
 from dispatch.devices import KNOWN_DEVICES
 from kernels_triton import tuning
 from kernels_triton._common import device_capability
-from kernels_triton.tuning import quant_config
 
-VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_w4a16", "mxfp4_w4a16")
+# the variants with an sm_90 kernel (kernels_triton.hopper), and the ones the Triton lessons serve
+HOPPER_VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_w4a16", "mxfp4_w4a16")
+VARIANTS = HOPPER_VARIANTS + ("fp8_channel",)
 SHAPES = ((1024, 2048), (384, 1536))  # (N, K): K a multiple of 128 (block FP8)
 MAX_TOKENS = 2048
 # vLLM's own warmup counts: 1, the CUDA-graph capture sizes (its default list starts like this),
@@ -39,14 +40,14 @@ VLLM_COUNTS = warmup.token_counts((1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 
 def _what_m_decides(variant: str, m: int, n: int, k: int) -> tuple:
     """What a Triton call at M tokens compiles on this process's device, read off the kernel modules:
     the GEMM's tile (the lesson's route with kernels_triton.tuning's tiles, as the triton backend
-    passes them), the activation quantizer's tile (quant_config), and Triton's integer
-    specialization of M (== 1, divisible by 16: triton.runtime.jit)."""
-    fmt = variant.removesuffix("_w4a16")
-    a16 = variant != fmt
+    passes them), the activation quantizer's tile (tuning.quant_tile: the one the backend passes on
+    a GPU, the lesson's own under the interpreter), and Triton's integer specialization of M (== 1,
+    divisible by 16: triton.runtime.jit)."""
+    fmt, a16 = contract.variant(variant).fmt, contract.variant(variant).a16
     cap = device_capability(torch.device(DEVICE))
     tiles = tuning.tiles(fmt, m, n, k, capability=cap, a16=a16)
     tile = kernels_triton.module(fmt).route(m, n, k, capability=cap, a16=a16, tile=tiles.get("tile")).tile
-    return tile, quant_config(m, k, interpreting(), 32), m == 1, m % 16 == 0
+    return tile, tuning.quant_tile(fmt, m, k), m == 1, m % 16 == 0
 
 
 def _uncovered(variant, n, k, counts, max_tokens=MAX_TOKENS) -> list[int]:
@@ -74,12 +75,13 @@ def test_cute_buckets_one_per_plan_capacity():
     129 rows)."""
     assert warmup.buckets("cute", "nvfp4", 1024, 2048, 1000) == (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
     assert warmup.buckets("cute", "mxfp4", 1024, 4096, 1000) == (1, 129, 257, 513)
+    assert warmup.buckets("cute", "mxfp8_w8a16", 1024, 2048, 1000) == (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
     assert warmup.buckets("reference", "nvfp4", 1024, 2048, 1000) == (1,)
     with pytest.raises(ValueError, match="impl must be one of reference, triton, hopper, cute, got 'gpu'"):
         warmup.route_key("gpu", "nvfp4", 1, 1024, 2048)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HOPPER_VARIANTS)
 def test_hopper_buckets_cover_every_token_count_on_a_described_h200(variant):
     """On an H200 (described) the hopper routes change with M (decode kernels up to 16 rows, split-K,
     the prefill tile): warmup's buckets hold every distinct route of M = 1..max_tokens, read off
@@ -168,7 +170,7 @@ def test_no_compile_while_serving_after_warmup(variant, impl):
     from dispatch import policy
 
     n, k = 1024, 2048
-    fmt = variant.removesuffix("_w4a16")
+    fmt = contract.variant(variant).fmt
     dev = current_device(torch.device("cuda"))
     ok, why = registry.verdict(registry.entries()[(impl, variant)], registry.Problem(variant, 1, n, k), dev)
     if not ok:
