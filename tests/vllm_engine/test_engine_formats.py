@@ -33,11 +33,10 @@ import torch  # noqa: E402
 # The same for both families.
 SERVED = {
     "FP8": "fp8_tensor",
-    "FP8_DYNAMIC": "refused: B12xDualFp8TensorKernel weight scale is GroupShape(row=-1, col=1)",
+    "FP8_DYNAMIC": "fp8_channel",
     "FP8_BLOCK": "fp8_block",
     "MXFP8": "mxfp8",
-    "MXFP8A16": ("refused: layer model.layers.0.self_attn.qkv_proj: the checkpoint's scheme is compressed-tensors "
-                 "weights float8 group 32 static, input activations none"),
+    "MXFP8A16": "mxfp8_w8a16",
     "MXFP4": "mxfp4",
     "MXFP4A16": "mxfp4_w4a16",
     "NVFP4": "nvfp4",
@@ -200,7 +199,12 @@ def test_modelopt_fp8_weight_loader_survives(served):
 
 @pytest.mark.parametrize("served", SERVING, ids=_id, indirect=True)
 def test_reference_and_triton_agree(served):
+    from dispatch import contract, registry
+
     family, kind, d, llm, _, runs = served
+    triton = registry.entries()[("triton", SERVED[kind])]
+    if isinstance(triton, contract.UnsupportedEntry):  # the registry's named gap (mxfp8_w8a16)
+        pytest.skip(f"triton does not serve {SERVED[kind]}: {triton.reason}")
     ref = [steps for _, steps in runs]
     assert llm.apply_model(_switch("triton"))[0] == N_LAYERS * len(LINEARS)
     try:
