@@ -31,6 +31,7 @@ import torch  # noqa: E402
 # What every decoder linear of a checkpoint serves: the variant the checkpoint's own scheme names
 # (dispatch/vllm_plugin/scheme.py), or "refused: <a substring of the error at engine start>".
 # The same for both families.
+# [served]
 SERVED = {
     "FP8": "fp8_tensor",
     "FP8_DYNAMIC": "refused: B12xDualFp8TensorKernel weight scale is GroupShape(row=-1, col=1)",
@@ -45,6 +46,7 @@ SERVED = {
     "modelopt_NVFP4": "nvfp4",
     "modelopt_FP8": "fp8_tensor",
 }
+# [/served]
 REFUSED = "refused: "
 # Checkpoints whose weight Parameter loses its weight_loader in vLLM 0.32, and why.
 LOADERLESS = {
