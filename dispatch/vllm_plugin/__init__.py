@@ -26,11 +26,6 @@ def _apply() -> None:
     if _state["applied"]:
         return
     _state["applied"] = True
-    import torch
-
-    # vLLM's CPU attention runs AMX tile instructions without asking Linux for them (SIGILL unless
-    # a oneDNN GEMM asked first, and our linears run none); a no-op on a CPU without AMX.
-    torch.cpu._init_amx()
     from . import patches
 
     try:
