@@ -146,17 +146,18 @@ def _quantize_tile(x, t, FMT: tl.constexpr, RULE: tl.constexpr, BLOCK_M: tl.cons
     [BLOCK_M, BLOCK_K], block scales [BLOCK_M, BLOCK_K / block] (fp8_tensor: the codes, unused))."""
     if FMT == _FP8_TENSOR:
         q = fp8_tensor_quantize_tile(x, t)
-        return q, q
+        s = q
     elif FMT == _FP8_BLOCK:  # one 128-wide group per row of the reshaped tile
         q, s = fp8_block_quantize_tile(x.reshape(BLOCK_M * (BLOCK_K // 128), 128), RULE)
-        return q.reshape(BLOCK_M, BLOCK_K), s.reshape(BLOCK_M, BLOCK_K // 128)
+        q, s = q.reshape(BLOCK_M, BLOCK_K), s.reshape(BLOCK_M, BLOCK_K // 128)
     elif FMT == _MXFP8:  # one 32-wide block per last axis
         q, s = mxfp8_quantize_tile(x.reshape(BLOCK_M, BLOCK_K // 32, 32), RULE)
-        return q.reshape(BLOCK_M, BLOCK_K), s
+        q = q.reshape(BLOCK_M, BLOCK_K)
     elif FMT == _NVFP4:
-        return nvfp4_quantize_tile(x, t, BLOCK_M, BLOCK_K)
+        q, s = nvfp4_quantize_tile(x, t, BLOCK_M, BLOCK_K)
     else:
-        return mxfp4_quantize_tile(x, RULE == 0, BLOCK_M, BLOCK_K)
+        q, s = mxfp4_quantize_tile(x, RULE == 0, BLOCK_M, BLOCK_K)
+    return q, s
 
 
 @triton.jit
@@ -241,54 +242,54 @@ def _operand(ptr, s_ptr, rows, ok, k0, K, stride, stride_s, FMT: tl.constexpr, V
     k_ok = ok[:, None] & (offs_k[None, :] < K)
     if A16:
         v = tl.load(ptr + rows[:, None] * stride + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
-        return v, v
-    if FMT == _FP8_BLOCK:
-        s = tl.load(s_ptr + (rows // SCALE_ROWS) * stride_s + k0 // 128, mask=ok, other=0.0)
-        codes = tl.load(ptr + rows[:, None] * stride + offs_k[None, :], mask=k_ok, other=0)
-        if NATIVE:
-            return codes, s
-        return fp8_block_dequantize_tile(codes), s
-    if NATIVE:
-        if FMT == _NVFP4 or FMT == _MXFP4:  # packed bytes [rows, BLOCK_K / 2]
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            codes = tl.load(ptr + rows[:, None] * stride + offs_b[None, :],
-                            mask=ok[:, None] & (offs_b[None, :] < K // 2), other=0)
+        s = v
+    elif FMT == _FP8_TENSOR or FMT == _FP8_BLOCK:  # e4m3 codes: natively as they are, portably decoded
+        v = tl.load(ptr + rows[:, None] * stride + offs_k[None, :], mask=k_ok, other=0)
+        s = v
+        if FMT == _FP8_BLOCK:
+            s = tl.load(s_ptr + (rows // SCALE_ROWS) * stride_s + k0 // 128, mask=ok, other=0.0)
+        if not NATIVE:
+            v = fp8_block_dequantize_tile(v) if FMT == _FP8_BLOCK else fp8_tensor_dequantize_tile(v)
+    elif NATIVE:  # codes (e2m1: packed bytes [rows, BLOCK_K / 2]) and their block scale bytes
+        if FMT == _MXFP8:
+            v = tl.load(ptr + rows[:, None] * stride + offs_k[None, :], mask=k_ok, other=0)
         else:
-            codes = tl.load(ptr + rows[:, None] * stride + offs_k[None, :], mask=k_ok, other=0)
-        if FMT == _FP8_TENSOR:  # unit E8M0 scales: the full-rate MMA (fp8_tensor.py)
-            return codes, tl.full((BLOCK_R, BLOCK_K // 32), 127, tl.uint8)
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            v = tl.load(ptr + rows[:, None] * stride + offs_b[None, :], mask=ok[:, None] & (offs_b[None, :] < K // 2),
+                        other=0)
         offs_s = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
-        return codes, tl.load(s_ptr + rows[:, None] * stride_s + offs_s[None, :],
-                              mask=ok[:, None] & (offs_s[None, :] < K // VEC), other=0)
-    if FMT == _FP8_TENSOR:
-        v = fp8_tensor_dequantize_tile(tl.load(ptr + rows[:, None] * stride + offs_k[None, :], mask=k_ok, other=0))
+        s = tl.load(s_ptr + rows[:, None] * stride_s + offs_s[None, :], mask=ok[:, None] & (offs_s[None, :] < K // VEC),
+                    other=0)
     elif FMT == _MXFP8:
         v = mxfp8_dequantize_tile(ptr, s_ptr, rows, ok, k0, K, stride, 1, stride_s, 1, BLOCK_R, BLOCK_K)
+        s = v
     elif FMT == _NVFP4:
         v = nvfp4_dequantize_tile(ptr, s_ptr, rows, ok, k0, K, stride, stride_s, BLOCK_R, BLOCK_K)
+        s = v
     else:
         v = mxfp4_dequantize_tile(ptr, s_ptr, rows, ok, k0, K, stride, stride_s, BLOCK_R, BLOCK_K)
-    return v, v
+        s = v
+    return v, s
 
 
 @triton.jit
 def _partial(a, sa, w, sw, FMT: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr):
     """One K step's [BLOCK_M, BLOCK_N] fp32 sum of A . W^T, from two ``_operand`` results."""
-    if NATIVE:
-        if FMT == _NVFP4:
-            return tl.dot_scaled(a, sa.to(tl.float8e4nv, bitcast=True), "e2m1", w.T, sw.to(tl.float8e4nv, bitcast=True),
-                                 "e2m1")
-        elif FMT == _MXFP4:
-            return tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1")
-        elif FMT == _MXFP8 or FMT == _FP8_TENSOR:
-            return tl.dot_scaled(a, sa, "e4m3", w.T, sw, "e4m3")
-        unit_a = tl.full((BLOCK_M, BLOCK_K // 32), 127, tl.uint8)
-        unit_w = tl.full((BLOCK_N, BLOCK_K // 32), 127, tl.uint8)
-        return tl.dot_scaled(a, unit_a, "e4m3", w.T, unit_w, "e4m3") * (sa[:, None] * sw[None, :])
-    if FMT == _FP8_BLOCK:  # the step's scales multiply its partial (fp8_block.py)
-        return tl.dot(a, tl.trans(w), input_precision="tf32") * (sa[:, None] * sw[None, :])
-    return tl.dot(a, tl.trans(w), input_precision="tf32")
+    if NATIVE and FMT == _NVFP4:
+        p = tl.dot_scaled(a, sa.to(tl.float8e4nv, bitcast=True), "e2m1", w.T, sw.to(tl.float8e4nv, bitcast=True), "e2m1")
+    elif NATIVE and FMT == _MXFP4:
+        p = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1")
+    elif NATIVE and FMT == _MXFP8:
+        p = tl.dot_scaled(a, sa, "e4m3", w.T, sw, "e4m3")
+    elif NATIVE:  # fp8_tensor, fp8_block: unit E8M0 scales, for the full-rate MMA (fp8_tensor.py)
+        p = tl.dot_scaled(a, tl.full((BLOCK_M, BLOCK_K // 32), 127, tl.uint8), "e4m3",
+                          w.T, tl.full((BLOCK_N, BLOCK_K // 32), 127, tl.uint8), "e4m3")
+    else:
+        p = tl.dot(a, tl.trans(w), input_precision="tf32")
+    if FMT == _FP8_BLOCK:  # this step's scales multiply its partial (fp8_block.py)
+        p = p * (sa[:, None] * sw[None, :])
+    return p
 
 
 @triton.jit
@@ -429,7 +430,9 @@ def tile_config(M: int, E: int, top_k: int, H: int, I: int, fmt: str, path: str,
         bn, bk = min(256, triton.next_power_of_2(max(H, I))), min(512, max(64, triton.next_power_of_2(max(H, I))))
     else:
         bn, bk = 64, 128 if path == "native" else 64
-    return TileConfig(block_m, bn, 128 if fmt == "fp8_block" else bk, num_warps=4, num_stages=1 if capability is None else 2)
+    big = capability is not None and block_m == 64  # W13's two accumulators stay in registers over 8 warps, 1 stage
+    return TileConfig(block_m, bn, 128 if fmt == "fp8_block" else bk, num_warps=8 if big else 4,
+                      num_stages=1 if big or capability is None else 2)
 
 
 def _act_opts(opts, fmt: str, E: int, device, name: str) -> tuple[Optional[torch.Tensor], int]:
