@@ -1,60 +1,56 @@
-"""Mixture-of-experts in Triton, the lesson: one MoE layer's routed experts in every format. It is
-the one lesson that imports other lessons: their public tile helpers (``<fmt>_quantize_tile``,
-``<fmt>_dequantize_tile``), so each format's arithmetic is written once, in its own lesson.
+"""Mixture-of-experts in Triton, the lesson: one MoE layer's routed experts in every format. The one
+lesson that imports other lessons: their public tile helpers (``<fmt>_quantize_tile``,
+``<fmt>_dequantize_tile``), so each format's arithmetic stays written once, in its own lesson.
 
-What one layer computes (formats/moe.py is the spec and the float64 oracle): for token t and each of
-its top_k experts e = topk_ids[t, j], with router weight w[t, j]:
+What a layer computes (formats/moe.py: the spec and the float64 oracle), for token t and each of its
+top_k experts e = topk_ids[t, j] with router weight w[t, j]:
 
     a_j  = act(x[t] . W13[e]^T + b13[e])            W13[e] [2I, H]: gate rows, then up rows
     y[t] = sum_j w[t, j] (a_j . W2[e]^T + b2[e])    W2[e] [H, I]
 
-Every expert is a dense layer, so the plain way is a loop over experts: 2E launches, most of them
-tiny (a decode step sends one token to top_k of E experts). The fused way takes four steps:
+A loop over experts launches 2E GEMMs, most of them tiny (a decode step sends one token to top_k
+of E experts). The fused way takes four steps:
 
-1. Group the rows by expert (``align_block_size``, vLLM's moe_align_block_size, in torch). The
-   M * top_k (token, j) pairs, called slots (slot = token * top_k + j), are sorted by expert (token
-   order inside one) and each expert's run is padded to a multiple of BLOCK_M, so that every block
+1. Group the rows by expert (``align_block_size``: vLLM's moe_align_block_size, in torch). The
+   M * top_k (token, j) pairs, the slots (slot = token * top_k + j), are sorted by expert (token
+   order inside one) and each expert's run is padded to a multiple of BLOCK_M, so that each block
    of BLOCK_M sorted rows belongs to one expert (P: padding, the slot M * top_k):
 
-       sorted row r    0  1  2  3 |  4  5  6  7 |  8  9 10 11        BLOCK_M = 4
-       slot[r]         3  6  P  P |  0  1  4  7 |  2  P  P  P
-       block_expert        0      |      2      |      2             experts 1, 3, ... have no rows
+       topk_ids = [[2, 0], [2, 3], [0, 2], [2, 0]]      M = 4, top_k = 2, E = 4, BLOCK_M = 4
+       sorted row    0  1  2  3 |  4  5  6  7 |  8  9 10 11 | 12 .. 23
+       slot          1  4  7  P |  0  2  5  6 |  3  P  P  P |  P
+       expert            0      |      2      |      3      |  -1 -1 -1      (expert 1: no rows)
 
-   No count comes back to the host: the grid is sized for the most blocks any routing can need,
-   cdiv(M top_k, BLOCK_M) + min(M top_k, E); a block past the end has expert -1 and returns at once.
-
+   No count goes back to the host: the grid has the most blocks any routing needs,
+   cdiv(M top_k, BLOCK_M) + min(M top_k, E), and a program of a block with expert -1 returns.
 2. Quantize each expert's GEMM input (``_amax_kernel``, ``_quantize_kernel``): x's rows gathered in
-   sorted order for W13, the intermediate's rows for W2. Row and block scales do not depend on the
-   grouping; a per-tensor value (fp8_tensor's scale, nvfp4's global scale) is the expert's: static
-   (one per expert) or dynamic, from the amax over the expert's own rows, as the oracle (one partial
-   amax per block; each program reduces its expert's blocks). Weight-only variants skip this step.
-
-3. The grouped GEMM (``_grouped_gemm_kernel``): one program per (block of sorted rows, N tile). It
-   loads the block's expert e, and the rest is the dense lessons' K loop over W[e]:
+   sorted order for W13, the intermediate for W2. Row and block scales do not depend on the grouping;
+   a per-tensor value (fp8_tensor's scale, nvfp4's global scale) is the expert's: static (one per
+   expert) or the amax over the expert's own rows, as the oracle (a partial amax per block; each
+   program reduces its expert's blocks). Weight-only variants (a16) read x as it is.
+3. The grouped GEMM (``_grouped_gemm_kernel``): one program per (block, N tile) loads its block's
+   expert e, and the rest is a dense lesson's K loop over W[e]:
 
        for k0 in range(0, K, BLOCK_K):
-           a = the block's A rows, decoded (<fmt>_dequantize_tile)      fp32 [BLOCK_M, BLOCK_K]
-           w = W[e]'s rows of the tile, decoded                         fp32 [BLOCK_N, BLOCK_K]
-           acc += dot(a, w^T)               (fp8_block: times sx * sw, constant over the 128-deep step)
-       acc = acc * alpha[e] + bias[e]       (alpha: fp8_tensor sx sw, nvfp4 1 / (g_x g_w))
+           a = the block's A rows, decoded (<fmt>_dequantize_tile)     fp32 [BLOCK_M, BLOCK_K]
+           w = W[e]'s rows of the tile, decoded                        fp32 [BLOCK_N, BLOCK_K]
+           acc += dot(a, w^T)              (fp8_block: times sx sw, constant over the 128-deep step)
+       acc = acc * alpha[e] + bias[e]      (alpha: fp8_tensor sx sw, nvfp4 1 / (g_x g_w))
 
-   For W13 a program owns BLOCK_N intermediate columns and accumulates their gate and up rows
-   together, so the activation is its epilogue (silu(gate) * up, or gpt-oss's clamped SwiGLU) and
-   the intermediate a [rows, I] never exists unactivated. For W2 the epilogue multiplies each row by
-   its router weight and stores it at its slot. Portably every operand is decoded to fp32 and dotted
-   with input_precision="tf32": TF32 keeps 11 significant bits and every decoded value has at most 8
-   (bf16 x; a code times its scales has at most 6) or 11 (fp16 x), so the products are exact. On
-   SM12x (path "native") the codes and scales go to tl.dot_scaled as in each format's lesson.
+   For W13 a program owns BLOCK_N intermediate columns and accumulates their gate and up rows side
+   by side, so the activation is its epilogue. For W2 the epilogue multiplies each row by its
+   router weight and stores it at its slot. Portably the operands are decoded to fp32 and dotted in
+   TF32, which is exact: TF32 keeps 11 significant bits, a decoded code times its scales has at
+   most 6, bf16 x 8, fp16 x 11. On SM12x (path "native") codes and scales go to tl.dot_scaled as
+   in each format's lesson.
+4. Combine (torch): y[t] = the sum of its top_k slot rows in fp32, rounded once to x's dtype.
 
-4. Combine (torch): y[t] = the sum over its top_k slot rows in fp32, then one rounding to x's dtype.
-
-Roundings (the tests' bounds follow them): fp32 sums in the GEMMs; the epilogues in fp32; the
-intermediate quantized in the format's arithmetic from its fp32 value (where that value sits within
-its fp32 error of a rounding boundary, the code may differ from the oracle's float64 one), or for
-weight-only variants rounded to bf16 (the tensor core's operand; the oracle keeps float64); the
-top_k sum in fp32; one rounding to x's dtype. Non-finite values follow docs/formats.md: NaN/Inf in a
-token's row reach its outputs (and with a dynamic per-tensor scale every row of its experts); the
-SwiGLU clamps give NaN for a non-finite gate or up, never the limit.
+Roundings (the tests' bound follows them): fp32 sums and epilogues; the intermediate quantized from
+its fp32 value (within its fp32 error of a rounding boundary the code may differ from the oracle's
+float64 one), or, weight-only, rounded to bf16 (the tensor core's operand; the oracle keeps
+float64); the top_k sum in fp32; one rounding to x's dtype. Non-finite values (docs/formats.md):
+NaN/Inf in a token's row reach its outputs (with a dynamic per-tensor scale, every row of its
+experts); the SwiGLU clamps give NaN for a non-finite gate or up, never the limit.
 """
 from __future__ import annotations
 
@@ -83,7 +79,7 @@ A16_FORMATS = ("mxfp8", "nvfp4", "mxfp4")  # weight-only: mxfp8_w8a16, nvfp4_w4a
 ACT_OPTION = {"fp8_tensor": "scale", "fp8_block": "ue8m0", "mxfp8": "scale_rule", "nvfp4": "global_scale",
               "mxfp4": "scale_rule"}  # the one activation option each format takes (formats.quantize's)
 _FP8_TENSOR, _FP8_BLOCK, _MXFP8, _NVFP4, _MXFP4 = (tl.constexpr(i) for i in range(5))
-_SILU, _SWIGLU, _SWIGLU_UNINTERLEAVED = (tl.constexpr(i) for i in range(3))  # MOE_ACTIVATIONS' order
+_SILU, _SWIGLU = tl.constexpr(0), tl.constexpr(1)  # MOE_ACTIVATIONS[0], [1] (interleaved gate/up)
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)
@@ -369,22 +365,21 @@ def _grouped_gemm_kernel(
 # == 4. The experts, the route ====================================================================
 @dataclass(frozen=True)
 class MoEWeights:
-    """The experts stacked once for the kernels (``prepare_experts``). ``w13`` and ``w2`` are each
-    (codes uint8 [E, N, K] (e4m3) or [E, N, K/2] (packed e2m1); block scales [E, ...] in their linear
-    layout (fp32 for fp8_block, bytes otherwise; None for fp8_tensor); one fp32 per expert [E]
-    (fp8_tensor's weight scale, nvfp4's global scale; None otherwise))."""
+    """The experts stacked once (``prepare_experts``); ``w13``, ``w2``: (codes uint8 [E, N, K] or
+    packed e2m1 [E, N, K/2]; block scales [E, ...], linear (fp32 for fp8_block, else bytes; None for
+    fp8_tensor); one fp32 per expert [E]: fp8_tensor's weight scale, nvfp4's global scale, or None)."""
 
     fmt: str
     w13: tuple
     w2: tuple
-
     num_experts = property(lambda self: self.w13[0].shape[0])
     hidden = property(lambda self: self.w2[0].shape[1])
     intermediate = property(lambda self: self.w13[0].shape[1] // 2)
     device = property(lambda self: self.w13[0].device)
 
 
-def _check_experts(ws, name: str) -> tuple:
+def _stack(ws, name: str) -> tuple:
+    """One GEMM's experts checked (formats.validate.check_weight, one format, shape and device) and stacked."""
     if isinstance(ws, QuantizedTensor) or not isinstance(ws, Sequence) or len(ws) == 0:
         raise ValueError(f"{name} must be a non-empty sequence of weight QuantizedTensors, one per expert, "
                          f"got {type(ws).__name__}")
@@ -396,35 +391,30 @@ def _check_experts(ws, name: str) -> tuple:
     if ws[0].fmt not in FORMATS:
         raise ValueError(f"{name}: the MoE lesson serves {FORMATS}, got {ws[0].fmt!r}")
     block = None if ws[0].block_shape is None else torch.stack([q.scale for q in ws])
-    block = block if block is None or block.dtype == torch.float32 else block.view(torch.uint8)
-    one = ws[0].global_scale if ws[0].block_shape else ws[0].scale
-    per_expert = None if one is None else torch.stack(
-        [(q.global_scale if ws[0].block_shape else q.scale).reshape(()) for q in ws]).float()
-    return torch.stack([q.data.view(torch.uint8) for q in ws]), block, per_expert
+    per_expert = [q.scale if q.block_shape is None else q.global_scale for q in ws]
+    return (torch.stack([q.data.view(torch.uint8) for q in ws]),
+            block if block is None or block.dtype == torch.float32 else block.view(torch.uint8),
+            None if per_expert[0] is None else torch.stack([v.reshape(()) for v in per_expert]).float())
 
 
 def prepare_experts(w13: Sequence[QuantizedTensor], w2: Sequence[QuantizedTensor]) -> MoEWeights:
-    """The experts' weights (as formats.reference_moe takes them: E weight QuantizedTensors each,
-    W13 [2I, H] with gate rows then up rows (gpt-oss: interleaved), W2 [H, I], one format of FORMATS,
-    linear scales, one device) stacked once for the kernels. ValueError naming the argument: not a
-    list of weights, a malformed expert (formats.validate.check_weight), mixed formats, shapes or
-    devices, a format without a lesson here, or W13 / W2 shapes that disagree (E, H, 2I)."""
-    p = MoEWeights(w13[0].fmt if isinstance(w13, Sequence) and len(w13) else None, _check_experts(w13, "w13"),
-                   _check_experts(w2, "w2"))
-    if w2[0].fmt != p.fmt or len(w2) != len(w13):
-        raise ValueError(f"w13 and w2 must have one format and expert count, got {p.fmt} x {len(w13)} and "
-                         f"{w2[0].fmt} x {len(w2)}")
-    if w13[0].shape != (2 * w2[0].shape[1], w2[0].shape[0]):
-        raise ValueError(f"w13 must be [2I, H] = {[2 * w2[0].shape[1], w2[0].shape[0]]} for w2 [H, I] = "
-                         f"{list(w2[0].shape)}, got {list(w13[0].shape)}")
-    return p
+    """The experts as formats.reference_moe takes them (E weight QuantizedTensors each: W13 [2I, H],
+    gate rows then up rows or interleaved; W2 [H, I]; a format of FORMATS, linear scales, one device),
+    stacked once for the kernels. ValueError naming the argument: not a list of weights, a malformed
+    expert (formats.validate.check_weight), mixed formats, shapes or devices, a format without a lesson
+    here, W13 and W2 of other formats, expert counts or shapes than [2I, H] and [H, I]."""
+    p = MoEWeights(None, _stack(w13, "w13"), _stack(w2, "w2"))
+    if w2[0].fmt != w13[0].fmt or len(w2) != len(w13) or w13[0].shape != (2 * w2[0].shape[1], w2[0].shape[0]):
+        raise ValueError(f"w13 must be E experts [2I, H] and w2 E experts [H, I] of one format, got {len(w13)} x "
+                         f"{w13[0].fmt} {list(w13[0].shape)} and {len(w2)} x {w2[0].fmt} {list(w2[0].shape)}")
+    return MoEWeights(w13[0].fmt, p.w13, p.w2)
 
 
 def tile_config(M: int, E: int, top_k: int, H: int, I: int, fmt: str, path: str, capability=None) -> TileConfig:
-    """Both GEMMs' tile without ``tile=``: BLOCK_M, the rows of an expert block, near the mean rows per
-    expert (M top_k / E), 16 to 64 (an expert pads at most BLOCK_M - 1 rows); BLOCK_N x BLOCK_K as
-    large as the problem under the interpreter, 64 x 128 natively and 64 x 64 portably on a GPU (the
-    decoded fp32 tiles live in registers); fp8_block's BLOCK_K is its 128-wide scale group."""
+    """Both GEMMs' tile without ``tile=``. BLOCK_M, the rows of an expert block: the mean rows per
+    expert (M top_k / E), 16 to 64 (an expert pads at most BLOCK_M - 1 rows). BLOCK_N x BLOCK_K: as
+    large as the problem under the interpreter; on a GPU 64 x 128 natively, 64 x 64 portably (decoded
+    fp32 tiles live in registers); fp8_block's BLOCK_K is its 128-wide scale group."""
     block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(max(M * top_k, 1), E))))
     if capability is None:
         bn, bk = min(256, triton.next_power_of_2(max(H, I))), min(512, max(64, triton.next_power_of_2(max(H, I))))
@@ -436,24 +426,20 @@ def tile_config(M: int, E: int, top_k: int, H: int, I: int, fmt: str, path: str,
 
 
 def _act_opts(opts, fmt: str, E: int, device, name: str) -> tuple[Optional[torch.Tensor], int]:
-    """(the static per-expert values float32 [E], or None: dynamic; RULE) of ``opts`` (formats.quantize's
-    activation options; a value may have one element per expert). ValueError naming the option."""
-    opts = dict(opts or {})
-    key = ACT_OPTION[fmt]
-    if set(opts) - {key}:
-        raise ValueError(f"{name} takes only {key!r} for {fmt}, got {sorted(opts)}")
+    """(static per-expert values float32 [E], or None: dynamic; RULE) of formats.quantize's activation
+    options ``opts`` (a value may hold one number per expert). ValueError naming the option."""
+    key, opts = ACT_OPTION[fmt], dict(opts or {})
     v = opts.get(key)
-    if key == "scale_rule" and v not in (None, "ceil", "floor"):
-        raise ValueError(f"{name}['scale_rule'] must be 'ceil' or 'floor', got {v!r}")
-    if key in ("scale_rule", "ue8m0"):
+    if set(opts) - {key} or (key == "scale_rule" and v not in (None, "ceil", "floor")):
+        raise ValueError(f"{name} takes only {key!r} for {fmt}" + (" ('ceil' or 'floor')" if key == "scale_rule" else "")
+                         + f", got {opts}")
+    if key in ("scale_rule", "ue8m0") or v is None:
         return None, int(v in ("floor", True))
-    if v is None:
-        return None, 0
-    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() in (1, E):
-        return v.to(device=device, dtype=torch.float32).reshape(-1).expand(E).contiguous(), 0  # values: in-kernel
+    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() in (1, E):  # values checked in-kernel
+        return v.to(device=device, dtype=torch.float32).reshape(-1).expand(E).contiguous(), 0
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-        raise ValueError(f"{name}[{key!r}] must be one positive number or float tensor of one or {E} (one per expert) "
-                         f"values, got {v!r}")
+        raise ValueError(f"{name}[{key!r}] must be one positive number or a float tensor of 1 or {E} (one per "
+                         f"expert) values, got {v!r}")
     return torch.full((E,), float(v), device=device), 0
 
 
@@ -470,34 +456,32 @@ def _plan(M, E, top_k, H, I, fmt, a16, capability, path, tile, w13_act_opts, w2_
     tile = tile or tile_config(M, E, top_k, H, I, fmt, path, capability)
     if fmt == "fp8_block" and tile.BLOCK_K != 128:
         raise ValueError(f"fp8_block needs tile.BLOCK_K == 128 (one scale per K step), got {tile}")
-    blocks = triton.cdiv(M * top_k, tile.BLOCK_M) + min(M * top_k, E)
-    per_tensor = fmt in ("fp8_tensor", "nvfp4")
-
-    def quant(opts):
-        return () if a16 else ("_amax_kernel",) * (per_tensor and opts.get(ACT_OPTION[fmt]) is None) + ("_quantize_kernel",)
-    kernels = quant(w13_act_opts or {}) + ("_grouped_gemm_kernel",) + quant(w2_act_opts or {}) + ("_grouped_gemm_kernel",)
-    why = (f"{fmt}{' weight-only' if a16 else ''}: rows sorted by expert in blocks of {tile.BLOCK_M} (a grid of "
-           f"{blocks} blocks, the most any routing of {M} x {top_k} over {E} experts needs); W13 + activation, "
-           f"{'bf16' if a16 else 'quantized'} intermediate, W2 + router weights, then the top_k sum; {path} GEMMs: {why}")
     if M == 0:
         return Route("triton", (), why=f"{fmt}: no tokens, nothing to launch"), path, tile
-    return Route("triton", kernels, str(tile), 1, why), path, tile
+    quant = [() if a16 else ("_amax_kernel",) * (fmt in ("fp8_tensor", "nvfp4") and (o or {}).get(ACT_OPTION[fmt]) is None)
+             + ("_quantize_kernel",) for o in (w13_act_opts, w2_act_opts)]
+    why = (f"{fmt}{' weight-only' if a16 else ''}: rows sorted by expert in blocks of {tile.BLOCK_M} (a grid of "
+           f"{triton.cdiv(M * top_k, tile.BLOCK_M) + min(M * top_k, E)} blocks, the most any routing of {M} x "
+           f"{top_k} over {E} experts needs); W13 + activation, {'bf16' if a16 else 'quantized'} intermediate, "
+           f"W2 + router weights, then the top_k sum; {path} GEMMs: {why}")
+    return Route("triton", quant[0] + ("_grouped_gemm_kernel",) + quant[1] + ("_grouped_gemm_kernel",), str(tile), 1,
+                 why), path, tile
 
 
 def route(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = False, capability=None,
           sm_count: int = 1, path: Optional[str] = None, tile: Optional[TileConfig] = None,
           w13_act_opts=None, w2_act_opts=None) -> Route:
-    """The Route ``fused_moe`` launches for x [M, H], E experts of W13 [2I, H] and W2 [H, I], top_k
-    of them per token, in ``fmt`` (``a16``: weight-only), on a device of ``capability`` ((major,
-    minor); None: the interpreter); a static per-tensor value in the act opts drops an amax kernel;
-    sm_count changes nothing. Pure. ValueError: a format or a16 the lesson does not serve, a bad size
-    or tile, or a path _common.route_path refuses (nvfp4 native under the interpreter)."""
+    """The Route ``fused_moe`` launches for x [M, H] and E experts (W13 [2I, H], W2 [H, I]), top_k per
+    token, in ``fmt`` (``a16``: weight-only) on a device of ``capability`` ((major, minor); None: the
+    interpreter); a static per-tensor value in the act opts drops an amax kernel; sm_count changes
+    nothing. Pure. ValueError: a format or a16 not served here, a bad size or tile, or a path
+    _common.route_path refuses (nvfp4 native under the interpreter)."""
     return _plan(M, E, top_k, H, I, fmt, a16, capability, path, tile, w13_act_opts, w2_act_opts)[0]
 
 
 # == 5. The launchers (arguments checked by the caller) ===========================================
 def _quantize(src, blocks: Blocks, fmt: str, static, rule: int, gather: bool, top_k: int, E: int):
-    """Launch step 2 on src (x [M, K], GATHER, or the fp32 intermediate in sorted order): (codes, block
+    """Step 2 on src (x [M, K] gathered, or the fp32 intermediate in sorted order): (codes, block
     scales, per-expert values [E]) of every sorted row."""
     K, rows, nb = src.shape[1], blocks.slot.numel(), blocks.expert.numel()
     vec = (spec(fmt).activation_block or (1, 32))[1]
@@ -518,18 +502,16 @@ def _quantize(src, blocks: Blocks, fmt: str, static, rule: int, gather: bool, to
 
 def _gemm(a, sa, ta, w: tuple, blocks: Blocks, out, fmt: str, path: str, tile: TileConfig, *, a16: bool, gather: bool,
           act: int, bias, topk_w, top_k: int, alpha: float, limit: float) -> None:
-    """Launch step 3 for one GEMM into ``out`` (W13: the intermediate [rows, I] in sorted order; W2:
-    the slots [M * top_k, H] fp32); act < 0 means W2."""
+    """Step 3 for one GEMM into ``out``: W13 (act >= 0) the intermediate [rows, I] in sorted order, W2
+    (act = -1) the slot rows [M * top_k, H] fp32."""
     data, block, per_expert = w
-    N = out.shape[1]
-    K = data.shape[2] * (2 if spec(fmt).element == "e2m1" else 1)
     block = data if block is None else block
-    per_expert = ta if per_expert is None else per_expert
     bias_t = bias.contiguous() if bias is not None else out
-    launch(_grouped_gemm_kernel, (blocks.expert.numel(), triton.cdiv(N, tile.BLOCK_N)),
-           a, sa, ta, data, block, per_expert, bias_t, topk_w, blocks.slot, blocks.expert, out,
-           N, K, blocks.n_slots, alpha, limit, a.stride(0), sa.stride(0), data.stride(0), data.stride(1),
-           block.stride(0), block.stride(1) if block.dim() > 1 else 0, bias_t.stride(0), out.stride(0),
+    launch(_grouped_gemm_kernel, (blocks.expert.numel(), triton.cdiv(out.shape[1], tile.BLOCK_N)),
+           a, sa, ta, data, block, ta if per_expert is None else per_expert, bias_t, topk_w, blocks.slot, blocks.expert,
+           out, out.shape[1], data.shape[2] * (2 if spec(fmt).element == "e2m1" else 1), blocks.n_slots, alpha, limit,
+           a.stride(0), sa.stride(0), data.stride(0), data.stride(1), block.stride(0),
+           block.stride(1) if block.dim() > 1 else 0, bias_t.stride(0), out.stride(0),
            FMT=FORMATS.index(fmt), VEC=(spec(fmt).activation_block or (1, 32))[1], NATIVE=path == "native", A16=a16,
            GATHER=gather, GATED=act >= 0, ACT=max(act, 0), HAS_BIAS=bias is not None, TOP_K=top_k,
            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, num_warps=tile.num_warps,
@@ -537,60 +519,51 @@ def _gemm(a, sa, ta, w: tuple, blocks: Blocks, out, fmt: str, path: str, tile: T
 
 
 # == 6. The public functions: check, then launch ==================================================
+def _desc(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 def fused_moe(x: torch.Tensor, prepared: MoEWeights, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
               activation: str = "silu", renormalize: bool = False, w13_bias: Optional[torch.Tensor] = None,
               w2_bias: Optional[torch.Tensor] = None, a16: bool = False, w13_act_opts=None, w2_act_opts=None,
               swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
               tile: Optional[TileConfig] = None, path: Optional[str] = None) -> torch.Tensor:
-    """One MoE layer's routed experts, y [M, H] of x's dtype, as formats.reference_moe computes them
-    (the same arguments), with the kernels of ``route``.
-
-    Args:
-        x: bf16/fp16 [M, H] on the experts' device. prepared: ``prepare_experts(w13, w2)``.
-        topk_ids: integer [M, top_k] in [0, E). topk_weights: float [M, top_k].
-        activation: one of formats.MOE_ACTIVATIONS; swiglu_alpha, swiglu_limit for the SwiGLU ones.
-        renormalize: each token's weights divided by their sum first (a zero sum gives NaN).
-        w13_bias: float [E, 2I] (W13's row order); w2_bias: float [E, H].
-        a16: weight-only (mxfp8_w8a16, nvfp4_w4a16, mxfp4_w4a16): x is not quantized, the
-            intermediate is rounded to bf16.
-        w13_act_opts, w2_act_opts: formats.quantize's activation option of the format (fp8_tensor
-            ``scale``, nvfp4 ``global_scale``: a number or one per expert [E]; fp8_block ``ue8m0``;
-            MX ``scale_rule``); without a static value the per-tensor ones are each expert's dynamic one.
-        tile: both GEMMs' TileConfig (BLOCK_M: the rows of an expert block); path: None | "native" |
-            "portable" (_common.route_path).
-    Raises:
-        ValueError naming the argument: x not bf16/fp16 [M, H] on the experts' device; topk_ids not
-        integer, ids outside [0, E) (this check reads them: a device synchronization); topk_ids /
-        topk_weights not [M, top_k]; an unknown activation; biases not float [E, 2I] / [E, H] on the
-        device; a16 for a format without a weight-only variant; a bad act option, tile or path.
-    Source: formats.reference_moe (the arithmetic); vLLM's fused_moe Triton kernel (the grouping).
-    """
+    """y [M, H] of x's dtype: one MoE layer's routed experts as formats.reference_moe computes them
+    from the same arguments, with the kernels of ``route``. x: bf16/fp16 [M, H] on the experts'
+    device; prepared: ``prepare_experts(w13, w2)``; topk_ids: integer [M, top_k] in [0, E);
+    topk_weights: float [M, top_k]; activation: one of formats.MOE_ACTIVATIONS (swiglu_alpha,
+    swiglu_limit: the SwiGLU ones'); renormalize: each token's weights divided by their sum (a zero sum
+    gives NaN); w13_bias float [E, 2I] (W13's row order), w2_bias float [E, H]; a16: weight-only
+    (mxfp8_w8a16, nvfp4_w4a16, mxfp4_w4a16); w13_act_opts, w2_act_opts: formats.quantize's activation
+    option of the format (fp8_tensor ``scale`` / nvfp4 ``global_scale``: a number or [E], one per
+    expert; without one, each expert's dynamic value; fp8_block ``ue8m0``; MX ``scale_rule``); tile:
+    both GEMMs' TileConfig (BLOCK_M: the rows of an expert block); path: None, "native" or "portable".
+    ValueError naming the argument: x not bf16/fp16 [M, H] on the device; topk_ids not integer
+    [M, top_k] or outside [0, E) (read: a device synchronization); topk_weights not float [M, top_k];
+    an unknown activation; biases not float [E, 2I] / [E, H] on the device; a16 for a format without a
+    weight-only variant; a bad act option, tile or path. Source: formats.reference_moe (the numbers),
+    vLLM's fused_moe Triton kernel (the grouping)."""
     if not isinstance(prepared, MoEWeights):
         raise ValueError(f"prepared must be a MoEWeights (prepare_experts), got {type(prepared).__name__}")
     E, H, I, dev = prepared.num_experts, prepared.hidden, prepared.intermediate, prepared.device
     check_activation(x, H, 1, prepared.fmt, device=dev)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, H], got shape {tuple(x.shape)}")
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool \
-            or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
-        raise ValueError(f"topk_ids must be an integer tensor [M={x.shape[0]}, top_k >= 1], got "
-                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)} {tuple(getattr(topk_ids, 'shape', ()))}")
-    if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point() \
-            or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights must be a float tensor of topk_ids' shape {tuple(topk_ids.shape)}, got "
-                         f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
-                         f"{tuple(getattr(topk_weights, 'shape', ()))}")
-    if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < E:
-        raise ValueError(f"topk_ids must lie in [0, {E}) (the expert count), got values in "
-                         f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    ids, wts = topk_ids, topk_weights
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 2 \
+            or ids.shape[0] != x.shape[0] or ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be an integer tensor [M={x.shape[0]}, top_k >= 1], got {_desc(ids)}")
+    if not isinstance(wts, torch.Tensor) or not wts.is_floating_point() or wts.shape != ids.shape:
+        raise ValueError(f"topk_weights must be a float tensor of topk_ids' shape {tuple(ids.shape)}, got {_desc(wts)}")
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < E:
+        raise ValueError(f"topk_ids must lie in [0, {E}) (the expert count), got [{int(ids.min())}, {int(ids.max())}]")
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
     for name, b, n in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
-        if b is not None and (not isinstance(b, torch.Tensor) or not b.is_floating_point() or b.shape != (E, n)
-                              or b.device != dev):
-            raise ValueError(f"{name} must be a float tensor ({E}, {n}) on {dev}, got "
-                             f"{getattr(b, 'dtype', type(b).__name__)} {tuple(getattr(b, 'shape', ()))}")
-    return fused_moe_unchecked(x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize,
+        if b is not None and not (isinstance(b, torch.Tensor) and b.is_floating_point() and b.shape == (E, n)
+                                  and b.device == dev):
+            raise ValueError(f"{name} must be a float tensor ({E}, {n}) on {dev}, got {_desc(b)}")
+    return fused_moe_unchecked(x, prepared, ids, wts, activation=activation, renormalize=renormalize,
                                w13_bias=w13_bias, w2_bias=w2_bias, a16=a16, w13_act_opts=w13_act_opts,
                                w2_act_opts=w2_act_opts, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                tile=tile, path=path)
@@ -620,8 +593,8 @@ def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, acti
 
 
 def _w13(x, p: MoEWeights, topk_ids, path, tile, *, a16, act_opts, activation, bias, alpha, limit):
-    """Steps 1 to 3 for W13: (the Blocks, the activated intermediate [rows, I] in sorted order, fp32;
-    bf16 for a16)."""
+    """Steps 1 to 3 for W13: (the Blocks, the activated intermediate [rows, I] in sorted order: fp32,
+    or bf16 for a16)."""
     E, top_k, x = p.num_experts, topk_ids.shape[1], x.contiguous()
     blocks = align_block_size(topk_ids, E, tile.BLOCK_M)
     inter = torch.empty((blocks.slot.numel(), p.intermediate), dtype=torch.bfloat16 if a16 else torch.float32,
