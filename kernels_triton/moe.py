@@ -103,6 +103,7 @@ class Blocks:
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Blocks:
     """topk_ids [M, top_k] (integers in [0, num_experts), not checked) -> Blocks, on its device, with
     no host synchronization (vLLM's moe_align_block_size, in plain torch)."""
+    # [align]
     ids = topk_ids.reshape(-1).long()
     n = ids.numel()
     counts = torch.bincount(ids, minlength=num_experts)
@@ -118,6 +119,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     expert = torch.searchsorted(first_block[1:], torch.arange(num_blocks, device=ids.device), right=True)
     expert = torch.where(expert < num_experts, expert, -1).int()
     return Blocks(slot, expert, first_block.int(), block_m, n)
+    # [/align]
 
 
 @triton.jit
@@ -268,6 +270,7 @@ def _operand(ptr, s_ptr, rows, ok, k0, K, stride, stride_s, FMT: tl.constexpr, V
     return v, s
 
 
+# [partial]
 @triton.jit
 def _partial(a, sa, w, sw, FMT: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr):
@@ -286,6 +289,7 @@ def _partial(a, sa, w, sw, FMT: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.
     if FMT == _FP8_BLOCK:  # this step's scales multiply its partial (fp8_block.py)
         p = p * (sa[:, None] * sw[None, :])
     return p
+# [/partial]
 
 
 @triton.jit

@@ -27,7 +27,9 @@ Interpreter cost: each fused_moe call is 0.1-0.5 s on the 2-core machine; the fi
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +38,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import formats
+import kernels_triton
 from formats import QuantizedTensor
 from kernels_triton import _common, moe, record_launches
 
@@ -303,7 +306,25 @@ def test_a_given_tile_is_launched_and_unchecked_is_the_same_call():
     w13, w2 = _experts("nvfp4", 4, 128, 64)
     p, x = moe.prepare_experts(w13, w2), make_input((7, 128), block=32)
     ids, wt = _routing(7, 4, 2)
-    assert torch.equal(moe.fused_moe(x, p, ids, wt, tile=tile), moe.fused_moe_unchecked(x, p, ids, wt, tile=tile))
+    y = moe.fused_moe(x, p, ids, wt, tile=tile)
+    assert torch.equal(y, moe.fused_moe_unchecked(x, p, ids, wt, tile=tile))
+    assert torch.equal(y, kernels_triton.fused_moe(x, p, ids, wt, tile=tile))  # the package's export
+
+
+def test_the_lesson_imports_only_the_format_lessons_public_tile_helpers():
+    """moe.py composes the format lessons through their public tile helpers (and the lessons' shared
+    _codecs / _common), never a lesson's private kernels, kernels_triton.tuning or hopper."""
+    used = set()
+    for node in ast.walk(ast.parse(Path(moe.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in ("_codecs", "_common"):
+            assert node.module in moe.FORMATS, node.module
+            assert all(a.name in (f"{node.module}_quantize_tile", f"{node.module}_dequantize_tile")
+                       for a in node.names), [a.name for a in node.names]
+            used.add(node.module)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            assert not any(n.startswith("kernels_triton") or "hopper" in n or "tuning" in n for n in names), names
+    assert used == set(moe.FORMATS)
 
 
 # ---------------------------------------------------------------------------------------------
