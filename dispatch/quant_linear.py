@@ -165,7 +165,7 @@ class QuantLinear(nn.Module):
 
     @property
     def _prepared(self) -> dict[str, object]:
-        """{backend name: prepared weight} of the bound cache (read-only; tools/h200_repeat.py reads it)."""
+        """{backend name: prepared weight} of the bound cache (read-only)."""
         return {name: self._bound.prepared(backend) for name, (backend, _) in self._bound.backends.items()}
 
     def refresh_prepared(self) -> None:

@@ -1,4 +1,8 @@
-"""Pin each format's quantize / dequantize / reference_linear to hand-computed values."""
+"""Pin each format's quantize / dequantize / reference_linear to hand-computed values.
+
+Modules: formats/fp8_tensor.py, formats/fp8_block.py, formats/mxfp8.py, formats/nvfp4.py,
+formats/mxfp4.py and their MX scale rule formats/_mx.py, formats/oracle.py.
+"""
 
 import dataclasses
 import math

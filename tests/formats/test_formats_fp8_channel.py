@@ -1,6 +1,9 @@
 """fp8_channel (per-channel weight scales, per-token activation scales) pinned to hand-worked numbers,
 and properties at the e4m3 rounding ties and at the scale's edges (zero rows, tiny and huge rows,
-NaN/Inf rows), against an independent enumeration of the e4m3 values."""
+NaN/Inf rows), against an independent enumeration of the e4m3 values.
+
+Module: formats/fp8_channel.py.
+"""
 
 from __future__ import annotations
 

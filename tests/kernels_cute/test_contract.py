@@ -3,6 +3,9 @@ helpers, to exactly the oracle's values; plus the facts behind our quantizer cho
 
 The CUDA-only parts (b12x's pack_weight refuses CPU tensors: fp8_tensor and mxfp8 weights) are
 marked ``gpu`` and run on any CUDA GPU, the H200 included (no SM12x instruction is involved).
+
+Modules: kernels_cute/fp8_tensor.py, kernels_cute/fp8_block.py, kernels_cute/mxfp8.py, kernels_cute/nvfp4.py,
+kernels_cute/mxfp4.py (the weight preparation each hands b12x).
 """
 
 from __future__ import annotations

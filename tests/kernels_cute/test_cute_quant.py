@@ -16,6 +16,9 @@ Two halves:
    outliers and all-zero blocks, an all-zero tensor (MXFP8: E8M0 byte 19, the amax floor's);
    swizzled scales equal formats.swizzle_128x4 of the oracle's (padding included), and the
    kernels_cute adapters' quantize_activation equals the oracle in the layout their GEMM reads.
+
+Modules: kernels_cute/quant/fp8_tensor.py, kernels_cute/quant/fp8_block.py, kernels_cute/quant/mxfp8.py,
+kernels_cute/quant/nvfp4.py, kernels_cute/quant/mxfp4.py, kernels_cute/quant/_codecs.py, kernels_cute/quant/_launch.py.
 """
 
 from __future__ import annotations

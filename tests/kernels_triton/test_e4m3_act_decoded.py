@@ -1,5 +1,5 @@
 """The sm_90 mxfp8 decode linear with the activation dequantized by its quantizer
-(kernels_triton/_e4m3_decode.py: act_decoded_kernel, launch_e4m3_decode_linear).
+(kernels_triton/hopper/_e4m3_decode.py: act_decoded_kernel, launch_e4m3_decode_linear).
 
 The scratch: un-permuted from the GEMM's fragment order it must equal formats' dequantize of
 formats.quantize(x, "mxfp8", role="activation") bit for bit (code * 2^e is exact in bf16 and fp32 for

@@ -1,4 +1,4 @@
-"""The mxfp8 decode kernel on bf16 register operands (kernels_triton/_e4m3_decode.py): the e4m3 ->
+"""The mxfp8 decode kernel on bf16 register operands (kernels_triton/hopper/_e4m3_decode.py): the e4m3 ->
 bf16 bit placement for all 256 codes against the formats/ e4m3 decode, and the kernel against the
 oracle at M = 1, 5, 16 with split-K, a bias, NaN codes, NaN and 0x00 scale bytes and the widest
 exact scale range.

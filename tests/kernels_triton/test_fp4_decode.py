@@ -7,7 +7,10 @@ see the modules' docstrings) in fp32, so with fp32 output they may differ only b
 fp32 additions: |y_fast - y_lesson| <= 2 * K * 2^-24 * (|x| . |w|^T) (two summations of K terms,
 each within K * 2^-24 of the exact sum). On a GPU the policy picks the kernel for M <= 16 on sm_90;
 here it is called directly, with a K tail, a partial N tile, a bias and split-K. The tile policy is
-tested with the device described by its SM count."""
+tested with the device described by its SM count.
+
+Modules: kernels_triton/hopper/_fp4_decode.py, kernels_triton/hopper/_fp4_decode_tile.py (sm_90 GPU only).
+"""
 
 from __future__ import annotations
 

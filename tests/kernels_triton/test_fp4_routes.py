@@ -7,7 +7,11 @@ mxfp4) on whatever device this is (the CPU interpreter here), the hopper impleme
 (kernels_triton.hopper.nvfp4 / mxfp4) on an sm_90 GPU only (skipped elsewhere, naming the device).
 The outputs are checked against the float64 oracle too (conftest.gemm_bound: exact products, fp32
 sums, one rounding to the output dtype), so a route that launches the wrong kernel cannot pass by
-launching nothing. The routes for described devices name only kernels their module defines."""
+launching nothing. The routes for described devices name only kernels their module defines.
+
+Modules: kernels_triton/hopper/_fp4_route.py and kernels_triton/hopper/_tiles.py (hopper's FP4 routes and
+tiles, on described sm_90 devices), the FP4 lessons' route().
+"""
 
 from __future__ import annotations
 

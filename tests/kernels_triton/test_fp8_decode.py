@@ -1,4 +1,4 @@
-"""The swapped FP8 decode kernel (kernels_triton/_fp8_decode.py) called directly through
+"""The swapped FP8 decode kernel (kernels_triton/hopper/_fp8_decode.py) called directly through
 launch_fp8_decode, against the formats/ oracle: per-tensor, block and MX scales (SCALE_K 0 / 128 /
 32), MX K steps of 128 / 64 / 32, split-K 1 and > 1 through ``config``, a bias, the e4m3 NaN code.
 (The E8M0 bytes 0x00 / 0xFF: test_mxfp8.test_gemm_nan_and_extreme_scales_in_decode_rows.)

@@ -5,6 +5,8 @@ come in from outside through ``tile=`` / ``quant_tile=`` (kernels_triton.tuning)
 The import and skeleton checks read the source (ast), so they hold whatever runs; the tile checks
 run the kernels under the interpreter (or on the GPU there is) against the float64 oracle with the
 bound of conftest.gemm_bound (exact products, fp32 sums, one rounding to the output dtype).
+
+Modules: the five lessons, their support kernels_triton/_common.py and kernels_triton/_codecs.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels_triton/_pdl.py): the switch, the PTX, and on a GPU of
+"""Programmatic dependent launch (kernels_triton/hopper/_pdl.py): the switch, the PTX, and on a GPU of
 sm_90 or later that the whole decode linear of every format gives the same bits with PDL on as off,
 eagerly and replayed from a CUDA graph (PDL changes when a grid starts, never what it computes:
 every chain kernel waits for its predecessor before its first global access)."""
@@ -165,7 +165,7 @@ def test_the_decode_chain_kernels_take_part():
 
 @pytest.mark.parametrize("name", sorted(PDL_KERNELS))
 def test_every_pdl_kernel_waits_before_its_first_global_access_in_the_source(name):
-    """Source order (the rule of kernels_triton/_pdl.py): the pdl_wait line comes before every
+    """Source order (the rule of kernels_triton/hopper/_pdl.py): the pdl_wait line comes before every
     tl.load / tl.store / atomic in the kernel body, so no access overlaps the predecessor's writes.
     (The PTX check above confirms the compiled order for one kernel.)"""
     import inspect

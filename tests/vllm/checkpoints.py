@@ -25,7 +25,10 @@ CT_PRESETS = {
     "ct_nvfp4": "NVFP4",
     "ct_nvfp4a16": "NVFP4A16",
     "ct_fp8": "FP8",
-    "ct_fp8_dynamic": "FP8 weights per tensor, activations dynamic per tensor",  # built below
+    # Not a compressed-tensors preset (the preset FP8_DYNAMIC is per-channel weights with per-token
+    # activations: CT_REFUSED's ct_fp8_channel): a scheme built by hand in quantize_ct, for vLLM's
+    # per-tensor FP8 path with dynamic activations. The engine tests use the presets alone.
+    "ct_fp8_dynamic": "FP8 weights per tensor, activations dynamic per tensor",
     "ct_fp8_block": "FP8_BLOCK",
     "ct_mxfp4": "MXFP4",
     "ct_mxfp4a16": "MXFP4A16",

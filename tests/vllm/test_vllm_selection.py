@@ -1,5 +1,8 @@
 """Selection: the entry point, auto / b12x / disabled, described SM12x devices through vLLM's own
-selection function, B12X_IMPL and B12X_VLLM_AUTO, and the info report."""
+selection function, B12X_IMPL and B12X_VLLM_AUTO, and the info report.
+
+Modules: dispatch/vllm_plugin/placement.py, dispatch/vllm_plugin/_backend.py, dispatch/vllm_plugin/report.py.
+"""
 
 from __future__ import annotations
 

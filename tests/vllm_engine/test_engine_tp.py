@@ -12,7 +12,7 @@ import engine_env
 engine_env.require()
 engine_env.setup_environment()
 
-KIND = "ct_nvfp4"
+KIND = "NVFP4"
 SHM = "/dev/shm/vllm_dist_*"
 # RowParallelLinear at TP = 2 rounds each rank's partial sum to bf16 and the all-reduce rounds their
 # sum again: two bf16 steps (2^-8 each) where TP = 1 has one rounding, in each of the 4 row-parallel
@@ -37,7 +37,7 @@ def _run(d, **kw):
 
 def test_tp2_logprobs_within_bound_of_tp1(model_dir):
     d = model_dir(KIND)
-    tp1 = engine_env.REFERENCE.get(KIND) or _run(d)
+    tp1 = engine_env.REFERENCE.get(("llama", KIND)) or _run(d)
     shm_before = set(glob.glob(SHM))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (else: "Not enough allowed NUMA nodes")
     try:

@@ -19,8 +19,8 @@ engine_env.setup_environment()
 
 import pytest  # noqa: E402
 
-KIND = "ct_nvfp4"
-FAULTED = ("self_attn.o_proj", "mlp.down_proj")  # the layers with N = 256 (qkv: 512, gate_up: 1024)
+KIND = "NVFP4"
+FAULTED = ("self_attn.o_proj", "mlp.down_proj")  # the layers with N = 256 (qkv: 1024, gate_up: 1024)
 
 
 @pytest.fixture

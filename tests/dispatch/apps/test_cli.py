@@ -1,4 +1,7 @@
-"""The b12x-dual command line: subcommand registry, --version, --help, info."""
+"""The b12x-dual command line: subcommand registry, --version, --help, info.
+
+Modules: dispatch/apps/cli.py, dispatch/apps/info.py, dispatch/apps/argtypes.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The demo on a few real sentences: quality floors per format, and its command line."""
+"""The demo on a few real sentences: quality floors per format, and its command line.
+
+Modules: dispatch/apps/demo.py and dispatch/apps/model.py (the model the demo quantizes).
+"""
 
 from __future__ import annotations
 

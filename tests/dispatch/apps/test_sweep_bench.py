@@ -1,5 +1,9 @@
 """The sweep and bench harnesses run on a tiny grid (CPU interpreter here, GPU elsewhere): exit
-status, JSON fields, and that a wrong implementation is caught. Nothing here is timed."""
+status, JSON fields, and that a wrong implementation is caught. Nothing here is timed.
+
+Modules: dispatch/apps/sweep.py, dispatch/apps/bench.py, dispatch/apps/bench_plan.py, dispatch/apps/bench_run.py,
+dispatch/apps/bench_record.py.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,60 @@
+"""Every module of the packages (formats, kernels_triton, kernels_cute, dispatch) is named by at least one
+test file: imported (``import a.b.c``, ``from a.b import c``, ``from a.b.c import x``) or named by its
+dotted path in the text (a subprocess, ``python -m``, a path string). A module nothing names has no
+test that would fail when it breaks; this test fails instead, naming it.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("formats", "kernels_triton", "kernels_cute", "dispatch")
+
+
+def _modules() -> list[str]:
+    out = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out.append(".".join(parts))
+    return out
+
+
+@lru_cache(maxsize=None)
+def _named() -> frozenset[str]:
+    """Every dotted module name the test files import or write out."""
+    names: set[str] = set()
+    texts = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        text = path.read_text()
+        texts.append(text)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+    blob = "\n".join(texts)
+    for mod in _modules():
+        if mod in blob or mod.replace(".", "/") + ".py" in blob:  # e.g. a docstring "Modules: formats/_mx.py"
+            names.add(mod)
+    return frozenset(names)
+
+
+def test_the_packages_have_modules():
+    mods = _modules()
+    assert "formats.oracle" in mods and "dispatch.bound" in mods and "kernels_triton.nvfp4" in mods
+
+
+def test_every_module_is_named_by_a_test_file():
+    named = _named()
+    missing = [m for m in _modules() if m not in named]
+    assert not missing, f"modules no test file imports or names: {missing}"
