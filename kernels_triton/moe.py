@@ -106,7 +106,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     # [align]
     ids = topk_ids.reshape(-1).long()
     n = ids.numel()
-    counts = torch.bincount(ids, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     first_block = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
     first_block[1:] = torch.cumsum((counts + block_m - 1) // block_m, 0)  # each expert's blocks, padded
     num_blocks = triton.cdiv(n, block_m) + min(n, num_experts)  # every routing fits
@@ -276,7 +276,8 @@ def _partial(a, sa, w, sw, FMT: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.
              BLOCK_K: tl.constexpr):
     """One K step's [BLOCK_M, BLOCK_N] fp32 sum of A . W^T, from two ``_operand`` results."""
     if NATIVE and FMT == _NVFP4:
-        p = tl.dot_scaled(a, sa.to(tl.float8e4nv, bitcast=True), "e2m1", w.T, sw.to(tl.float8e4nv, bitcast=True), "e2m1")
+        p = tl.dot_scaled(a, sa.to(tl.float8e4nv, bitcast=True), "e2m1",
+                          w.T, sw.to(tl.float8e4nv, bitcast=True), "e2m1")
     elif NATIVE and FMT == _MXFP4:
         p = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1")
     elif NATIVE and FMT == _MXFP8:
@@ -390,8 +391,8 @@ def _stack(ws, name: str) -> tuple:
     for e, q in enumerate(ws):
         check_weight(q, name=f"{name}[{e}]", layouts=("linear",))
         if (q.fmt, q.shape, q.device) != (ws[0].fmt, ws[0].shape, ws[0].device):
-            raise ValueError(f"every expert of {name} must have {name}[0]'s format, shape and device "
-                             f"({ws[0].fmt}, {ws[0].shape}, {ws[0].device}), got {name}[{e}]: {q.fmt}, {q.shape}, {q.device}")
+            raise ValueError(f"every expert of {name} must have {name}[0]'s format, shape and device ({ws[0].fmt}, "
+                             f"{ws[0].shape}, {ws[0].device}), got {name}[{e}]: {q.fmt}, {q.shape}, {q.device}")
     if ws[0].fmt not in FORMATS:
         raise ValueError(f"{name}: the MoE lesson serves {FORMATS}, got {ws[0].fmt!r}")
     block = None if ws[0].block_shape is None else torch.stack([q.scale for q in ws])
@@ -435,8 +436,8 @@ def _act_opts(opts, fmt: str, E: int, device, name: str) -> tuple[Optional[torch
     key, opts = ACT_OPTION[fmt], dict(opts or {})
     v = opts.get(key)
     if set(opts) - {key} or (key == "scale_rule" and v not in (None, "ceil", "floor")):
-        raise ValueError(f"{name} takes only {key!r} for {fmt}" + (" ('ceil' or 'floor')" if key == "scale_rule" else "")
-                         + f", got {opts}")
+        rule = " ('ceil' or 'floor')" if key == "scale_rule" else ""
+        raise ValueError(f"{name} takes only {key!r}{rule} for {fmt}, got {opts}")
     if key in ("scale_rule", "ue8m0") or v is None:
         return None, int(v in ("floor", True))
     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() in (1, E):  # values checked in-kernel
@@ -462,8 +463,9 @@ def _plan(M, E, top_k, H, I, fmt, a16, capability, path, tile, w13_act_opts, w2_
         raise ValueError(f"fp8_block needs tile.BLOCK_K == 128 (one scale per K step), got {tile}")
     if M == 0:
         return Route("triton", (), why=f"{fmt}: no tokens, nothing to launch"), path, tile
-    quant = [() if a16 else ("_amax_kernel",) * (fmt in ("fp8_tensor", "nvfp4") and (o or {}).get(ACT_OPTION[fmt]) is None)
-             + ("_quantize_kernel",) for o in (w13_act_opts, w2_act_opts)]
+    dynamic = [fmt in ("fp8_tensor", "nvfp4") and (o or {}).get(ACT_OPTION[fmt]) is None
+               for o in (w13_act_opts, w2_act_opts)]  # an amax kernel before the quantizer
+    quant = [() if a16 else ("_amax_kernel",) * d + ("_quantize_kernel",) for d in dynamic]
     why = (f"{fmt}{' weight-only' if a16 else ''}: rows sorted by expert in blocks of {tile.BLOCK_M} (a grid of "
            f"{triton.cdiv(M * top_k, tile.BLOCK_M) + min(M * top_k, E)} blocks, the most any routing of {M} x "
            f"{top_k} over {E} experts needs); W13 + activation, {'bf16' if a16 else 'quantized'} intermediate, "
@@ -497,7 +499,8 @@ def _quantize(src, blocks: Blocks, fmt: str, static, rule: int, gather: bool, to
     partial = torch.empty(nb, dtype=torch.float32, device=src.device) if dynamic else t
     common = dict(GATHER=gather, TOP_K=top_k, BLOCK_M=blocks.block_m, BLOCK_K=bk)
     if dynamic:
-        launch(_amax_kernel, (nb,), src, blocks.slot, blocks.expert, partial, K, blocks.n_slots, src.stride(0), **common)
+        launch(_amax_kernel, (nb,), src, blocks.slot, blocks.expert, partial, K, blocks.n_slots, src.stride(0),
+               **common)
     launch(_quantize_kernel, (nb, triton.cdiv(K, bk)), src, blocks.slot, blocks.expert, blocks.first_block, partial,
            t, q, s, t, K, blocks.n_slots, src.stride(0), q.stride(0), s.stride(0), FMT=FORMATS.index(fmt), VEC=vec,
            RULE=rule, DYNAMIC=dynamic, BLOCK_P=min(1024, max(16, triton.next_power_of_2(nb))), **common)

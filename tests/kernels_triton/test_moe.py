@@ -61,7 +61,9 @@ def _routing(M, E, top_k):
 
 
 def _opts_e(opts, e):
-    return {k: (v.reshape(-1)[e] if isinstance(v, torch.Tensor) and v.numel() > 1 else v) for k, v in (opts or {}).items()}
+    """Expert e's activation options (a value with one element per expert is indexed)."""
+    return {k: (v.reshape(-1)[e] if isinstance(v, torch.Tensor) and v.numel() > 1 else v)
+            for k, v in (opts or {}).items()}
 
 
 def _moe_bound(y, x, w13, w2, ids, wt, *, activation="silu", renormalize=False, w13_bias=None, w2_bias=None,
@@ -342,7 +344,8 @@ def test_errors_name_the_argument():
         (lambda: moe.prepare_experts([], w2), "w13 must be a non-empty sequence"),
         (lambda: moe.prepare_experts(w13[:-1] + [q8], w2), r"every expert of w13 must have w13\[0\]'s format"),
         (lambda: moe.prepare_experts(w13, w2[:-1]), r"w13 must be E experts \[2I, H\]"),
-        (lambda: moe.prepare_experts(w13, [formats.quantize(torch.randn(H, 2 * I), "mxfp4")] * E), r"4 x mxfp4 \[128, 128\]"),
+        (lambda: moe.prepare_experts(w13, [formats.quantize(torch.randn(H, 2 * I), "mxfp4")] * E),
+         r"4 x mxfp4 \[128, 128\]"),
         (lambda: moe.prepare_experts([formats.quantize(torch.randn(2 * I, H), "fp8_channel")] * E,
                                      [formats.quantize(torch.randn(H, I), "fp8_channel")] * E), "serves"),
         (lambda: moe.prepare_experts([QuantizedTensor("mxfp4", "weight", w13[0].data, w13[0].scale.float(), None,
@@ -358,10 +361,11 @@ def test_errors_name_the_argument():
         (lambda: moe.fused_moe(x, p, ids + E, wt), r"topk_ids must lie in \[0, 4\)"),
         (lambda: moe.fused_moe(x, p, ids - E, wt), r"topk_ids must lie in \[0, 4\)"),
         (lambda: moe.fused_moe(x, p, ids, wt, activation="gelu"), "activation must be one of"),
-        (lambda: moe.fused_moe(x, p, ids, wt, w13_bias=torch.zeros(E, I, device=DEVICE)), r"w13_bias must be .*\(4, 128\)"),
+        (lambda: moe.fused_moe(x, p, ids, wt, w13_bias=torch.zeros(E, I, device=DEVICE)),
+         r"w13_bias must be .*\(4, 128\)"),
         (lambda: moe.fused_moe(x, p, ids, wt, w2_bias=torch.zeros(E, H, dtype=torch.int32, device=DEVICE)), "w2_bias"),
         (lambda: moe.fused_moe(x, p, ids, wt, w13_act_opts={"scale": 1.0}), "w13_act_opts takes only 'scale_rule'"),
-        (lambda: moe.fused_moe(x, p, ids, wt, w2_act_opts={"scale_rule": "round"}), r"\('ceil' or 'floor'\), got"),
+        (lambda: moe.fused_moe(x, p, ids, wt, w2_act_opts={"scale_rule": "round"}), r"\('ceil' or 'floor'\) for mxfp4"),
         (lambda: moe.fused_moe(x, p, ids, wt, path="fast"), "path must be None or one of"),
         (lambda: moe.route(M, E, 2, H, I, fmt="fp8_tensor", a16=True), r"with a16=True\), got 'fp8_tensor'"),
         (lambda: moe.route(M, E, 2, H, I, fmt="fp8_channel"), "fmt must be one of"),
@@ -372,8 +376,8 @@ def test_errors_name_the_argument():
             call()
     w13n, w2n = _experts("nvfp4", E, H, I)
     pn = moe.prepare_experts(w13n, w2n)
-    for opts, msg in [({"global_scale": -1.0}, "one positive number"), ({"global_scale": torch.ones(3)}, "one per expert"),
-                      ({"global_scale": "1"}, "one positive number")]:
+    for opts, msg in [({"global_scale": -1.0}, "one positive number"), ({"global_scale": "1"}, "one positive number"),
+                      ({"global_scale": torch.ones(3)}, "one per expert")]:
         with pytest.raises(ValueError, match=msg):
             moe.fused_moe(x, pn, ids, wt, w13_act_opts=opts)
     if _common.device_capability(x.device) is None:  # the interpreter's dot_scaled reads e4m3 scales as E8M0
