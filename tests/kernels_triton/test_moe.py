@@ -22,7 +22,8 @@ The bound (``_moe_bound``) follows the lesson's roundings, stage by stage, for e
   roundings), its product and the top_k sum in fp32: (2 top_k + 2) 2^-24 sum_j |w_j o_j|.
 * y is rounded once to bf16/fp16: half a spacing, 2^-p |y|, plus the smallest subnormal spacing.
 
-Interpreter cost: each fused_moe call is 0.1-0.5 s on the 2-core machine; the file runs ~60 calls.
+Interpreter cost: 49 tests, 25 s serially on the shared 2-core machine when it is quiet (a fused_moe call
+is 0.1-0.5 s; the slowest test 2.7 s), 100 s under other agents' load.
 """
 
 from __future__ import annotations
