@@ -1,7 +1,7 @@
-"""kernels_triton: the readable Triton implementation of all five formats.
+"""kernels_triton: the readable Triton implementation of all six formats.
 
-Each format module (fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4) has an activation-quantization
-kernel, a GEMM kernel and host wrappers with the same names:
+Each format module (fp8_tensor, fp8_channel, fp8_block, mxfp8, nvfp4, mxfp4) has an
+activation-quantization kernel, a GEMM kernel and host wrappers with the same names:
 
     quantize_activation(x, **opts) -> formats.QuantizedTensor   (bit-exact with the oracle)
     gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16) -> Tensor [M, N]

@@ -1,4 +1,4 @@
-"""What the five lessons share besides the codecs (``_codecs``), top to bottom: the tiles (their
+"""What the six lessons share besides the codecs (``_codecs``), top to bottom: the tiles (their
 defaults; tuned ones come in as ``tile=`` from kernels_triton.tuning, which no lesson imports),
 routes and launch recording, the GEMM path policy, the epilogue, the host checks."""
 

@@ -1,60 +1,55 @@
-"""Per-channel FP8 (W8A8) in Triton: per-token activation quantization and the e4m3 GEMM with a
-per-row and per-column scale epilogue.
+"""Per-channel FP8 (W8A8) in Triton, the lesson: the per-token activation quantizer, the portable
+GEMM, the native SM12x GEMM and the wrappers that route, launch and check them, in that order.
 
 What this file teaches: scales that belong to a whole row of an operand. The weight has one fp32
-scale per output channel (row n of W), the activation one per token (row m of x), so each scale
-is constant along K and still factors out of the K sum, just not as one number:
+scale per output channel (row n of W), the activation one per token (row m of x); each is constant
+along K, so it still leaves the K sum, just not as one number:
 
     y[m, n] = sum_k (qx[m, k] * sx[m]) * (qw[n, k] * sw[n]) + bias[n]
             = (sum_k qx[m, k] * qw[n, k]) * sx[m] * sw[n] + bias[n]
 
-The K loop is the same plain matrix multiply of e4m3 codes as in fp8_tensor; the epilogue
-multiplies the accumulator tile by the outer product of two scale vectors, sx[offs_m] down the
-rows and sw[offs_n] across the columns. (The compressed-tensors FP8_DYNAMIC checkpoints, the most
-common FP8 recipe, are this format: weights per channel, activations per token, dynamically.)
+The K loop is fp8_tensor's plain matmul of e4m3 codes; the epilogue multiplies the accumulator
+tile by the outer product of two scale vectors, sx[offs_m] down the rows and sw[offs_n] across the
+columns. (compressed-tensors' FP8_DYNAMIC checkpoints, the most common FP8 recipe, are this format.)
 
-Activation quantization (spec: formats/fp8_channel.py, the oracle), one row at a time:
+1. The quantizer (spec: formats/fp8_channel.py, the oracle; the tile math is
+   ``fp8_channel_quantize_tile``), one row at a time:
 
-    sx[m]    = max(amax(|x[m, :]|), AMAX_FLOOR) / 448     (div_rn; or one static ``scale`` for all rows)
-    qx[m, k] = e4m3(x[m, k] / sx[m])                     (div_rn, then RNE with saturation to +-448)
+       sx[m]    = max(amax(|x[m, :]|), AMAX_FLOOR) / 448   (div_rn; or one static ``scale`` for all rows)
+       qx[m, k] = e4m3(x[m, k] / sx[m])                   (div_rn, then RNE with saturation to +-448)
 
-The amax is a reduction along a row only, so, unlike fp8_tensor's per-tensor amax, it needs no
-second launch: _quantize_kernel gives each program whole rows (one row on a GPU: one program per
-token) and walks K twice, once for the amax and once for the codes:
+   The amax is a reduction along a row only, so, unlike fp8_tensor's, it needs no second launch:
+   ``_quantize_kernel`` gives each program whole rows and walks K twice, once for the amax and once
+   for the codes (a static ``scale`` skips the first walk).
 
-    for each row m of this program:                       (BLOCK_M rows)
-        amax = 0
-        for k0 in range(0, K, BLOCK_K):   amax = max(amax, max |x[m, k0:k0+BLOCK_K]|)
-        sx[m] = max(amax, AMAX_FLOOR) / 448               (a static scale skips this loop)
-        for k0 in range(0, K, BLOCK_K):   qx[m, k0:k0+BLOCK_K] = e4m3(x[m, k0:k0+BLOCK_K] / sx[m])
+2. The portable GEMM (``_portable_gemm_kernel``), one program per [BLOCK_M, BLOCK_N] output tile:
 
-GEMM K loop (_gemm_kernel), one program per [BLOCK_M, BLOCK_N] output tile:
+       acc = 0                                        (fp32 [BLOCK_M, BLOCK_N])
+       for k0 in range(0, K, BLOCK_K):
+           a = qx[offs_m, k0:k0+BLOCK_K]              (e4m3 [BLOCK_M, BLOCK_K])
+           b = qw[offs_n, k0:k0+BLOCK_K]^T            (e4m3 [BLOCK_K, BLOCK_N])
+           acc = dot(a, b, acc)                       (fp32 accumulation)
+       y = acc * (sx[offs_m][:, None] * sw[offs_n][None, :]) + bias   (``_epilogue``)
 
-    acc = 0                                           (fp32 [BLOCK_M, BLOCK_N])
-    for k0 in range(0, K, BLOCK_K):
-        a = qx[offs_m, k0:k0+BLOCK_K]                 (e4m3 [BLOCK_M, BLOCK_K])
-        b = qw[offs_n, k0:k0+BLOCK_K]^T               (e4m3 [BLOCK_K, BLOCK_N])
-        acc = dot(a, b, acc)                          (fp32 accumulation)
-    y = acc * (sx[offs_m][:, None] * sw[offs_n][None, :]) + bias[offs_n]
+   On GPU the e4m3 tiles go straight into tl.dot (on Hopper with max_num_imprecise_acc = 128, as
+   in fp8_tensor); under the interpreter the codes are dequantized to fp32 first
+   (``fp8_channel_dequantize_tile``: exact).
 
-On a GPU the e4m3 tiles go straight into tl.dot (fp8 tensor cores; on Hopper with
-max_num_imprecise_acc = 128, which promotes the wgmma accumulator into fp32 after every K step);
-under the interpreter the codes are dequantized to fp32 with _codecs.dequantize_e4m3 first
-(exact; the interpreter's fp8 paths are not trusted for anything but loads).
+3. The native SM12x GEMM (``_native_gemm_kernel``): fp8_tensor's, the codes through tl.dot_scaled
+   with every E8M0 scale 127 (2^0) for the full-rate block-scaled MMA (triton#11320). The row and
+   column scales stay in the epilogue: the MMA's own scales are powers of two per 32 elements of K,
+   which cannot hold sx[m] or sw[n].
 
-Two paths (``gemm_path`` picks by device; ``path=`` forces one): the portable kernel above, and on
-SM12x ``_native_gemm_kernel``: the same codes through tl.dot_scaled with every E8M0 scale 127
-(2^0), because there the plain fp8 MMA runs at half the 8-bit rate and the block-scaled one at
-full rate (triton#11320); the per-row and per-column scales stay in the epilogue either way (the
-MMA's own scales are per 32 elements of K, powers of two: they cannot hold sx[m] or sw[n]). One
-program per output tile; ``route`` names the kernels a call launches.
+4. ``route`` (which kernels a call launches, with which tile, and why), the launchers, then the
+   public functions: ``quantize_activation``, ``gemm``, ``linear`` (its argument checks, then
+   ``linear_unchecked``). Tiles: the caller's ``tile=`` / ``quant_tile=`` (kernels_triton.tuning),
+   else ``tile_config``.
 
 Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
-fp8_channel QuantizedTensor [N, K] (scale float32 [N]). NaN/Inf in x follow the non-finite rule
-of docs/formats.md: with the dynamic scales the row's scale becomes NaN and every code of the row
-0x7F (only that row of y is NaN); with a static scale the element's code is 0x7F, and again only
-its row is NaN. An all-zero row has the finite scale AMAX_FLOOR / 448 and zero codes, so its
-output row is the bias.
+fp8_channel QuantizedTensor [N, K] (scale float32 [N]). NaN/Inf in x follow the non-finite rule of
+docs/formats.md: with the dynamic scales the row's scale becomes NaN and its codes 0x7F; with a
+static scale the element's code is 0x7F; either way only that row of y is NaN. An all-zero row has
+the finite scale AMAX_FLOOR / 448 and zero codes, so its output row is the bias.
 """
 
 from __future__ import annotations
@@ -69,13 +64,10 @@ from formats import QuantizedTensor
 from formats.constants import AMAX_FLOOR, E4M3_MAX
 from formats.validate import check_quantized_activation, static_scale
 
-from ._codecs import (abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite,
-                      round_to_bf16_rne)
-from ._common import (QUANT_DECODE_ROW_BLOCK, Route, THIS_DEVICE, check_activation, check_bias, check_gemm_operands,
-                      check_weight, default_device, device_capability, e4m3_operand, e4m3_portable_config,
-                      flatten_rows, interpreting, kernel_bias, launch, native_config, quant_config, route_path)
-
-__all__ = ["gemm", "linear", "linear_unchecked", "quantize_activation", "route", "tile_config"]
+from ._codecs import abs_or_inf, amax_or_nan, dequantize_e4m3, encode_e4m3, grouped_tile, nan_if_nonfinite
+from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
+                      check_linear, check_sizes, default_quant_tile, device_capability, epilogue,
+                      flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path)
 
 FMT = "fp8_channel"
 K_MULTIPLE = 1  # per-row scaling puts no constraint on K
@@ -86,9 +78,14 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 IMPRECISE_ACC = 128
 
 
-# ---------------------------------------------------------------------------------------------
-# Activation quantization: one row's scale, then its codes, in one program
-# ---------------------------------------------------------------------------------------------
+# == 1. The activation quantizer ==================================================================
+@triton.jit
+def fp8_channel_quantize_tile(x, scale):
+    """x fp32 [BLOCK_M, BLOCK_K] and each row's scale fp32 [BLOCK_M] -> e4m3 codes uint8
+    e4m3(x / scale[:, None]); NaN/Inf become 0x7F, with a static scale too (the non-finite rule)."""
+    return encode_e4m3(tl.math.div_rn(nan_if_nonfinite(x), scale[:, None]))
+
+
 @triton.jit
 def _quantize_kernel(
     # pointers
@@ -102,13 +99,12 @@ def _quantize_kernel(
 ):
     """Rows [pid*BLOCK_M, (pid+1)*BLOCK_M): scale[m] = max(amax of row m, floor) / 448 (or the
     static scale at static_ptr), then q[m, :] = e4m3(x[m, :] / scale[m])."""
-    pid_m = tl.program_id(0)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1] row starts (x may be strided)
     q_rows = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm
 
-    # ----- pass 1: each row's scale [BLOCK_M] -----
+    # ----- walk 1: each row's scale [BLOCK_M] -----
     if STATIC_SCALE:
         scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(static_ptr)  # one scale for every row
     else:
@@ -124,39 +120,36 @@ def _quantize_kernel(
         scale = tl.math.div_rn(amax_or_nan(amax, _AMAX_FLOOR), _E4M3_MAX)
     tl.store(scale_ptr + offs_m, scale, mask=m_ok)
 
-    # ----- pass 2: the codes, a [BLOCK_M, BLOCK_K] tile at a time, each row by its own scale -----
+    # ----- walk 2: the codes, a [BLOCK_M, BLOCK_K] tile at a time, each row by its own scale -----
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = m_ok[:, None] & (offs_k[None, :] < K)
         x = tl.load(x_rows + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        q = encode_e4m3(tl.math.div_rn(nan_if_nonfinite(x), scale[:, None]))  # NaN/Inf -> 0x7F, static scale too
-        tl.store(q_rows + offs_k[None, :].to(tl.int64) * stride_qk, q, mask=mask)
+        tl.store(q_rows + offs_k[None, :].to(tl.int64) * stride_qk, fp8_channel_quantize_tile(x, scale), mask=mask)
 
 
-# ---------------------------------------------------------------------------------------------
-# The epilogue: one scale per output row (token), one per output column (channel), then the bias
-# ---------------------------------------------------------------------------------------------
+# == 2. The portable GEMM: y = (qx . qw^T) * sx[m] * sw[n] + bias =================================
 @triton.jit
-def _scale_rows_and_columns(acc, offs_m, offs_n, m_ok, n_ok, sx_ptr, sw_ptr, bias_ptr,
-                            HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 * (sx[offs_m] x sw[offs_n]) + bias[offs_n], rounded to bf16
-    values (RNE) when ROUND_BF16 (the interpreter's fp32 -> bf16 cast truncates)."""
+def fp8_channel_dequantize_tile(codes):
+    """e4m3 codes (uint8, any shape) -> their fp32 values, exactly; the row scales are not applied
+    here: they factor out of the K sum and meet in the epilogue."""
+    return dequantize_e4m3(codes)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, m_ok, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr,
+              HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 * (sx[offs_m] x sw[offs_n]), then _common.epilogue's bias and
+    bf16 rounding. The two scale vectors meet first (their outer product): acc * sx alone can
+    overflow where y does not."""
     sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)  # [BLOCK_M]: the tokens' scales
     sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)  # [BLOCK_N]: the channels' scales
-    # the two scales meet first (their outer product): acc * sx alone can overflow where y does not
-    y = acc * (sx[:, None] * sw[None, :])
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ROUND_BF16:
-        y = round_to_bf16_rne(y)
-    return y
+    return epilogue(acc * (sx[:, None] * sw[None, :]), offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr,
+                    TENSOR_SCALES=False, GLOBAL_SCALES=False, HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMM, portable path: y = (qx . qw^T) * sx[m] * sw[n] + bias
-# ---------------------------------------------------------------------------------------------
 @triton.jit
-def _gemm_kernel(
+def _portable_gemm_kernel(
     # pointers
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr,
     # dimensions
@@ -191,24 +184,22 @@ def _gemm_kernel(
             # Hopper: promote the fp8 wgmma accumulator into fp32 every IMPRECISE_ACC products
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         else:
-            acc = tl.dot(dequantize_e4m3(a), dequantize_e4m3(b), acc)
+            acc = tl.dot(fp8_channel_dequantize_tile(a), fp8_channel_dequantize_tile(b), acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
     # ----- epilogue: sx down the rows, sw across the columns, then the bias -----
-    y = _scale_rows_and_columns(acc, offs_m, offs_n, m_ok, n_ok, sx_ptr, sw_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
+    y = _epilogue(acc, offs_m, m_ok, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMM, native path (SM12x): the codes through the block-scaled MMA with unit scales
-# ---------------------------------------------------------------------------------------------
+# == 3. The native SM12x GEMM: the codes through the block-scaled MMA with unit scales ============
 @triton.jit
 def _native_gemm_kernel(
     # pointers
     x_ptr, w_ptr,  # e4m3 codes as uint8: x [M, K], w [N, K] (K contiguous)
-    sx_ptr, sw_ptr,  # the per-row scales, float32 [M] and [N]
+    sx_ptr, sw_ptr,  # the row scales, float32 [M] and [N]
     bias_ptr, y_ptr,
     # dimensions
     M, N, K,
@@ -242,91 +233,51 @@ def _native_gemm_kernel(
         acc = tl.dot_scaled(a, unit_a, "e4m3", b.T, unit_b, "e4m3", acc)
 
     # ----- epilogue: sx down the rows, sw across the columns, then the bias -----
-    y = _scale_rows_and_columns(acc, offs_m, offs_n, m_ok, n_ok, sx_ptr, sw_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
+    y = _epilogue(acc, offs_m, m_ok, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# The route: which kernels a call launches, with which tile, and why
-# ---------------------------------------------------------------------------------------------
-def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False, path=None,
-          scale=None) -> Route:
-    """The kernels ``linear`` launches for an [M, K] x [N, K]^T fp8_channel problem.
-
-    Args:
-        M, N, K: activation rows, output features, reduction length (>= 0).
-        capability: the device's (major, minor); None: no CUDA device (the interpreter).
-        sm_count: the device's SM count (one program per output tile: it does not change the route).
-        a16: must be False (fp8_channel has no weight-only mode).
-        path: None (gemm_path's choice), "native" or "portable".
-        scale: ``linear``'s activation option; a static scale changes no launch (the quantizer
-            skips its amax loop inside the same kernel).
-    Returns:
-        Route(impl="triton", kernels=("_quantize_kernel", the GEMM), tile, split_k=1, why).
-    Raises:
-        ValueError: a16=True, a negative size, or a bad path (route_path).
-    """
-    if a16:
-        raise ValueError(f"a16=True (weight-only) is not a mode of {FMT!r}: its activations are quantized")
-    if min(M, N, K) < 0:
-        raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
-    gemm_path_, why = route_path(path, FMT, capability)
-    if M == 0:
-        return Route("triton", (), "", 1, "M=0: nothing to launch")
-    gemm = "_native_gemm_kernel" if gemm_path_ == "native" else "_gemm_kernel"
-    cfg = tile_config(M, N, K, gemm_path_, capability)
-    return Route("triton", ("_quantize_kernel", gemm), str(cfg), 1, why, (("path", gemm_path_), ("config", cfg)))
+# == 4. The route: which kernels, which tile, why =================================================
+def tile_config(M: int, N: int, K: int, path=None, capability=None) -> TileConfig:
+    """The GEMM's tile without ``tile=`` on a device of ``capability`` (None: the interpreter): as
+    large as the problem there, 64 x 64 x 128 on a GPU (either path)."""
+    route_path(path, FMT, capability)  # a forced path is checked even where the tile does not depend on it
+    return interpreter_config(M, N, K) if capability is None else TileConfig(64, 64, 128)
 
 
-def tile_config(M: int, N: int, K: int, path=None, capability=THIS_DEVICE):
-    """The GEMM's tile for an [M, K] x [N, K]^T problem and ``path`` (None: gemm_path's choice) on a
-    device of ``capability`` ((major, minor); None: the interpreter; THIS_DEVICE, the default: this
-    process's device), as ``route`` reports it and gemm launches it: fp8_tensor's tiles (the K loop
-    is the same; only the epilogue differs)."""
-    if capability is THIS_DEVICE:
-        capability = device_capability(default_device())
-    if route_path(path, FMT, capability)[0] == "native":
-        return native_config(M, N, K, capability)
-    return e4m3_portable_config(M, N, K, capability)
+def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Optional[str] = None,
+          tile: Optional[TileConfig] = None) -> tuple[Route, str, TileConfig]:
+    """(the route, its GEMM path, its tile): the one place a call's kernels are decided."""
+    check_sizes(M, N, K)
+    path, why = route_path(path, FMT, capability, a16=a16)
+    tile = tile or tile_config(M, N, K, path, capability)
+    quant = () if M == 0 else ("_quantize_kernel",)
+    if M == 0 or N == 0:
+        return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
+    return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
 
 
-def quant_tile(M: int, K: int, interp: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_K) of the quantizer: on a GPU one program per row (BLOCK_M = 1) walking K
-    QUANT_DECODE_ROW_BLOCK columns at a time; under the interpreter, where every program costs
-    milliseconds of Python, up to 256 rows and 1024 columns per program (quant_config)."""
-    if interp:
-        return quant_config(M, K, True, group=16)
-    return 1, QUANT_DECODE_ROW_BLOCK
+def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bool = False,
+          path: Optional[str] = None, tile: Optional[TileConfig] = None, scale=None) -> Route:
+    """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1])) and a weight [N, K] on a
+    device of ``capability`` ((major, minor); None: the interpreter), with ``linear``'s options (a
+    static ``scale`` skips a walk inside the same quantizer; neither it nor sm_count changes the
+    route). Pure: no GPU needed. ValueError: a16=True (no weight-only mode), a negative size, or a
+    path route_path refuses."""
+    return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
 
-def quantize_activation(x: torch.Tensor, *, scale=None) -> QuantizedTensor:
-    """Quantize activations to per-token FP8 with the Triton kernel, bit for bit as
-    ``formats.quantize(x, "fp8_channel", role="activation", scale=scale)``.
-
-    Args:
-        x: bfloat16/float16 [..., K] (any leading dims, any strides); a NaN/Inf follows the
-            non-finite rule (docs/formats.md: its row's scale is NaN).
-        scale: one static scale for every row (a positive number or 0-d tensor, e.g. a calibrated
-            per-tensor input_scale); None for the dynamic per-row max(amax, AMAX_FLOOR) / 448.
-    Returns:
-        QuantizedTensor(fmt="fp8_channel", role="activation", data float8_e4m3fn [M, K],
-        scale float32 [M] on x's device, block_shape (1, K)), M = prod(leading dims).
-    Raises:
-        ValueError: x not a bf16/fp16 tensor with K >= 1, or a non-positive/non-finite ``scale``.
-    """
-    check_activation(x, None, K_MULTIPLE, FMT)
-    return _quantize(flatten_rows(x), scale)
-
-
-def _quantize(x2: torch.Tensor, scale) -> QuantizedTensor:
-    """quantize_activation on x2 [M, K], without the argument checks: allocate, launch."""
+# == 5. The launchers (operands checked by the caller) ============================================
+def _quantize(x2: torch.Tensor, scale, quant_tile) -> QuantizedTensor:
+    """quantize_activation on x2 [M, K]: one quantize kernel, whole rows per program (BLOCK_M rows,
+    K walked BLOCK_K columns at a time)."""
     M, K = x2.shape
     s = torch.empty((M,), dtype=torch.float32, device=x2.device)
     data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
-    if M > 0:
-        static = s if scale is None else static_scale(scale, x2.device)  # s: an unread placeholder pointer
-        block_m, block_k = quant_tile(M, K, interpreting())
+    static = s if scale is None else static_scale(scale, x2.device)  # s: an unread placeholder pointer
+    if M:
+        block_m, block_k = quant_tile or default_quant_tile(M, K, 32)
         q = data.view(torch.uint8)
         launch(_quantize_kernel, (triton.cdiv(M, block_m),),
                x2, q, s, static,
@@ -336,102 +287,85 @@ def _quantize(x2: torch.Tensor, scale) -> QuantizedTensor:
     return QuantizedTensor(FMT, "activation", data, s, None, (1, K), (M, K))
 
 
-def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None) -> torch.Tensor:
-    """y = (qx . qw^T) * sx[m] * sw[n] (+ bias) on quantized operands (native: the block-scaled MMA
-    with unit scales; portable: a plain fp8 tl.dot; gemm_path picks by device).
-
-    Args:
-        xq: fp8_channel activation QuantizedTensor [M, K] (data float8_e4m3fn, scale float32 [M]).
-        qweight: fp8_channel weight QuantizedTensor [N, K] (scale float32 [N]), linear layout.
-        bias: optional float32/bf16/fp16 [N], added in fp32 in the epilogue.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
-        path: None (gemm_path's choice for the weight's device), "native" or "portable".
-    Returns:
-        [M, N] tensor of out_dtype (empty when M == 0).
-    Raises:
-        ValueError: wrong formats/roles, a scale of the wrong length, K mismatch, different devices,
-            bad bias or out_dtype, unknown path.
-    """
-    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
-    check_quantized_activation(xq, FMT, K)  # its scale vector too: the epilogue reads sx[0:M]
+def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> torch.Tensor:
+    """y [M, N] = the GEMM of ``path`` with ``tile`` on the quantized activation xq."""
+    M, (N, K) = xq.rows, qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
-    if M == 0:
+    if M == 0 or N == 0:
         return y
-    cap = device_capability(qweight.device)
-    gemm_path_ = route_path(path, FMT, cap)[0]
-    return _run_gemm(gemm_path_, tile_config(M, N, K, gemm_path_, cap), xq, qweight, kernel_bias(bias), y)
-
-
-def _run_gemm(gemm_path_: str, cfg, xq, qweight, bias, y) -> torch.Tensor:
-    """Launch the GEMM kernel of ``gemm_path_`` with tile ``cfg`` into y [M, N] (bias: kernel_bias's)."""
-    M, N = y.shape
-    K = qweight.k
+    bias = kernel_bias(bias)
     interp = interpreting()
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
     sx, sw = xq.scale.contiguous(), qweight.scale.contiguous()
-    if gemm_path_ == "native":
+    grid = (triton.cdiv(M, tile.BLOCK_M) * triton.cdiv(N, tile.BLOCK_N),)
+    common = dict(HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
+                  BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if path == "native":
         x, w = xq.data.contiguous().view(torch.uint8), qweight.data.contiguous().view(torch.uint8)
         launch(_native_gemm_kernel, grid,
                x, w, sx, sw, bias if bias is not None else y, y,
                M, N, K,
-               x.stride(0), w.stride(0), y.stride(0),
-               HAS_BIAS=bias is not None, ROUND_BF16=interp and y.dtype == torch.bfloat16,
-               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               x.stride(0), w.stride(0), y.stride(0), **common)
         return y
-    dot_fp8 = not interp
-    x = e4m3_operand(xq.data, dot_fp8)
-    w = e4m3_operand(qweight.data, dot_fp8)
-    launch(_gemm_kernel, grid,
+    dot_fp8 = not interp  # the GPU dots the e4m3 codes; the interpreter dequantizes uint8 codes first
+    x, w = (xq.data, qweight.data) if dot_fp8 else (xq.data.view(torch.uint8), qweight.data.view(torch.uint8))
+    launch(_portable_gemm_kernel, grid,
            x, w, sx, sw, bias if bias is not None else y, y,
            M, N, K,
            x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-           HAS_BIAS=bias is not None, DOT_FP8=dot_fp8, ROUND_BF16=interp and y.dtype == torch.bfloat16,
-           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-           IMPRECISE_ACC=min(IMPRECISE_ACC, cfg.BLOCK_K),  # Triton needs it <= BLOCK_K
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           DOT_FP8=dot_fp8, IMPRECISE_ACC=min(IMPRECISE_ACC, tile.BLOCK_K),  # Triton needs it <= BLOCK_K
+           **common)
     return y
 
 
-def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           scale=None, path: Optional[str] = None) -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to per-token FP8 on the fly: ``route`` once, then
-    exactly its kernels (the quantizer, then the GEMM of its path and tile).
+# == 6. The public functions: check, then launch ==================================================
+def quantize_activation(x: torch.Tensor, *, scale=None, quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
+    """x bf16/fp16 [..., K] (any K >= 1, any strides; NaN/Inf: docs/formats.md's non-finite rule,
+    its row's scale is NaN) -> QuantizedTensor(fp8_channel activation, data float8_e4m3fn [M, K],
+    scale float32 [M], block_shape (1, K)), bit for bit ``formats.quantize(x, "fp8_channel",
+    role="activation", scale=scale)``. scale: one static positive scale for every row (number or
+    0-d tensor, e.g. a calibrated per-tensor input_scale); None: each row's max(amax, AMAX_FLOOR) /
+    448. quant_tile: (BLOCK_M, BLOCK_K) of a program (BLOCK_M rows, K walked BLOCK_K at a time).
+    ValueError: x not bf16/fp16 with K >= 1, a non-positive or non-finite scale."""
+    check_activation(x, None, K_MULTIPLE, FMT)
+    return _quantize(flatten_rows(x), scale, quant_tile)
 
-    Args:
-        x: bfloat16/float16 [..., K], any strides.
-        qweight: fp8_channel weight QuantizedTensor [N, K] (linear layout) on x's device.
-        bias: optional float32/bf16/fp16 [N].
-        scale: one static activation scale for every token (see quantize_activation); None for
-            the dynamic per-token scales.
-        path: None (auto for x's device), "native" or "portable" (see gemm).
-    Returns:
-        [..., N] tensor of x's dtype (empty [..., N] when x has no rows).
-    Raises:
-        ValueError: naming the argument: wrong weight format or scale length, x dtype, K mismatch,
-            devices, bias shape, a bad static scale.
-    """
-    check_weight(qweight, FMT)
-    N, K = qweight.shape
-    check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
-    check_bias(bias, N, qweight.device)
-    return linear_unchecked(x, qweight, bias, scale=scale, path=path)
+
+def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: torch.dtype = torch.bfloat16, *, path: Optional[str] = None,
+         tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] of out_dtype (bf16, fp16, fp32) = (qx . qw^T) * sx[m] * sw[n] (+ bias [N],
+    fp32/bf16/fp16, added in fp32): natively the block-scaled MMA with unit scales, portably a plain
+    fp8 tl.dot. xq: fp8_channel activation [M, K] (scale float32 [M]); qweight: fp8_channel weight
+    [N, K] (scale float32 [N]). path: None (gemm_path's) or forced; tile: the GEMM's tile.
+    ValueError: a wrong operand (format, role, K, device, a scale of the wrong length), bias or
+    out_dtype, or a path route_path refuses."""
+    M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
+    check_quantized_activation(xq, FMT, K)  # its scale vector too: the epilogue reads sx[0:M]
+    _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
+
+
+def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+           scale=None, path: Optional[str] = None, tile: Optional[TileConfig] = None,
+           quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]) with x quantized per token on the fly
+    (quantize_activation's ``scale``); exactly the kernels of ``route``. x: bf16/fp16 [..., K], any
+    strides; qweight: fp8_channel [N, K] on x's device. path, tile, quant_tile: as gemm and
+    quantize_activation. ValueError naming the argument: x (dtype, K, device), the weight (its
+    scale length too), bias, a bad static scale, or a bad path."""
+    check_linear(x, qweight, bias, FMT, K_MULTIPLE)
+    return linear_unchecked(x, qweight, bias, scale=scale, path=path, tile=tile, quant_tile=quant_tile)
 
 
 def linear_unchecked(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-                     scale=None, path: Optional[str] = None) -> torch.Tensor:
-    """``linear`` without its argument checks (weight, x, bias), for a caller that checked them
-    once (a prepared layer): the same route, the same launches, the same result. Arguments and
-    return value as ``linear``; a malformed argument is not named here (a static ``scale`` is
-    still read by static_scale: ValueError for a bad number)."""
+                     scale=None, path: Optional[str] = None, tile: Optional[TileConfig] = None,
+                     quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """``linear`` without its argument checks, for a caller that made them (dispatch's bound call):
+    the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers (a
+    static ``scale`` number is still read by static_scale: ValueError for a bad one)."""
     N, K = qweight.shape
     x2 = flatten_rows(x)
-    M = x2.shape[0]
-    r = route(M, N, K, capability=device_capability(qweight.device), path=path, scale=scale)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if r.kernels:
-        xq = _quantize(x2, scale)
-        opts = dict(r.options)
-        _run_gemm(opts["path"], opts["config"], xq, qweight, kernel_bias(bias), y)
-    return y.reshape(*x.shape[:-1], N)
+    _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), path=path, tile=tile)
+    xq = _quantize(x2, scale, quant_tile)
+    return _launch_gemm(path, tile, xq, qweight, bias, x.dtype).reshape(*x.shape[:-1], N)

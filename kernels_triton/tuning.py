@@ -34,7 +34,8 @@ from ._common import TileConfig, default_quant_tile, interpreting, route_path
 # ptxas' report (registers, spills) for both arches; docs/results.md has the table.
 #
 # Kinds (what the operands are; each kind's kernels share a BLOCK_K):
-#     e4m3           native dot_scaled on e4m3 codes: fp8_tensor, mxfp8, fp8_block with UE8M0 scales
+#     e4m3           native dot_scaled on e4m3 codes: fp8_tensor, fp8_channel, mxfp8, fp8_block with UE8M0
+#                    scales
 #     fp8_block      native fp8_block with fp32 scales (BLOCK_K must be 128: one scale per K step)
 #     e2m1           native dot_scaled on packed e2m1: nvfp4, mxfp4 (BLOCK_K >= 64: triton#11776; 256
 #                    spills past 64 x 64 tiles)
@@ -90,7 +91,7 @@ def sm12x_entries(kind: str) -> dict[str, TileConfig]:
 # The e4m3 lessons' portable GEMM on any GPU, and the activation quantizers' tiles
 # ---------------------------------------------------------------------------------------------
 def e4m3_portable_config(M: int, block_k: int = 128) -> TileConfig:
-    """The portable e4m3 GEMM's tile on a GPU (fp8_tensor, fp8_block; mxfp8 with block_k 64), by M,
+    """The portable e4m3 GEMM's tile on a GPU (fp8_tensor, fp8_channel, fp8_block; mxfp8 with block_k 64), by M,
     one program per output tile: M <= 16: 16 x 64, 4 stages; M <= 64: 64 x 64; M <= 256: 64 x 128;
     larger: 128 x 128 with 8 warps."""
     if M <= 16:
@@ -120,8 +121,9 @@ def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, i
 
 
 def _quant_group(fmt: str) -> int:
-    """The BLOCK_K multiple of fmt's quantizer: its scale block (fp8_tensor, which has none: 32)."""
-    return max(spec(fmt).k_multiple, 32) if fmt == "fp8_tensor" else spec(fmt).k_multiple
+    """The BLOCK_K multiple of fmt's quantizer: its scale block (fp8_tensor and fp8_channel, whose scales
+    span K: 32)."""
+    return 32 if spec(fmt).k_multiple == 1 else spec(fmt).k_multiple
 
 
 def quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:

@@ -62,12 +62,13 @@ def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
         from kernels_triton import interpreting
         from kernels_triton.tuning import quant_config, specializations
 
-        from .. import registry
+        from .. import contract, registry
         from ..devices import current_device
 
         dev = current_device() if device is None else device
         r = registry.get(impl, variant).route(registry.Problem(variant, m, n, k, dtype), dev)
-        options = r.options if impl == "hopper" else specializations(fmt, m, k, a16=variant != fmt)
+        v = contract.variant(variant)  # its format and whether it is weight-only (_w4a16, _w8a16)
+        options = r.options if impl == "hopper" else specializations(v.fmt, m, k, a16=v.a16)
         return (r.kernels, r.tile, r.split_k, options, quant_config(m, k, interpreting(), 32), _specialization(m))
     if impl == "cute":
         import kernels_cute

@@ -19,7 +19,7 @@ import dispatch  # noqa: F401  (sets TRITON_INTERPRET before triton is imported,
 import formats
 import kernels_triton
 from conftest import DEVICE, device_name, make_input
-from dispatch import registry
+from dispatch import contract, registry
 from dispatch.devices import current_device
 from dispatch.vllm_plugin import ops, warmup
 from kernels_triton import interpreting
@@ -28,7 +28,15 @@ from kernels_triton import tuning
 from kernels_triton._common import device_capability
 from kernels_triton.tuning import quant_config
 
-VARIANTS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_w4a16", "mxfp4_w4a16")
+
+def _served_by(impl: str) -> tuple[str, ...]:
+    """The variants ``impl`` has a backend for in the registry (not a named gap: mxfp8_w8a16 on
+    triton and hopper, fp8_channel on hopper while kernels_triton.hopper has no module for it)."""
+    return tuple(v for v in contract.VARIANTS if not isinstance(registry.entries()[(impl, v)], registry.UnsupportedEntry))
+
+
+VARIANTS = _served_by("triton")
+HOPPER_VARIANTS = _served_by("hopper")
 SHAPES = ((1024, 2048), (384, 1536))  # (N, K): K a multiple of 128 (block FP8)
 MAX_TOKENS = 2048
 # vLLM's own warmup counts: 1, the CUDA-graph capture sizes (its default list starts like this),
@@ -41,8 +49,7 @@ def _what_m_decides(variant: str, m: int, n: int, k: int) -> tuple:
     the GEMM's tile (the lesson's route with kernels_triton.tuning's tiles, as the triton backend
     passes them), the activation quantizer's tile (quant_config), and Triton's integer
     specialization of M (== 1, divisible by 16: triton.runtime.jit)."""
-    fmt = variant.removesuffix("_w4a16")
-    a16 = variant != fmt
+    fmt, a16 = contract.variant(variant).fmt, contract.variant(variant).a16
     cap = device_capability(torch.device(DEVICE))
     tiles = tuning.tiles(fmt, m, n, k, capability=cap, a16=a16)
     tile = kernels_triton.module(fmt).route(m, n, k, capability=cap, a16=a16, tile=tiles.get("tile")).tile
@@ -79,7 +86,7 @@ def test_cute_buckets_one_per_plan_capacity():
         warmup.route_key("gpu", "nvfp4", 1, 1024, 2048)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HOPPER_VARIANTS)
 def test_hopper_buckets_cover_every_token_count_on_a_described_h200(variant):
     """On an H200 (described) the hopper routes change with M (decode kernels up to 16 rows, split-K,
     the prefill tile): warmup's buckets hold every distinct route of M = 1..max_tokens, read off
@@ -88,8 +95,8 @@ def test_hopper_buckets_cover_every_token_count_on_a_described_h200(variant):
 
     h200 = KNOWN_DEVICES["h200"]
     n, k, max_tokens = 1024, 2048, 1024
-    a16 = variant.endswith("_w4a16")
-    mod = hopper.module(variant.removesuffix("_w4a16"))
+    a16 = contract.variant(variant).a16
+    mod = hopper.module(contract.variant(variant).fmt)
 
     def key(m):
         kw = {"a16": True} if a16 else {}
@@ -168,7 +175,7 @@ def test_no_compile_while_serving_after_warmup(variant, impl):
     from dispatch import policy
 
     n, k = 1024, 2048
-    fmt = variant.removesuffix("_w4a16")
+    fmt = contract.variant(variant).fmt
     dev = current_device(torch.device("cuda"))
     ok, why = registry.verdict(registry.entries()[(impl, variant)], registry.Problem(variant, 1, n, k), dev)
     if not ok:

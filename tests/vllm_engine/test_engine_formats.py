@@ -34,11 +34,10 @@ import torch  # noqa: E402
 # [served]
 SERVED = {
     "FP8": "fp8_tensor",
-    "FP8_DYNAMIC": "refused: B12xDualFp8TensorKernel weight scale is GroupShape(row=-1, col=1)",
+    "FP8_DYNAMIC": "fp8_channel",
     "FP8_BLOCK": "fp8_block",
     "MXFP8": "mxfp8",
-    "MXFP8A16": ("refused: layer model.layers.0.self_attn.qkv_proj: the checkpoint's scheme is compressed-tensors "
-                 "weights float8 group 32 static, input activations none"),
+    "MXFP8A16": "mxfp8_w8a16",
     "MXFP4": "mxfp4",
     "MXFP4A16": "mxfp4_w4a16",
     "NVFP4": "nvfp4",
@@ -202,10 +201,15 @@ def test_modelopt_fp8_weight_loader_survives(served):
 
 @pytest.mark.parametrize("served", SERVING, ids=_id, indirect=True)
 def test_reference_and_triton_agree(served):
+    from dispatch import registry
+
     family, kind, d, llm, _, runs = served
+    gap = registry.entries()[("triton", SERVED[kind])]
+    if isinstance(gap, registry.UnsupportedEntry):  # the registry's named gap (mxfp8_w8a16 until its lesson path lands)
+        pytest.skip(f"triton does not serve {SERVED[kind]}: {gap.reason}")
     ref = [steps for _, steps in runs]
-    assert llm.apply_model(_switch("triton"))[0] == N_LAYERS * len(LINEARS)
-    try:
+    try:  # B12X_IMPL back to reference even when the switch fails (the next checkpoints load under it)
+        assert llm.apply_model(_switch("triton"))[0] == N_LAYERS * len(LINEARS)
         assert {layer[1] for layer in llm.apply_model(_layers)[0].values()} == {"triton"}
         tri = engine_env.generate(llm)
     finally:
