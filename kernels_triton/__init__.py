@@ -13,6 +13,11 @@ tl.dot_scaled, the block-scaled tensor-core MMA on SM120/SM121; portable decodes
 registers and runs a plain tl.dot (Hopper, Ada, the interpreter). ``gemm_path(fmt, capability,
 a16=...) -> (path, reason)`` is the policy, a pure function the dispatcher can report.
 
+Mixture-of-experts: ``kernels_triton.moe`` (also ``kernels_triton.fused_moe``) is the MoE lesson,
+one MoE layer's routed experts in every format over the lessons' public tile helpers:
+``prepare_experts(w13, w2) -> MoEWeights``, ``fused_moe(x, prepared, topk_ids, topk_weights, ...)``,
+``fused_moe_unchecked``, ``route(M, E, top_k, H, I, *, fmt, ...)``, ``align_block_size``.
+
 Routes as data: ``route(M, N, K, *, capability, ...)`` of a format module returns the ``Route``
 (kernels by name, tile, split-K, why) that its ``linear`` launches; ``record_launches()`` lists
 what a block of code actually launched. The lessons share two modules: ``_codecs`` (the
@@ -76,3 +81,12 @@ def gemm(xq, qweight, bias=None, out_dtype=torch.bfloat16, **opts):
 def linear(x: torch.Tensor, qweight, bias=None, **opts):
     """y = x . W^T (+ bias) with the Triton kernels of qweight's format; see the module."""
     return module(qweight.fmt).linear(x, qweight, bias, **opts)
+
+
+from . import moe  # noqa: E402  (the MoE lesson; it imports the five format lessons)
+
+
+def fused_moe(x: torch.Tensor, prepared, topk_ids: torch.Tensor, topk_weights: torch.Tensor, **opts):
+    """One MoE layer's routed experts with the Triton MoE lesson (prepared: moe.prepare_experts(w13,
+    w2)); the options and errors of kernels_triton.moe.fused_moe."""
+    return moe.fused_moe(x, prepared, topk_ids, topk_weights, **opts)

@@ -1,52 +1,55 @@
-"""Per-channel FP8 (W8A8; compressed-tensors FP8_DYNAMIC) in Triton, the lesson: the per-token
-activation quantizer, the portable GEMM, the native SM12x GEMM and the wrappers that route, launch
-and check them, in that order.
+"""Per-channel FP8 (W8A8) in Triton, the lesson: the per-token activation quantizer, the portable
+GEMM, the native SM12x GEMM and the wrappers that route, launch and check them, in that order.
 
 What this file teaches: scales that belong to a whole row of an operand. The weight has one fp32
-scale per output channel (row n of W), the activation one per token (row m of x), so each scale is
-constant along K and still factors out of the K sum, just not as one number:
+scale per output channel (row n of W), the activation one per token (row m of x); each is constant
+along K, so it still leaves the K sum, just not as one number:
 
     y[m, n] = sum_k (qx[m, k] * sx[m]) * (qw[n, k] * sw[n]) + bias[n]
             = (sum_k qx[m, k] * qw[n, k]) * sx[m] * sw[n] + bias[n]
 
-The K loop is fp8_tensor's plain matmul of e4m3 codes; the epilogue multiplies the accumulator tile
-by the outer product of two scale vectors, sx[offs_m] down the rows and sw[offs_n] across the columns.
+The K loop is fp8_tensor's plain matmul of e4m3 codes; the epilogue multiplies the accumulator
+tile by the outer product of two scale vectors, sx[offs_m] down the rows and sw[offs_n] across the
+columns. (compressed-tensors' FP8_DYNAMIC checkpoints, the most common FP8 recipe, are this format.)
 
 1. The quantizer (spec: formats/fp8_channel.py, the oracle; the tile math is
    ``fp8_channel_quantize_tile``), one row at a time:
 
-       sx[m]    = max(amax(|x[m, :]|), AMAX_FLOOR) / 448     (div_rn; or one static ``scale`` for all rows)
-       qx[m, k] = e4m3(x[m, k] / sx[m])                     (div_rn, then RNE with saturation to +-448)
+       sx[m]    = max(amax(|x[m, :]|), AMAX_FLOOR) / 448   (div_rn; or one static ``scale`` for all rows)
+       qx[m, k] = e4m3(x[m, k] / sx[m])                   (div_rn, then RNE with saturation to +-448)
 
-   The amax is a reduction along a row only, so, unlike fp8_tensor's per-tensor amax, it needs no
-   second launch: each program of ``_quantize_kernel`` owns whole rows and walks K twice, once for
-   the amax and once for the codes (a static scale skips the first walk).
+   The amax is a reduction along a row only, so, unlike fp8_tensor's, it needs no second launch:
+   ``_quantize_kernel`` gives each program whole rows and walks K twice, once for the amax and once
+   for the codes (a static ``scale`` skips the first walk).
 
 2. The portable GEMM (``_portable_gemm_kernel``), one program per [BLOCK_M, BLOCK_N] output tile:
 
-       acc = 0                                           (fp32 [BLOCK_M, BLOCK_N])
+       acc = 0                                        (fp32 [BLOCK_M, BLOCK_N])
        for k0 in range(0, K, BLOCK_K):
-           acc = dot(qx[offs_m, k0:k0+BLOCK_K], qw[offs_n, k0:k0+BLOCK_K]^T, acc)
-       y = acc * (sx[offs_m][:, None] * sw[offs_n][None, :]) + bias[offs_n]     (``_epilogue``)
+           a = qx[offs_m, k0:k0+BLOCK_K]              (e4m3 [BLOCK_M, BLOCK_K])
+           b = qw[offs_n, k0:k0+BLOCK_K]^T            (e4m3 [BLOCK_K, BLOCK_N])
+           acc = dot(a, b, acc)                       (fp32 accumulation)
+       y = acc * (sx[offs_m][:, None] * sw[offs_n][None, :]) + bias   (``_epilogue``)
 
-   On a GPU the e4m3 tiles go straight into tl.dot (on Hopper with max_num_imprecise_acc = 128, as
-   fp8_tensor); under the interpreter the codes are dequantized to fp32 first
+   On GPU the e4m3 tiles go straight into tl.dot (on Hopper with max_num_imprecise_acc = 128, as
+   in fp8_tensor); under the interpreter the codes are dequantized to fp32 first
    (``fp8_channel_dequantize_tile``: exact).
 
 3. The native SM12x GEMM (``_native_gemm_kernel``): fp8_tensor's, the codes through tl.dot_scaled
    with every E8M0 scale 127 (2^0) for the full-rate block-scaled MMA (triton#11320). The row and
-   column scales stay in the epilogue: the MMA's own scales are powers of two per 32 elements of K
-   and cannot hold sx[m] or sw[n].
+   column scales stay in the epilogue: the MMA's own scales are powers of two per 32 elements of K,
+   which cannot hold sx[m] or sw[n].
 
-4. ``route``, the launchers, then the public functions: ``quantize_activation``, ``gemm``, ``linear``
-   (its argument checks, then ``linear_unchecked``). Tiles: the caller's ``tile=`` / ``quant_tile=``
-   (kernels_triton.tuning), else ``tile_config``.
+4. ``route`` (which kernels a call launches, with which tile, and why), the launchers, then the
+   public functions: ``quantize_activation``, ``gemm``, ``linear`` (its argument checks, then
+   ``linear_unchecked``). Tiles: the caller's ``tile=`` / ``quant_tile=`` (kernels_triton.tuning),
+   else ``tile_config``.
 
 Constraints: any K >= 1 (no block structure); x bf16/fp16 [..., K]; weight a linear-layout
 fp8_channel QuantizedTensor [N, K] (scale float32 [N]). NaN/Inf in x follow the non-finite rule of
-docs/formats.md: with the dynamic scales the row's scale becomes NaN and every code of the row 0x7F;
-with a static scale the element's code is 0x7F; either way only that row of y is NaN. An all-zero
-row has the finite scale AMAX_FLOOR / 448 and zero codes, so its output row is the bias.
+docs/formats.md: with the dynamic scales the row's scale becomes NaN and its codes 0x7F; with a
+static scale the element's code is 0x7F; either way only that row of y is NaN. An all-zero row has
+the finite scale AMAX_FLOOR / 448 and zero codes, so its output row is the bias.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ IMPRECISE_ACC = 128
 # == 1. The activation quantizer ==================================================================
 @triton.jit
 def fp8_channel_quantize_tile(x, scale):
-    """x fp32 [BLOCK_M, BLOCK_K] and its rows' scales fp32 [BLOCK_M] -> e4m3 codes uint8
+    """x fp32 [BLOCK_M, BLOCK_K] and each row's scale fp32 [BLOCK_M] -> e4m3 codes uint8
     e4m3(x / scale[:, None]); NaN/Inf become 0x7F, with a static scale too (the non-finite rule)."""
     return encode_e4m3(tl.math.div_rn(nan_if_nonfinite(x), scale[:, None]))
 
@@ -112,7 +115,8 @@ def _quantize_kernel(
             # x tile [BLOCK_M, BLOCK_K]; masked elements read as 0, which never raises a max of |x|
             x = tl.load(x_rows + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.max(abs_or_inf(x.to(tl.float32)), axis=1))  # +Inf marks a NaN/Inf
-        # div_rn: IEEE division, as the oracle's torch division; NaN for a row that held a NaN/Inf
+        # div_rn: IEEE division, as the oracle's torch division (plain / may be approximate on GPU);
+        # NaN for a row that held a NaN/Inf, so every code of that row becomes 0x7F
         scale = tl.math.div_rn(amax_or_nan(amax, _AMAX_FLOOR), _E4M3_MAX)
     tl.store(scale_ptr + offs_m, scale, mask=m_ok)
 
@@ -120,24 +124,24 @@ def _quantize_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = m_ok[:, None] & (offs_k[None, :] < K)
-        x = tl.load(x_rows + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
-        q = fp8_channel_quantize_tile(x.to(tl.float32), scale)
-        tl.store(q_rows + offs_k[None, :].to(tl.int64) * stride_qk, q, mask=mask)
+        x = tl.load(x_rows + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_rows + offs_k[None, :].to(tl.int64) * stride_qk, fp8_channel_quantize_tile(x, scale), mask=mask)
 
 
 # == 2. The portable GEMM: y = (qx . qw^T) * sx[m] * sw[n] + bias =================================
 @triton.jit
 def fp8_channel_dequantize_tile(codes):
     """e4m3 codes (uint8, any shape) -> their fp32 values, exactly; the row scales are not applied
-    here: they are constant along K and meet in the epilogue."""
+    here: they factor out of the K sum and meet in the epilogue."""
     return dequantize_e4m3(codes)
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, sx_ptr, sw_ptr, bias_ptr,
+def _epilogue(acc, offs_m, m_ok, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr,
               HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 * (sx[offs_m] x sw[offs_n]), then _common.epilogue's bias and
-    bf16 rounding. The two scales meet first (their outer product): acc * sx alone can overflow."""
+    bf16 rounding. The two scale vectors meet first (their outer product): acc * sx alone can
+    overflow where y does not."""
     sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)  # [BLOCK_M]: the tokens' scales
     sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)  # [BLOCK_N]: the channels' scales
     return epilogue(acc * (sx[:, None] * sw[None, :]), offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr,
@@ -177,14 +181,15 @@ def _portable_gemm_kernel(
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if DOT_FP8:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)  # Hopper: fp32 every 128 products
+            # Hopper: promote the fp8 wgmma accumulator into fp32 every IMPRECISE_ACC products
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         else:
             acc = tl.dot(fp8_channel_dequantize_tile(a), fp8_channel_dequantize_tile(b), acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
     # ----- epilogue: sx down the rows, sw across the columns, then the bias -----
-    y = _epilogue(acc, offs_m, offs_n, m_ok, n_ok, sx_ptr, sw_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
+    y = _epilogue(acc, offs_m, m_ok, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -204,8 +209,9 @@ def _native_gemm_kernel(
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """y = (qx . qw^T) * sx[m] * sw[n] + bias with every 32 codes scaled by 2^0 inside the MMA (E8M0
-    byte 127: the full-rate kind::mxf8f6f4 instruction, where a plain fp8 tl.dot runs at half rate)."""
+    """y = (qx . qw^T) * sx[m] * sw[n] + bias with every 32 codes scaled by 2^0 inside the MMA: on
+    SM120 tl.dot_scaled with E8M0 byte 127 (= 1.0) lowers to the full-rate kind::mxf8f6f4
+    block-scaled instruction, where a plain fp8 tl.dot runs at half rate (triton#11320)."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MMA's 32-element scale block")
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -227,7 +233,7 @@ def _native_gemm_kernel(
         acc = tl.dot_scaled(a, unit_a, "e4m3", b.T, unit_b, "e4m3", acc)
 
     # ----- epilogue: sx down the rows, sw across the columns, then the bias -----
-    y = _epilogue(acc, offs_m, offs_n, m_ok, n_ok, sx_ptr, sw_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
+    y = _epilogue(acc, offs_m, m_ok, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, HAS_BIAS=HAS_BIAS, ROUND_BF16=ROUND_BF16)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -256,21 +262,22 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
           path: Optional[str] = None, tile: Optional[TileConfig] = None, scale=None) -> Route:
     """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1])) and a weight [N, K] on a
     device of ``capability`` ((major, minor); None: the interpreter), with ``linear``'s options (a
-    static ``scale`` skips the quantizer's amax walk inside the same kernel; neither it nor sm_count
-    changes the route). Pure: no GPU needed. ValueError: a16=True (no weight-only mode), a negative
-    size, or a path route_path refuses."""
+    static ``scale`` skips a walk inside the same quantizer; neither it nor sm_count changes the
+    route). Pure: no GPU needed. ValueError: a16=True (no weight-only mode), a negative size, or a
+    path route_path refuses."""
     return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
 
 # == 5. The launchers (operands checked by the caller) ============================================
 def _quantize(x2: torch.Tensor, scale, quant_tile) -> QuantizedTensor:
-    """quantize_activation on x2 [M, K]: one quantize kernel, whole rows per program."""
+    """quantize_activation on x2 [M, K]: one quantize kernel, whole rows per program (BLOCK_M rows,
+    K walked BLOCK_K columns at a time)."""
     M, K = x2.shape
     s = torch.empty((M,), dtype=torch.float32, device=x2.device)
     data = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
+    static = s if scale is None else static_scale(scale, x2.device)  # s: an unread placeholder pointer
     if M:
-        static = s if scale is None else static_scale(scale, x2.device)  # s: an unread placeholder pointer
-        block_m, block_k = quant_tile or default_quant_tile(M, K, 16)
+        block_m, block_k = quant_tile or default_quant_tile(M, K, 32)
         q = data.view(torch.uint8)
         launch(_quantize_kernel, (triton.cdiv(M, block_m),),
                x2, q, s, static,
@@ -313,13 +320,13 @@ def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> t
 
 # == 6. The public functions: check, then launch ==================================================
 def quantize_activation(x: torch.Tensor, *, scale=None, quant_tile: Optional[tuple[int, int]] = None) -> QuantizedTensor:
-    """x bf16/fp16 [..., K] (any K >= 1, any strides; NaN/Inf: docs/formats.md's non-finite rule)
-    -> QuantizedTensor(fp8_channel activation, data float8_e4m3fn [M, K], scale float32 [M],
-    block_shape (1, K)), bit for bit ``formats.quantize(x, "fp8_channel", role="activation",
-    scale=scale)``. scale: one static positive scale for every row (number or 0-d tensor, e.g. a
-    calibrated per-tensor input_scale); None: per row max(amax, AMAX_FLOOR) / 448. quant_tile:
-    (BLOCK_M, BLOCK_K) of a program (BLOCK_M rows, walked BLOCK_K columns at a time). ValueError: x
-    not bf16/fp16 with K >= 1, a non-positive or non-finite scale."""
+    """x bf16/fp16 [..., K] (any K >= 1, any strides; NaN/Inf: docs/formats.md's non-finite rule,
+    its row's scale is NaN) -> QuantizedTensor(fp8_channel activation, data float8_e4m3fn [M, K],
+    scale float32 [M], block_shape (1, K)), bit for bit ``formats.quantize(x, "fp8_channel",
+    role="activation", scale=scale)``. scale: one static positive scale for every row (number or
+    0-d tensor, e.g. a calibrated per-tensor input_scale); None: each row's max(amax, AMAX_FLOOR) /
+    448. quant_tile: (BLOCK_M, BLOCK_K) of a program (BLOCK_M rows, K walked BLOCK_K at a time).
+    ValueError: x not bf16/fp16 with K >= 1, a non-positive or non-finite scale."""
     check_activation(x, None, K_MULTIPLE, FMT)
     return _quantize(flatten_rows(x), scale, quant_tile)
 
@@ -331,8 +338,8 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     fp32/bf16/fp16, added in fp32): natively the block-scaled MMA with unit scales, portably a plain
     fp8 tl.dot. xq: fp8_channel activation [M, K] (scale float32 [M]); qweight: fp8_channel weight
     [N, K] (scale float32 [N]). path: None (gemm_path's) or forced; tile: the GEMM's tile.
-    ValueError: a wrong operand (format, role, K, device, a scale vector of the wrong length), bias
-    or out_dtype, or a path route_path refuses."""
+    ValueError: a wrong operand (format, role, K, device, a scale of the wrong length), bias or
+    out_dtype, or a path route_path refuses."""
     M, N, K = check_gemm_operands(xq, qweight, bias, out_dtype, FMT)
     check_quantized_activation(xq, FMT, K)  # its scale vector too: the epilogue reads sx[0:M]
     _, path, tile = _plan(M, N, K, device_capability(qweight.device), path=path, tile=tile)
@@ -346,7 +353,7 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tenso
     (quantize_activation's ``scale``); exactly the kernels of ``route``. x: bf16/fp16 [..., K], any
     strides; qweight: fp8_channel [N, K] on x's device. path, tile, quant_tile: as gemm and
     quantize_activation. ValueError naming the argument: x (dtype, K, device), the weight (its
-    format, its scale length), bias, a bad static scale or path."""
+    scale length too), bias, a bad static scale, or a bad path."""
     check_linear(x, qweight, bias, FMT, K_MULTIPLE)
     return linear_unchecked(x, qweight, bias, scale=scale, path=path, tile=tile, quant_tile=quant_tile)
 
@@ -355,7 +362,8 @@ def linear_unchecked(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[t
                      scale=None, path: Optional[str] = None, tile: Optional[TileConfig] = None,
                      quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """``linear`` without its argument checks, for a caller that made them (dispatch's bound call):
-    the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers."""
+    the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers (a
+    static ``scale`` number is still read by static_scale: ValueError for a bad one)."""
     N, K = qweight.shape
     x2 = flatten_rows(x)
     _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), path=path, tile=tile)

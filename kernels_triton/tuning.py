@@ -35,8 +35,8 @@ from ._common import TileConfig, default_quant_tile, interpreting, route_path
 # ptxas' report (registers, spills) for both arches; docs/results.md has the table.
 #
 # Kinds (what the operands are; each kind's kernels share a BLOCK_K):
-#     e4m3           native dot_scaled on e4m3 codes: fp8_tensor, fp8_channel (unit scales, fp32 scales in
-#                    the epilogue), mxfp8, fp8_block with UE8M0 scales
+#     e4m3           native dot_scaled on e4m3 codes: fp8_tensor, fp8_channel, mxfp8, fp8_block with UE8M0
+#                    scales
 #     fp8_block      native fp8_block with fp32 scales (BLOCK_K must be 128: one scale per K step)
 #     e2m1           native dot_scaled on packed e2m1: nvfp4, mxfp4 (BLOCK_K >= 64: triton#11776; 256
 #                    spills past 64 x 64 tiles)
@@ -121,15 +121,15 @@ def quant_config(M: int, K: int, interpreting: bool, group: int) -> tuple[int, i
     return 32, max(group, 128)
 
 
+def _quant_group(fmt: str) -> int:
+    """The BLOCK_K multiple of fmt's quantizer: its scale block (fp8_tensor and fp8_channel, whose scales
+    span K: 32)."""
+    return 32 if spec(fmt).k_multiple == 1 else spec(fmt).k_multiple
+
+
 # The quantizers whose grid is rows only: a program owns whole rows and walks K (fp8_channel's
 # per-token amax). They take one row per program at every M; a 32-row tile would leave M / 32 programs.
 WHOLE_ROW_QUANTIZERS = ("fp8_channel",)
-
-
-def _quant_group(fmt: str) -> int:
-    """The BLOCK_K multiple of fmt's quantizer: its scale block; for the formats with none, the one
-    their lesson's default takes (fp8_tensor 32, fp8_channel 16)."""
-    return {"fp8_tensor": 32, "fp8_channel": 16}.get(fmt, spec(fmt).k_multiple)
 
 
 def _gpu_quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:
@@ -157,8 +157,7 @@ def tiles(fmt: str, M: int, N: int, K: int, *, capability: Optional[tuple[int, i
     fast ones). The GEMM path is the lesson's own (_common.route_path, ``path`` forced or not).
 
     Native path: the SM12x table of its kind; portable FP4: the "e2m1_portable" table; portable
-    e4m3 (fp8_tensor, fp8_channel, fp8_block, mxfp8): e4m3_portable_config (mxfp8's 64-deep K steps:
-    its dequantized tiles live in registers). quant_tile: quant_tile's on a GPU.
+    e4m3: e4m3_portable_config (mxfp8's 64-deep K steps: its dequantized tiles live in registers).
     Raises ValueError where route_path does (an unknown fmt or path, a16 without W4A16, ...)."""
     if capability is None:
         return {}
@@ -186,8 +185,8 @@ def specializations(fmt: str, M: int, K: int, *, a16: bool = False) -> tuple:
     """What a kernels_triton.<fmt> linear at M rows compiles beyond its route (kernels and tile), as
     far as M decides it, with the quantizer tile of ``quant_tile``: that tile, and for the
     dynamic-scale quantizers (nvfp4, fp8_tensor) the class of the amax partial count and nvfp4's
-    BLOCK_P (fp8_channel's whole-row quantizer passes no M-derived int but M itself); () for W4A16
-    (no quantizer). A warmup that runs one M per distinct value compiles every variant a call can need."""
+    BLOCK_P; () for W4A16 (no quantizer). A warmup that runs one M per distinct value compiles every
+    variant a call can need."""
     if a16:
         return ()
     block_m, block_k = quant_tile(fmt, M, K)

@@ -50,6 +50,7 @@ WANT = {
     "mxfp4": ("kind::mxf4nvf4.block_scale.scale_vec::2X", "e2m1.e2m1.f32.ue8m0"),
     "e4m3": ("kind::mxf8f6f4.block_scale.scale_vec::1X", "e4m3.e4m3.f32.ue8m0"),
     "bf16": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",),
+    "tf32": ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",),
 }
 PDL_WANT = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
 
@@ -130,7 +131,7 @@ def builds() -> list[Build]:
                                  WANT["bf16"], (),
                                  {"a_ptr": f"*{act}", **({"gx_ptr": "*fp32", "gw_ptr": "*fp32"} if e4m3_scales
                                                          else {})}, c))
-    return out + chain_builds()
+    return out + chain_builds() + moe_builds()
 
 
 def chain_builds() -> list[Build]:
@@ -138,6 +139,54 @@ def chain_builds() -> list[Build]:
     launch without PDL (the PDL chains are kernels_triton.hopper's, sm_90 only). Kept so that a
     chain kernel added to a lesson is built here (PDL_WANT checked)."""
     return []
+
+
+def moe_builds() -> list[Build]:
+    """kernels_triton.moe as SM12x launches it with its default GPU tiles (top_k 8 of 128 experts;
+    M = 64 tokens: BLOCK_M 16, 512: 32, 4096: 64): the grouped GEMM for W13 (gate and up, the
+    activation in the epilogue) and W2 (router weights, scatter), natively for each format and
+    portably (TF32) for the weight-only variants; the activation quantizer and the amax kernel."""
+    sys.path.insert(0, ROOT)
+    from formats import spec
+    from kernels_triton import moe
+
+    out = []
+    for fmt, a16 in [(f, False) for f in moe.FORMATS] + [(f, True) for f in moe.A16_FORMATS]:
+        path = "portable" if a16 else "native"
+        fp32_scales = {"sa_ptr": "*fp32", "sw_ptr": "*fp32"} if fmt == "fp8_block" else {}
+        for M, gated in ((4096, True), (512, True), (64, True), (4096, False), (64, False)):  # BLOCK_M 64, 32, 16
+            cfg = moe.tile_config(M, 128, 8, 4096, 1536, fmt, path, (12, 0))
+            types = {"ta_ptr": "*fp32", "tw_ptr": "*fp32", "bias_ptr": "*fp32", "topk_w_ptr": "*fp32",
+                     "slot_ptr": "*i32", "expert_ptr": "*i32", "alpha": "fp32", "limit": "fp32",
+                     "out_ptr": "*bf16" if gated and a16 else "*fp32", **fp32_scales}
+            if a16:
+                types["a_ptr"] = "*bf16"
+            c = dict(FMT=moe.FORMATS.index(fmt), VEC=(spec(fmt).activation_block or (1, 32))[1], NATIVE=not a16,
+                     A16=a16, GATHER=a16 and gated, GATED=gated, ACT=1 if gated else 0, HAS_BIAS=True, TOP_K=8,
+                     BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+            want = WANT["tf32"] if a16 else WANT["e4m3" if spec(fmt).element == "e4m3" else fmt]
+            out.append(Build(f"moe {fmt}{' weight-only' if a16 else ''} {path} {'W13' if gated else 'W2'} M={M}", fmt,
+                             path, "moe", "moe:_grouped_gemm_kernel", str(cfg), cfg.num_warps, cfg.num_stages,
+                             want, () if a16 else NATIVE_AVOID, types, c))
+        if a16:
+            continue
+        # the activation quantizer of each GEMM input (x gathered by token, or the fp32 intermediate),
+        # with the per-expert amax reduction where the format has a dynamic per-tensor value
+        for gather in (True, False):
+            types = {"src_ptr": "*bf16" if gather else "*fp32", "slot_ptr": "*i32", "expert_ptr": "*i32",
+                     "first_block_ptr": "*i32", "partial_ptr": "*fp32", "static_ptr": "*fp32", "t_ptr": "*fp32",
+                     "s_ptr": "*fp32" if fmt == "fp8_block" else "*u8"}
+            dynamic = fmt in ("fp8_tensor", "nvfp4")
+            c = dict(FMT=moe.FORMATS.index(fmt), VEC=(spec(fmt).activation_block or (1, 32))[1], RULE=0,
+                     DYNAMIC=dynamic, GATHER=gather, TOP_K=8, BLOCK_M=cfg.BLOCK_M, BLOCK_K=128, BLOCK_P=16)
+            out.append(Build(f"moe {fmt} quantize {'x' if gather else 'intermediate'}", fmt, "quantize", "moe",
+                             "moe:_quantize_kernel", f"{cfg.BLOCK_M}x128", 4, 2, (), (), types, c))
+            if fmt == "fp8_tensor":  # the amax kernel does not depend on the format (one build: one binary)
+                out.append(Build(f"moe amax {'x' if gather else 'intermediate'}", fmt, "quantize", "moe",
+                                 "moe:_amax_kernel", f"{cfg.BLOCK_M}x128", 4, 2, (), (),
+                                 {k: types[k] for k in ("src_ptr", "slot_ptr", "expert_ptr", "partial_ptr")},
+                                 dict(GATHER=gather, TOP_K=8, BLOCK_M=cfg.BLOCK_M, BLOCK_K=128)))
+    return out
 
 
 def _signature(fn, b: Build) -> tuple[dict, dict, dict]:
@@ -163,8 +212,8 @@ def _signature(fn, b: Build) -> tuple[dict, dict, dict]:
             sig[name] = b.types.get(name, default)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[name] = "i32"
-            if name != "M":
+            sig[name] = b.types.get(name, "i32")
+            if name not in ("M", "n_slots") and sig[name] == "i32":  # n_slots = M * top_k, like M
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, const, attrs
 

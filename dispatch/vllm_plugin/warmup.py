@@ -51,9 +51,8 @@ def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
     triton / hopper: the backend's route on ``device`` (a DeviceInfo; None: this process's device),
     i.e. the kernels it launches, their tile and split-K and the Triton specialization classes of the
     M-derived ints it passes (a hopper route's ``options``; for the triton lessons
-    ``kernels_triton.tuning.specializations`` of the variant's format and weight-only mode: the
-    quantizer's tile and amax partial count), plus the hopper quantizers' tile
-    (``kernels_triton.tuning.quant_config``, the same M rule for every format) and M's Triton
+    ``kernels_triton.tuning.specializations``: the quantizer's tile and amax partial count), plus the
+    activation quantizer's tile (``kernels_triton.tuning.quant_config``, the same M rule for every format) and M's Triton
     specialization. cute: the b12x plan capacity ``cap_for(next_pow2(M), K)`` that kernels_cute
     plans for an unprepared M. reference: nothing (torch only). Raises ValueError for another impl.
     """
@@ -68,7 +67,7 @@ def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
 
         dev = current_device() if device is None else device
         r = registry.get(impl, variant).route(registry.Problem(variant, m, n, k, dtype), dev)
-        v = contract.variant(variant)  # its format and weight-only mode (W4A16 / W8A16)
+        v = contract.variant(variant)  # its format and whether it is weight-only (_w4a16, _w8a16)
         options = r.options if impl == "hopper" else specializations(v.fmt, m, k, a16=v.a16)
         return (r.kernels, r.tile, r.split_k, options, quant_config(m, k, interpreting(), 32), _specialization(m))
     if impl == "cute":

@@ -206,13 +206,12 @@ def test_route_names_the_launches():
         r = mod.route(5, 40, 128, capability=None, path=path)
         with record_launches() as got:
             mod.linear(x, w, path=path)
-        assert list(r.kernels) == got == ["_quantize_kernel", f"_{path}_gemm_kernel"]
-        assert r.tile == str(mod.tile_config(5, 40, 128, path, None))
+        assert list(r.kernels) == got and r.tile == str(mod.tile_config(5, 40, 128, path, None))
     assert mod.route(0, 40, 128).kernels == ()
-    assert mod.route(5, 0, 128).kernels == ("_quantize_kernel",)  # no output: the quantizer alone
+    assert mod.route(5, 0, 128).kernels == ("_quantize_kernel",)  # no output columns: no GEMM to launch
     assert mod.route(5, 40, 128, capability=(12, 0)).kernels[-1] == "_native_gemm_kernel"
     assert mod.route(5, 40, 128, capability=(9, 0)).kernels[-1] == "_portable_gemm_kernel"
-    with pytest.raises(ValueError, match=r"a16=True \(W4A16\) exists for .*got 'fp8_channel'"):
+    with pytest.raises(ValueError, match=r"a16=True \(W4A16\) exists for .*'fp8_channel'"):
         mod.route(5, 40, 128, a16=True)
 
 

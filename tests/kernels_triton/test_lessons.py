@@ -1,12 +1,14 @@
-"""The six lessons as lessons: one skeleton with one set of names in one order, imports that stay
-inside the lessons' support (never kernels_triton.tuning, never hopper/), and the tuned tiles that
-come in from outside through ``tile=`` / ``quant_tile=`` (kernels_triton.tuning) and nowhere else.
+"""The six lessons (one per format) as lessons: one skeleton with one set of names in one order,
+imports that stay inside the lessons' support (never kernels_triton.tuning, never hopper/), and the
+tuned tiles that come in from outside through ``tile=`` / ``quant_tile=`` (kernels_triton.tuning)
+and nowhere else.
 
 The import and skeleton checks read the source (ast), so they hold whatever runs; the tile checks
 run the kernels under the interpreter (or on the GPU there is) against the float64 oracle with the
 bound of conftest.gemm_bound (exact products, fp32 sums, one rounding to the output dtype).
 
-Modules: the six lessons, their support kernels_triton/_common.py and kernels_triton/_codecs.py.
+Modules: the six lessons (kernels_triton/fp8_tensor.py, fp8_channel.py, fp8_block.py, mxfp8.py,
+nvfp4.py, mxfp4.py), their support kernels_triton/_common.py and kernels_triton/_codecs.py.
 """
 
 from __future__ import annotations
@@ -146,11 +148,13 @@ def test_tuned_tiles_reach_the_route_on_described_sm12x_devices(fmt, cap):
         mod = kernels_triton.module(fmt)
         assert mod.route(M, 4096, 4096, capability=cap, tile=t["tile"]).tile == str(want)
         assert mod.route(M, 4096, 4096, capability=cap).tile == str(mod.tile_config(M, 4096, 4096, None, cap))
+        # the quantizer's BLOCK_K multiple: its scale block, or 32 where the scales span K (fp8_tensor,
+        # fp8_channel)
+        group = 32 if fmt in ("fp8_tensor", "fp8_channel") else spec(fmt).k_multiple
         if fmt in tuning.WHOLE_ROW_QUANTIZERS:  # a program owns whole rows: one row each at every M
             assert t["quant_tile"] == (1, tuning.QUANT_DECODE_ROW_BLOCK)
         else:
-            assert t["quant_tile"] == tuning.quant_config(M, 4096, False, max(32, spec(fmt).k_multiple)
-                                                          if fmt == "fp8_tensor" else spec(fmt).k_multiple)
+            assert t["quant_tile"] == tuning.quant_config(M, 4096, False, group)
 
 
 def test_tuning_passes_nothing_for_the_interpreter_and_refuses_what_the_lesson_refuses():

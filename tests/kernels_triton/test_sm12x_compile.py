@@ -144,3 +144,21 @@ def test_lesson_default_tiles_are_compiled_entries(fmt, arch):
     if fp4:
         tile = mod.tile_config(64, 4096, 4096, capability=cap, a16=True)
         assert str(tile) in {str(c) for c in tuning.sm12x_entries("e2m1_portable").values()}
+
+
+def test_moe_kernels_are_built():
+    """kernels_triton.moe's kernels are in the build list as SM12x launches them: the grouped GEMM for
+    W13 (gated) and W2 of every format natively, of the weight-only variants portably (TF32), at each
+    BLOCK_M its GPU tile takes (16, 32, 64), and the activation quantizer of both GEMM inputs."""
+    from kernels_triton import moe
+
+    names = {b.name for b in BUILDS}
+    for fmt, a16 in [(f, False) for f in moe.FORMATS] + [(f, True) for f in moe.A16_FORMATS]:
+        kind = "weight-only portable" if a16 else "native"
+        for gemm, M in (("W13", 4096), ("W13", 512), ("W13", 64), ("W2", 4096), ("W2", 64)):
+            assert f"moe {fmt} {kind} {gemm} M={M}" in names
+        if not a16:
+            assert {f"moe {fmt} quantize x", f"moe {fmt} quantize intermediate"} <= names
+    assert {"moe amax x", "moe amax intermediate"} <= names
+    assert {moe.tile_config(M, 128, 8, 4096, 1536, "mxfp4", "native", (12, 0)).BLOCK_M for M in (64, 512, 4096)} \
+        == {16, 32, 64}

