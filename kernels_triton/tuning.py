@@ -6,7 +6,8 @@ triton backend) passes them into a lesson's functions as ``tile=`` and ``quant_t
     SM12x tables     ``sm12x_config(kind, M, ...)``, ``sm12x_entries(kind)``: the native kernels and
                      the portable FP4 kernel on SM120/SM121 (RTX PRO 6000, RTX 5090/5080, GB10)
     e4m3 by M        ``e4m3_portable_config(M, block_k)``: the e4m3 lessons' portable GEMM on a GPU
-    quantizer tiles  ``quant_config(M, K, interpreting, group)``: one row per program at decode
+    quantizer tiles  ``quant_config(M, K, interpreting, group)``, ``quant_tile(fmt, M, K)``: one row per
+                     program at decode (at every M for fp8_channel's whole-row quantizer)
     warmup           ``int_specialization(n)``, ``specializations(fmt, M, K)``: the M-derived
                      launch values Triton compiles a kernel once per class of
 """
@@ -126,10 +127,23 @@ def _quant_group(fmt: str) -> int:
     return 32 if spec(fmt).k_multiple == 1 else spec(fmt).k_multiple
 
 
+# The quantizers whose grid is rows only: a program owns whole rows and walks K (fp8_channel's
+# per-token amax). They take one row per program at every M; a 32-row tile would leave M / 32 programs.
+WHOLE_ROW_QUANTIZERS = ("fp8_channel",)
+
+
+def _gpu_quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:
+    """The quantizer tile on a GPU: quant_config's, or one row per program (WHOLE_ROW_QUANTIZERS)."""
+    if fmt in WHOLE_ROW_QUANTIZERS:
+        return 1, max(_quant_group(fmt), QUANT_DECODE_ROW_BLOCK)
+    return quant_config(M, K, False, _quant_group(fmt))
+
+
 def quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:
-    """The ``quant_tile=`` of a kernels_triton.<fmt> quantizer call on x [M, K] in this process
-    (quant_config: the lessons' own tile under the interpreter, the decode row on a GPU)."""
-    return quant_config(M, K, interpreting(), _quant_group(fmt))
+    """The ``quant_tile=`` of a kernels_triton.<fmt> quantizer call on x [M, K] in this process: the
+    lessons' own tile under the interpreter (quant_config), on a GPU the decode row (M <= 16; every M
+    for WHOLE_ROW_QUANTIZERS) or 32 x 128."""
+    return quant_config(M, K, True, _quant_group(fmt)) if interpreting() else _gpu_quant_tile(fmt, M, K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +169,7 @@ def tiles(fmt: str, M: int, N: int, K: int, *, capability: Optional[tuple[int, i
         tile = sm12x_config("e2m1_portable", M)
     else:
         tile = e4m3_portable_config(M, 64 if fmt == "mxfp8" else 128)
-    return {"tile": tile, "quant_tile": quant_config(M, K, False, _quant_group(fmt))}  # a GPU's, not this process's
+    return {"tile": tile, "quant_tile": _gpu_quant_tile(fmt, M, K)}  # a GPU's, not this process's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +183,7 @@ def int_specialization(n: int) -> str:
 
 def specializations(fmt: str, M: int, K: int, *, a16: bool = False) -> tuple:
     """What a kernels_triton.<fmt> linear at M rows compiles beyond its route (kernels and tile), as
-    far as M decides it, with the quantizer tile of ``tiles`` (quant_config): that tile, and for the
+    far as M decides it, with the quantizer tile of ``quant_tile``: that tile, and for the
     dynamic-scale quantizers (nvfp4, fp8_tensor) the class of the amax partial count and nvfp4's
     BLOCK_P; () for W4A16 (no quantizer). A warmup that runs one M per distinct value compiles every
     variant a call can need."""
@@ -185,6 +199,6 @@ def specializations(fmt: str, M: int, K: int, *, a16: bool = False) -> tuple:
     return ((block_m, block_k),)
 
 
-__all__ = ["KINDS", "QUANT_DECODE_ROW_BLOCK", "SM12X_SMEM_PER_BLOCK", "SM12X_SM_COUNTS", "default_quant_tile",
-           "e4m3_portable_config", "int_specialization", "quant_config", "quant_tile", "sm12x_config",
-           "sm12x_entries", "specializations", "tiles"]
+__all__ = ["KINDS", "QUANT_DECODE_ROW_BLOCK", "SM12X_SMEM_PER_BLOCK", "SM12X_SM_COUNTS", "WHOLE_ROW_QUANTIZERS",
+           "default_quant_tile", "e4m3_portable_config", "int_specialization", "quant_config", "quant_tile",
+           "sm12x_config", "sm12x_entries", "specializations", "tiles"]

@@ -26,7 +26,6 @@ from kernels_triton import interpreting
 from dispatch.devices import KNOWN_DEVICES
 from kernels_triton import tuning
 from kernels_triton._common import device_capability
-from kernels_triton.tuning import quant_config
 
 
 def _served_by(impl: str) -> tuple[str, ...]:
@@ -47,13 +46,14 @@ VLLM_COUNTS = warmup.token_counts((1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 
 def _what_m_decides(variant: str, m: int, n: int, k: int) -> tuple:
     """What a Triton call at M tokens compiles on this process's device, read off the kernel modules:
     the GEMM's tile (the lesson's route with kernels_triton.tuning's tiles, as the triton backend
-    passes them), the activation quantizer's tile (quant_config), and Triton's integer
-    specialization of M (== 1, divisible by 16: triton.runtime.jit)."""
+    passes them), the activation quantizer's tile (tuning.quant_tile: the one the backend passes on
+    a GPU, the lesson's own under the interpreter), and Triton's integer specialization of M (== 1,
+    divisible by 16: triton.runtime.jit)."""
     fmt, a16 = contract.variant(variant).fmt, contract.variant(variant).a16
     cap = device_capability(torch.device(DEVICE))
     tiles = tuning.tiles(fmt, m, n, k, capability=cap, a16=a16)
     tile = kernels_triton.module(fmt).route(m, n, k, capability=cap, a16=a16, tile=tiles.get("tile")).tile
-    return tile, quant_config(m, k, interpreting(), 32), m == 1, m % 16 == 0
+    return tile, tuning.quant_tile(fmt, m, k), m == 1, m % 16 == 0
 
 
 def _uncovered(variant, n, k, counts, max_tokens=MAX_TOKENS) -> list[int]:

@@ -151,7 +151,10 @@ def test_tuned_tiles_reach_the_route_on_described_sm12x_devices(fmt, cap):
         # the quantizer's BLOCK_K multiple: its scale block, or 32 where the scales span K (fp8_tensor,
         # fp8_channel)
         group = 32 if fmt in ("fp8_tensor", "fp8_channel") else spec(fmt).k_multiple
-        assert t["quant_tile"] == tuning.quant_config(M, 4096, False, group)
+        if fmt in tuning.WHOLE_ROW_QUANTIZERS:  # a program owns whole rows: one row each at every M
+            assert t["quant_tile"] == (1, tuning.QUANT_DECODE_ROW_BLOCK)
+        else:
+            assert t["quant_tile"] == tuning.quant_config(M, 4096, False, group)
 
 
 def test_tuning_passes_nothing_for_the_interpreter_and_refuses_what_the_lesson_refuses():
