@@ -83,10 +83,17 @@ def linear(x: torch.Tensor, qweight, bias=None, **opts):
     return module(qweight.fmt).linear(x, qweight, bias, **opts)
 
 
-from . import moe  # noqa: E402  (the MoE lesson; it imports the five format lessons)
-
-
 def fused_moe(x: torch.Tensor, prepared, topk_ids: torch.Tensor, topk_weights: torch.Tensor, **opts):
     """One MoE layer's routed experts with the Triton MoE lesson (prepared: moe.prepare_experts(w13,
     w2)); the options and errors of kernels_triton.moe.fused_moe."""
+    from . import moe
+
     return moe.fused_moe(x, prepared, topk_ids, topk_weights, **opts)
+
+
+def __getattr__(name: str):
+    # The MoE lesson imports every format lesson, so it loads on first use (``kernels_triton.moe``),
+    # never with the package: the vLLM plugin's register() must stay cheap.
+    if name == "moe":
+        return importlib.import_module(f"{__name__}.moe")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -58,3 +58,13 @@ def test_every_module_is_named_by_a_test_file():
     named = _named()
     missing = [m for m in _modules() if m not in named]
     assert not missing, f"modules no test file imports or names: {missing}"
+
+
+def test_test_file_names_are_unique():
+    """pytest imports the test files (folders without __init__.py) by basename, so two files of one
+    name in different folders fail collection ("import file mismatch") in whichever process meets the
+    second: CI lost a run to tests/formats/test_moe.py beside tests/kernels_triton/test_moe.py."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {n: p for n, p in seen.items() if len(p) > 1} == {}
