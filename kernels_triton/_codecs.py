@@ -148,7 +148,8 @@ def round_to_bf16_rne(x):
     dropped bits, then clear them; before a bf16 store under the interpreter, whose cast truncates."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    # a GPU's NaN is 0x7FFFFFFF, which the add carries into the sign: -0.0; NaN stays NaN
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 # -- Block-scale addressing: linear [rows, K/VEC_SIZE] or swizzled 128x4 (formats.layout) ---------
