@@ -10,6 +10,7 @@ Public API (see docs/dispatch.md):
     registry.get(impl, variant), choose(...)    the backends with vLLM's four verbs
     BoundLinear                                 one weight bound to the registry (what linear,
                                                 QuantLinear and the vLLM op call)
+    fused_moe, BoundMoE, MoEProblem, explain_moe MoE layers through their own table (dispatch.moe)
     QuantLinear, quantize_model, save_quantized, load_quantized
     DeviceInfo, KNOWN_DEVICES, current_device
 
@@ -24,6 +25,7 @@ import kernels_triton  # noqa: F401,I001
 from . import registry
 from .api import explain, linear, quantize_weight, route
 from .bound import BoundLinear
+from .moe import BoundMoE, MoEProblem, explain_moe, fused_moe
 from .contract import VARIANTS, Backend, ImplementationUnavailable, InvalidImplementation, NoBackend, Problem, Unsupported
 from .describe import library_versions
 from .devices import CPU, KNOWN_DEVICES, DeviceInfo, current_device
@@ -34,6 +36,8 @@ from .quant_linear import QuantLinear, load_quantized, quantize_model, read_quan
 __all__ = [
     "Backend",
     "BoundLinear",
+    "BoundMoE",
+    "MoEProblem",
     "CPU",
     "ENV_VAR",
     "KNOWN_DEVICES",
@@ -50,6 +54,8 @@ __all__ = [
     "choose",
     "current_device",
     "explain",
+    "explain_moe",
+    "fused_moe",
     "library_versions",
     "linear",
     "load_quantized",
