@@ -663,7 +663,7 @@ class BoundMoE:
             raise RuntimeError(
                 f"b12x-dual: MoE layer {self.name} ({self.variant}, E={self.num_experts}, H={self.hidden}, "
                 f"I={self.intermediate}) was prepared for {sorted(self.backends)}, but a {M}-token call now chooses "
-                f"{c.backend.name} ({c.source}={c.requested}); B12X_IMPL / use_impl() must not change after the "
+                f"{c.backend.name} ({_request_text(c)}); B12X_IMPL / use_impl() must not change after the "
                 "model is loaded")
         return self._prepare(c.backend)
 
@@ -724,11 +724,18 @@ class BoundMoE:
             c = self.choice(M, top_k)
         except ValueError as e:
             return f"{head}: error: {e}"
-        lines = [f"{head}: {c.source}={c.requested} -> {c.impl}: {c.reason}"]
+        lines = [f"{head}: {_request_text(c)} -> {c.impl}: {c.reason}"]
         if len(c.considered) > 1:
             lines += [f"    {n}: {'yes' if ok else 'no'}: {w}" for n, ok, w in c.considered]
         lines.append(f"    route: {route_text(c.backend.route(p, dev))}")
         return "\n".join(lines)
+
+
+def _request_text(c_or_request) -> str:
+    """"B12X_IMPL=triton", "impl=cute", "use_impl()=reference", "default=auto"."""
+    source, impl = (c_or_request.source, c_or_request.requested) if isinstance(c_or_request, registry.Choice) \
+        else (c_or_request.source, c_or_request.impl)
+    return f"{source}{impl}" if source.endswith("=") else f"{source}={impl}"
 
 
 def _bucket_text(M: int) -> str:
@@ -797,7 +804,7 @@ def explain_moe(variant, M, num_experts, top_k, hidden, intermediate, device=Non
         lines.append(f"    route: {route_text(c.backend.route(p, dev))}")
     if request.impl != "auto":
         p = MoEProblem(variant, num_experts, top_k, hidden, intermediate, M, activation)
-        head = f"MoE {variant} M={M} {shape}: {request.source}={request.impl} -> "
+        head = f"MoE {variant} M={M} {shape}: {_request_text(request)} -> "
         try:
             c = decide(request, p, dev, log_choice=False)
             lines.append(head + f"{c.impl}: {c.reason}")
