@@ -36,6 +36,11 @@ bad arguments (a ``--json`` path that cannot be written is refused before the ru
 writes every cell; the table gives one line per (variant, out dtype, pair) with the worst cell (a
 cell without a pair says what ran: "(triton alone)", "(nothing ran)"), and every failing cell.
 
+MoE (dispatch.apps.sweep_moe): with ``--moe``, or by default when ``--formats`` is not given
+(``--no-moe`` leaves it out), the MoE matrix runs after the dense one: every MoE implementation that
+runs here (the MoE table's triton, hopper, cute cells) against formats.reference_moe, norm_rel <= 1e-2;
+its cells count in the exit status and go under "moe" in the JSON.
+
     b12x-dual sweep --grid small
     python -m dispatch.apps.sweep --grid large --json out/sweep.json      (no console script needed)
 """
@@ -319,6 +324,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-s", type=A.nonnegative_float, default=None,
                    help="start no new cell after this many seconds (the rest are listed as not run)")
     p.add_argument("--json", type=A.output_path, default=None, metavar="PATH", help="write every cell as JSON")
+    p.add_argument("--moe", dest="moe", action="store_true", default=None,
+                   help="also diff every MoE implementation against formats.reference_moe (default: on when "
+                        "--formats is not given)")
+    p.add_argument("--no-moe", dest="moe", action="store_false", help="leave the MoE matrix out")
     p.add_argument("--verbose", action="store_true", help="print every cell, not only the worst per group")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
@@ -332,10 +341,20 @@ def run(args, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -
                        seed=args.seed, extra_backends=extra_backends, progress=not args.no_progress,
                        budget_s=args.budget_s)
     summarize(result, verbose=args.verbose, plain=args.plain)
+    ok = result["summary"]["ok"]
+    if args.moe or (args.moe is None and args.formats is None):
+        from . import sweep_moe
+
+        moe = sweep_moe.run_moe_sweep(variants=args.formats, impls=args.impls, grid=grid, dtypes=args.dtypes,
+                                      ms=args.m, seed=args.seed, progress=not args.no_progress,
+                                      budget_s=args.budget_s)
+        sweep_moe.summarize_moe(moe, plain=args.plain)
+        result["moe"] = moe
+        ok = ok and moe["summary"]["ok"]
     if args.json:
         H.write_json(args.json, result)
         print(f"wrote {args.json}")
-    return 0 if result["summary"]["ok"] else 1
+    return 0 if ok else 1
 
 
 def main(argv=None, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -> int:
