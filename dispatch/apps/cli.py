@@ -12,7 +12,7 @@ import importlib
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
-SUBCOMMANDS = ["dispatch.apps.info", "dispatch.apps.demo", "dispatch.apps.sweep", "dispatch.apps.bench",
+SUBCOMMANDS = ["dispatch.apps.info", "dispatch.apps.explain", "dispatch.apps.demo", "dispatch.apps.sweep", "dispatch.apps.bench",
                "dispatch.apps.diff"]
 """Modules providing a subcommand, in the order ``--help`` lists them."""
 

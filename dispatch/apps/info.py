@@ -1,5 +1,6 @@
 """``b12x-dual info``: the device, library versions, and auto's pick per format and shape class
-with the route it takes (kernels launched, tile, split-K, why)."""
+with the route it takes (kernels launched, tile, split-K, why); with ``--moe``, the same for an MoE
+layer (dispatch.moe: default shape Qwen3-30B-A3B's, 128 experts, top-8, hidden 2048, intermediate 768)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,46 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"a torch device (default: the one found) or a known part: {', '.join(KNOWN_DEVICES)}")
     p.add_argument("-N", type=A.positive_int, default=4096, help="output features of the example shapes (default 4096)")
     p.add_argument("-K", type=A.positive_int, default=4096, help="input features of the example shapes (default 4096)")
+    p.add_argument("--moe", action="store_true",
+                   help="also show auto's pick for an MoE layer of every format (--experts, --top-k, --hidden, "
+                        "--intermediate, --activation; default Qwen3-30B-A3B's layer)")
+    from .explain import add_moe_arguments
+
+    add_moe_arguments(p, defaults=True)
     p.add_argument("--vllm", action="store_true",
                    help="also show, for each vLLM quantization scheme, which linear kernel vLLM picks on this "
                         "platform with and without the b12x-dual plugin, and every reason along its priority list "
                         "(needs vLLM: pip install 'b12x-dual[vllm]')")
     return p
+
+
+def moe_table(dev, E: int, top_k: int, hidden: int, intermediate: int, activation: str):
+    """A rich Table: per variant and shape class (decode M=1, 16; prefill 4096), the MoE table's auto
+    pick on ``dev`` (dispatch.moe.decide), its reason and route; a variant nothing serves says why."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from dispatch import moe
+
+    table = Table(title=f"auto's choice for an MoE layer (E={E}, top_k={top_k}, H={hidden}, I={intermediate}, "
+                        f"{activation})", show_lines=True)
+    table.add_column("format")
+    classes = [(label, m) for label, m, _ in moe.moe_shape_classes(1)]  # decode M=1 first, then 16, 4096
+    for label, _ in classes:
+        table.add_column(label)
+    for variant in registry.VARIANTS:
+        cells = []
+        for _, m in classes:
+            p = moe.MoEProblem(variant, E, top_k, hidden, intermediate, m, activation)
+            try:
+                c = moe.decide(policy.Request("auto", "default"), p, dev, log_choice=False)
+            except registry.NoBackend as e:
+                cells.append(f"[red]none[/]: {escape(str(e))}")
+                continue
+            route = api.route_text(c.backend.route(p, dev))
+            cells.append(f"[bold]{c.impl}[/]: {escape(c.reason)}\n[dim]route[/]: {escape(route)}")
+        table.add_row(variant, *cells)
+    return table
 
 
 def run(args) -> int:
@@ -66,6 +102,8 @@ def run(args) -> int:
             cells.append(f"[bold]{c.impl}[/]: {c.reason}\n[dim]route[/]: {escape(route)}")
         table.add_row(variant, *cells)
     console.print(table)
+    if args.moe:
+        console.print(moe_table(dev, args.experts, args.top_k, args.hidden, args.intermediate, args.activation))
     if args.vllm:
         if not torch.cuda.is_available() and not os.environ.get(VLLM_DEVICE_ENV):
             # vLLM cannot infer a platform on a machine without a GPU unless told: its CPU platform
