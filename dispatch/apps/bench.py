@@ -20,7 +20,14 @@ Shapes (N x K, y[M, N] = x[M, K] . W[N, K]^T), from the models' config.json file
 
 (DeepSeek-V3's q_b_proj reads the 1536-wide q_lora latent, not the 7168 hidden state.) ``--shapes``
 takes ids, model prefixes (llama3.1-8b, qwen3-32b, deepseek-v3, square), "default" (the first ten),
-"all", or literal NxK. M: decode {1, 16, 64} and prefill {512, 4096}; the square shape adds M = 8192
+"all" (these and the MoE layers), or literal NxK; and the MoE layers (dispatch/apps/bench_moe.py):
+
+    gpt-oss-20b:moe      gpt-oss-20b    32 experts, top-4, hidden 2880, intermediate 2880, swigluoai, mxfp4
+    qwen3-30b-a3b:moe    Qwen3-30B-A3B  128 experts, top-8, hidden 2048, intermediate 768, silu, nvfp4
+    tiny-moe             -              CPU interpreter smoke layer (4 experts, top-2, 128, 128)
+
+("moe" selects the two models' layers), each timed per implementation of the MoE table against a
+bf16 baseline (torch._grouped_mm, else a loop over experts). M: decode {1, 16, 64} and prefill {512, 4096}; the square shape adds M = 8192
 (the 8192^3 GEMM targets) unless ``--m`` is given.
 
 What is timed, per configuration (docs/bench.md has the full method):
@@ -58,6 +65,7 @@ from dispatch.registry import VARIANTS
 from . import _harness as H
 from . import argtypes as A
 from .bench_peers import PEERS, print_peers
+from .bench_moe import print_moe_results, run_moe_bench, split_shapes
 from .bench_plan import BASELINES, GRAPH_MAX_M, QUICK_M, QUICK_SHAPES, select_shapes
 from .bench_record import plot, print_results, summarize
 from .bench_run import BENCH_IMPLS, run_bench
@@ -74,9 +82,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _shape_spec(value: str) -> str:
-    """--shapes, checked against the table at parse time (selected again when the run starts)."""
+    """--shapes, checked against the tables at parse time (selected again when the run starts)."""
     try:
-        select_shapes(value, gpu=True, quick=False)
+        dense, moe = split_shapes(value)
+        if dense is not None or not moe:
+            select_shapes(dense or value, gpu=True, quick=False)
     except ValueError as e:
         raise A.Invalid(f"invalid shape list {value!r} ({e})") from None
     return value
@@ -126,15 +136,32 @@ def run(args, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -
             print(f"b12x-dual bench: cannot summarize: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         return 0
-    shapes = select_shapes(args.shapes, gpu=H.on_gpu(), quick=args.quick) if args.shapes else None
-    result = run_bench(variants=args.formats, impls=args.impls, shapes=shapes, ms=args.m, quick=args.quick,
-                       baselines=args.baselines, check=args.check, budget_s=args.budget_s,
-                       warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graph_max_m=args.graph_max_m,
-                       seed=args.seed, progress=not args.no_progress, extra_backends=extra_backends,
-                       peers=args.peers)
-    print_results(result, plain=args.plain)
-    print_peers(result, plain=args.plain)
-    if args.plot:
+    dense, moe_shapes = split_shapes(args.shapes)
+    result = None
+    if dense is not None or not moe_shapes:
+        shapes = select_shapes(dense, gpu=H.on_gpu(), quick=args.quick) if dense else None
+        result = run_bench(variants=args.formats, impls=args.impls, shapes=shapes, ms=args.m, quick=args.quick,
+                           baselines=args.baselines, check=args.check, budget_s=args.budget_s,
+                           warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graph_max_m=args.graph_max_m,
+                           seed=args.seed, progress=not args.no_progress, extra_backends=extra_backends,
+                           peers=args.peers)
+        print_results(result, plain=args.plain)
+        print_peers(result, plain=args.plain)
+    if moe_shapes:
+        from .bench_run import Timer
+
+        moe = run_moe_bench(moe_shapes, ms=args.m, variants=args.formats, impls=args.impls, check=args.check,
+                            timer=Timer(gpu=H.on_gpu(), warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                                        graph_max_m=args.graph_max_m),
+                            seed=args.seed, budget_s=args.budget_s, progress=not args.no_progress)
+        print_moe_results(moe, plain=args.plain)
+        if result is None:
+            result = {"tool": "b12x-dual bench", "device": H.device_report(), "results": []}
+        result["moe"] = moe
+        moe_bad = [r for r in moe["results"] if r.get("error") or (r.get("check") and not r["check"]["ok"])]
+        if moe_bad:
+            print(f"bench: {len(moe_bad)} MoE rows raised or failed the re-check", file=sys.stderr)
+    if args.plot and result.get("ceilings") is not None:
         why = plot(result, args.plot)
         print(why or f"wrote {args.plot}")
         result["plot"] = None if why else args.plot
@@ -143,6 +170,11 @@ def run(args, *, extra_backends: Optional[dict[str, H.BackendFactory]] = None) -
         print(f"wrote {args.json}")
     bad = [r for r in result["results"] if r["kind"] == "impl" and r.get("check") and not r["check"]["ok"]]
     errors = [r for r in result["results"] if r["kind"] == "impl" and r.get("error")]
+    for r in result.get("moe", {}).get("results", []):
+        if r["kind"] == "moe_impl" and r.get("check") and not r["check"]["ok"]:
+            bad.append(r)
+        if r.get("error"):
+            errors.append(r)
     if bad or errors:
         print(f"bench: {len(bad)} timed configurations failed the re-check, {len(errors)} raised", file=sys.stderr)
         return 1
