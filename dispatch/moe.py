@@ -14,7 +14,7 @@ The same design as the dense linear layer (``dispatch.contract`` / ``registry`` 
     b.route(problem, device) -> Route                      # the kernels a call launches, and why
 
     c = choose(problem, device)        # walks registry.priority(device): cached per (device, variant,
-                                       # M bucket, E, top_k, H, I, activation, dtype, request)
+                                       # M bucket, E, top_k, H, I, activation, dtype, bias, request)
     layer = BoundMoE(w13, w2, activation="swigluoai")      # one layer's experts bound to the table
     y = layer(x, topk_ids, topk_weights)                   # [M, H], x's dtype
     y = fused_moe(x, w13, w2, topk_ids, topk_weights)      # the same, unbound (prepares per call)
@@ -65,7 +65,8 @@ class MoEProblem:
     """One MoE layer call: x [M, hidden] routed to ``top_k`` of ``num_experts`` experts, each
     W13 [2 intermediate, hidden] and W2 [hidden, intermediate] in ``variant`` (a name of
     dispatch.registry.VARIANTS: a format, or its weight-only form), with ``activation`` (one of
-    formats.MOE_ACTIVATIONS); ``dtype`` is x's (and y's) dtype."""
+    formats.MOE_ACTIVATIONS); ``dtype`` is x's (and y's) dtype; ``has_bias``: the experts carry
+    biases (gpt-oss's do; b12x's fused MoE takes none)."""
 
     variant: str
     num_experts: int
@@ -75,6 +76,7 @@ class MoEProblem:
     M: int
     activation: str = "silu"
     dtype: torch.dtype = torch.bfloat16
+    has_bias: bool = False
 
     @property
     def fmt(self) -> str:
@@ -262,6 +264,7 @@ class TritonMoE(MoEBackend):
 
 CUTE_MODULE = "kernels_cute.moe"
 CUTE_NO_FP8 = "b12x 1.5.1 has no FP8 MoE; triton serves"
+CUTE_NO_BIAS = "b12x 1.5.1's fused MoE takes no expert biases (gpt-oss's experts have them); triton serves"
 HOPPER_GAP = "no sm_90 MoE kernels yet: the triton lesson serves sm_90"
 
 
@@ -304,6 +307,8 @@ class CuteMoE(MoEBackend):
         ok, why = _problem_ok(problem, self.act_dtypes)
         if not ok:
             return False, f"cute: {why}"
+        if problem.has_bias:
+            return False, f"cute: {CUTE_NO_BIAS}"
         mod = self._module()
         ok, why = mod.supports(self.variant, problem.activation, _capability(device))
         if not ok:
@@ -341,6 +346,7 @@ _CLASSES = {"reference": ReferenceMoE, "triton": TritonMoE, "cute": CuteMoE}
 
 def make(impl: str, variant_name: str):
     """The MoE table cell of (impl, variant): an MoEBackend, or an UnsupportedEntry saying why."""
+    # [moe-make]
     v = variant(variant_name)
     if impl == "hopper":
         return UnsupportedEntry(impl, variant_name, HOPPER_GAP)
@@ -357,6 +363,7 @@ def make(impl: str, variant_name: str):
         if not cute_moe_present():
             return UnsupportedEntry(impl, variant_name, f"{CUTE_MODULE} is not in this installation")
     return _CLASSES[impl](variant_name)
+    # [/moe-make]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,7 +444,7 @@ def decide(request: policy.Request, problem: MoEProblem, device: DeviceInfo, *,
     requested, source = request
     p = problem
     key = (device, p.variant, m_bucket(p.M), p.num_experts, p.top_k, p.hidden, p.intermediate, p.activation,
-           p.dtype, requested, source)
+           p.dtype, p.has_bias, requested, source)
     c = _cache.get(key)
     if c is not None:
         return c
@@ -644,7 +651,7 @@ class BoundMoE:
     def problem(self, M: int, top_k: int, dtype: torch.dtype = torch.bfloat16) -> MoEProblem:
         """This layer's MoEProblem for an M-token call with ``top_k`` experts per token."""
         return MoEProblem(self.variant, self.num_experts, top_k, self.hidden, self.intermediate, M,
-                          self.activation, dtype)
+                          self.activation, dtype, self.w13_bias is not None or self.w2_bias is not None)
 
     def choice(self, M: int, top_k: int, *, request: Optional[policy.Request] = None,
                device: Optional[DeviceInfo] = None, dtype: Optional[torch.dtype] = None) -> registry.Choice:

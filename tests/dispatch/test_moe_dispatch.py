@@ -209,6 +209,13 @@ def test_gb10_follows_the_table(monkeypatch, installed, variant):
     assert skipped == [w for _, ok, w in c.considered if not ok]
 
 
+def test_cute_refuses_expert_biases_before_asking_kernels_cute():
+    p = dm.MoEProblem("mxfp4", 32, 4, 2880, 2880, 1, "swigluoai", has_bias=True)
+    assert dm.CuteMoE("mxfp4").can_implement(p, KNOWN_DEVICES["gb10"]) == (False, f"cute: {dm.CUTE_NO_BIAS}")
+    c = dm.choose(p, KNOWN_DEVICES["gb10"])
+    assert c.impl == "triton" and not c.considered[0][1]
+
+
 def test_the_cpu_takes_triton_under_the_interpreter_else_the_oracle():
     p = dm.MoEProblem("nvfp4", 8, 2, 128, 128, 3)
     c = dm.choose(p, CPU)
@@ -238,7 +245,7 @@ def test_the_decision_cache_is_keyed_by_every_field():
     assert dm.choose(dm.MoEProblem("nvfp4", 8, 2, 128, 128, 32), dev) is c  # 17 and 32: one M bucket
     assert len(dm._cache) == 1
     variations = [dict(M=33), dict(variant="nvfp4_w4a16"), dict(num_experts=16), dict(top_k=4), dict(hidden=256),
-                  dict(intermediate=256), dict(activation="swigluoai"), dict(dtype=torch.float16)]
+                  dict(intermediate=256), dict(activation="swigluoai"), dict(dtype=torch.float16), dict(has_bias=True)]
     for n, change in enumerate(variations, start=2):
         fields = {**base.__dict__, **change}
         assert dm.choose(dm.MoEProblem(**fields), dev) is not c
