@@ -14,7 +14,8 @@ The same design as the dense linear layer (``dispatch.contract`` / ``registry`` 
     b.route(problem, device) -> Route                      # the kernels a call launches, and why
 
     c = choose(problem, device)        # walks registry.priority(device): cached per (device, variant,
-                                       # M bucket, E, top_k, H, I, activation, dtype, bias, request)
+                                       # M bucket, E, top_k, H, I, activation, dtype, bias, static
+                                       # activation scales, request)
     layer = BoundMoE(w13, w2, activation="swigluoai")      # one layer's experts bound to the table
     y = layer(x, topk_ids, topk_weights)                   # [M, H], x's dtype
     y = fused_moe(x, w13, w2, topk_ids, topk_weights)      # the same, unbound (prepares per call)
@@ -66,7 +67,9 @@ class MoEProblem:
     W13 [2 intermediate, hidden] and W2 [hidden, intermediate] in ``variant`` (a name of
     dispatch.registry.VARIANTS: a format, or its weight-only form), with ``activation`` (one of
     formats.MOE_ACTIVATIONS); ``dtype`` is x's (and y's) dtype; ``has_bias``: the experts carry
-    biases (gpt-oss's do; b12x's fused MoE takes none)."""
+    biases (gpt-oss's do; b12x's fused MoE takes none); ``static_scales``: both GEMMs' activations
+    have a static per-tensor value (fp8_tensor ``scale``, nvfp4 ``global_scale`` in the act options;
+    b12x's fused MoE quantizes nvfp4 activations with static per-expert global scales only)."""
 
     variant: str
     num_experts: int
@@ -77,6 +80,7 @@ class MoEProblem:
     activation: str = "silu"
     dtype: torch.dtype = torch.bfloat16
     has_bias: bool = False
+    static_scales: bool = False
 
     @property
     def fmt(self) -> str:
@@ -262,9 +266,14 @@ class TritonMoE(MoEBackend):
                                     capability=_capability(device), sm_count=max(int(device.sm_count), 1))
 
 
+STATIC_SCALE_OPTION = {"fp8_tensor": "scale", "nvfp4": "global_scale"}
+"""The activation option that holds a format's static per-tensor value (MoEProblem.static_scales)."""
 CUTE_MODULE = "kernels_cute.moe"
 CUTE_NO_FP8 = "b12x 1.5.1 has no FP8 MoE; triton serves"
 CUTE_NO_BIAS = "b12x 1.5.1's fused MoE takes no expert biases (gpt-oss's experts have them); triton serves"
+CUTE_BF16_ONLY = "the MoE table prepares kernels_cute.moe's experts for bfloat16 I/O; triton serves other dtypes"
+CUTE_STATIC_NVFP4 = ("b12x's fused MoE quantizes nvfp4 activations with static per-expert global scales only; this "
+                     "layer's are dynamic (no 'global_scale' in w13_act_opts and w2_act_opts): triton serves")
 HOPPER_GAP = "no sm_90 MoE kernels yet: the triton lesson serves sm_90"
 
 
@@ -301,6 +310,10 @@ class CuteMoE(MoEBackend):
         err = _common.b12x_import_error()
         if err:
             return False, err
+        try:
+            self._module()
+        except Exception as e:  # noqa: BLE001  (a module that cannot load serves nothing: say why)
+            return False, f"{CUTE_MODULE} does not import: {type(e).__name__}: {e}"
         return True, f"b12x {probe.version} on {device.arch}"
 
     def can_implement(self, problem, device=None):
@@ -309,6 +322,10 @@ class CuteMoE(MoEBackend):
             return False, f"cute: {why}"
         if problem.has_bias:
             return False, f"cute: {CUTE_NO_BIAS}"
+        if problem.dtype != torch.bfloat16:  # prepare_experts plans b12x's I/O for one dtype: bf16 here
+            return False, f"cute: {CUTE_BF16_ONLY}, got {_dtype_name(problem.dtype)}"
+        if problem.fmt == "nvfp4" and not problem.a16 and not problem.static_scales:
+            return False, f"cute: {CUTE_STATIC_NVFP4}"
         mod = self._module()
         ok, why = mod.supports(self.variant, problem.activation, _capability(device))
         if not ok:
@@ -357,8 +374,8 @@ def make(impl: str, variant_name: str):
             return UnsupportedEntry(impl, variant_name, f"kernels_triton.moe serves {moe.FORMATS} (weight-only: "
                                     f"{moe.A16_FORMATS}), not {variant_name}")
     if impl == "cute":
-        if v.fmt.startswith("fp8"):
-            return UnsupportedEntry(impl, variant_name, CUTE_NO_FP8 if v.fmt in ("fp8_tensor", "fp8_block")
+        if spec(v.fmt).element == "e4m3":  # fp8_tensor, fp8_block, fp8_channel, mxfp8 (and its W8A16)
+            return UnsupportedEntry(impl, variant_name, CUTE_NO_FP8 if (v.name, v.fmt) != ("fp8_channel",) * 2
                                     else "b12x 1.5.1 has no FP8 MoE")
         if not cute_moe_present():
             return UnsupportedEntry(impl, variant_name, f"{CUTE_MODULE} is not in this installation")
@@ -444,7 +461,7 @@ def decide(request: policy.Request, problem: MoEProblem, device: DeviceInfo, *,
     requested, source = request
     p = problem
     key = (device, p.variant, m_bucket(p.M), p.num_experts, p.top_k, p.hidden, p.intermediate, p.activation,
-           p.dtype, p.has_bias, requested, source)
+           p.dtype, p.has_bias, p.static_scales, requested, source)
     c = _cache.get(key)
     if c is not None:
         return c
@@ -629,6 +646,9 @@ class BoundMoE:
         if device is not None and not isinstance(device, DeviceInfo):
             raise ValueError(f"device must be None or a dispatch.DeviceInfo, got {type(device).__name__}")
         self.w13, self.w2 = list(w13), list(w2)
+        key = STATIC_SCALE_OPTION.get(registry.variant(self.variant).fmt)
+        self.static_scales = key is not None and not self.a16 and all(
+            o.get(key) is not None for o in (self.w13_act_opts, self.w2_act_opts))
         self.activation = activation
         self.w13_bias, self.w2_bias = w13_bias, w2_bias
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
@@ -651,7 +671,8 @@ class BoundMoE:
     def problem(self, M: int, top_k: int, dtype: torch.dtype = torch.bfloat16) -> MoEProblem:
         """This layer's MoEProblem for an M-token call with ``top_k`` experts per token."""
         return MoEProblem(self.variant, self.num_experts, top_k, self.hidden, self.intermediate, M,
-                          self.activation, dtype, self.w13_bias is not None or self.w2_bias is not None)
+                          self.activation, dtype, self.w13_bias is not None or self.w2_bias is not None,
+                          self.static_scales)
 
     def choice(self, M: int, top_k: int, *, request: Optional[policy.Request] = None,
                device: Optional[DeviceInfo] = None, dtype: Optional[torch.dtype] = None) -> registry.Choice:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -171,8 +172,9 @@ def test_the_table_has_every_cell_and_names_its_gaps():
         assert isinstance(table[("reference", v)], dm.ReferenceMoE)
         assert isinstance(table[("hopper", v)], UnsupportedEntry) and table[("hopper", v)].reason == dm.HOPPER_GAP
         assert isinstance(table[("triton", v)], dm.TritonMoE) == (v in LESSON)
-    for v in ("fp8_tensor", "fp8_block"):
+    for v in ("fp8_tensor", "fp8_block", "mxfp8", "mxfp8_w8a16"):
         assert table[("cute", v)].reason == "b12x 1.5.1 has no FP8 MoE; triton serves"
+    assert table[("cute", "fp8_channel")].reason == "b12x 1.5.1 has no FP8 MoE"
     for v in ("nvfp4", "mxfp4"):
         if dm.cute_moe_present():
             assert isinstance(table[("cute", v)], dm.CuteMoE)
@@ -197,7 +199,7 @@ def test_h200_picks_the_triton_lesson_after_the_hopper_gap():
 def test_gb10_follows_the_table(monkeypatch, installed, variant):
     _b12x(monkeypatch, installed)
     gb10 = KNOWN_DEVICES["gb10"]
-    p = dm.MoEProblem(variant, 128, 8, 2048, 768, 1)
+    p = dm.MoEProblem(variant, 128, 8, 2048, 768, 1, static_scales=True)
     impl, skipped = _expected(gb10, p)
     c = dm.choose(p, gb10)
     assert c.impl == impl and c.considered[0][0] == "cute"
@@ -209,11 +211,22 @@ def test_gb10_follows_the_table(monkeypatch, installed, variant):
     assert skipped == [w for _, ok, w in c.considered if not ok]
 
 
-def test_cute_refuses_expert_biases_before_asking_kernels_cute():
-    p = dm.MoEProblem("mxfp4", 32, 4, 2880, 2880, 1, "swigluoai", has_bias=True)
-    assert dm.CuteMoE("mxfp4").can_implement(p, KNOWN_DEVICES["gb10"]) == (False, f"cute: {dm.CUTE_NO_BIAS}")
-    c = dm.choose(p, KNOWN_DEVICES["gb10"])
+def test_cute_refuses_what_b12x_cannot_serve_before_asking_kernels_cute():
+    gb10, cute = KNOWN_DEVICES["gb10"], dm.CuteMoE("nvfp4_w4a16")
+    p = dm.MoEProblem("nvfp4_w4a16", 32, 4, 2880, 2880, 1, "swigluoai", has_bias=True)
+    assert cute.can_implement(p, gb10) == (False, f"cute: {dm.CUTE_NO_BIAS}")
+    p = dm.MoEProblem("nvfp4_w4a16", 32, 4, 2880, 2880, 1, "swigluoai", dtype=torch.float16)
+    assert cute.can_implement(p, gb10) == (False, f"cute: {dm.CUTE_BF16_ONLY}, got float16")
+    p = dm.MoEProblem("nvfp4", 128, 8, 2048, 768, 1)  # dynamic activation global scales
+    assert dm.CuteMoE("nvfp4").can_implement(p, gb10) == (False, f"cute: {dm.CUTE_STATIC_NVFP4}")
+    c = dm.choose(p, gb10)
     assert c.impl == "triton" and not c.considered[0][1]
+    # a layer knows whether its scales are static
+    w13, w2 = _experts("nvfp4")
+    g = {"global_scale": torch.full((E,), 100.0, device=DEVICE)}
+    assert dispatch.BoundMoE(w13, w2, w13_act_opts=g, w2_act_opts=g).problem(1, 2).static_scales
+    assert not dispatch.BoundMoE(w13, w2, w13_act_opts=g).problem(1, 2).static_scales
+    assert not dispatch.BoundMoE(w13, w2, variant="nvfp4_w4a16").problem(1, 2).static_scales
 
 
 def test_the_cpu_takes_triton_under_the_interpreter_else_the_oracle():
@@ -245,7 +258,8 @@ def test_the_decision_cache_is_keyed_by_every_field():
     assert dm.choose(dm.MoEProblem("nvfp4", 8, 2, 128, 128, 32), dev) is c  # 17 and 32: one M bucket
     assert len(dm._cache) == 1
     variations = [dict(M=33), dict(variant="nvfp4_w4a16"), dict(num_experts=16), dict(top_k=4), dict(hidden=256),
-                  dict(intermediate=256), dict(activation="swigluoai"), dict(dtype=torch.float16), dict(has_bias=True)]
+                  dict(intermediate=256), dict(activation="swigluoai"), dict(dtype=torch.float16), dict(has_bias=True),
+                  dict(static_scales=True)]
     for n, change in enumerate(variations, start=2):
         fields = {**base.__dict__, **change}
         assert dm.choose(dm.MoEProblem(**fields), dev) is not c
@@ -356,5 +370,6 @@ def test_explain_moe_names_the_pick_the_gaps_and_the_route(monkeypatch):
 def test_dispatch_and_the_moe_table_import_no_b12x():
     code = ("import sys, dispatch; from dispatch import moe; moe.entries(); "
             "print(sorted(m for m in sys.modules if m == 'b12x' or m.startswith(('b12x.', 'cutlass'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -76,7 +76,7 @@ def test_the_moe_sweep_agrees_with_the_oracle_and_catches_a_wrong_backend(monkey
 
 def test_sweep_command_runs_the_moe_matrix(tmp_path, capsys):
     path = tmp_path / "sweep.json"
-    rc = sweep.main(["--moe", "--formats", "mxfp4", "--m", "1", "--dtypes", "bf16", "--no-progress", "--plain",
+    rc = sweep.main(["--moe", "--grid", "small", "--formats", "mxfp4", "--m", "1", "--dtypes", "bf16", "--no-progress", "--plain",
                      "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0 and "sweep MoE: 1 cells" in out
