@@ -703,7 +703,7 @@ class BoundMoE:
 
     def __call__(self, x, topk_ids, topk_weights, *, renormalize=False) -> torch.Tensor:
         """y [M, H] of x's dtype: x [M, H] (bf16/fp16; the reference also float32), topk_ids integer
-        [M, top_k] in [0, E), topk_weights float [M, top_k], all on one device; ``renormalize``
+        [M, top_k] in [0, E), topk_weights float [M, top_k], all on the experts' device; ``renormalize``
         divides each token's weights by their sum first. Validated once here (:func:`validate_call`),
         then the chosen backend's trusted ``run``. Raises ValueError naming a bad argument,
         InvalidImplementation / ImplementationUnavailable / NoBackend from the decision, and
