@@ -367,20 +367,41 @@ def prepare_experts(w13, w2, *, variant: str, activation: str = "silu",
         raise ValueError(f"dtype must be one of {IO_DTYPES} (b12x's fused MoE I/O), got {dtype}")
     arrays, E, H, I, ip = _b12x_arrays(w13, w2, variant, activation)
     recipe, source, fmt, a16 = SERVED[variant]
-    _, layout = _w13_rows(activation, 1)
-    fm = _fm()
-    try:
-        wp = fm.plan_weights(quant_modes=recipe, source_format=source, activation=B12X_ACTIVATION[activation],
-                             params_dtype=dtype, num_experts=E, hidden_size=H, intermediate_size=ip,
-                             w13_layout=layout)
-    except (ValueError, NotImplementedError) as e:
-        raise ValueError(f"b12x's fused MoE planner rejects {variant} {activation} with E={E} H={H} I={I}"
-                         f" (padded {ip}): {e}") from e
+    wp, layout, _ = weight_plan(variant, activation, dtype, E, H, I)
     p = CuteMoEExperts(variant, activation, dtype, E, H, I, ip, recipe, source, layout,
                        B12X_ACTIVATION[activation], arrays, wp)
     if arrays["w1_fp4"].device.type == "cuda" or not a16:
         p.experts = _b12x_prepare(p)
     return p
+
+
+def weight_plan(variant: str, activation: str, dtype: torch.dtype, E: int, H: int, I: int):
+    """(b12x's MoEWeightPreparationPlan, its w13_layout, the padded I) for a served variant: what
+    ``prepare_experts`` plans (``b12x.moe.fused_moe.plan_weights``, metadata only: no tensor, no
+    GPU). ValueError when b12x's planner rejects the geometry (its message)."""
+    recipe, source, fmt, _ = SERVED[variant]
+    ip = _padded_i(I, fmt)
+    _, layout = _w13_rows(activation, 1)
+    try:
+        wp = _fm().plan_weights(quant_modes=recipe, source_format=source, activation=B12X_ACTIVATION[activation],
+                                params_dtype=dtype, num_experts=E, hidden_size=H, intermediate_size=ip,
+                                w13_layout=layout)
+    except (ValueError, NotImplementedError) as e:
+        raise ValueError(f"b12x's fused MoE planner rejects {variant} {activation} with E={E} H={H} I={I}"
+                         f" (padded {ip}): {e}") from e
+    return wp, layout, ip
+
+
+def caps(wp, recipe: str, nonlinearity: str, device, M: int, top_k: int, alpha: float, limit: float):
+    """The ``b12x.moe.fused_moe.Caps`` of an M-token, top_k call (vLLM's B12xExperts._plan fields: one
+    exact token count, no b12x router, router weights applied after FC2, frozen); the SwiGLU alpha,
+    limit and beta 1 for swigluoai_uninterleave, None otherwise (silu: the oracle has no clamp)."""
+    swiglu = nonlinearity == "swigluoai_uninterleave"
+    fm = _fm()
+    return fm.Caps(max_tokens=M, num_topk=top_k, device=device, weight_plan=wp, core_token_counts=(M,),
+                   route_num_experts=0, quant_mode=recipe, apply_router_weight_on_input=False,
+                   swiglu_limit=float(limit) if swiglu else None, swiglu_alpha=float(alpha) if swiglu else None,
+                   swiglu_beta=1.0 if swiglu else None, frozen=True)
 
 
 def _b12x_prepare(p: CuteMoEExperts):
@@ -455,12 +476,7 @@ def _plan(p: CuteMoEExperts, M: int, top_k: int, alpha: float, limit: float):
         if C.capturing():
             raise RuntimeError(f"kernels_cute.moe: no b12x plan for M={M}, top_k={top_k} yet; run this shape once "
                                "before CUDA graph capture")
-        fm = _fm()
-        plan = fm.plan(fm.Caps(max_tokens=M, num_topk=top_k, device=p.device, weight_plan=p.weight_plan,
-                               core_token_counts=(M,), route_num_experts=0, quant_mode=p.recipe,
-                               apply_router_weight_on_input=False,
-                               swiglu_limit=key[3], swiglu_alpha=key[2], swiglu_beta=1.0 if swiglu else None,
-                               frozen=True))
+        plan = _fm().plan(caps(p.weight_plan, p.recipe, p.nonlinearity, p.device, M, top_k, alpha, limit))
         specs = plan.scratch_specs()
         scratch = torch.empty((int(specs[0].shape[0]),), dtype=torch.uint8, device=p.device)
         p._plans[key] = (plan, scratch)
