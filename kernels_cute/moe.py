@@ -284,6 +284,7 @@ def _swizzled(s: torch.Tensor) -> torch.Tensor:
     return swizzle_128x4(s.contiguous()).reshape(-(-rows // 128) * 128, -(-cols // 4) * 4)
 
 
+# [b12x-layout]
 def _expert_arrays(q13: QuantizedTensor, q2: QuantizedTensor, fmt: str, rows: torch.Tensor, I: int, ip: int):
     """One expert's (w13 codes, w13 scales, w2 codes, w2 scales) in b12x's layout (see the docstring)."""
     rows = rows.to(q13.data.device)
@@ -294,6 +295,7 @@ def _expert_arrays(q13: QuantizedTensor, q2: QuantizedTensor, fmt: str, rows: to
     if fmt == "nvfp4":
         s13, s2 = _swizzled(s13), _swizzled(_pad_cols(s2, ip // 16))
     return c13.contiguous(), s13.contiguous(), c2.contiguous(), s2.contiguous()
+# [/b12x-layout]
 
 
 def _b12x_arrays(w13, w2, variant: str, activation: str) -> tuple[dict, int, int, int, int]:
