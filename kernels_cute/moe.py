@@ -436,8 +436,18 @@ def _scale_vector(v, E: int, device, name: str) -> torch.Tensor:
     return t
 
 
-def _opts_key(v):
-    return (id(v), v._version, v.data_ptr()) if isinstance(v, torch.Tensor) else v
+def _same_opts(key, opts) -> bool:
+    """Were these activation-scale options written last time? The same tensor objects (the key holds
+    them, so their ids cannot be reused) at the same version, or equal numbers."""
+    if key is None or len(key) != len(opts):
+        return False
+    for (old, version), v in zip(key, opts):
+        if isinstance(v, torch.Tensor):
+            if old is not v or version != v._version:
+                return False
+        elif isinstance(old, torch.Tensor) or old != v:
+            return False
+    return True
 
 
 def _set_activation_scales(p: CuteMoEExperts, w13_act_opts: Optional[Mapping], w2_act_opts: Optional[Mapping]) -> None:
@@ -453,8 +463,7 @@ def _set_activation_scales(p: CuteMoEExperts, w13_act_opts: Optional[Mapping], w
             raise ValueError(f"{name}['global_scale'] is required for nvfp4 through b12x: its fused MoE quantizes "
                              "activations with static per-expert global scales only (no dynamic per-tensor scale)")
         opts.append(o["global_scale"])
-    key = tuple(_opts_key(v) for v in opts)
-    if key == p._scale_key:
+    if _same_opts(p._scale_key, opts):
         return
     g1 = _scale_vector(opts[0], p.num_experts, p.device, "w13_act_opts['global_scale']")
     g2 = _scale_vector(opts[1], p.num_experts, p.device, "w2_act_opts['global_scale']")
@@ -464,7 +473,7 @@ def _set_activation_scales(p: CuteMoEExperts, w13_act_opts: Optional[Mapping], w
         ex.a2_gscale.copy_(g2)
         ex.w1_alphas.copy_(torch.div(a["w1_global_scale"], g1))
         ex.w2_alphas.copy_(torch.div(a["w2_global_scale"], g2))
-    p._scale_key = key
+    p._scale_key = tuple((v, v._version if isinstance(v, torch.Tensor) else None) for v in opts)
 
 
 def _plan(p: CuteMoEExperts, M: int, top_k: int, alpha: float, limit: float):

@@ -215,6 +215,13 @@ def test_nvfp4_prepared_by_b12x_on_cpu_holds_our_arrays_and_alphas():
     g13.mul_(2)  # an in-place change bumps the tensor's version: rewritten
     moe._set_activation_scales(p, {"global_scale": g13}, {"global_scale": g2})
     assert torch.equal(ex.a1_gscale, g13)
+    for _ in range(3):  # fresh temporaries each call (as a caller building them per call): always rewritten
+        g = torch.rand(E) + 1
+        moe._set_activation_scales(p, {"global_scale": g}, {"global_scale": 2.0})
+        assert torch.equal(ex.a1_gscale, g) and (ex.a2_gscale == 2.0).all()
+        del g
+    moe._set_activation_scales(p, {"global_scale": 5.0}, {"global_scale": 3.0})  # numbers compare by value
+    assert (ex.a1_gscale == 5.0).all() and (ex.a2_gscale == 3.0).all()
 
 
 # ---------------------------------------------------------------------------------------------
