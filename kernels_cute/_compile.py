@@ -275,7 +275,8 @@ def _moe_child(arch: str, cells: list[dict]) -> None:
             rep.targets = sorted({_artifact_arch(pk.key) for pk in programs if pk.dialect == "cute"})
             missing = [pk.name for pk in programs if not compiled_program_available(pk)]
             rep.ok = bool(programs) and not missing
-            rep.error = f"not in the cache after compiling: {missing}" if missing else ("" if programs else "no program")
+            rep.error = (f"not in the cache after compiling: {missing}" if missing
+                         else "" if programs else "b12x's jobs declared no program")
         except Exception as e:  # noqa: BLE001  (a failed compile is a result, not a crash)
             rep.error = f"{type(e).__name__}: {str(e)[:600]}"
         rep.seconds = round(time.perf_counter() - t0, 3)

@@ -100,7 +100,8 @@ SERVED = {
 }
 GAPS = {
     **{v: ("b12x 1.5.1's fused MoE has no FP8 weight source (PackedSourceFormat: fp4_e8m0_k32, modelopt_nvfp4, "
-           "compressed_tensors, mxfp6_e2m3, iq2_xs, iq2_xxs, q8_0): there is no FP8 MoE in b12x") for v in FP8_VARIANTS},
+           "compressed_tensors, mxfp6_e2m3, iq2_xs, iq2_xxs, q8_0): there is no FP8 MoE in b12x")
+        for v in FP8_VARIANTS},
     "mxfp4": ("b12x 1.5.1's fused MoE has no MXFP4-activation recipe: MXFP4 (E8M0 K32) weights run with A16 "
               "(w4a16, the mxfp4_w4a16 variant) or A8 (w4a8_mx: MXFP8 activations, not formats' mxfp4 W4A4 numerics)"),
 }
@@ -143,7 +144,8 @@ def supports(variant: str, activation: str, capability) -> tuple[bool, str]:
     if variant in GAPS:
         return False, f"kernels_cute.moe does not serve {variant!r}: {GAPS[variant]}"
     if variant not in SERVED:
-        return False, f"kernels_cute.moe does not serve {variant!r} (a name outside {VARIANTS}); it serves {tuple(SERVED)}"
+        return False, (f"kernels_cute.moe does not serve {variant!r} (a name outside {VARIANTS}); "
+                       f"it serves {tuple(SERVED)}")
     if activation not in MOE_ACTIVATIONS:
         return False, f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}"
     cap = None if capability is None else tuple(capability)
@@ -312,7 +314,8 @@ def _b12x_arrays(w13, w2, variant: str, activation: str) -> tuple[dict, int, int
     if H2 != H:
         raise ValueError(f"w2's rows (hidden) must equal w13's K={H}, got w2 of shape {w2[0].shape}")
     if n13 != 2 * I:
-        raise ValueError(f"w13 must have 2 * I = {2 * I} rows (gate and up) for w2's I={I}, got w13 of shape {w13[0].shape}")
+        raise ValueError(f"w13 must have 2 * I = {2 * I} rows (gate and up) for w2's I={I}, "
+                         f"got w13 of shape {w13[0].shape}")
     for name, w in (("w13", w13), ("w2", w2)):
         for e, q in enumerate(w):
             formats.validate.check_scale_values(q, name=f"{name}[{e}]")
@@ -548,7 +551,8 @@ def fused_moe(x: torch.Tensor, prepared: CuteMoEExperts, topk_ids: torch.Tensor,
                 raise ValueError(f"{name} must be empty for {p.variant} (weight-only: activations stay "
                                  f"{p.dtype}), got {dict(o)}")
     if ids.device != x.device or wts.device != x.device:
-        raise ValueError(f"topk_ids and topk_weights must be on x's device {x.device}, got {ids.device} and {wts.device}")
+        raise ValueError(f"topk_ids and topk_weights must be on x's device {x.device}, "
+                         f"got {ids.device} and {wts.device}")
     if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < E:
         raise ValueError(f"topk_ids must lie in [0, {E}) (the expert count), got [{int(ids.min())}, {int(ids.max())}]")
     if p.experts is None or x.device.type != "cuda":
