@@ -105,7 +105,7 @@ GAPS = {
     "mxfp4": ("b12x 1.5.1's fused MoE has no MXFP4-activation recipe: MXFP4 (E8M0 K32) weights run with A16 "
               "(w4a16, the mxfp4_w4a16 variant) or A8 (w4a8_mx: MXFP8 activations, not formats' mxfp4 W4A4 numerics)"),
 }
-# b12x's nonlinearity for each of our activations, and whether W13's rows are reordered for it
+# b12x's nonlinearity for each of our activations (W13's row order for each: _w13_rows)
 B12X_ACTIVATION = {"silu": "silu", "swigluoai": "swigluoai_uninterleave",
                    "swigluoai_uninterleave": "swigluoai_uninterleave"}
 NVFP4_I_ALIGN = 64  # nvfp4: each W13 half padded to a multiple of 64 rows (vLLM's _pad_gated_weights)

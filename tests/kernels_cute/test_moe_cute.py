@@ -300,12 +300,19 @@ def test_nvfp4_activation_scale_errors():
 # ---------------------------------------------------------------------------------------------
 # Compile for sm_120a / sm_121a without a GPU
 # ---------------------------------------------------------------------------------------------
-GEOMETRY = dict(E=8, H=2048, I=768)
-COMPILE_CELLS = [  # (variant, activation, M, top_k): b12x's micro and dynamic A4 backends, W4A16 both sizes
-    ("nvfp4", "silu", 1, 2), ("nvfp4", "silu", 64, 8), ("nvfp4", "swigluoai", 1, 2),
-    ("nvfp4_w4a16", "silu", 1, 2), ("nvfp4_w4a16", "swigluoai_uninterleave", 64, 8),
-    ("mxfp4_w4a16", "silu", 1, 2), ("mxfp4_w4a16", "swigluoai", 64, 8),
+GEOMETRY = dict(E=8, H=2048, I=768)  # a Qwen3-30B-A3B-like shard (I 768), fewer experts
+SMALL = dict(E=8, H=256, I=128)  # the SM12x numeric test's geometry
+COMPILE_CELLS = [  # (variant, activation, M, top_k, geometry): b12x's micro and dynamic A4 backends, W4A16
+    ("nvfp4", "silu", 1, 2, GEOMETRY), ("nvfp4", "silu", 64, 8, GEOMETRY), ("nvfp4", "swigluoai", 1, 2, GEOMETRY),
+    ("nvfp4_w4a16", "silu", 1, 2, GEOMETRY), ("nvfp4_w4a16", "swigluoai_uninterleave", 64, 8, GEOMETRY),
+    ("mxfp4_w4a16", "silu", 1, 2, GEOMETRY), ("mxfp4_w4a16", "swigluoai", 64, 8, GEOMETRY),
+    ("nvfp4", "silu", 7, 2, SMALL), ("nvfp4", "swigluoai", 64, 2, SMALL), ("mxfp4_w4a16", "swigluoai", 1, 2, SMALL),
 ]
+
+
+def _cell_id(cell):
+    v, a, m, k, g = cell
+    return f"{v}-{a}-M{m}-top{k}-H{g['H']}"
 
 
 @pytest.fixture(scope="module")
@@ -314,25 +321,26 @@ def moe_compiled(tmp_path_factory):
         pytest.skip(f"b12x is not importable: {moe._b12x_import_error()}")
     from kernels_cute import _compile
 
-    cells = [dict(variant=v, activation=a, M=m, top_k=k, **GEOMETRY) for v, a, m, k in COMPILE_CELLS]
+    cells = [dict(variant=v, activation=a, M=m, top_k=k, **g) for v, a, m, k, g in COMPILE_CELLS]
     reports, walls = _compile.compile_many({arch: cells for arch in _compile.TARGETS}, moe=True,
                                            cache_dir=str(tmp_path_factory.mktemp("moe-compile")))
     print(f"\nkernels_cute.moe compile: {len(reports)} cells, wall per arch {walls}")
-    return {(r.arch, r.fmt, r.M): r for r in reports}
+    return {(r.arch, r.fmt, r.M, r.N): r for r in reports}  # N, K of a report: H, I
 
 
 @pytest.mark.parametrize("arch", ("sm_120a", "sm_121a"))
-@pytest.mark.parametrize("variant,activation,M,top_k", COMPILE_CELLS)
-def test_fused_moe_programs_compile_for_sm12x(moe_compiled, arch, variant, activation, M, top_k):
+@pytest.mark.parametrize("cell", COMPILE_CELLS, ids=_cell_id)
+def test_fused_moe_programs_compile_for_sm12x(moe_compiled, arch, cell):
     """b12x's programs for the plan fused_moe makes compile for ``arch`` (artifacts say -arch
-    ``arch``), with the backend b12x's planner picks (micro for 2 routed rows, dynamic for 512)."""
-    r = moe_compiled[(arch, f"moe:{variant}:{activation}", M)]
-    assert r.ok, f"{variant} {activation} M={M} top_k={top_k} for {arch}: {r.error}"
+    ``arch``), with the backend b12x's planner picks (micro for a few routed rows, dynamic for 128
+    and more; W4A16 its own), which route() names."""
+    variant, activation, M, top_k, g = cell
+    r = moe_compiled[(arch, f"moe:{variant}:{activation}", M, g["H"])]
+    assert r.ok, f"{variant} {activation} M={M} top_k={top_k} {g} for {arch}: {r.error}"
     assert r.programs and r.targets == [arch], (r.programs, r.targets)
-    want = "w4a16" if moe.SERVED[variant][0] == "w4a16" else ("micro" if M * top_k <= 8 else "dynamic")
+    want = "w4a16" if moe.SERVED[variant][0] == "w4a16" else ("micro" if M * top_k <= 16 else "dynamic")
     assert r.lowering["implementation"] == want, r.lowering
-    assert r.lowering["implementation"] in moe.route(M, GEOMETRY["E"], top_k, GEOMETRY["H"], GEOMETRY["I"],
-                                                     variant=variant).kernels[0]
+    assert r.lowering["implementation"] in moe.route(M, g["E"], top_k, g["H"], g["I"], variant=variant).kernels[0]
 
 
 # ---------------------------------------------------------------------------------------------
