@@ -18,6 +18,10 @@ a16=True)``; the "nvfp4_w4a16" and "mxfp8_w8a16" variants). A format b12x has no
 module declaring only ``UNSUPPORTED`` (the reason: fp8_channel). kernels_cute imports no kernels_triton module; "Triton quantizer + CuTe
 GEMM" is composed by the caller (dispatch) as ``gemm(kernels_triton...quantize_activation(x), w)``.
 
+The MoE layer (formats.reference_moe) is ``kernels_cute.moe``: b12x's fused MoE for nvfp4,
+nvfp4_w4a16 and mxfp4_w4a16 (``supports``, ``prepare_experts``, ``fused_moe``, ``route``; FP8 MoE
+and mxfp4 W4A4 are named gaps), imported on its own (not through this package's format registry).
+
 This package adds the device gate (``supported(variant, M, N, K, device)``, which the dispatcher's
 ``auto`` consults; it answers (False, reason) for any variant it does not serve, never raises) and
 ahead-of-time preparation (``prepare``). docs/cute.md explains the mapping onto b12x, the gaps

@@ -40,6 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterable, Optional
 
 # (module, attribute path) of every private b12x symbol used here.
@@ -186,14 +187,112 @@ def _child(arch: str, cells: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Child process: kernels_cute.moe (b12x's fused MoE)
+# ---------------------------------------------------------------------------------------------
+def _moe_query(c, nonlinearity: str):
+    """The b12x ``MoeDecodeQuery`` that ``b12x.moe.fused_moe.Caps.__post_init__`` builds from the
+    Caps ``c`` (b12x 1.5.1 _compat.py; it keeps only the configured result). _moe_child checks that
+    lowering this query gives back c's fields, so a b12x change that makes them differ fails."""
+    from b12x.moe.fused_moe import _impl
+    from b12x.moe.fused_moe._compat import _codec_scalar, _control_snapshot
+    from b12x.moe.fused_moe._tuning import MoeDecodeQuery
+
+    w = c.weight_plan
+    limit, alpha, beta = _impl._normalize_swiglu_params(w.activation, c.swiglu_limit, c.swiglu_alpha, c.swiglu_beta)
+    return MoeDecodeQuery(
+        quant_mode=c.quant_mode, quant_modes=tuple(sorted(w.quant_modes)), source_format=w.source_format,
+        activation=w.activation, io_dtype=w.io_dtype, num_experts=w.num_experts, hidden_size=w.hidden_size,
+        intermediate_size=w.intermediate_size, top_k=c.num_topk, num_tokens=c.max_tokens,
+        routed_rows=c.max_tokens * c.num_topk, route_num_experts=c.route_num_experts, route_logits_dtype=None,
+        apply_router_weight_on_input=c.apply_router_weight_on_input, collect_activation_amax=c.collect_activation_amax,
+        deterministic_output=c.deterministic_output, swiglu_limit=_codec_scalar(limit),
+        swiglu_alpha=_codec_scalar(alpha), swiglu_beta=_codec_scalar(beta), w13_layout=w.w13_layout,
+        weight_layouts=tuple(sorted(layout.value for layout in w.weight_layouts)),
+        w4a16_weight_layout=w.w4a16_weight_layout, w4a16_scale_format=w.w4a16_scale_format,
+        w4a16_block_size_m=c.w4a16_block_size_m, fast_math=c.w4a16_fast_math, numerical_recipe=None,
+        controls=_control_snapshot())
+
+
+def _moe_child(arch: str, cells: list[dict]) -> None:
+    """Compile, for ``arch``, the b12x programs of the calls kernels_cute.moe.fused_moe makes: per
+    cell (variant, activation, M, E, top_k, H, I) the weight plan and Caps of kernels_cute.moe
+    (``weight_plan``, ``caps``: what fused_moe plans), then b12x's own compile job for that
+    declaration (``b12x.moe.fused_moe._preparation:compile_fused_moe``, what its PreparationSession
+    runs in its GPU-less workers), plus its dynamic route-plan jobs. One JSON line per cell."""
+    import multiprocessing as mp
+
+    import torch
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from b12x._lib import compile_pool as cp
+
+    t = TARGETS[arch]
+    cp._initialize_worker(0, t.capability, FAKE_UUID, t.name, t.sm_count, t.smem_per_block, t.smem_per_sm,
+                          mp.Array("q", (0, 0)))
+    from b12x._lib.compile_plan import compiled_program_available
+    from b12x._lib.compile_pool import CompileJob
+    from b12x.moe.fused_moe import _preparation as prep
+    from b12x.moe.fused_moe._tuning import TUNING
+    from b12x.preparation import detect_device
+
+    from kernels_cute import moe
+
+    dev = detect_device()
+    cuda0 = torch.device("cuda", 0)
+    for cell in cells:
+        rep = CompileReport(f"moe:{cell['variant']}:{cell['activation']}", cell["M"], cell["H"], cell["I"], arch)
+        t0 = time.perf_counter()
+        try:
+            dtype = getattr(torch, cell.get("dtype", "bfloat16"))
+            wp, _, _ = moe.weight_plan(cell["variant"], cell["activation"], dtype, cell["E"], cell["H"], cell["I"])
+            recipe = moe.SERVED[cell["variant"]][0]
+            nonlin = moe.B12X_ACTIVATION[cell["activation"]]
+            c = moe.caps(wp, recipe, nonlin, cuda0, cell["M"], cell["top_k"], moe.SWIGLU_ALPHA, moe.SWIGLU_LIMIT)
+            query = _moe_query(c, nonlin)
+            config = TUNING.configure(query, device=dev.identity, search=False).default
+            if config != c.decode_config:
+                raise RuntimeError(f"the rebuilt b12x query configures {config}, fused_moe's Caps {c.decode_config}")
+            lowered = prep._lower_caps(query, config, wp, cuda0)
+            for f in ("max_tokens", "num_topk", "quant_mode", "core_token_counts", "route_num_experts",
+                      "apply_router_weight_on_input", "swiglu_limit", "swiglu_alpha", "swiglu_beta",
+                      "w4a16_fast_math", "deterministic_output"):
+                if getattr(lowered, f) != getattr(c, f):
+                    raise RuntimeError(f"b12x's lowering of the rebuilt query differs from fused_moe's Caps in {f}: "
+                                       f"{getattr(lowered, f)!r} vs {getattr(c, f)!r}")
+            weight_payload = prep._weight_payload(SimpleNamespace(plan=SimpleNamespace(_impl=wp)))
+            jobs = [CompileJob.create("b12x.moe.fused_moe._preparation:compile_fused_moe",
+                                      TUNING.encode_query(query), TUNING.encode_config(config), weight_payload,
+                                      (cell["E"], cell["E"]), 0)]
+            launch_plan = prep.plan_tp_moe_scratch(lowered, prewarm_launches=False).launch_plan
+            jobs += [CompileJob.create("b12x.moe.fused_moe._preparation:compile_dynamic_route_plan", payload, 0)
+                     for payload in prep._dynamic_route_plan_payloads(launch_plan, lowered)]
+            rep.lowering = {"implementation": launch_plan.implementation, "backend": config.backend,
+                            "tile_m": launch_plan.execution.tile_m, "jobs": len(jobs)}
+            descs = [cp.describe_compilation(j) for j in jobs]
+            programs = [pk for d in descs for pk in d.programs]
+            cp.compile_in_process(descs)
+            rep.programs = [f"{pk.dialect}:{pk.name}" for pk in programs]
+            rep.targets = sorted({_artifact_arch(pk.key) for pk in programs if pk.dialect == "cute"})
+            missing = [pk.name for pk in programs if not compiled_program_available(pk)]
+            rep.ok = bool(programs) and not missing
+            rep.error = (f"not in the cache after compiling: {missing}" if missing
+                         else "" if programs else "b12x's jobs declared no program")
+        except Exception as e:  # noqa: BLE001  (a failed compile is a result, not a crash)
+            rep.error = f"{type(e).__name__}: {str(e)[:600]}"
+        rep.seconds = round(time.perf_counter() - t0, 3)
+        print("REPORT " + json.dumps(asdict(rep)), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # Parent: run one child per arch, in parallel
 # ---------------------------------------------------------------------------------------------
 def compile_many(cells_by_arch: dict[str, list[dict]], *, cache_dir: Optional[str] = None,
-                 timeout: float = 3000.0) -> tuple[list[CompileReport], dict[str, float]]:
+                 timeout: float = 3000.0, moe: bool = False) -> tuple[list[CompileReport], dict[str, float]]:
     """Compile cells for several arches, one subprocess per arch, all at once.
 
     Args:
-        cells_by_arch: arch -> list of {"fmt", "M", "N", "K", optional "variant"}.
+        cells_by_arch: arch -> list of {"fmt", "M", "N", "K", optional "variant"}; with ``moe``,
+            kernels_cute.moe calls {"variant", "activation", "M", "E", "top_k", "H", "I"} (_moe_child).
         cache_dir: B12X_COMPILE_CACHE_DIR / TRITON_CACHE_DIR parent (a fresh temp dir if None).
     Returns:
         (reports, wall seconds per arch process). RuntimeError with the child's stderr tail when a
@@ -208,6 +307,8 @@ def compile_many(cells_by_arch: dict[str, list[dict]], *, cache_dir: Optional[st
         repo = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, "-m", "kernels_cute._compile", "--arch", arch, "--cells", json.dumps(cells)]
+        if moe:
+            cmd.append("--moe")
         procs[arch] = (time.perf_counter(), subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                                               stderr=subprocess.PIPE, text=True, cwd=repo))
     reports, walls = [], {}
@@ -245,9 +346,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="4096")
     ap.add_argument("--k", default="4096")
     ap.add_argument("--variant", default="ours", choices=("ours", "b12x_default"))
+    ap.add_argument("--moe", action="store_true", help="cells are kernels_cute.moe calls (internal)")
     a = ap.parse_args(argv)
     if a.cells is not None:
-        _child(a.arch, json.loads(a.cells))
+        (_moe_child if a.moe else _child)(a.arch, json.loads(a.cells))
         return 0
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     cells = [dict(c, variant=a.variant) for c in grid(a.fmt.split(","), ints(a.m), ints(a.n), ints(a.k))]
