@@ -243,6 +243,18 @@ def test_a_bad_per_tensor_scale_is_refused_naming_expert_and_shard(kind, value, 
         build(moe_ckpt(kind), tamper=lambda n, t: torch.full_like(t, value) if n == bad else t)
 
 
+def test_differing_gate_and_up_global_scales_are_refused(moe_ckpt, dist, impl):
+    """One NVFP4 global scale serves an expert's W13 (compressed-tensors shares it over gate and up);
+    vLLM's own method would keep the gate's with a warning and misread the up rows."""
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    impl("reference")
+    bad = f"{PREFIX}.3.up_proj.weight_global_scale"
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}: expert 3: checkpoint tensor 'w13_weight_global_scale' "
+                                              "holds gate .* and up .*one weight global scale per expert"):
+        build(moe_ckpt("moe_nvfp4"), tamper=lambda n, t: t * 2 if n == bad else t)
+
+
 @pytest.mark.parametrize("kind", ["moe_mxfp4", "moe_fp8"])
 def test_a_missing_expert_scale_is_refused_by_name(kind, moe_ckpt, dist, impl):
     from dispatch.vllm_plugin.convert import CheckpointError

@@ -148,6 +148,11 @@ def test_tp2_within_bound_of_tp1(moe_root):
     d = engine_env.write_moe_model(moe_root, TP_KIND)
     tp1 = RESULTS.get(TP_KIND)
     assert tp1 is not None, f"the {TP_KIND} engine at TP = 1 ran first (the served fixture)"
+    import vllm.envs
+
+    # the engines before this one turned on vLLM's cache of environment variables (enable_envs_cache
+    # after engine start): without clearing it, the thread binding below would not be read
+    vllm.envs.disable_envs_cache()
     shm_before = set(glob.glob(SHM))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (else: "Not enough allowed NUMA nodes")
     os.environ["B12X_IMPL"] = "reference"
@@ -159,6 +164,7 @@ def test_tp2_within_bound_of_tp1(moe_root):
             engine_env.shutdown(llm)
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        vllm.envs.disable_envs_cache()
         for f in set(glob.glob(SHM)) - shm_before:
             os.unlink(f)
     assert engine_env.compare_runs(tp1, tp2, engine_env.logprob_bound(d)) >= len(tp1)
