@@ -292,3 +292,30 @@ def test_fp8_merge_keeps_the_larger_scale_shard_and_requantizes_the_other():
         after = decode_e4m3(out[e, rows]).double() * smax
         assert bool(((after - before).abs() <= before.abs() * 2.0 ** -4 + smax * 2.0 ** -10).all())
     assert not torch.equal(out[0, :4], codes[0, :4])
+
+
+def test_a_nan_expert_weight_code_is_refused_unless_allowed(moe_ckpt, dist, impl, monkeypatch):
+    """An e4m3 NaN code (0x7F) in expert 4's down_proj: refused naming layer, expert and tensor;
+    served (and its rows NaN, never made finite) with B12X_VLLM_ALLOW_NAN_WEIGHTS=1, as dense layers."""
+    from dispatch.vllm_plugin.convert import CheckpointError
+    from dispatch.vllm_plugin.loading import ENV_ALLOW_NAN_WEIGHTS
+
+    impl("reference")
+    bad = f"{PREFIX}.4.down_proj.weight"
+
+    def tamper(name, t):
+        if name != bad:
+            return t
+        t = t.clone()
+        t.view(torch.uint8)[7, 0] = 0x7F
+        return t
+
+    monkeypatch.delenv(ENV_ALLOW_NAN_WEIGHTS, raising=False)
+    with pytest.raises(CheckpointError, match=rf"{PREFIX} \(expert 4, w2\): w2_weight: 1 .*{ENV_ALLOW_NAN_WEIGHTS}=1"):
+        build(moe_ckpt("moe_fp8_block"), tamper=tamper)
+    monkeypatch.setenv(ENV_ALLOW_NAN_WEIGHTS, "1")
+    layer = build(moe_ckpt("moe_fp8_block"), tamper=tamper)
+    x = torch.randn(3, H).to(torch.bfloat16)
+    ids = torch.tensor([[4, 0], [1, 2], [4, 3]], dtype=torch.int32)
+    y = layer.forward_modular(x, torch.full((3, TOP_K), 0.5), ids)
+    assert torch.isnan(y[[0, 2], 7]).all() and torch.isfinite(y[1]).all()
