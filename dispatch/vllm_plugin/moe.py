@@ -47,6 +47,8 @@ CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_
 QUANT_KEYS = {"nvfp4": "nvfp4_w4a4", "nvfp4_w4a16": "nvfp4_w4a16", "mxfp4": "mxfp4", "mxfp4_w4a16": "mxfp4",
               "fp8_block": "fp8_block_w8a8", "fp8_tensor": "fp8_w8a8"}
 NOT_SERVED = {"fp8_channel": "the MoE lesson (kernels_triton.moe) has no per-channel FP8: vLLM's method serves it"}
+# The scale block along K (fp8_block: also along N, so a rank's I rows must hold whole blocks).
+BLOCKS = {"nvfp4": 16, "nvfp4_w4a16": 16, "mxfp4": 32, "mxfp4_w4a16": 32, "fp8_block": 128, "fp8_tensor": 1}
 ACTIVATIONS = ("silu",)  # what a compressed-tensors Qwen3/Mixtral-style MoE uses; gpt-oss is not CT
 
 
@@ -218,6 +220,11 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
         from vllm.model_executor.utils import set_weight_attrs
 
         E, H, I = num_experts, hidden_size, intermediate_size_per_partition
+        block = BLOCKS[self.variant]
+        for what, n in (("hidden size H (W13's K)", H), ("intermediate size per tensor-parallel rank I (W2's K)", I)):
+            if n <= 0 or n % block:
+                raise CheckpointError(f"layer {self.layer_name}: {self.variant} experts need the {what} to be a positive "
+                                      f"multiple of {block} (the format's scale block), got {n}")
         layer.num_experts, layer.params_dtype = E, params_dtype
         original = extra_weight_attrs.get("weight_loader")
         for name, (dtype, shape, kind) in _params(self.variant, E, H, I).items():

@@ -319,3 +319,19 @@ def test_a_nan_expert_weight_code_is_refused_unless_allowed(moe_ckpt, dist, impl
     ids = torch.tensor([[4, 0], [1, 2], [4, 3]], dtype=torch.int32)
     y = layer.forward_modular(x, torch.full((3, TOP_K), 0.5), ids)
     assert torch.isnan(y[[0, 2], 7]).all() and torch.isfinite(y[1]).all()
+
+
+@pytest.mark.parametrize("variant, i, block", [("fp8_block", 64, 128), ("mxfp4", 48, 32), ("nvfp4_w4a16", 8, 16)])
+def test_a_rank_intermediate_size_off_the_scale_block_is_refused(variant, i, block, dist):
+    """I per tensor-parallel rank (TP splits the experts' intermediate size) must hold whole scale
+    blocks: FP8_BLOCK's 128 at TP = 2 of I = 128 is refused by name, not left to vLLM's narrowing."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig  # noqa: F401  (vLLM present)
+
+    from dispatch.vllm_plugin.convert import CheckpointError
+    from dispatch.vllm_plugin.moe import B12xDualCompressedTensorsMoEMethod
+
+    method = B12xDualCompressedTensorsMoEMethod.__new__(B12xDualCompressedTensorsMoEMethod)
+    method.variant, method.layer_name, method.expected, method.arrived = variant, PREFIX, {}, {}
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}: {variant} experts need the intermediate size per "
+                                              rf"tensor-parallel rank I .* multiple of {block} .* got {i}"):
+        method.create_weights(torch.nn.Module(), E, H, i, torch.bfloat16)
