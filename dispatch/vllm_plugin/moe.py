@@ -306,6 +306,7 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
         self.handle = next(_next)
         _BOUND[self.handle] = self.bound
         layer.b12x_dual_moe = self
+        layer.b12x_warmup_provider = self  # vLLM's b12x warmup (SM12x) and warmup.warmup_model walk it
         placement.log_once(logging.INFO, "b12x-dual: %s", self.report(1))
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -313,6 +314,12 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
         y = torch.ops.b12x_dual.moe(x, topk_ids, topk_weights, self.handle)
         self.launched[self.bound.last_impl] += 1
         return y
+
+    def get_b12x_warmup_unit(self, layer, token_counts, output_dtype):
+        """vLLM's b12x warmup hook: a unit per layer signature (warmup._moe_parts)."""
+        from . import warmup
+
+        return warmup.unit(layer, token_counts)
 
     # ours ------------------------------------------------------------------------------------
     def report(self, M: int) -> str:

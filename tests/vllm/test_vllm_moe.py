@@ -335,3 +335,19 @@ def test_a_rank_intermediate_size_off_the_scale_block_is_refused(variant, i, blo
     with pytest.raises(CheckpointError, match=rf"{PREFIX}: {variant} experts need the intermediate size per "
                                               rf"tensor-parallel rank I .* multiple of {block} .* got {i}"):
         method.create_weights(torch.nn.Module(), E, H, i, torch.bfloat16)
+
+
+def test_warmup_runs_each_moe_signature_once_per_token_count(moe_ckpt, dist, impl):
+    """warmup.warmup_model walks the MoE layers too: one signature, run at each token count once
+    (a second walk runs nothing: what a served call needs was compiled at load, on a GPU)."""
+    from dispatch.vllm_plugin import warmup
+
+    impl("reference")
+    layer = build(moe_ckpt("moe_mxfp4a16"))
+    before = layer.quant_method.launched.copy()
+    start = warmup.compiles
+    assert warmup.warmup_model(layer, (1, 5)) == {"b12x-dual MoE mxfp4_w4a16": 1}
+    assert warmup.compiles - start == 2
+    assert warmup.warmup_model(layer, (1, 5)) == {"b12x-dual MoE mxfp4_w4a16": 1} and warmup.compiles - start == 2
+    assert layer.quant_method.launched == before  # warmup calls are not the layer's served calls
+    assert layer.b12x_warmup_provider is layer.quant_method

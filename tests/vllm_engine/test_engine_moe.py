@@ -7,7 +7,8 @@ One engine per checkpoint, in this process, loaded with B12X_IMPL=reference and 
 assertion on a checkpoint shares its engine:
 
 - every MoE layer is served by b12x-dual's method, with the variant the checkpoint's scheme names,
-  and ran the reference implementation while generating (read from the layers);
+  and ran the reference implementation while generating (read from the layers); warmup_model walks
+  them (one signature for the two layers);
 - the reference and Triton implementations give the same greedy tokens, logprobs within a derived
   bound (the Triton MoE lesson rounds W13's output and the activated intermediate to bf16 where the
   oracle keeps float64: with the output's rounding, up to two bf16 steps per MoE GEMM more than the
@@ -116,6 +117,16 @@ def test_every_moe_layer_is_served_by_the_plugin(served):
         assert cls == "B12xDualCompressedTensorsMoEMethod", f"{kind} {name}: served by {cls}"
         assert variant == SERVED[kind], f"{kind} {name}: {variant}"
         assert launched.get("reference", 0) > 0 and set(launched) == {"reference"}, f"{kind} {name}: {launched}"
+    # warmup walks the MoE layers: the two layers share one signature (nothing compiles on the CPU,
+    # so what a GPU would compile is seen here as the signatures and token counts warmup ran)
+    warmed = llm.apply_model(_warmup)[0]
+    assert warmed.get(f"b12x-dual MoE {SERVED[kind]}") == 1, warmed
+
+
+def _warmup(model):
+    from dispatch.vllm_plugin import warmup
+
+    return warmup.warmup_model(model, (1, 3))
 
 
 def test_reference_and_triton_agree(served):
