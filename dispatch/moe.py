@@ -703,14 +703,18 @@ class BoundMoE:
 
     def __call__(self, x, topk_ids, topk_weights, *, renormalize=False) -> torch.Tensor:
         """y [M, H] of x's dtype: x [M, H] (bf16/fp16; the reference also float32), topk_ids integer
-        [M, top_k] in [0, E), topk_weights float [M, top_k], all on one device; ``renormalize``
+        [M, top_k] in [0, E), topk_weights float [M, top_k], all on the experts' device; ``renormalize``
         divides each token's weights by their sum first. Validated once here (:func:`validate_call`),
         then the chosen backend's trusted ``run``. Raises ValueError naming a bad argument,
         InvalidImplementation / ImplementationUnavailable / NoBackend from the decision, and
         RuntimeError for a sealed layer whose choice changed."""
-        request = policy.requested_impl()
+        return self._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl())
+
+    def _call(self, x, topk_ids, topk_weights, renormalize: bool, request: policy.Request) -> torch.Tensor:
         allowed = act_dtypes_of(self.variant, request.impl)
         M, top_k = validate_call(x, topk_ids, topk_weights, self.num_experts, self.hidden, allowed)
+        if x.device != self.w13[0].data.device:
+            raise ValueError(f"x must be on the experts' device {self.w13[0].data.device}, got {x.device}")
         dev = self.device or device_of(x)
         c = decide(request, self.problem(M, top_k, x.dtype), dev)
         prepared = self._entry(c, M)
@@ -786,10 +790,7 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, *, variant=None, activation="s
     ImplementationUnavailable and NoBackend. Source: formats.reference_moe (the numbers)."""
     layer = BoundMoE(w13, w2, variant=variant, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
                      w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts, name="fused_moe")
-    if impl is None:
-        return layer(x, topk_ids, topk_weights, renormalize=renormalize)
-    with policy.use_impl(impl):
-        return layer(x, topk_ids, topk_weights, renormalize=renormalize)
+    return layer._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl(impl))
 
 
 def moe_shape_classes(M: int) -> list[tuple[str, int, str]]:

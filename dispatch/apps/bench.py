@@ -27,8 +27,8 @@ takes ids, model prefixes (llama3.1-8b, qwen3-32b, deepseek-v3, square), "defaul
     tiny-moe             -              CPU interpreter smoke layer (4 experts, top-2, 128, 128)
 
 ("moe" selects the two models' layers), each timed per implementation of the MoE table against a
-bf16 baseline (torch._grouped_mm, else a loop over experts). M: decode {1, 16, 64} and prefill {512, 4096}; the square shape adds M = 8192
-(the 8192^3 GEMM targets) unless ``--m`` is given.
+bf16 baseline (torch._grouped_mm, else a loop over experts). M: decode {1, 16, 64} and prefill
+{512, 4096}; the square shape adds M = 8192 (the 8192^3 GEMM targets) unless ``--m`` is given.
 
 What is timed, per configuration (docs/bench.md has the full method):
   * linear  the whole layer: activation quantization + GEMM (x bf16 -> y bf16), as a user calls it;

@@ -37,7 +37,8 @@ def add_moe_arguments(p: argparse.ArgumentParser, *, defaults: bool = False) -> 
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("explain", help="which implementation serves one linear or MoE call, why, and its kernels",
+    p = subparsers.add_parser("explain",
+                              help="which implementation serves one linear or MoE call, why, and its kernels",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return p
@@ -54,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"a torch device (default: the one found) or a known part: {', '.join(KNOWN_DEVICES)}")
     p.add_argument("--impl", type=lambda v: _impl(v), default=None,
                    help=f"also show what this request picks: one of {', '.join(policy.REQUESTS)}")
-    p.add_argument("--moe", action="store_true", help="an MoE layer (needs --experts, --top-k, --hidden, --intermediate)")
+    p.add_argument("--moe", action="store_true",
+                   help="an MoE layer (needs --experts, --top-k, --hidden, --intermediate)")
     add_moe_arguments(p)
 
 

@@ -122,7 +122,8 @@ def run_moe_sweep(*, variants: Optional[list[str]] = None, impls: Optional[list[
         for i, (v, dt, M, (E, k, Hd, I, act)) in enumerate(combos):
             act = act or acts[list(VARIANTS).index(v) % len(acts)]
             if budget_s is not None and clock() > budget_s:
-                not_run.append({"variant": v, "out_dtype": dt, "M": M, "E": E, "reason": f"time budget ({budget_s:g} s)"})
+                not_run.append({"variant": v, "out_dtype": dt, "M": M, "E": E,
+                                "reason": f"time budget ({budget_s:g} s)"})
                 bar.advance(f"MoE {v} {dt} M={M} E={E} skipped (budget)")
                 continue
             cell = run_moe_cell(v, M, E, k, Hd, I, act, H.DTYPES[dt], impls, seed=seed * 100003 + 7919 + i,

@@ -108,6 +108,8 @@ def test_the_reference_backend_is_the_oracle_with_every_argument(variant, monkey
     assert layer.last_impl == "reference" and y.dtype == torch.float32
     assert torch.equal(y, ref)
     # the unbound door gives the same, with impl= over B12X_IMPL
+    with pytest.raises(dispatch.InvalidImplementation, match="impl='gpu' is not an implementation"):
+        dispatch.fused_moe(x, w13, w2, ids, wt, variant=variant, impl="gpu")
     assert torch.equal(dispatch.fused_moe(x, w13, w2, ids, wt, variant=variant, renormalize=True, impl="reference",
                                           **kw), formats.reference_moe(x, w13, w2, ids, wt, renormalize=True,
                                                                        a16=v.a16, **kw))
