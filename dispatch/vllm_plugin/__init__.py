@@ -19,7 +19,10 @@ import importlib.abc
 import sys
 
 _TARGET = "vllm.model_executor.kernels.linear"
-_state = {"registered": False, "applied": False}
+# compressed-tensors' MoE method selection (imported while vLLM builds a model): patches.moe_method
+_MOE_TARGET = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+               "compressed_tensors_moe")
+_state = {"registered": False, "applied": False, "moe_applied": False}
 
 
 def _apply() -> None:
@@ -37,11 +40,30 @@ def _apply() -> None:
             "b12x-dual: patching vLLM failed; vLLM's own kernels serve every layer")
 
 
+def _apply_moe() -> None:
+    if _state["moe_applied"]:
+        return
+    _state["moe_applied"] = True
+    from . import patches
+
+    try:
+        patches.apply_moe()
+    except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
+        import logging
+
+        logging.getLogger("dispatch.vllm_plugin").exception(
+            "b12x-dual: patching vLLM's MoE method selection failed; vLLM's own MoE methods serve")
+
+
+_HOOKS = {_TARGET: _apply, _MOE_TARGET: _apply_moe}
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_apply` once vLLM's linear-kernel package has finished importing."""
+    """Runs :func:`_apply` once vLLM's linear-kernel package has finished importing, and
+    :func:`_apply_moe` once compressed-tensors' MoE module has."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _TARGET:
+        if fullname not in _HOOKS:
             return None
         spec = None
         for finder in sys.meta_path:  # whoever would have found it (path, editable install, ...)
@@ -57,8 +79,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_patch(module):
             exec_module(module)
-            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
-            _apply()
+            if all(name in sys.modules for name in _HOOKS):
+                sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
+            _HOOKS[fullname]()
 
         loader.exec_module = exec_then_patch
         return spec
@@ -97,9 +120,10 @@ def register() -> None:
         return
     _state["registered"] = True
     _request_amx()
-    if _TARGET in sys.modules:
-        _apply()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    for name, hook in _HOOKS.items():
+        if name in sys.modules:
+            hook()
+    if not all(name in sys.modules for name in _HOOKS) and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
 
 

@@ -324,7 +324,7 @@ def allow_nan_weights() -> bool:
                      f"weight codes) or {', '.join(ALLOW_OFF[1:])} / unset (refuse them)")
 
 
-def check_values(qw, act_opts: dict, name: str) -> list[dict]:
+def check_values(qw, act_opts: dict, name: str, rename=None) -> list[dict]:
     """The value checks of a layer's weight as loaded, once per layer (formats.validate.scan_values
     on the weight, scan_scalar on static activation scales; it reads every code and scale, one
     device synchronization): the same findings as ``b12x-dual diff``'s checkpoint stage.
@@ -333,11 +333,14 @@ def check_values(qw, act_opts: dict, name: str) -> list[dict]:
     a NaN, Inf, zero or negative scale or an E8M0 0xFF (always: every implementation trusts the
     scales), and for a NaN weight code unless B12X_VLLM_ALLOW_NAN_WEIGHTS is on (then one WARNING
     per layer). A zero block scale over non-zero codes is logged once per layer (WARNING) and
-    served. Returns the findings (for reports and tests).
+    served. ``rename`` (optional) maps a finding's tensor name ("weight.scale") to the layer's
+    own (the MoE method: "w13_weight_scale"). Returns the findings (for reports and tests).
     """
     from formats.validate import UNSOUND, describe_finding, scan_scalar, scan_values
 
     findings = scan_values(qw, name="weight")
+    if rename is not None:
+        findings = [dict(f, tensor=rename(f["tensor"])) for f in findings]
     for key, t in act_opts.items():
         if isinstance(t, torch.Tensor):
             findings += scan_scalar(t, f"input {key}")

@@ -34,6 +34,12 @@ patches (tests/vllm/test_vllm_patches.py on 0.33, tests/vllm_engine/test_engine_
    ``quant_method.process_weights_after_loading(layer)``. The layer's own quant-method object gets
    instance wrappers (guard after create_weights, check_complete before processing) and
    ``update_param_tp_status`` guards again (the bias); for a layer that is not ours both do nothing.
+7. ``moe_method`` (0.32, 0.33; applied by :func:`apply_moe` once compressed-tensors' MoE module is
+   imported): ``CompressedTensorsMoEMethod.get_moe_method`` is wrapped (moe.py): an MoE layer whose
+   checkpoint scheme b12x-dual serves, where asked for, gets b12x-dual's FusedMoE method; every
+   other layer vLLM's. Relies on: the static method is looked up on the class by every caller;
+   ``layer.moe_config``, ``layer.ckpt_gate_proj_name``; ``quant_config._add_fused_moe_to_target_scheme_map``
+   and ``get_scheme_dict``; RoutedExperts.weight_loader's signature and name-based branches.
 """
 
 from __future__ import annotations
@@ -291,6 +297,30 @@ def ct_fp8_weight_loader() -> None:
 PATCHES = (("kernel_lists", kernel_lists), ("backend_map", backend_map), ("nvfp4_w4a16", nvfp4_w4a16),
            ("cpu_fp8_quant", cpu_fp8_quant), ("ct_fp8_weight_loader", ct_fp8_weight_loader),
            ("load_checks", load_checks))
+
+
+def moe_method() -> None:
+    from . import moe
+
+    moe.wrap_get_moe_method()
+
+
+def apply_moe() -> list[str]:
+    """Apply the ``moe_method`` patch (idempotent; a failure is logged and recorded in :data:`failed`)."""
+    from .moe import CT_MOE
+
+    if CT_MOE not in sys.modules:
+        raise RuntimeError(f"patches.apply_moe() needs {CT_MOE} imported first")
+    try:
+        moe_method()
+    except Exception as e:  # noqa: BLE001
+        failed["moe_method"] = f"{type(e).__name__}: {e}"
+        log.exception("b12x-dual: patch moe_method failed; vLLM's own MoE methods serve")
+        return applied
+    failed.pop("moe_method", None)
+    if "moe_method" not in applied:
+        applied.append("moe_method")
+    return applied
 
 
 def apply() -> list[str]:

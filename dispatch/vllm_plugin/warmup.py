@@ -149,11 +149,38 @@ def _parts(layer: torch.nn.Module, counts) -> tuple[str, tuple, Callable[[], Non
     return f"b12x-dual {st.variant}", ("b12x_dual", st.signature, bias is not None, str(dev), counts), compile
 
 
+def _moe_parts(layer: torch.nn.Module, counts) -> tuple[str, tuple, Callable[[], None]]:
+    """(name, key, compile) for an MoE layer our method serves (``layer.b12x_dual_moe``): the key
+    is the BoundMoE's signature; compile runs it once at each token count (x of the layer's dtype,
+    every expert routed to, weights 1/top_k)."""
+    method = layer.b12x_dual_moe
+    b, top_k = method.bound, method.top_k
+    dtype = getattr(layer, "params_dtype", None) or torch.bfloat16
+    key = ("moe", tuple(sorted(b.backends)), b.variant, b.num_experts, b.hidden, b.intermediate, top_k,
+           b.activation, dtype)
+
+    def compile() -> None:
+        global compiles
+        dev = b.w13[0].data.device
+        for m in counts:
+            if (key, m) in _done:
+                continue
+            x = torch.full((m, b.hidden), 0.01, dtype=dtype, device=dev)
+            ids = (torch.arange(m * top_k, device=dev) % b.num_experts).view(m, top_k).to(torch.int32)
+            w = torch.full((m, top_k), 1.0 / top_k, device=dev)
+            b(x, ids, w)
+            _done.add((key, m))
+            compiles += 1
+
+    return f"b12x-dual MoE {b.variant}", key, compile
+
+
 def unit(layer: torch.nn.Module, counts):
     """vLLM's B12xWarmupUnit for one layer (key = the layer's signature and bias presence)."""
     from vllm.utils.b12x import B12xWarmupUnit
 
-    name, key, compile = _parts(layer, counts)
+    parts = _moe_parts if getattr(layer, "b12x_dual_moe", None) is not None else _parts
+    name, key, compile = parts(layer, counts)
     return B12xWarmupUnit(name=name, key=key, compile=compile)
 
 
@@ -168,6 +195,9 @@ def warmup_model(model: torch.nn.Module, counts: Iterable[int]) -> dict[str, int
     for layer in model.modules():
         if getattr(layer, "b12x_dual_handle", None) is not None:
             name, key, compile = _parts(layer, counts)
+            units.setdefault(key, (name, compile))
+        elif getattr(layer, "b12x_dual_moe", None) is not None:
+            name, key, compile = _moe_parts(layer, counts)
             units.setdefault(key, (name, compile))
     warmed: dict[str, int] = {}
     with torch.inference_mode():

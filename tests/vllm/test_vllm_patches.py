@@ -151,3 +151,38 @@ def test_ct_fp8_weight_loader_not_needed_on_0_33(dist):
     assert 'replace_parameter(layer, "weight", weight.data)' in src
     assert "layer.weight = Parameter(" not in src
     assert "ct_fp8_weight_loader" in patches.applied
+
+
+def test_moe_method_get_moe_method_is_wrapped_and_what_it_relies_on_is_there(dist):
+    """Patch 7 (moe_method): compressed-tensors' MoE method selection is still the static method
+    ``CompressedTensorsMoEMethod.get_moe_method(quant_config, layer, layer_name)`` reading the scheme
+    of ``<layer>.0.<gate proj>`` through ``_add_fused_moe_to_target_scheme_map`` / ``get_scheme_dict``;
+    RoutedExperts still asks ``resolve_quant_method``; its weight_loader still takes
+    (param, loaded_weight, weight_name, shard_id, expert_id, return_success) and branches on the
+    method's class name ("compressed": the equal input scales check). Then the patch: the class
+    attribute is our wrapper, once (the plugin's finder applied it when the module was imported)."""
+    import importlib
+
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    from dispatch.vllm_plugin import moe, patches
+
+    mod = importlib.import_module(moe.CT_MOE)
+    cls = mod.CompressedTensorsMoEMethod
+    wrapped = cls.__dict__["get_moe_method"]
+    assert isinstance(wrapped, staticmethod), "get_moe_method is no longer a static method: revisit patches.moe_method"
+    original = getattr(wrapped.__func__, "__b12x_dual_original__", None)
+    assert original is not None and "moe_method" in patches.applied, (patches.applied, patches.failed)
+    assert list(inspect.signature(original).parameters) == ["quant_config", "layer", "layer_name"]
+    src = inspect.getsource(original)
+    for needed in ("_add_fused_moe_to_target_scheme_map()", "get_scheme_dict(", "ckpt_gate_proj_name"):
+        assert needed in src, needed
+    assert hasattr(CompressedTensorsConfig, "_add_fused_moe_to_target_scheme_map")
+    assert "resolve_quant_method" in inspect.getsource(RoutedExperts._get_quant_method)
+    params = list(inspect.signature(RoutedExperts.weight_loader).parameters)
+    assert params[:7] == ["self", "param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success"]
+    assert '"compressed" in quant_method_name.lower()' in inspect.getsource(RoutedExperts.weight_loader)
+    assert "CompressedTensors" in moe.B12xDualCompressedTensorsMoEMethod.__name__
+    moe.wrap_get_moe_method()  # idempotent
+    assert cls.__dict__["get_moe_method"].__func__.__b12x_dual_original__ is original

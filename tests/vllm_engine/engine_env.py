@@ -322,6 +322,49 @@ def tiny_gptoss(seed: int = 0):
     return GptOssForCausalLM(gptoss_config()).eval()
 
 
+def moe_decompressed(model: Path):
+    """transformers' tiny Qwen3-MoE (experts linearized as written, bf16, eval) holding the MoE
+    checkpoint ``model``'s weights as compressed-tensors' own compressor decompresses them
+    (``BaseCompressor.get_value_from_registry(format).decompress`` per quantized module), the
+    unquantized tensors (router, norms, embeddings, head) as stored; activations unquantized.
+
+    transformers' own loader cannot take these checkpoints (its fused expert parameters have no
+    quantized form), so the modules are decompressed one by one. FP8_BLOCK: compressed-tensors
+    0.17.0's decompression fails on a 128x128 block scale (a broadcast error), so those weights are
+    decoded here as e4m3 x their block's scale (``repeat_interleave``), the format's definition.
+    """
+    import torch
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+
+    qc = json.loads((model / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    scheme = QuantizationScheme.model_validate(group)
+    fmt = group.get("format") or qc["format"]
+    t = load_file(str(model / "model.safetensors"))
+    quantized = {k.rsplit(".", 1)[0] for k in t if k.endswith(".weight_scale")}
+    sd = {k: v for k, v in t.items() if k.rsplit(".", 1)[0] not in quantized}
+    for m in quantized:
+        local = {k[len(m) + 1:]: v for k, v in t.items() if k.rsplit(".", 1)[0] == m}
+        if scheme.weights.strategy == "block":
+            bn, bk = scheme.weights.block_structure
+            w, s = local["weight"].float(), local["weight_scale"].float()
+            s = s.repeat_interleave(bn, 0)[: w.shape[0]].repeat_interleave(bk, 1)[:, : w.shape[1]]
+            sd[m + ".weight"] = (w * s).to(torch.bfloat16)
+            continue
+        scheme_m = scheme.model_copy()
+        sd[m + ".weight"] = BaseCompressor.get_value_from_registry(fmt).decompress(local, scheme_m)["weight"]
+    net = tiny_qwen3_moe()
+    linearize_experts(net)
+    missing, unexpected = net.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight") or "lm_head.weight" not in sd]
+    if missing or unexpected:
+        raise ValueError(f"{model}: decompressed state does not fit the model: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    return net.to(torch.bfloat16).eval()
+
+
 def write_gptoss_model(root: Path, kind: str = "gptoss_mxfp4") -> Path:
     """The tiny gpt-oss in gpt-oss's own MXFP4 checkpoint layout (vLLM's ``Mxfp4Config``), written once.
 

