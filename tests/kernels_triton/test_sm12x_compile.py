@@ -157,7 +157,8 @@ def test_lesson_default_tiles_are_compiled_entries(fmt, arch):
 def test_moe_kernels_are_built():
     """kernels_triton.moe's kernels are in the build list as SM12x launches them: the grouped GEMM for
     W13 (gated) and W2 of every format natively, of the weight-only variants portably (TF32), at each
-    BLOCK_M its GPU tile takes (16, 32, 64), and the activation quantizer of both GEMM inputs."""
+    BLOCK_M its GPU tile takes (16, 32, 64), the activation quantizer of both GEMM inputs, and the amax
+    kernel per block and per row (fp8_channel's per-token scale)."""
     from kernels_triton import moe
 
     names = {b.name for b in BUILDS}
@@ -167,6 +168,6 @@ def test_moe_kernels_are_built():
             assert f"moe {fmt} {kind} {gemm} M={M}" in names
         if not a16:
             assert {f"moe {fmt} quantize x", f"moe {fmt} quantize intermediate"} <= names
-    assert {"moe amax x", "moe amax intermediate"} <= names
+    assert {"moe amax x", "moe amax intermediate", "moe amax rows x", "moe amax rows intermediate"} <= names
     assert {moe.tile_config(M, 128, 8, 4096, 1536, "mxfp4", "native", (12, 0)).BLOCK_M for M in (64, 512, 4096)} \
         == {16, 32, 64}
