@@ -245,7 +245,8 @@ class TritonBackend(_KernelBackend):
         for ok, why in (_dtype_ok(problem, self.act_dtypes), _k_ok(problem)):
             if not ok:
                 return False, f"triton: {why}"
-        return True, f"kernels_triton.{self.fmt}" + (" W4A16" if self.a16 else "")
+        mode = (" W4A16" if spec(self.fmt).element == "e2m1" else " W8A16") if self.a16 else ""
+        return True, f"kernels_triton.{self.fmt}{mode}"
 
     def validate_device(self, x: torch.Tensor) -> None:
         """ImplementationUnavailable (naming this implementation, the device and why) when ``x``

@@ -101,7 +101,8 @@ def launch(kernel, grid, *args, **kwargs):
 
 # -- The GEMM path: native (tl.dot_scaled on SM12x) or portable -----------------------------------
 PATHS = ("native", "portable")
-A16_FORMATS = tuple(f for f in FORMAT_NAMES if spec(f).element == "e2m1")  # W4A16: weight-only FP4
+# weight-only (x stays bf16/fp16): W4A16 for the FP4 formats, W8A16 for mxfp8
+A16_FORMATS = tuple(f for f in FORMAT_NAMES if spec(f).element == "e2m1" or f == "mxfp8")
 TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2])
 
 
@@ -115,17 +116,23 @@ def native_instruction(fmt: str) -> str:
     return "mma.sync m16n8k32 kind::mxf8f6f4.block_scale.scale_vec::1X ue8m0" + unit.get(fmt, " (unit E8M0 scales)")
 
 
+def a16_name(fmt: str) -> str:
+    """The weight-only mode's name: "W4A16" (e2m1 weights) or "W8A16" (e4m3 weights)."""
+    return "W4A16" if spec(fmt).element == "e2m1" else "W8A16"
+
+
 def _check_fmt(fmt: str, a16: bool) -> None:
     if fmt not in FORMAT_NAMES:
         raise ValueError(f"fmt must be one of {FORMAT_NAMES}, got {fmt!r}")
     if a16 and fmt not in A16_FORMATS:
-        raise ValueError(f"a16=True (W4A16) exists for {A16_FORMATS}, got {fmt!r}")
+        raise ValueError(f"a16=True (weight-only W4A16 / W8A16) exists for {A16_FORMATS}, got {fmt!r}")
 
 
 def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = False) -> tuple[str, str]:
     """(path, reason): "native" (tl.dot_scaled) or "portable" (dequantize in registers), the GEMM
-    path for ``fmt`` (FORMAT_NAMES; ``a16``: W4A16, FP4 only) on a device of ``capability``
-    ((major, minor); None: the interpreter). ValueError for an unknown fmt or a16 without W4A16.
+    path for ``fmt`` (FORMAT_NAMES; ``a16``: weight-only, A16_FORMATS) on a device of ``capability``
+    ((major, minor); None: the interpreter). ValueError for an unknown fmt or a16 without a
+    weight-only mode.
     Source: Triton's SM120 block-scaled lowering (triton#7918, #8494; SM121 #10010)."""
     _check_fmt(fmt, a16)
     # [gemm-path]
@@ -134,9 +141,10 @@ def gemm_path(fmt: str, capability: Optional[tuple[int, int]], *, a16: bool = Fa
     major, minor = int(capability[0]), int(capability[1])
     arch = f"sm_{major}{minor}"
     if a16:
-        return "portable", (f"W4A16 on {arch}: bf16 x decoded-weight tl.dot. The block-scaled MMA takes "
-                            "FP8xFP8 or FP4xFP4 only; Triton lowers dot_scaled(bf16, e2m1) by upcasting the "
-                            "weight to bf16 anyway, which is what this kernel does, exactly")
+        elem = spec(fmt).element
+        return "portable", (f"{a16_name(fmt)} on {arch}: bf16 x decoded-weight tl.dot. The block-scaled MMA "
+                            f"takes FP8xFP8 or FP4xFP4 only; Triton lowers dot_scaled(bf16, {elem}) by upcasting "
+                            "the weight to bf16 anyway, which is what this kernel does, exactly")
     if major == 12:
         need = (3, 8) if minor == 1 else (3, 6)
         if TRITON_VERSION < need:
@@ -152,7 +160,7 @@ def route_path(path: Optional[str], fmt: str, capability: Optional[tuple[int, in
                a16: bool = False) -> tuple[str, str]:
     """(path, why) on a device of ``capability``: ``path`` when forced ("native" | "portable"), else
     gemm_path's; the one place a forced path is checked. ValueError for an unknown fmt or path, a16
-    without W4A16, or a native path that cannot be: W4A16; NVFP4 under the interpreter (its
+    without a weight-only mode, or a native path that cannot be: weight-only; NVFP4 under the interpreter (its
     dot_scaled decodes e4m3 scales as E8M0) or off SM12x with Triton < 3.7 (triton#7549)."""
     if path is None:
         return gemm_path(fmt, capability, a16=a16)
@@ -161,7 +169,7 @@ def route_path(path: Optional[str], fmt: str, capability: Optional[tuple[int, in
     _check_fmt(fmt, a16)
     if path == "native":
         if a16:
-            raise ValueError(f"{fmt} W4A16 has no native kernel: {gemm_path(fmt, (12, 0), a16=True)[1]}")
+            raise ValueError(f"{fmt} {a16_name(fmt)} has no native kernel: {gemm_path(fmt, (12, 0), a16=True)[1]}")
         if spec(fmt).scale.startswith("e4m3"):  # nvfp4
             if capability is None:
                 raise ValueError(f"{fmt} path='native' cannot run under the Triton interpreter: its dot_scaled "

@@ -27,7 +27,8 @@ of E experts). The fused way takes four steps:
    sorted order for W13, the intermediate for W2. Row and block scales do not depend on the grouping;
    a per-tensor value (fp8_tensor's scale, nvfp4's global scale) is the expert's: static (one per
    expert) or the amax over the expert's own rows, as the oracle (a partial amax per block; each
-   program reduces its expert's blocks). Weight-only variants (a16) read x as it is.
+   program reduces its expert's blocks). fp8_channel's per-token scale is its row's own amax (the
+   amax kernel keeps one per row), or static per expert. Weight-only variants (a16) read x as it is.
 3. The grouped GEMM (``_grouped_gemm_kernel``): one program per (block, N tile) loads its block's
    expert e, and the rest is a dense lesson's K loop over W[e]:
 
@@ -35,7 +36,8 @@ of E experts). The fused way takes four steps:
            a = the block's A rows, decoded (<fmt>_dequantize_tile)     fp32 [BLOCK_M, BLOCK_K]
            w = W[e]'s rows of the tile, decoded                        fp32 [BLOCK_N, BLOCK_K]
            acc += dot(a, w^T)              (fp8_block: times sx sw, constant over the 128-deep step)
-       acc = acc * alpha[e] + bias[e]      (alpha: fp8_tensor sx sw, nvfp4 1 / (g_x g_w))
+       acc = acc * alpha[e] + bias[e]      (alpha: fp8_tensor sx sw, nvfp4 1 / (g_x g_w),
+                                            fp8_channel sx[row] sw[column]: the row scales leave the sum)
 
    For W13 a program owns BLOCK_N intermediate columns and accumulates their gate and up rows side
    by side, so the activation is its epilogue. For W2 the epilogue multiplies each row by its
@@ -69,16 +71,18 @@ from formats.validate import check_weight
 from ._codecs import abs_or_inf, amax_or_nan, nan_if_nonfinite, round_to_bf16_rne
 from ._common import Route, TileConfig, check_activation, device_capability, epilogue, interpreting, launch, route_path
 from .fp8_block import fp8_block_dequantize_tile, fp8_block_quantize_tile
+from .fp8_channel import fp8_channel_dequantize_tile, fp8_channel_quantize_tile
 from .fp8_tensor import fp8_tensor_dequantize_tile, fp8_tensor_quantize_tile
 from .mxfp4 import mxfp4_dequantize_tile, mxfp4_quantize_tile
 from .mxfp8 import mxfp8_dequantize_tile, mxfp8_quantize_tile
 from .nvfp4 import nvfp4_dequantize_tile, nvfp4_quantize_tile
 
-FORMATS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4")  # constexpr FMT is the index
+FORMATS = ("fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "fp8_channel")  # constexpr FMT is the index
 A16_FORMATS = ("mxfp8", "nvfp4", "mxfp4")  # weight-only: mxfp8_w8a16, nvfp4_w4a16, mxfp4_w4a16
 ACT_OPTION = {"fp8_tensor": "scale", "fp8_block": "ue8m0", "mxfp8": "scale_rule", "nvfp4": "global_scale",
-              "mxfp4": "scale_rule"}  # the one activation option each format takes (formats.quantize's)
-_FP8_TENSOR, _FP8_BLOCK, _MXFP8, _NVFP4, _MXFP4 = (tl.constexpr(i) for i in range(5))
+              "mxfp4": "scale_rule", "fp8_channel": "scale"}  # the one activation option of each (formats.quantize's)
+DYNAMIC_AMAX = ("fp8_tensor", "nvfp4", "fp8_channel")  # an amax kernel before the quantizer unless static
+_FP8_TENSOR, _FP8_BLOCK, _MXFP8, _NVFP4, _MXFP4, _FP8_CHANNEL = (tl.constexpr(i) for i in range(6))
 _SILU, _SWIGLU = tl.constexpr(0), tl.constexpr(1)  # MOE_ACTIVATIONS[0], [1] (interleaved gate/up)
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -141,8 +145,12 @@ def _block_rows(slot_ptr, blk, n_slots, GATHER: tl.constexpr, TOP_K: tl.constexp
 def _quantize_tile(x, t, FMT: tl.constexpr, RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The format lesson's tile quantizer on x fp32 [BLOCK_M, BLOCK_K], t the expert's per-tensor value
     (fp8_tensor's scale, nvfp4's g) and RULE fp8_block's ue8m0 / MX's floor rule -> (codes uint8
-    [BLOCK_M, BLOCK_K], block scales [BLOCK_M, BLOCK_K / block] (fp8_tensor: the codes, unused))."""
-    if FMT == _FP8_TENSOR:
+    [BLOCK_M, BLOCK_K], block scales [BLOCK_M, BLOCK_K / block] (fp8_tensor: the codes, unused;
+    fp8_channel: t, the row scales [BLOCK_M] or one static value))."""
+    if FMT == _FP8_CHANNEL:
+        s = t + tl.zeros((BLOCK_M,), dtype=tl.float32)
+        q = fp8_channel_quantize_tile(x, s)
+    elif FMT == _FP8_TENSOR:
         q = fp8_tensor_quantize_tile(x, t)
         s = q
     elif FMT == _FP8_BLOCK:  # one 128-wide group per row of the reshaped tile
@@ -159,28 +167,32 @@ def _quantize_tile(x, t, FMT: tl.constexpr, RULE: tl.constexpr, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _amax_kernel(src_ptr, slot_ptr, expert_ptr, partial_ptr, K, n_slots, stride_src,
+def _amax_kernel(src_ptr, slot_ptr, expert_ptr, partial_ptr, K, n_slots, stride_src, ROWS: tl.constexpr,
                  GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """partial[block] = max |input| over the block's rows (+Inf marks a NaN/Inf), for dynamic scales."""
+    """partial[block] = max |input| over the block's rows (+Inf marks a NaN/Inf), for dynamic scales;
+    ROWS: partial[row] per sorted row instead (fp8_channel's per-token scale)."""
     blk = tl.program_id(0)
     if tl.load(expert_ptr + blk) < 0:
         return
-    _, _, ok, src = _block_rows(slot_ptr, blk, n_slots, GATHER, TOP_K, BLOCK_M)
+    r, _, ok, src = _block_rows(slot_ptr, blk, n_slots, GATHER, TOP_K, BLOCK_M)
     amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(src_ptr + src[:, None] * stride_src + offs_k[None, :], mask=ok[:, None] & (offs_k[None, :] < K),
                     other=0.0)
         amax = tl.maximum(amax, abs_or_inf(x.to(tl.float32)))
-    tl.store(partial_ptr + blk, tl.max(tl.max(amax, axis=1), axis=0))
+    if ROWS:
+        tl.store(partial_ptr + r, tl.max(amax, axis=1))
+    else:
+        tl.store(partial_ptr + blk, tl.max(tl.max(amax, axis=1), axis=0))
 
 
 @triton.jit
 def _quantize_kernel(
     src_ptr,  # x [M, K] (GATHER) or the intermediate fp32 [rows, K] in sorted order
     slot_ptr, expert_ptr, first_block_ptr,  # the grouping (Blocks)
-    partial_ptr, static_ptr,  # the blocks' partial amaxes (DYNAMIC) or the static values [E]
-    q_ptr, s_ptr, t_ptr,  # out: codes [rows, K or K/2] uint8, block scales [rows, K/VEC], per-expert value [E]
+    partial_ptr, static_ptr,  # the blocks' (fp8_channel: rows') partial amaxes (DYNAMIC) or the static values [E]
+    q_ptr, s_ptr, t_ptr,  # out: codes [rows, K or K/2] uint8, block (row) scales [rows, K/VEC], per-expert value [E]
     K, n_slots, stride_src, stride_q, stride_s,
     FMT: tl.constexpr, VEC: tl.constexpr, RULE: tl.constexpr, DYNAMIC: tl.constexpr, GATHER: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -192,9 +204,12 @@ def _quantize_kernel(
         return
     r, _, ok, src = _block_rows(slot_ptr, blk, n_slots, GATHER, TOP_K, BLOCK_M)
 
-    # ----- the expert's per-tensor value t: static, or from the amax over its blocks
+    # ----- the expert's per-tensor value t: static, or from the amax over its blocks; fp8_channel's
+    # per-token scales [BLOCK_M] from each row's amax
     t = 1.0
-    if FMT == _FP8_TENSOR or FMT == _NVFP4:
+    if FMT == _FP8_CHANNEL and DYNAMIC:
+        t = tl.math.div_rn(amax_or_nan(tl.load(partial_ptr + r), _FLOOR), _E4M3_MAX)  # amax / 448, NaN: a bad row
+    elif FMT == _FP8_TENSOR or FMT == _NVFP4 or FMT == _FP8_CHANNEL:
         if DYNAMIC:
             first, end = tl.load(first_block_ptr + e), tl.load(first_block_ptr + e + 1)
             amax = tl.zeros((BLOCK_P,), dtype=tl.float32)
@@ -222,7 +237,10 @@ def _quantize_kernel(
         tl.store(q_ptr + r[:, None] * stride_q + offs_b[None, :], even | (odd << 4), mask=offs_b[None, :] < K // 2)
     else:
         tl.store(q_ptr + r[:, None] * stride_q + offs_k[None, :], codes, mask=offs_k[None, :] < K)
-    if FMT != _FP8_TENSOR:
+    if FMT == _FP8_CHANNEL:
+        if pid_k == 0:  # one scale per row
+            tl.store(s_ptr + r * stride_s, scales)
+    elif FMT != _FP8_TENSOR:
         offs_s = pid_k * (BLOCK_K // VEC) + tl.arange(0, BLOCK_K // VEC)
         tl.store(s_ptr + r[:, None] * stride_s + offs_s[None, :], scales, mask=offs_s[None, :] < K // VEC)
 
@@ -241,12 +259,14 @@ def _operand(ptr, s_ptr, rows, ok, k0, K, stride, stride_s, FMT: tl.constexpr, V
     if A16:
         v = tl.load(ptr + rows[:, None] * stride + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
         s = v
-    elif FMT == _FP8_TENSOR or FMT == _FP8_BLOCK:  # e4m3 codes: natively as they are, portably decoded
+    elif FMT == _FP8_TENSOR or FMT == _FP8_BLOCK or FMT == _FP8_CHANNEL:  # e4m3 codes: natively as they are
         v = tl.load(ptr + rows[:, None] * stride + offs_k[None, :], mask=k_ok, other=0)
         s = v
         if FMT == _FP8_BLOCK:
             s = tl.load(s_ptr + (rows // SCALE_ROWS) * stride_s + k0 // 128, mask=ok, other=0.0)
-        if not NATIVE:
+        if not NATIVE and FMT == _FP8_CHANNEL:
+            v = fp8_channel_dequantize_tile(v)
+        elif not NATIVE:
             v = fp8_block_dequantize_tile(v) if FMT == _FP8_BLOCK else fp8_tensor_dequantize_tile(v)
     elif NATIVE:  # codes (e2m1: packed bytes [rows, BLOCK_K / 2]) and their block scale bytes
         if FMT == _MXFP8:
@@ -282,7 +302,7 @@ def _partial(a, sa, w, sw, FMT: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.
         p = tl.dot_scaled(a, sa, "e2m1", w.T, sw, "e2m1")
     elif NATIVE and FMT == _MXFP8:
         p = tl.dot_scaled(a, sa, "e4m3", w.T, sw, "e4m3")
-    elif NATIVE:  # fp8_tensor, fp8_block: unit E8M0 scales, for the full-rate MMA (fp8_tensor.py)
+    elif NATIVE:  # fp8_tensor, fp8_block, fp8_channel: unit E8M0 scales, for the full-rate MMA (fp8_tensor.py)
         p = tl.dot_scaled(a, tl.full((BLOCK_M, BLOCK_K // 32), 127, tl.uint8), "e4m3",
                           w.T, tl.full((BLOCK_N, BLOCK_K // 32), 127, tl.uint8), "e4m3")
     else:
@@ -350,6 +370,11 @@ def _grouped_gemm_kernel(
             acc_u += _partial(a, sa, w, sw, FMT, NATIVE, BLOCK_M, BLOCK_N, BLOCK_K)
 
     # ----- epilogue: alpha and bias, then the activation (W13) or the router weight (W2)
+    if FMT == _FP8_CHANNEL:  # the token and channel scales (contiguous) meet first, as in fp8_channel.py
+        sa = tl.load(sa_ptr + r, mask=m_ok, other=0.0)
+        acc_g = acc_g * (sa[:, None] * tl.load(sw_ptr + rows_g, mask=n_ok, other=0.0)[None, :])
+        if GATED:
+            acc_u = acc_u * (sa[:, None] * tl.load(sw_ptr + rows_u, mask=n_ok, other=0.0)[None, :])
     y = epilogue(acc_g, rows_g, n_ok, ta_ptr + e, tw_ptr + e, bias_ptr, TENSOR_SCALES=FMT == _FP8_TENSOR,
                  GLOBAL_SCALES=FMT == _NVFP4, HAS_BIAS=HAS_BIAS, ROUND_BF16=False)
     if GATED:
@@ -463,7 +488,7 @@ def _plan(M, E, top_k, H, I, fmt, a16, capability, path, tile, w13_act_opts, w2_
         raise ValueError(f"fp8_block needs tile.BLOCK_K == 128 (one scale per K step), got {tile}")
     if M == 0:
         return Route("triton", (), why=f"{fmt}: no tokens, nothing to launch"), path, tile
-    dynamic = [fmt in ("fp8_tensor", "nvfp4") and (o or {}).get(ACT_OPTION[fmt]) is None
+    dynamic = [fmt in DYNAMIC_AMAX and (o or {}).get(ACT_OPTION[fmt]) is None
                for o in (w13_act_opts, w2_act_opts)]  # an amax kernel before the quantizer
     quant = [() if a16 else ("_amax_kernel",) * d + ("_quantize_kernel",) for d in dynamic]
     why = (f"{fmt}{' weight-only' if a16 else ''}: rows sorted by expert in blocks of {tile.BLOCK_M} (a grid of "
@@ -486,21 +511,27 @@ def route(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = F
 
 
 # == 5. The launchers (arguments checked by the caller) ===========================================
+def _vec(fmt: str) -> int:
+    """Elements per activation block scale along K (fp8_tensor 32, unused; fp8_channel's row scale: 1)."""
+    return (spec(fmt).activation_block or (1, 32))[1] or 1
+
+
 def _quantize(src, blocks: Blocks, fmt: str, static, rule: int, gather: bool, top_k: int, E: int):
     """Step 2 on src (x [M, K] gathered, or the fp32 intermediate in sorted order): (codes, block
     scales, per-expert values [E]) of every sorted row."""
     K, rows, nb = src.shape[1], blocks.slot.numel(), blocks.expert.numel()
-    vec = (spec(fmt).activation_block or (1, 32))[1]
+    vec, per_row = _vec(fmt), fmt == "fp8_channel"
     q = torch.empty((rows, K // 2 if spec(fmt).element == "e2m1" else K), dtype=torch.uint8, device=src.device)
-    s = torch.empty((rows, K // vec), dtype=torch.float32 if fmt == "fp8_block" else torch.uint8, device=src.device)
+    s = torch.empty((rows, 1 if per_row else K // vec), dtype=torch.float32 if fmt in ("fp8_block", "fp8_channel")
+                    else torch.uint8, device=src.device)
     t = torch.ones(E, dtype=torch.float32, device=src.device) if static is None else static
     bk = max(128, min(1024, triton.next_power_of_2(K))) if interpreting() else 128
-    dynamic = static is None and fmt in ("fp8_tensor", "nvfp4")
-    partial = torch.empty(nb, dtype=torch.float32, device=src.device) if dynamic else t
+    dynamic = static is None and fmt in DYNAMIC_AMAX
+    partial = torch.empty(rows if per_row else nb, dtype=torch.float32, device=src.device) if dynamic else t
     common = dict(GATHER=gather, TOP_K=top_k, BLOCK_M=blocks.block_m, BLOCK_K=bk)
     if dynamic:
         launch(_amax_kernel, (nb,), src, blocks.slot, blocks.expert, partial, K, blocks.n_slots, src.stride(0),
-               **common)
+               ROWS=per_row, **common)
     launch(_quantize_kernel, (nb, triton.cdiv(K, bk)), src, blocks.slot, blocks.expert, blocks.first_block, partial,
            t, q, s, t, K, blocks.n_slots, src.stride(0), q.stride(0), s.stride(0), FMT=FORMATS.index(fmt), VEC=vec,
            RULE=rule, DYNAMIC=dynamic, BLOCK_P=min(1024, max(16, triton.next_power_of_2(nb))), **common)
@@ -519,7 +550,7 @@ def _gemm(a, sa, ta, w: tuple, blocks: Blocks, out, fmt: str, path: str, tile: T
            out, out.shape[1], data.shape[2] * (2 if spec(fmt).element == "e2m1" else 1), blocks.n_slots, alpha, limit,
            a.stride(0), sa.stride(0), data.stride(0), data.stride(1), block.stride(0),
            block.stride(1) if block.dim() > 1 else 0, bias_t.stride(0), out.stride(0),
-           FMT=FORMATS.index(fmt), VEC=(spec(fmt).activation_block or (1, 32))[1], NATIVE=path == "native", A16=a16,
+           FMT=FORMATS.index(fmt), VEC=_vec(fmt), NATIVE=path == "native", A16=a16,
            GATHER=gather, GATED=act >= 0, ACT=max(act, 0), HAS_BIAS=bias is not None, TOP_K=top_k,
            BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, num_warps=tile.num_warps,
            num_stages=tile.num_stages)

@@ -1,6 +1,6 @@
 """MXFP8 (OCP MX, E4M3 elements, one E8M0 scale per 32 along K) in Triton, the lesson: the
-activation quantizer, the portable GEMM, the native SM12x GEMM and the wrappers that route, launch
-and check them, in that order.
+activation quantizer, the portable GEMM (W8A8, and W8A16: weight-only), the native SM12x GEMM and
+the wrappers that route, launch and check them, in that order.
 
 What this file teaches: a block-scaled GEMM whose scale blocks (32) are smaller than a K step, and
 how power-of-two scales make the simplest approach exact. Each operand tile is *dequantized in
@@ -33,20 +33,29 @@ registers* (code value times its block's scale), then an ordinary tl.dot runs on
    DOT dtype is bf16 on GPU and fp32 under the interpreter (its bf16 tl.dot is wrong). The scales
    are loaded once per 32-element block and broadcast by a reshape to [BLOCK_R, BLOCK_K / 32, 32].
 
+   W8A16 (``gemm_w8a16``, ``linear(a16=True)``; the "mxfp8_w8a16" variant): the A tile is x's
+   bf16/fp16 rows as they are, only the weight is decoded; bf16 x times a 4-significant-bit weight
+   is exact in the bf16 dot. fp16 x has 11 significant bits and the weights (up to 448 * 2^127)
+   overflow fp16, so on GPU an fp16 tile is split exactly into bf16 hi + lo and dotted twice.
+
 3. The native SM12x GEMM (``_native_gemm_kernel``): no decoding at all. tl.dot_scaled takes the
    e4m3 codes and the E8M0 bytes and lowers to mma.sync m16n8k32 kind::mxf8f6f4.block_scale
    .scale_vec::1X ... ue8m0, which applies one scale per 32 elements of each row inside the
-   instruction: the same exact products, fp32 accumulation.
+   instruction: the same exact products, fp32 accumulation. W8A16 never takes it: the MMA is
+   FP8xFP8 only, and Triton would lower dot_scaled(bf16, e4m3) by upcasting the weight to bf16,
+   which is what the portable kernel does.
 
-4. ``route``, the launchers, then the public functions: ``quantize_activation``, ``gemm``, ``linear``
+4. ``route``, the launchers, then the public functions: ``quantize_activation``, ``gemm``,
+   ``gemm_w8a16``, ``linear``
    (its argument checks, then ``linear_unchecked``). Tiles: the caller's ``tile=`` / ``quant_tile=``
    (kernels_triton.tuning), else ``tile_config``.
 
-Constraints: K a multiple of 32; x bf16/fp16 [..., K]; weight a linear-layout mxfp8
+Constraints: K a multiple of 32; x bf16/fp16 [..., K], any strides; weight a linear-layout mxfp8
 QuantizedTensor [N, K] (scale uint8 [N, K/32]; swizzled 128x4 too on the native path). E8M0 byte
 0xFF and e4m3 codes 0x7F/0xFF dequantize to NaN; scale bytes below 2^-117 (never produced by our
 quantizer) could underflow bf16 on GPU. NaN/Inf in x follow the non-finite rule of docs/formats.md
-(the block's scale becomes 0xFF and its codes 0x7F, so that row of y is NaN and no other row is).
+(the block's scale becomes 0xFF and its codes 0x7F, so that row of y is NaN and no other row is;
+W8A16: a NaN/Inf of x reaches its row of y through the dot, as in the oracle).
 """
 
 from __future__ import annotations
@@ -64,8 +73,8 @@ from formats.constants import AMAX_FLOOR, E4M3_EMAX, E4M3_MAX, E8M0_BIAS, MX_BLO
 from ._codecs import (abs_or_inf, ceil_log2, dequantize_e4m3, dequantize_e8m0, encode_e4m3, exp2_int, floor_log2,
                       grouped_tile, scale_offsets)
 from ._common import (Route, TileConfig, check_activation, check_gemm_operands,
-                      check_linear, check_sizes, default_quant_tile, device_capability, epilogue, flatten_rows,
-                      interpreter_config, interpreting, kernel_bias, launch, route_path,
+                      check_linear, check_out_dtype, check_sizes, default_quant_tile, device_capability, epilogue,
+                      flatten_rows, interpreter_config, interpreting, kernel_bias, launch, route_path,
                       weight_scale_bytes)
 
 FMT = "mxfp8"
@@ -153,10 +162,13 @@ def _portable_gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_sxm, stride_sxk, stride_swn, stride_swk, stride_ym, stride_yn,
     # meta-parameters
+    A16: tl.constexpr,  # x is the unquantized bf16/fp16 activation (W8A16); sx unused
+    SPLIT_A16: tl.constexpr,  # A16 with fp16 x on GPU: dot the exact bf16 hi and lo halves
     HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8."""
+    """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8 (A16: x is
+    bf16/fp16)."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale block")
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -165,17 +177,29 @@ def _portable_gemm_kernel(
     n_ok = offs_n < N
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # [portable-loop]
     for k0 in range(0, K, BLOCK_K):
-        # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
-        a = mxfp8_dequantize_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
-                                  BLOCK_M, BLOCK_K)
+        # the A tile: code * 2^e, or (A16) x itself, widened to fp32 (exact)
+        # (K is a multiple of 32; BLOCK_K need not divide it: masked)
+        if A16:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
+                        mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        else:
+            a = mxfp8_dequantize_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm,
+                                      stride_sxk, BLOCK_M, BLOCK_K)
         b = mxfp8_dequantize_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
                                   BLOCK_N, BLOCK_K)
         if DOT_BF16:
-            # exact: code * 2^e has 4 significant bits (see the module docstring)
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
+            # exact: code * 2^e has 4 significant bits (see the module docstring); bf16 x is bf16
+            b_t = tl.trans(b.to(tl.bfloat16))
+            a_hi = a.to(tl.bfloat16)
+            acc = tl.dot(a_hi, b_t, acc)
+            if SPLIT_A16:  # fp16 x = hi + lo, the remainder exact in bf16 (<= 3 significant bits)
+                acc = tl.dot((a - a_hi.to(tl.float32)).to(tl.bfloat16), b_t, acc)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
+    # [/portable-loop]
 
     # ----- epilogue: bias, cast, store (every scale was applied in the K loop) -----
     y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, TENSOR_SCALES=False, GLOBAL_SCALES=False,
@@ -236,11 +260,11 @@ def _native_gemm_kernel(
 
 
 # == 4. The route: which kernels, which tile, why =================================================
-def tile_config(M: int, N: int, K: int, path=None, capability=None) -> TileConfig:
+def tile_config(M: int, N: int, K: int, path=None, capability=None, *, a16: bool = False) -> TileConfig:
     """The GEMM's tile without ``tile=``, for ``path`` on a device of ``capability`` (None: the
-    interpreter): as large as the problem there; on a GPU 64 x 64, BLOCK_K 128 natively and 64
-    portably (the dequantized tiles live in registers before the dot)."""
-    path = route_path(path, FMT, capability)[0]
+    interpreter; ``a16``: W8A16, always portable): as large as the problem there; on a GPU 64 x 64,
+    BLOCK_K 128 natively and 64 portably (the dequantized tiles live in registers before the dot)."""
+    path = route_path(path, FMT, capability, a16=a16)[0]
     return interpreter_config(M, N, K) if capability is None else TileConfig(64, 64, 128 if path == "native" else 64)
 
 
@@ -249,8 +273,8 @@ def _plan(M: int, N: int, K: int, capability, *, a16: bool = False, path: Option
     """(the route, its GEMM path, its tile): the one place a call's kernels are decided."""
     check_sizes(M, N, K)
     path, why = route_path(path, FMT, capability, a16=a16)
-    tile = tile or tile_config(M, N, K, path, capability)
-    quant = () if M == 0 else ("_quantize_kernel",)
+    tile = tile or tile_config(M, N, K, path, capability, a16=a16)
+    quant = () if a16 or M == 0 else ("_quantize_kernel",)
     if M == 0 or N == 0:
         return Route("triton", quant, why=f"{FMT}: an empty output, no GEMM to launch"), path, tile
     return Route("triton", quant + (f"_{path}_gemm_kernel",), str(tile), 1, why), path, tile
@@ -260,8 +284,9 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
           path: Optional[str] = None, tile: Optional[TileConfig] = None, scale_rule: str = "ceil") -> Route:
     """The Route ``linear`` launches for x [M, K] (M = prod(x.shape[:-1]); K a multiple of 32) and a
     weight [N, K] on a device of ``capability`` ((major, minor); None: the interpreter), with
-    ``linear``'s options (scale_rule and sm_count do not change it). Pure: no GPU needed.
-    ValueError: a16=True (no weight-only mode), a negative size, or a path route_path refuses."""
+    ``linear``'s options (a16: W8A16, no quantizer, the portable GEMM; scale_rule and sm_count do
+    not change it). Pure: no GPU needed. ValueError: a negative size, or a path route_path refuses
+    (native with a16)."""
     return _plan(M, N, K, capability, a16=a16, path=path, tile=tile)[0]
 
 
@@ -285,8 +310,10 @@ def _quantize(x2: torch.Tensor, scale_rule: str, quant_tile) -> QuantizedTensor:
 
 
 def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> torch.Tensor:
-    """y [M, N] = the GEMM of ``path`` with ``tile`` on the quantized activation xq."""
-    M, (N, K) = xq.rows, qweight.shape
+    """y [M, N] = the GEMM of ``path`` with ``tile`` on xq: the quantized activation (W8A8) or the
+    bf16/fp16 x [M, K] itself (W8A16: the portable kernel)."""
+    a16 = not isinstance(xq, QuantizedTensor)
+    M, (N, K) = xq.shape[0], qweight.shape
     y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
     if M == 0 or N == 0:
         return y
@@ -306,14 +333,14 @@ def _launch_gemm(path: str, tile: TileConfig, xq, qweight, bias, out_dtype) -> t
                x.stride(0), w.stride(0), sx.stride(0), 0 if swizzled else sw.stride(0), y.stride(0),
                W_SWIZZLED=swizzled, **common)
         return y
-    x, w = xq.data.view(torch.uint8), qweight.data.view(torch.uint8)
-    sx, sw = xq.scale, qweight.scale
+    w, sw = qweight.data.view(torch.uint8), qweight.scale
+    x, sx = (xq, sw) if a16 else (xq.data.view(torch.uint8), xq.scale)  # A16: sx is an unused pointer
     launch(_portable_gemm_kernel, grid,
            x, w, sx, sw, bias if bias is not None else y, y,
            M, N, K,
            x.stride(0), x.stride(1), w.stride(0), w.stride(1),
            sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
-           DOT_BF16=not interp, **common)
+           A16=a16, SPLIT_A16=a16 and x.dtype == torch.float16 and not interp, DOT_BF16=not interp, **common)
     return y
 
 
@@ -349,26 +376,45 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
     return _launch_gemm(path, tile, xq, qweight, bias, out_dtype)
 
 
+def gemm_w8a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None, *, tile: Optional[TileConfig] = None) -> torch.Tensor:
+    """W8A16: y [M, N] of out_dtype (bf16, fp16, fp32; default x2d's) = x2d . dequant(qweight)^T
+    (+ bias [N], added in fp32), the portable kernel on every device (gemm_path(fmt, cap, a16=True)
+    says why): exact products, fp32 sums. x2d: bf16/fp16 [M, K] (any strides); qweight: mxfp8
+    [N, K], linear scales. ValueError: x2d not 2-D bf16/fp16, a wrong K, device, weight, bias or
+    out_dtype. Source: formats.reference_linear(..., a16=True)."""
+    check_linear(x2d, qweight, bias, FMT, K_MULTIPLE)
+    if x2d.dim() != 2:
+        raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
+    out_dtype = out_dtype or x2d.dtype
+    check_out_dtype(out_dtype)
+    _, path, tile = _plan(x2d.shape[0], *qweight.shape, device_capability(qweight.device), a16=True, tile=tile)
+    return _launch_gemm(path, tile, x2d, qweight, bias, out_dtype)
+
+
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           scale_rule: str = "ceil", path: Optional[str] = None, tile: Optional[TileConfig] = None,
-           quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """y [..., N] of x's dtype = x . W^T (+ bias [N]) with x quantized on the fly (``scale_rule``);
-    exactly the kernels of ``route``. x: bf16/fp16 [..., K], K a multiple of 32, any strides;
-    qweight: mxfp8 [N, K] on x's device (swizzled 128x4 scales too with path="native"). path, tile,
-    quant_tile: as gemm and quantize_activation. ValueError naming the argument: x (dtype, K,
-    device), the weight, bias, scale_rule, or a bad path."""
+           a16: bool = False, scale_rule: str = "ceil", path: Optional[str] = None,
+           tile: Optional[TileConfig] = None, quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """y [..., N] of x's dtype = x . W^T (+ bias [N]): W8A8 (x quantized on the fly with
+    ``scale_rule``), or W8A16 with a16=True (x as it is); exactly the kernels of ``route``. x:
+    bf16/fp16 [..., K], K a multiple of 32, any strides; qweight: mxfp8 [N, K] on x's device
+    (swizzled 128x4 scales too with path="native"). path, tile, quant_tile: as gemm and
+    quantize_activation. ValueError naming the argument: x (dtype, K, device), the weight, bias,
+    scale_rule, or a bad path (native with a16)."""
     check_linear(x, qweight, bias, FMT, K_MULTIPLE, path)
-    _check_scale_rule(scale_rule)
-    return linear_unchecked(x, qweight, bias, scale_rule=scale_rule, path=path, tile=tile, quant_tile=quant_tile)
+    if not a16:
+        _check_scale_rule(scale_rule)
+    return linear_unchecked(x, qweight, bias, a16=a16, scale_rule=scale_rule, path=path, tile=tile,
+                            quant_tile=quant_tile)
 
 
 def linear_unchecked(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-                     scale_rule: str = "ceil", path: Optional[str] = None, tile: Optional[TileConfig] = None,
-                     quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                     a16: bool = False, scale_rule: str = "ceil", path: Optional[str] = None,
+                     tile: Optional[TileConfig] = None, quant_tile: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """``linear`` without its argument checks, for a caller that made them (dispatch's bound call):
     the same arguments and result; wrong arguments fail inside the kernels or give wrong numbers."""
     N, K = qweight.shape
     x2 = flatten_rows(x)
-    _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), path=path, tile=tile)
-    xq = _quantize(x2, scale_rule, quant_tile)
-    return _launch_gemm(path, tile, xq, qweight, bias, x.dtype).reshape(*x.shape[:-1], N)
+    _, path, tile = _plan(x2.shape[0], N, K, device_capability(qweight.device), a16=a16, path=path, tile=tile)
+    a = x2 if a16 else _quantize(x2, scale_rule, quant_tile)
+    return _launch_gemm(path, tile, a, qweight, bias, x.dtype).reshape(*x.shape[:-1], N)

@@ -4,7 +4,7 @@ triton backend) passes them into a lesson's functions as ``tile=`` and ``quant_t
 (``tiles(...)`` builds both); a lesson alone keeps its own simple defaults.
 
     SM12x tables     ``sm12x_config(kind, M, ...)``, ``sm12x_entries(kind)``: the native kernels and
-                     the portable FP4 kernel on SM120/SM121 (RTX PRO 6000, RTX 5090/5080, GB10)
+                     the weight-only portable kernels on SM120/SM121 (RTX PRO 6000, RTX 5090/5080, GB10)
     e4m3 by M        ``e4m3_portable_config(M, block_k)``: the e4m3 lessons' portable GEMM on a GPU
     quantizer tiles  ``quant_config(M, K, interpreting, group)``, ``quant_tile(fmt, M, K)``: one row per
                      program at decode (at every M for fp8_channel's whole-row quantizer)
@@ -42,13 +42,15 @@ from ._common import TileConfig, default_quant_tile, interpreting, route_path
 #                    spills past 64 x 64 tiles)
 #     e2m1_portable  the portable FP4 kernel (W4A16, and W4A4 when forced): operands dequantized in
 #                    registers, so a shorter BLOCK_K keeps the fp32 tiles inside the register file
+#     e4m3_portable  mxfp8's portable kernel for W8A16 (the same rows: bf16 x, the weight decoded in
+#                    registers; W8A8 forced portable keeps e4m3_portable_config)
 #
 # By M: decode (M <= 16), small (M <= 64), medium (8 warps: with 4, a 64 x 128 fp32 accumulator plus
 # the scale handling spills), large 128 x 128 with 8 warps. One program per output tile (the
 # lessons do not split K). Measured on no SM12x part yet: sized, compiled and resource-checked.
 SM12X_SMEM_PER_BLOCK = 101_376  # bytes (99 KiB opt-in per block on SM120/SM121)
 SM12X_SM_COUNTS = (188, 170, 84, 48)  # RTX PRO 6000, RTX 5090, RTX 5080, GB10
-KINDS = ("e4m3", "fp8_block", "e2m1", "e2m1_portable")
+KINDS = ("e4m3", "fp8_block", "e2m1", "e2m1_portable", "e4m3_portable")
 _BLOCK_K = {"e4m3": 128, "fp8_block": 128, "e2m1": 128}
 
 # name -> (M upper bound, tile); the first row whose bound covers M is taken
@@ -58,7 +60,7 @@ _NATIVE_ROWS = (
     ("medium", 256, dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)),
     ("large", None, dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)),
 )
-_PORTABLE_FP4_ROWS = (
+_PORTABLE_ROWS = (  # the weight-only kinds (e2m1_portable, e4m3_portable)
     ("decode", 16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
     ("small", 64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)),
     ("medium", None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
@@ -68,8 +70,8 @@ _PORTABLE_FP4_ROWS = (
 def _rows(kind: str):
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind == "e2m1_portable":
-        return _PORTABLE_FP4_ROWS
+    if kind.endswith("_portable"):
+        return _PORTABLE_ROWS
     return tuple((name, bound, {**t, "BLOCK_K": _BLOCK_K[kind]}) for name, bound, t in _NATIVE_ROWS)
 
 
@@ -156,8 +158,9 @@ def tiles(fmt: str, M: int, N: int, K: int, *, capability: Optional[tuple[int, i
     gemm; {} for capability None (the interpreter, where the lessons' whole-problem tiles are the
     fast ones). The GEMM path is the lesson's own (_common.route_path, ``path`` forced or not).
 
-    Native path: the SM12x table of its kind; portable FP4: the "e2m1_portable" table; portable
-    e4m3: e4m3_portable_config (mxfp8's 64-deep K steps: its dequantized tiles live in registers).
+    Native path: the SM12x table of its kind; portable FP4: the "e2m1_portable" table; mxfp8
+    W8A16 on SM12x: the "e4m3_portable" table; other portable e4m3: e4m3_portable_config (mxfp8's
+    64-deep K steps: its dequantized tiles live in registers).
     Raises ValueError where route_path does (an unknown fmt or path, a16 without W4A16, ...)."""
     if capability is None:
         return {}
@@ -167,6 +170,8 @@ def tiles(fmt: str, M: int, N: int, K: int, *, capability: Optional[tuple[int, i
         tile = sm12x_config("e2m1" if fp4 else ("fp8_block" if fmt == "fp8_block" else "e4m3"), M)
     elif fp4:
         tile = sm12x_config("e2m1_portable", M)
+    elif a16 and capability[0] == 12:
+        tile = sm12x_config("e4m3_portable", M)
     else:
         tile = e4m3_portable_config(M, 64 if fmt == "mxfp8" else 128)
     return {"tile": tile, "quant_tile": _gpu_quant_tile(fmt, M, K)}  # a GPU's, not this process's

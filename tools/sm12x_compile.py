@@ -117,6 +117,17 @@ def builds() -> list[Build]:
                                              row, cfg, split)
                             b.name += " swizzled" if swz else ""
                             out.append(b)
+        if fmt == "mxfp8":
+            # W8A16: the lesson's portable kernel (bf16 x, the weight decoded in registers) with the
+            # SM12x "e4m3_portable" table, bf16 and fp16 (split into two bf16 dots) activations
+            for row, cfg in tuning.sm12x_entries("e4m3_portable").items():
+                for act in ("bf16", "fp16"):
+                    c = dict(A16=True, SPLIT_A16=act == "fp16", HAS_BIAS=True, DOT_BF16=True, ROUND_BF16=False,
+                             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                             stride_xk=1, stride_wk=1, stride_sxk=1, stride_swk=1, stride_yn=1)
+                    out.append(Build(f"{fmt} W8A16 {act} portable {row}", fmt, "portable", row,
+                                     f"{fmt}:_portable_gemm_kernel", str(cfg), cfg.num_warps, cfg.num_stages,
+                                     WANT["bf16"], (), {"x_ptr": f"*{act}"}, c))
         if not fp4:
             continue
         # W4A16: the lesson's portable kernel with the SM12x "e2m1_portable" table, bf16 and fp16
@@ -153,7 +164,7 @@ def moe_builds() -> list[Build]:
     out = []
     for fmt, a16 in [(f, False) for f in moe.FORMATS] + [(f, True) for f in moe.A16_FORMATS]:
         path = "portable" if a16 else "native"
-        fp32_scales = {"sa_ptr": "*fp32", "sw_ptr": "*fp32"} if fmt == "fp8_block" else {}
+        fp32_scales = {"sa_ptr": "*fp32", "sw_ptr": "*fp32"} if fmt in ("fp8_block", "fp8_channel") else {}
         for M, gated in ((4096, True), (512, True), (64, True), (4096, False), (64, False)):  # BLOCK_M 64, 32, 16
             cfg = moe.tile_config(M, 128, 8, 4096, 1536, fmt, path, (12, 0))
             types = {"ta_ptr": "*fp32", "tw_ptr": "*fp32", "bias_ptr": "*fp32", "topk_w_ptr": "*fp32",
@@ -161,7 +172,7 @@ def moe_builds() -> list[Build]:
                      "out_ptr": "*bf16" if gated and a16 else "*fp32", **fp32_scales}
             if a16:
                 types["a_ptr"] = "*bf16"
-            c = dict(FMT=moe.FORMATS.index(fmt), VEC=(spec(fmt).activation_block or (1, 32))[1], NATIVE=not a16,
+            c = dict(FMT=moe.FORMATS.index(fmt), VEC=(spec(fmt).activation_block or (1, 32))[1] or 1, NATIVE=not a16,
                      A16=a16, GATHER=a16 and gated, GATED=gated, ACT=1 if gated else 0, HAS_BIAS=True, TOP_K=8,
                      BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
             want = WANT["tf32"] if a16 else WANT["e4m3" if spec(fmt).element == "e4m3" else fmt]
@@ -175,17 +186,18 @@ def moe_builds() -> list[Build]:
         for gather in (True, False):
             types = {"src_ptr": "*bf16" if gather else "*fp32", "slot_ptr": "*i32", "expert_ptr": "*i32",
                      "first_block_ptr": "*i32", "partial_ptr": "*fp32", "static_ptr": "*fp32", "t_ptr": "*fp32",
-                     "s_ptr": "*fp32" if fmt == "fp8_block" else "*u8"}
-            dynamic = fmt in ("fp8_tensor", "nvfp4")
-            c = dict(FMT=moe.FORMATS.index(fmt), VEC=(spec(fmt).activation_block or (1, 32))[1], RULE=0,
+                     "s_ptr": "*fp32" if fmt in ("fp8_block", "fp8_channel") else "*u8"}
+            dynamic = fmt in moe.DYNAMIC_AMAX
+            c = dict(FMT=moe.FORMATS.index(fmt), VEC=(spec(fmt).activation_block or (1, 32))[1] or 1, RULE=0,
                      DYNAMIC=dynamic, GATHER=gather, TOP_K=8, BLOCK_M=cfg.BLOCK_M, BLOCK_K=128, BLOCK_P=16)
             out.append(Build(f"moe {fmt} quantize {'x' if gather else 'intermediate'}", fmt, "quantize", "moe",
                              "moe:_quantize_kernel", f"{cfg.BLOCK_M}x128", 4, 2, (), (), types, c))
-            if fmt == "fp8_tensor":  # the amax kernel does not depend on the format (one build: one binary)
-                out.append(Build(f"moe amax {'x' if gather else 'intermediate'}", fmt, "quantize", "moe",
-                                 "moe:_amax_kernel", f"{cfg.BLOCK_M}x128", 4, 2, (), (),
+            if fmt in ("fp8_tensor", "fp8_channel"):  # the amax kernel: per block, or per row (ROWS)
+                rows = fmt == "fp8_channel"
+                out.append(Build(f"moe amax{' rows' if rows else ''} {'x' if gather else 'intermediate'}", fmt,
+                                 "quantize", "moe", "moe:_amax_kernel", f"{cfg.BLOCK_M}x128", 4, 2, (), (),
                                  {k: types[k] for k in ("src_ptr", "slot_ptr", "expert_ptr", "partial_ptr")},
-                                 dict(GATHER=gather, TOP_K=8, BLOCK_M=cfg.BLOCK_M, BLOCK_K=128)))
+                                 dict(ROWS=rows, GATHER=gather, TOP_K=8, BLOCK_M=cfg.BLOCK_M, BLOCK_K=128)))
     return out
 
 

@@ -30,7 +30,7 @@ from kernels_triton._common import device_capability
 
 def _served_by(impl: str) -> tuple[str, ...]:
     """The variants ``impl`` has a backend for in the registry (not a named gap: mxfp8_w8a16 on
-    triton and hopper, fp8_channel on hopper while kernels_triton.hopper has no module for it)."""
+    hopper, fp8_channel on hopper while kernels_triton.hopper has no module for it)."""
     return tuple(v for v in contract.VARIANTS if not isinstance(registry.entries()[(impl, v)], registry.UnsupportedEntry))
 
 

@@ -211,7 +211,7 @@ def test_route_names_the_launches():
     assert mod.route(5, 0, 128).kernels == ("_quantize_kernel",)  # no output columns: no GEMM to launch
     assert mod.route(5, 40, 128, capability=(12, 0)).kernels[-1] == "_native_gemm_kernel"
     assert mod.route(5, 40, 128, capability=(9, 0)).kernels[-1] == "_portable_gemm_kernel"
-    with pytest.raises(ValueError, match=r"a16=True \(W4A16\) exists for .*'fp8_channel'"):
+    with pytest.raises(ValueError, match=r"a16=True \(weight-only W4A16 / W8A16\) exists for .*'fp8_channel'"):
         mod.route(5, 40, 128, a16=True)
 
 

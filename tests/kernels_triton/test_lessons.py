@@ -82,10 +82,12 @@ def test_the_import_check_sees_the_imports_it_forbids(tmp_path):
 
 
 # The skeleton: every lesson defines these, top to bottom in this order (<fmt>_ is the format's name;
-# the amax kernel only where the activation scale is per tensor; gemm_w4a16 only with W4A16).
+# the amax kernel only where the activation scale is per tensor; gemm_w4a16 / gemm_w8a16 only with a
+# weight-only mode).
 SKELETON = ("{fmt}_quantize_tile", "_amax_partials_kernel?", "_quantize_kernel", "{fmt}_dequantize_tile",
             "_portable_gemm_kernel", "_native_gemm_kernel", "tile_config", "_plan", "route", "_quantize",
-            "_launch_gemm", "quantize_activation", "gemm", "gemm_w4a16?", "linear", "linear_unchecked")
+            "_launch_gemm", "quantize_activation", "gemm", "gemm_w4a16?", "gemm_w8a16?", "linear",
+            "linear_unchecked")
 JIT_PUBLIC = ("{fmt}_quantize_tile", "{fmt}_dequantize_tile")
 
 
@@ -111,7 +113,9 @@ def test_every_lesson_has_the_skeleton_in_order(fmt):
     q = formats.quantize(torch.ones(1, 128), fmt, role="activation")
     per_tensor = spec(fmt).activation_block is None or q.global_scale is not None
     assert ("_amax_partials_kernel" in defs) == per_tensor
-    assert ("gemm_w4a16" in defs) == (fmt in _common.A16_FORMATS)
+    a16 = fmt in _common.A16_FORMATS
+    assert ("gemm_w4a16" in defs, "gemm_w8a16" in defs) == (a16 and spec(fmt).element == "e2m1",
+                                                             a16 and spec(fmt).element == "e4m3")
     mod = kernels_triton.module(fmt)
     for name in JIT_PUBLIC:
         assert isinstance(getattr(mod, name.format(fmt=fmt)), triton.runtime.KernelInterface), name

@@ -30,7 +30,8 @@ from kernels_triton._common import TileConfig
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 U = 2.0 ** -24
 E4M3_SCALED = tuple(f for f in FORMAT_NAMES if spec(f).scale.startswith("e4m3"))  # nvfp4
-FP4 = _paths.A16_FORMATS
+FP4 = tuple(f for f in FORMAT_NAMES if spec(f).element == "e2m1")
+A16 = _paths.A16_FORMATS  # the weight-only ones: W4A16 (FP4), W8A16 (mxfp8)
 
 
 def _native_skip(fmt: str):
@@ -164,11 +165,11 @@ def test_gemm_path_by_device_family(fmt):
         path, why = kernels_triton.gemm_path(fmt, cap)
         assert path == "portable" and f"sm_{cap[0]}{cap[1]}" in why
     assert kernels_triton.gemm_path(fmt, None)[0] == "portable"
-    if fmt in FP4:
+    if fmt in A16:
         path, why = kernels_triton.gemm_path(fmt, (12, 0), a16=True)
-        assert path == "portable" and "W4A16" in why
+        assert path == "portable" and ("W4A16" if fmt in FP4 else "W8A16") in why
     else:
-        with pytest.raises(ValueError, match="W4A16"):
+        with pytest.raises(ValueError, match="W4A16 / W8A16"):
             kernels_triton.gemm_path(fmt, (12, 0), a16=True)
 
 

@@ -98,8 +98,9 @@ def test_build_compiles_to_the_native_mma_and_fits(records, name, arch):
 
 
 def test_every_format_and_table_row_is_built():
-    """The build list covers each format's native kernel for every row of its table, and the
-    W4A16 kernel of each FP4 format for every row of the portable FP4 table."""
+    """The build list covers each format's native kernel for every row of its table, the W4A16
+    kernel of each FP4 format for every row of the portable FP4 table, and mxfp8's W8A16 kernel
+    (bf16 and fp16 x) for every row of the e4m3_portable table."""
     have = {(b.fmt, b.path, b.row) for b in BUILDS}
     for fmt in FORMAT_NAMES:
         kinds = ["e2m1"] if spec(fmt).element == "e2m1" else ["e4m3"]
@@ -111,6 +112,9 @@ def test_every_format_and_table_row_is_built():
         if spec(fmt).element == "e2m1":
             for row in tuning.sm12x_entries("e2m1_portable"):
                 assert (fmt, "portable", row) in have, (fmt, row)
+    names = {b.name for b in BUILDS}
+    for row in tuning.sm12x_entries("e4m3_portable"):
+        assert {f"mxfp8 W8A16 {act} portable {row}" for act in ("bf16", "fp16")} <= names, row
 
 
 @pytest.mark.parametrize("kind", tuning.KINDS)
@@ -123,9 +127,10 @@ def test_selection_stays_inside_the_compiled_entries(kind):
             for n, k in ((2048, 4096), (4096, 7168), (8192, 8192), (576, 2048)):
                 cfg = tuning.sm12x_config(kind, m, n, k, sms)
                 assert str(cfg) in entries, (kind, m, n, k, sms, str(cfg))
-                # operand bytes per element: e4m3 1, packed e2m1 1/2, the portable kernel's bf16
+                # operand bytes per element: e4m3 1, packed e2m1 1/2, the portable kernels' bf16
                 # activation 2; all num_stages buffers
-                a_b, b_b = {"e4m3": (1, 1), "fp8_block": (1, 1), "e2m1": (0.5, 0.5), "e2m1_portable": (2, 0.5)}[kind]
+                a_b, b_b = {"e4m3": (1, 1), "fp8_block": (1, 1), "e2m1": (0.5, 0.5), "e2m1_portable": (2, 0.5),
+                            "e4m3_portable": (2, 1)}[kind]
                 est = cfg.num_stages * (cfg.BLOCK_M * a_b + cfg.BLOCK_N * b_b) * cfg.BLOCK_K
                 assert est <= tuning.SM12X_SMEM_PER_BLOCK, (kind, str(cfg), est)
 
@@ -134,22 +139,26 @@ def test_selection_stays_inside_the_compiled_entries(kind):
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_lesson_default_tiles_are_compiled_entries(fmt, arch):
     """A lesson called without tile= on SM12x launches its one default tile: that tile is a row of
-    the table this file compiles for its kernel (native for every format, and the W4A16 portable
-    kernel of the FP4 formats), so the default is compile- and resource-checked too."""
+    the table this file compiles for its kernel (native for every format, and the weight-only
+    portable kernel of the FP4 formats and mxfp8), so the default is compile- and resource-checked
+    too; so is every tile tuning.tiles gives mxfp8 W8A16 there."""
     cap = (12, int(arch[5]))
     mod = kernels_triton.module(fmt)
     fp4 = spec(fmt).element == "e2m1"
     native_kind = "e2m1" if fp4 else "e4m3"
     assert str(mod.tile_config(64, 4096, 4096, "native", cap)) in {str(c) for c in tuning.sm12x_entries(native_kind).values()}
-    if fp4:
-        tile = mod.tile_config(64, 4096, 4096, capability=cap, a16=True)
-        assert str(tile) in {str(c) for c in tuning.sm12x_entries("e2m1_portable").values()}
+    if fp4 or fmt == "mxfp8":
+        entries = {str(c) for c in tuning.sm12x_entries("e2m1_portable" if fp4 else "e4m3_portable").values()}
+        assert str(mod.tile_config(64, 4096, 4096, capability=cap, a16=True)) in entries
+        for m in (1, 16, 17, 64, 65, 4096):
+            assert str(tuning.tiles(fmt, m, 4096, 4096, capability=cap, a16=True)["tile"]) in entries, m
 
 
 def test_moe_kernels_are_built():
     """kernels_triton.moe's kernels are in the build list as SM12x launches them: the grouped GEMM for
     W13 (gated) and W2 of every format natively, of the weight-only variants portably (TF32), at each
-    BLOCK_M its GPU tile takes (16, 32, 64), and the activation quantizer of both GEMM inputs."""
+    BLOCK_M its GPU tile takes (16, 32, 64), the activation quantizer of both GEMM inputs, and the amax
+    kernel per block and per row (fp8_channel's per-token scale)."""
     from kernels_triton import moe
 
     names = {b.name for b in BUILDS}
@@ -159,6 +168,6 @@ def test_moe_kernels_are_built():
             assert f"moe {fmt} {kind} {gemm} M={M}" in names
         if not a16:
             assert {f"moe {fmt} quantize x", f"moe {fmt} quantize intermediate"} <= names
-    assert {"moe amax x", "moe amax intermediate"} <= names
+    assert {"moe amax x", "moe amax intermediate", "moe amax rows x", "moe amax rows intermediate"} <= names
     assert {moe.tile_config(M, 128, 8, 4096, 1536, "mxfp4", "native", (12, 0)).BLOCK_M for M in (64, 512, 4096)} \
         == {16, 32, 64}
