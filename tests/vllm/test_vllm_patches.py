@@ -151,3 +151,19 @@ def test_ct_fp8_weight_loader_not_needed_on_0_33(dist):
     assert 'replace_parameter(layer, "weight", weight.data)' in src
     assert "layer.weight = Parameter(" not in src
     assert "ct_fp8_weight_loader" in patches.applied
+
+
+def test_modelopt_fp8_weight_loader_not_needed_on_0_33(dist):
+    """0.33's ModelOpt per-tensor FP8 scheme (KFp8StaticTensor.process) keeps each weight_loader
+    (replace_parameter), so the 0.32 patch stays off; if vLLM goes back to bare Parameters this
+    fails (and the patch's version gate must follow)."""
+    import importlib
+
+    from dispatch.vllm_plugin import patches
+
+    cls = importlib.import_module(patches.MODELOPT).KFp8StaticTensor
+    assert getattr(cls.process, "__b12x_dual_original__", None) is None
+    src = inspect.getsource(cls.process)
+    assert 'replace_parameter(layer, "weight", weight.t())' in src
+    assert "Parameter(" not in src.replace("replace_parameter(", "")
+    assert "modelopt_fp8_weight_loader" in patches.applied
