@@ -288,11 +288,13 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
 
 
 # == 5. The launchers (operands checked by the caller) ============================================
-def amax_grid(M: int, K: int, block_m: int, block_k: int) -> tuple[int, int]:
+def amax_grid(M: int, K: int, block_m: int, block_k: int, interpreted: Optional[bool] = None) -> tuple[int, int]:
     """The amax kernel's grid (row tiles, K tiles) for x [M, K]: K is split only on a GPU, and only
-    as far as the quantize kernel reduces the partials in one PARTIALS_BLOCK step."""
+    as far as the quantize kernel reduces the partials in one PARTIALS_BLOCK step (``interpreted``:
+    whether the kernels run in Triton's interpreter; None: as in this process)."""
+    interpreted = interpreting() if interpreted is None else interpreted
     pm = triton.cdiv(M, block_m)
-    return pm, 1 if interpreting() else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
+    return pm, 1 if interpreted else max(1, min(triton.cdiv(K, block_k), PARTIALS_BLOCK // pm))
 
 
 def _quantize(x2: torch.Tensor, scale, quant_tile) -> QuantizedTensor:

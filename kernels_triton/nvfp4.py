@@ -303,9 +303,11 @@ def route(M: int, N: int, K: int, *, capability=None, sm_count: int = 1, a16: bo
 
 
 # == 5. The launchers (operands checked by the caller) ============================================
-def amax_partials(M: int, block_m: int) -> int:
-    """The partial amaxes g is reduced from: one per ``block_m`` row tile, at most MAX_PARTIALS(_INTERPRETED)."""
-    return min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interpreting() else MAX_PARTIALS)
+def amax_partials(M: int, block_m: int, interpreted: Optional[bool] = None) -> int:
+    """The partial amaxes g is reduced from: one per ``block_m`` row tile, at most MAX_PARTIALS(_INTERPRETED)
+    (``interpreted``: whether the kernels run in Triton's interpreter; None: as in this process)."""
+    interpreted = interpreting() if interpreted is None else interpreted
+    return min(triton.cdiv(M, block_m), MAX_PARTIALS_INTERPRETED if interpreted else MAX_PARTIALS)
 
 
 def _quantize(x2: torch.Tensor, global_scale, quant_tile) -> QuantizedTensor:

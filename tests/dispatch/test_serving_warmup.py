@@ -47,13 +47,13 @@ def _what_m_decides(variant: str, m: int, n: int, k: int) -> tuple:
     """What a Triton call at M tokens compiles on this process's device, read off the kernel modules:
     the GEMM's tile (the lesson's route with kernels_triton.tuning's tiles, as the triton backend
     passes them), the activation quantizer's tile (tuning.quant_tile: the one the backend passes on
-    a GPU, the lesson's own under the interpreter), and Triton's integer specialization of M (== 1,
+    a GPU, the lesson's own under the interpreter; none for W4A16), and Triton's integer specialization of M (== 1,
     divisible by 16: triton.runtime.jit)."""
     fmt, a16 = contract.variant(variant).fmt, contract.variant(variant).a16
     cap = device_capability(torch.device(DEVICE))
     tiles = tuning.tiles(fmt, m, n, k, capability=cap, a16=a16)
     tile = kernels_triton.module(fmt).route(m, n, k, capability=cap, a16=a16, tile=tiles.get("tile")).tile
-    return tile, tuning.quant_tile(fmt, m, k), m == 1, m % 16 == 0
+    return tile, None if a16 else tuning.quant_tile(fmt, m, k), m == 1, m % 16 == 0  # W4A16: no quantizer
 
 
 def _uncovered(variant, n, k, counts, max_tokens=MAX_TOKENS) -> list[int]:

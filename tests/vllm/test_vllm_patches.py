@@ -154,7 +154,7 @@ def test_ct_fp8_weight_loader_not_needed_on_0_33(dist):
 
 
 def test_moe_method_get_moe_method_is_wrapped_and_what_it_relies_on_is_there(dist):
-    """Patch 7 (moe_method): compressed-tensors' MoE method selection is still the static method
+    """Patch 8 (moe_method): compressed-tensors' MoE method selection is still the static method
     ``CompressedTensorsMoEMethod.get_moe_method(quant_config, layer, layer_name)`` reading the scheme
     of ``<layer>.0.<gate proj>`` through ``_add_fused_moe_to_target_scheme_map`` / ``get_scheme_dict``;
     RoutedExperts still asks ``resolve_quant_method``; its weight_loader still takes
@@ -186,3 +186,19 @@ def test_moe_method_get_moe_method_is_wrapped_and_what_it_relies_on_is_there(dis
     assert "CompressedTensors" in moe.B12xDualCompressedTensorsMoEMethod.__name__
     moe.wrap_get_moe_method()  # idempotent
     assert cls.__dict__["get_moe_method"].__func__.__b12x_dual_original__ is original
+
+
+def test_modelopt_fp8_weight_loader_not_needed_on_0_33(dist):
+    """0.33's ModelOpt per-tensor FP8 scheme (KFp8StaticTensor.process) keeps each weight_loader
+    (replace_parameter), so the 0.32 patch stays off; if vLLM goes back to bare Parameters this
+    fails (and the patch's version gate must follow)."""
+    import importlib
+
+    from dispatch.vllm_plugin import patches
+
+    cls = importlib.import_module(patches.MODELOPT).KFp8StaticTensor
+    assert getattr(cls.process, "__b12x_dual_original__", None) is None
+    src = inspect.getsource(cls.process)
+    assert 'replace_parameter(layer, "weight", weight.t())' in src
+    assert "Parameter(" not in src.replace("replace_parameter(", "")
+    assert "modelopt_fp8_weight_loader" in patches.applied

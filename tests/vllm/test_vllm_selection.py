@@ -60,7 +60,7 @@ def test_entry_point_found_by_load_general_plugins():
         "  'second_fp8': lin._POSSIBLE_FP8_KERNELS[PlatformEnum.CUDA][1].__name__,\n"
         "  'b12x': sorted(c.__name__ for c in lin._LINEAR_BACKEND_KERNEL_MAP['b12x'])}))")
     assert got["applied"] == ["kernel_lists", "backend_map", "nvfp4_w4a16", "cpu_fp8_quant",
-                              "ct_fp8_weight_loader", "load_checks"] and got["failed"] == {}
+                              "ct_fp8_weight_loader", "modelopt_fp8_weight_loader", "load_checks"] and got["failed"] == {}
     assert got["first"] == {"fp8": "B12xDualFp8TensorKernel", "fp8_block": "B12xDualFp8BlockKernel",
                             "mxfp8": "B12xDualMxfp8Kernel", "nvfp4": "B12xDualNvFp4Kernel",
                             "mxfp4": "B12xDualMxFp4Kernel"}

@@ -51,7 +51,6 @@ REFUSED = "refused: "
 LOADERLESS = {
     "MXFP4": "vLLM's compressed-tensors MXFP4 scheme itself swaps in a loader-less Parameter first",
     "MXFP4A16": "vLLM's compressed-tensors MXFP4 scheme itself swaps in a loader-less Parameter first",
-    "modelopt_FP8": "test_modelopt_fp8_weight_loader_survives",
 }
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 N_LAYERS = 2
@@ -187,10 +186,6 @@ def test_served_variant_or_refused(served):
     assert all(-1e4 < d[t] <= 0 for _, s in runs for t, d in s)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vLLM 0.32's ModelOpt FP8 (KFp8StaticTensor.process) swaps in loader-less Parameters, as its "
-    "compressed-tensors FP8 scheme does; the plugin's ct_fp8_weight_loader patch puts the loaders "
-    "back for compressed-tensors only, so a weight reload of a ModelOpt FP8 layer finds none"))
 @pytest.mark.parametrize("served", [("llama", "modelopt_FP8")], ids=_id, indirect=True)
 def test_modelopt_fp8_weight_loader_survives(served):
     family, kind, _, llm, refusal, _ = served

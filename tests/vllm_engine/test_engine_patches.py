@@ -79,6 +79,39 @@ def test_ct_fp8_scheme_drops_weight_loader_and_patch_restores_it(patched):
     assert "layer.weight_scale = Parameter(weight_scale.data" in src
 
 
+def test_modelopt_fp8_scheme_drops_weight_loader_and_patch_restores_it(patched):
+    """0.32's ModelOpt per-tensor FP8 scheme (KFp8StaticTensor.process) assigns bare Parameters;
+    the patch wraps it, and on a layer processed through it every loader comes back (the engine
+    test test_modelopt_fp8_weight_loader_survives checks a served checkpoint)."""
+    import importlib
+
+    from torch.nn import Parameter
+
+    mod = importlib.import_module(patched.MODELOPT)
+    original = mod.KFp8StaticTensor.process.__b12x_dual_original__
+    src = inspect.getsource(original)
+    assert "layer.weight = Parameter(weight.t()" in src
+    assert "layer.weight_scale = Parameter(max_w_scale" in src
+    assert "layer.input_scale = Parameter(" in src
+    layer = torch.nn.Module()
+    loaders = {}
+    for name, value in (("weight", torch.zeros(4, 8).to(torch.float8_e4m3fn)), ("weight_scale", torch.ones(1)),
+                        ("input_scale", torch.ones(1))):
+        p = Parameter(value, requires_grad=False)
+        p.weight_loader = loaders[name] = lambda *a, _n=name: _n
+        setattr(layer, name, p)
+    layer.logical_widths = [4]
+    scheme = mod.KFp8StaticTensor()
+    scheme.process(layer, mod.WEIGHT)
+    scheme.process(layer, mod.ACT)
+    assert layer.weight.shape == (8, 4)  # vLLM's transpose ran
+    assert {n: getattr(layer, n).weight_loader for n in loaders} == loaders
+    bare = Parameter(torch.ones(1), requires_grad=False)
+    layer.input_scale = bare
+    original(scheme, layer, mod.ACT)  # vLLM's own: the loader is gone
+    assert getattr(layer.input_scale, "weight_loader", None) is None and "modelopt_fp8_weight_loader" in patched.applied
+
+
 def test_cpu_worker_sets_dist_ident_from_its_init_method():
     """vLLM's CPU shared-memory communicator keys its segments on VLLM_DIST_IDENT, which only the
     CPU worker sets (from its own distributed_init_method, unique per engine); a process group made
