@@ -77,7 +77,7 @@ needs_pdl_gpu = pytest.mark.skipif(_CAP is None or _CAP[0] < 9,
 
 # (variant, format, linear(x, w)): the whole decode linear of every variant of the registry; on
 # sm_90 the e4m3 formats' production linear is kernels_triton.hopper's (the lessons take no PDL)
-_HOPPER_FORMATS = ("fp8_tensor", "fp8_block", "mxfp8")
+_HOPPER_FORMATS = ("fp8_tensor", "fp8_block", "mxfp8", "fp8_channel")
 
 
 def _linear(v):
