@@ -353,3 +353,21 @@ def test_sm90_build_of_the_channel_kernels(tmp_path):
     for name, r in rows.items():
         if name.startswith(("amax", "quantize", "decode")):
             assert r["pdl"] > 0, f"{name}: no griddepcontrol ({r})"
+
+
+@pytest.mark.parametrize("scale_k", [128, 32])
+def test_channel_launchers_refuse_block_scales(scale_k):
+    """The CHANNEL epilogue exists for per-tensor-shaped K loops only (scale_k 0): any other
+    scale kind with channel=True is refused on the host, naming both."""
+    from kernels_triton.hopper._fp8_decode import launch_fp8_decode
+    from kernels_triton.hopper._fp8_prefill import launch_fp8_prefill
+
+    xq = formats.quantize(make_input((4, 256)), FMT, role="activation")
+    w = make_weight(FMT, 128, 256, 32)
+    y = torch.empty((4, 128), dtype=BF16, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"channel=True \(fp8_channel's row and column scales\) needs scale_k=0, "
+                                         rf"got {scale_k}"):
+        launch_fp8_decode(xq.data, w.data, xq.scale, w.scale, None, y, scale_k=scale_k, channel=True)
+    if scale_k == 128:  # the prefill kernel takes 0 or 128
+        with pytest.raises(ValueError, match=r"channel=True .* needs scale_k=0, got 128"):
+            launch_fp8_prefill(xq.data, w.data, xq.scale, w.scale, None, y, scale_k=128, channel=True)
