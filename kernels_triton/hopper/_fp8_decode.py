@@ -1,4 +1,5 @@
-"""Decode-sized FP8 GEMM (M <= 16) on sm_90: the performance path of fp8_tensor, fp8_block and mxfp8.
+"""Decode-sized FP8 GEMM (M <= 16) on sm_90: the performance path of fp8_tensor, fp8_block, mxfp8
+and fp8_channel.
 
 The lesson kernels' 16-row tile is below wgmma's 64-row minimum, so at M <= 16 Triton lowers them
 to mma.sync. Swapping the operands (acc[n, m] = sum_k W[n, k] * X[m, k], the weight on the MMA's
@@ -19,6 +20,8 @@ Three scale encodings share the kernel body (SCALE_K, constexpr: the K extent of
                               a power-of-two scale is exact, so what rounds is the fp8 wgmma's sum
                               inside one 32-deep partial and the fp32 accumulation: the lesson's
                               bf16 decode rounds only the latter.
+fp8_channel (CHANNEL, with SCALE_K = 0) runs the per-tensor K loop; its epilogue multiplies the
+accumulator by sx[m] * sw[n] (_channel_scales), before split-K's store when the K range is split.
 The scales meet first (sw * sx), then multiply the partial: part * sx alone overflows where the
 result does not (a 3e38 activation times a small weight). For scales our quantizers make, sw * sx
 overflows only when the two blocks' largest magnitudes multiply past 2^143, i.e. beyond fp32

@@ -1,4 +1,5 @@
-"""Prefill-sized FP8 GEMM (M > 256) on sm_90: the performance path of fp8_tensor and fp8_block.
+"""Prefill-sized FP8 GEMM (M > 256) on sm_90: the performance path of fp8_tensor, fp8_block and
+fp8_channel.
 
 The same sums as the lesson kernels (fp8_tensor._gemm_kernel, fp8_block._gemm_kernel), with the
 operand tiles fetched by TMA (host-side tensor descriptors, ``triton.tools.tensor_descriptor``)
@@ -11,6 +12,9 @@ instead of pointer loads, at 4 warps (one warpgroup), with 96 KB or less of shar
     SCALE_K = 128)            then acc += part * (sx[m, kb] * sw[n // 128, kb]): fp32 promotion
                               per scale block, as the lesson kernel. BLOCK_N divides 128, so a
                               tile's weight rows share one scale per step (a scalar).
+
+fp8_channel (CHANNEL, with SCALE_K = 0) runs fp8_tensor's loop and tile; its epilogue multiplies
+the accumulator by sx[m] * sw[n] (per token x per output channel) in place of sx * sw.
 
 Why this shape: the fp32 promotion serializes each step's wgmma and its FMAs inside one
 warpgroup. A 4-warp CTA with 3 stages of 32 KB (fp8_tensor's 128 x 128 tile) or 4 of 24 KB

@@ -212,7 +212,8 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
         tma_aligned: whether both e4m3 operands suit TMA (``_fp8_prefill.tma_ok``).
     Returns:
         Route(impl="hopper", kernels, tile, split_k, why, options): options hold the GEMM kind, its
-        TileConfig and the quantizer's (BLOCK_M, BLOCK_K, Pk).
+        TileConfig, the quantizer's (BLOCK_M, BLOCK_K) and, with dynamic scales, its partials
+        block and Pk's Triton class (quant_plan; what warmup must compile).
     Raises:
         ValueError: a capability other than sm_90 (naming it and why), a16=True, or a negative size.
     """
@@ -223,15 +224,18 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
     quant = ("_quantize_kernel",) if scale is not None else ("_row_amax_kernel", "_quantize_kernel")
     qwhy = (f"quantizer: {'static scale, one kernel' if scale is not None else 'per-row amax partials then codes'}"
             f" on {qplan[0]} x {qplan[1]} tiles")
+    # what the quantizer compiles, as far as M decides it: its tile, and with dynamic scales stage
+    # 2's partials block (a power of two) and the Triton class of Pk
+    qopts = (("quant_tile", qplan[:2]),)
+    if scale is None:
+        qwhy += f", {qplan[2]} K partials per row"
+        qopts += (("pk_block", triton.next_power_of_2(qplan[2])), ("num_partials", int_specialization(qplan[2])))
     if N == 0:
-        return Route("hopper", quant, "", 1, f"N=0: an empty output, no GEMM to launch; {qwhy}",
-                     (("quant", qplan),))
+        return Route("hopper", quant, "", 1, f"N=0: an empty output, no GEMM to launch; {qwhy}", qopts)
     kind, cfg, gwhy = _gemm_plan(M, N, K, sm_count, tma_aligned)
     kernels, n_split = _gemm_kernels(kind, cfg, K)
-    options = (("gemm", kind), ("config", cfg), ("quant", qplan))
-    if scale is None:  # stage 2's Pk (one compile per power-of-two class)
-        options += (("num_partials", int_specialization(qplan[2])),)
-    return Route("hopper", quant + kernels, str(cfg), n_split, f"{gwhy}; {qwhy}", options)
+    return Route("hopper", quant + kernels, str(cfg), n_split, f"{gwhy}; {qwhy}",
+                 (("gemm", kind), ("config", cfg)) + qopts)
 
 
 def tile_config(M: int, N: int, K: int, device=None) -> TileConfig:
@@ -327,8 +331,7 @@ def execute(r: Route, x: torch.Tensor, qweight: QuantizedTensor, bias=None, *, s
     if not r.kernels:
         return y.reshape(*x.shape[:-1], N)
     opts = dict(r.options)
-    # the route's quantizer tile on a GPU; the interpreter's own (as large as the problem) on the CPU
-    xq = _quantize(x2, scale, quant_plan_override or (None if interpreting() else opts["quant"]))
+    xq = _quantize(x2, scale, quant_plan_override)  # quant_plan's (the route's on a GPU of its SM count)
     if "gemm" in opts:
         _run_gemm(opts["gemm"], opts["config"], xq, qweight, kernel_bias(bias), y, imprecise_acc)
     return y.reshape(*x.shape[:-1], N)

@@ -276,8 +276,10 @@ def test_linear_on_sm90_matches_oracle(M, scale):
     ref = formats.reference_linear(x, w, bias, **opts)
     xq = formats.quantize(x.cpu(), FMT, role="activation", **opts)
     assert_within_bound(y, ref, gemm_bound(xq, w, bias, BF16, ref), f"linear M={M}")
-    yg = H.gemm(H.quantize_activation(x, **opts), w, bias, out_dtype=torch.float32)
-    assert_within_bound(yg, ref.float(), gemm_bound(xq, w, bias, torch.float32, ref.float()), f"gemm M={M}")
+    xqd = H.quantize_activation(x, **opts)  # the oracle's bits (test_quantizer_matches_oracle_bit_for_bit)
+    yg = H.gemm(xqd, w, bias, out_dtype=torch.float32)
+    ref32 = formats.reference_linear(xqd, w, bias, out_dtype=torch.float32)
+    assert_within_bound(yg, ref32, gemm_bound(xq, w, bias, torch.float32, ref32), f"gemm M={M}")
 
 
 # ---------------------------------------------------------------------------------------------
