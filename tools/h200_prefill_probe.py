@@ -56,7 +56,8 @@ def compile_rows() -> list[dict]:
                "sx_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16",
                **{n: "i32" for n in "M N K stride_ym stride_sxm stride_sxk stride_swn stride_swk".split()}}
         ce = dict(HAS_BIAS=True, SCALE_K=scale_k, IMPRECISE_ACC=128, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                  BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP8=True, ROUND_BF16=False)
+                  BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP8=True, ROUND_BF16=False,
+                  CHANNEL=False)
         sig.update({k: "constexpr" for k in ce})
         k = triton.compile(ASTSource(fn=P.fp8_prefill_kernel, signature=sig, constexprs=ce),
                            target=GPUTarget("cuda", 90, 32),

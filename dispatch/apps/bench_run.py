@@ -145,7 +145,7 @@ def compute_ceiling(name: str, variant: Optional[str], ceilings: dict) -> tuple[
     bf16, fp8 = ceilings.get("bf16_TFLOPs"), ceilings.get("fp8_TFLOPs")
     if name == "torch_bf16" or (variant is not None and H.split(variant)[1]):
         return bf16, "bf16"
-    if name.startswith("torch_fp8") or variant in ("fp8_tensor", "fp8_block", "mxfp8"):
+    if name.startswith("torch_fp8") or variant in ("fp8_tensor", "fp8_block", "mxfp8", "fp8_channel"):
         return (fp8, "fp8") if fp8 else (bf16, "bf16 (no fp8 measured)")
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
     if cap[0] >= 10 and fp8:

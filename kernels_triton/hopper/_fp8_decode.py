@@ -1,4 +1,5 @@
-"""Decode-sized FP8 GEMM (M <= 16) on sm_90: the performance path of fp8_tensor, fp8_block and mxfp8.
+"""Decode-sized FP8 GEMM (M <= 16) on sm_90: the performance path of fp8_tensor, fp8_block, mxfp8
+and fp8_channel.
 
 The lesson kernels' 16-row tile is below wgmma's 64-row minimum, so at M <= 16 Triton lowers them
 to mma.sync. Swapping the operands (acc[n, m] = sum_k W[n, k] * X[m, k], the weight on the MMA's
@@ -19,6 +20,8 @@ Three scale encodings share the kernel body (SCALE_K, constexpr: the K extent of
                               a power-of-two scale is exact, so what rounds is the fp8 wgmma's sum
                               inside one 32-deep partial and the fp32 accumulation: the lesson's
                               bf16 decode rounds only the latter.
+fp8_channel (CHANNEL, with SCALE_K = 0) runs the per-tensor K loop; its epilogue multiplies the
+accumulator by sx[m] * sw[n] (_channel_scales), before split-K's store when the K range is split.
 The scales meet first (sw * sx), then multiply the partial: part * sx alone overflows where the
 result does not (a 3e38 activation times a small weight). For scales our quantizers make, sw * sx
 overflows only when the two blocks' largest magnitudes multiply past 2^143, i.e. beyond fp32
@@ -97,6 +100,16 @@ def _scale_of_block(sw, sx, j: tl.constexpr, SCALE_K: tl.constexpr):
 
 
 @triton.jit
+def _channel_scales(sx_ptr, sw_ptr, offs_m, m_ok, offs_n, n_ok):
+    """fp8_channel's sx[offs_m] x sw[offs_n] [BLOCK_M, BLOCK_N] (the token scales down the rows, the
+    channel scales across): the scales meet first, acc * sx alone can overflow where y does not.
+    Masked rows and columns get 0; they are never stored."""
+    sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
+    sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
+    return sx[:, None] * sw[None, :]
+
+
+@triton.jit
 def fp8_decode_gemm_kernel(
     x_ptr, w_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr,
     M, N, K, K_PER, stride_xm, stride_wn, stride_ym,
@@ -108,6 +121,7 @@ def fp8_decode_gemm_kernel(
     DOT_FP8: tl.constexpr = True,  # False under the interpreter: uint8 codes, decoded to fp32
     ROUND_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
     USE_PDL: tl.constexpr = False,  # _pdl
+    CHANNEL: tl.constexpr = False,  # fp8_channel (SCALE_K 0): sx float32 [M], sw float32 [N]
 ):
     # literals, not the constexpr globals, beside %: the interpreter has no int % constexpr
     if SCALE_K == _FP8_BLOCK:
@@ -156,10 +170,14 @@ def fp8_decode_gemm_kernel(
     pdl_launch_dependents(USE_PDL)
     out = tl.trans(acc)
     mask = m_mask[:, None] & n_mask[None, :]
+    if CHANNEL:  # before split-K's store: the partials arrive scaled and the reduction adds the bias only
+        out = out * _channel_scales(sx_ptr, sw_ptr, offs_m, m_mask, offs_n, n_mask)
     if SPLIT_K > 1:
         store_splitk_partial(ws_ptr, out, tl.program_id(1), offs_m, offs_n, M, N, mask)
         return
-    if SCALE_K > 0:
+    if CHANNEL:
+        out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
+    elif SCALE_K > 0:
         out = epilogue(out, offs_n, n_mask, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
     else:
         out = epilogue(out, offs_n, n_mask, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
@@ -244,7 +262,7 @@ _MX_WORD = {32: torch.uint8, 64: torch.int16, 128: torch.int32}  # one K step's 
 
 
 def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imprecise_acc: int = 128,
-                      config: TileConfig | None = None):
+                      config: TileConfig | None = None, channel: bool = False):
     """y = x . w^T, scaled, + bias, for M <= 16 rows: the swapped wgmma kernel (sm_90; any GPU
     compiles it, and the interpreter runs it with the codes decoded to fp32).
 
@@ -254,6 +272,8 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
         sx, sw: the scales, by ``scale_k``:
             TENSOR_SCALE (0, fp8_tensor): float32, one element each (0-d or [1]);
                 y = (x . w^T) * sx * sw + bias.
+            TENSOR_SCALE with channel=True (fp8_channel): float32 sx [M] (per token), sw [N] (per
+                output channel), contiguous; y = (x . w^T) * (sx[m] * sw[n]) + bias.
             FP8_BLOCK_SCALE (128, fp8_block): float32 sx [M, K/128] (1x128 groups), sw
                 [ceil(N/128), K/128] (128x128 blocks), K a multiple of 128;
                 y = sum_kb (x_kb . w_kb^T) * sx[:, kb] * sw[n // 128, kb] + bias.
@@ -264,6 +284,8 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
         y: the output, bfloat16 / float16 / float32 [M, N], row stride y.stride(0) and unit column
             stride; written and returned.
         scale_k: TENSOR_SCALE, FP8_BLOCK_SCALE or MX_SCALE (above).
+        channel: fp8_channel's row x column scales (scale_k must be TENSOR_SCALE); a split-K
+            partial is scaled before its store, so the reduction adds the bias only.
         imprecise_acc: Hopper's fp8 wgmma promotion interval (max_num_imprecise_acc), capped at the
             scale block (or BLOCK_K for per-tensor scales).
         config: the tile (fp8_decode_config's fields); None: hopper_config's on sm_90, else
@@ -271,12 +293,14 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
     Returns:
         y.
     Raises:
-        ValueError: scale_k not in (0, 128, 32); M > 16; a block-scaled config whose BLOCK_K is
+        ValueError: scale_k not in (0, 128, 32); channel with scale_k != 0; M > 16; a block-scaled config whose BLOCK_K is
             not 128 or whose BLOCK_N does not divide 128; an MX config whose BLOCK_K is not 32, 64 or
             128; (block and MX scales, whose K loop has no K mask) a BLOCK_K that does not divide K;
             with MX scales and no config, K not a positive multiple of 32.
     """
     check_scale_k(scale_k)
+    if channel and scale_k != TENSOR_SCALE:
+        raise ValueError(f"channel=True (fp8_channel's row and column scales) needs scale_k={TENSOR_SCALE}, got {scale_k!r}")
     M, K = x.shape
     N = w.shape[0]
     if M > 16:
@@ -304,9 +328,10 @@ def launch_fp8_decode(x, w, sx, sw, bias, y, *, scale_k: int = TENSOR_SCALE, imp
         BLOCK_N=cfg.BLOCK_N, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, SPLIT_K=n_split, DOT_FP8=dot_fp8,
         ROUND_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
+        **({"CHANNEL": True} if channel else {}),  # fp8_tensor's launch (and compile key) as before
     )
     if n_split > 1:
-        if scale_k:  # every scale was applied in the K loop
+        if scale_k or channel:  # every scale was applied in the K loop
             launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_NONE)
         else:
             launch_splitk_reduce(ws, y, bias=bias, alpha_mode=ALPHA_SCALES, s1=sx, s2=sw)

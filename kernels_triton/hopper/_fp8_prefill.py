@@ -1,4 +1,5 @@
-"""Prefill-sized FP8 GEMM (M > 256) on sm_90: the performance path of fp8_tensor and fp8_block.
+"""Prefill-sized FP8 GEMM (M > 256) on sm_90: the performance path of fp8_tensor, fp8_block and
+fp8_channel.
 
 The same sums as the lesson kernels (fp8_tensor._gemm_kernel, fp8_block._gemm_kernel), with the
 operand tiles fetched by TMA (host-side tensor descriptors, ``triton.tools.tensor_descriptor``)
@@ -11,6 +12,9 @@ instead of pointer loads, at 4 warps (one warpgroup), with 96 KB or less of shar
     SCALE_K = 128)            then acc += part * (sx[m, kb] * sw[n // 128, kb]): fp32 promotion
                               per scale block, as the lesson kernel. BLOCK_N divides 128, so a
                               tile's weight rows share one scale per step (a scalar).
+
+fp8_channel (CHANNEL, with SCALE_K = 0) runs fp8_tensor's loop and tile; its epilogue multiplies
+the accumulator by sx[m] * sw[n] (per token x per output channel) in place of sx * sw.
 
 Why this shape: the fp32 promotion serializes each step's wgmma and its FMAs inside one
 warpgroup. A 4-warp CTA with 3 stages of 32 KB (fp8_tensor's 128 x 128 tile) or 4 of 24 KB
@@ -68,6 +72,7 @@ def fp8_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_FP8: tl.constexpr = True,  # False under the interpreter: uint8 codes, decoded to fp32
     ROUND_BF16: tl.constexpr = False,  # the interpreter's fp32 -> bf16 cast truncates: round first
+    CHANNEL: tl.constexpr = False,  # fp8_channel (SCALE_K 0): sx float32 [M], sw float32 [N]
 ):
     if SCALE_K == _BLOCK:
         tl.static_assert(BLOCK_K == _BLOCK, "block FP8 needs BLOCK_K == 128: one scale per K step")
@@ -109,7 +114,12 @@ def fp8_prefill_kernel(
             else:
                 part = tl.dot(a, b.T)
             acc += part * (sx * sw)[:, None]  # the scales meet first: part * sx alone can overflow
-    if SCALE_K == 0:
+    if CHANNEL:  # the token scales down the rows, the channel scales across; they meet first
+        sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
+        sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
+        y = epilogue(acc * (sx[:, None] * sw[None, :]), offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA,
+                     HAS_BIAS, ROUND_BF16)
+    elif SCALE_K == 0:
         y = epilogue(acc, offs_n, n_ok, sx_ptr, sw_ptr, bias_ptr, _ALPHA_SCALES, HAS_BIAS, ROUND_BF16)
     else:
         y = epilogue(acc, offs_n, n_ok, bias_ptr, bias_ptr, bias_ptr, NO_ALPHA, HAS_BIAS, ROUND_BF16)
@@ -142,7 +152,7 @@ def fp8_prefill_applies(x: torch.Tensor, w: torch.Tensor, device) -> bool:
 
 
 def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileConfig | None = None,
-                       imprecise_acc: int = 128):
+                       imprecise_acc: int = 128, channel: bool = False):
     """y = x . w^T, scaled, + bias: the TMA-descriptor kernel (sm_90; the interpreter runs it with
     the codes decoded to fp32).
 
@@ -152,6 +162,8 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
         w: torch.float8_e4m3fn [N, K] e4m3 codes, tma_ok.
         sx, sw: the scales, by ``scale_k``:
             0 (fp8_tensor): float32, one element each; y = (x . w^T) * (sx * sw) + bias.
+            0 with channel=True (fp8_channel): float32 sx [M] (per token), sw [N] (per output
+                channel), contiguous; y = (x . w^T) * (sx[m] * sw[n]) + bias.
             128 (fp8_block): float32 sx [M, K/128] (1x128 groups), sw [ceil(N/128), K/128]
                 (128x128 blocks), K a multiple of 128;
                 y = sum_kb (x_kb . w_kb^T) * (sx[:, kb] * sw[n // 128, kb]) + bias.
@@ -159,19 +171,22 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
         y: the output, bfloat16 / float16 / float32 [M, N] with unit column stride; written and
             returned.
         scale_k: 0 or 128 (above).
+        channel: fp8_channel's row x column scales (scale_k must be 0).
         config: the tile; None: TENSOR_PREFILL_TILE / BLOCK_PREFILL_TILE. No split-K.
         imprecise_acc: Hopper's fp8 wgmma promotion interval (max_num_imprecise_acc), capped at
             BLOCK_K.
     Returns:
         y.
     Raises:
-        ValueError: scale_k not 0 or 128; an operand that fails tma_ok; a split-K config; for
+        ValueError: scale_k not 0 or 128; channel with scale_k 128; an operand that fails tma_ok; a split-K config; for
             block scales, K not a multiple of 128, BLOCK_K not 128 or BLOCK_N not dividing 128.
     Follows the lesson kernels' sums: per-tensor FP8 with fp32 promotion every 128 products, and
     block FP8 as DeepSeek-V3 / vLLM define it (1x128 activation groups, 128x128 weight blocks).
     """
     if scale_k not in SCALE_KS:
         raise ValueError(f"scale_k must be one of {SCALE_KS} (fp8_tensor, fp8_block), got {scale_k!r}")
+    if channel and scale_k:
+        raise ValueError(f"channel=True (fp8_channel's row and column scales) needs scale_k=0, got {scale_k!r}")
     for name, t in (("x", x), ("w", w)):
         if not tma_ok(t):
             raise ValueError(f"{name} must be 2-D with unit column stride and a 16-byte aligned base and row "
@@ -199,5 +214,6 @@ def launch_fp8_prefill(x, w, sx, sw, bias, y, *, scale_k: int = 0, config: TileC
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         DOT_FP8=dot_fp8, ROUND_BF16=not dot_fp8 and y.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"CHANNEL": True} if channel else {}),  # fp8_tensor's launch (and compile key) as before
     )
     return y

@@ -58,24 +58,23 @@ def test_every_cell_is_a_backend_or_says_why_not(impl, variant):
 
 
 def test_the_unsupported_cells_are_the_named_gaps():
-    """b12x has no MXFP4 W4A16 and no per-channel FP8 GEMM; no sm_90 kernel of fp8_channel is in
-    this installation (sm_90 runs the lesson); the hopper kernels have no W8A16 path (an sm_90
-    route stays off until a GPU has run it: sm_90 runs the lesson's)."""
+    """b12x has no MXFP4 W4A16 and no per-channel FP8 GEMM; the hopper kernels have no W8A16 path
+    (an sm_90 route stays off until a GPU has run it: sm_90 runs the lesson's). hopper serves
+    fp8_channel (kernels_triton.hopper.fp8_channel)."""
     cells = {k: e.reason for k, e in registry.entries().items() if isinstance(e, UnsupportedEntry)}
-    assert set(cells) == {("cute", "mxfp4_w4a16"), ("cute", "fp8_channel"), ("hopper", "fp8_channel"),
-                          ("hopper", "mxfp8_w8a16")}
+    assert set(cells) == {("cute", "mxfp4_w4a16"), ("cute", "fp8_channel"), ("hopper", "mxfp8_w8a16")}
     assert cells[("cute", "fp8_channel")].startswith("b12x 1.5.1 has no per-channel FP8 GEMM")
-    assert "kernels_triton.hopper.fp8_channel is not in this installation" in cells[("hopper", "fp8_channel")]
     assert cells[("hopper", "mxfp8_w8a16")].startswith("kernels_triton.hopper.mxfp8 has no weight-only path")
 
 
 def test_auto_serves_the_gaps_with_the_next_implementation():
-    """fp8_channel: triton on SM12x (after cute's reason) and on sm_90 (after hopper's); mxfp8_w8a16:
-    cute on SM12x where b12x is importable, the lesson (triton) on sm_90 after hopper's reason."""
-    for key, impl in (("rtx_pro_6000", "triton"), ("h200", "triton")):
-        c = registry.choose("fp8_channel", 16, 4096, 4096, KNOWN_DEVICES[key])
-        assert c.impl == impl, c.reason
-        assert "fp8_channel" in c.considered[0][2] and not c.considered[0][1]
+    """fp8_channel: triton on SM12x (after cute's reason), hopper on sm_90; mxfp8_w8a16: cute on
+    SM12x where b12x is importable, the lesson (triton) on sm_90 after hopper's reason."""
+    c = registry.choose("fp8_channel", 16, 4096, 4096, KNOWN_DEVICES["rtx_pro_6000"])
+    assert c.impl == "triton", c.reason
+    assert "fp8_channel" in c.considered[0][2] and not c.considered[0][1]
+    c = registry.choose("fp8_channel", 16, 4096, 4096, KNOWN_DEVICES["h200"])
+    assert c.impl == "hopper", c.reason
     c = registry.choose("mxfp8_w8a16", 16, 4096, 4096, KNOWN_DEVICES["h200"])
     assert c.impl == "triton" and "kernels_triton.hopper.mxfp8 has no weight-only path" in c.reason, c.reason
     assert "kernels_triton.mxfp8 W8A16" in c.reason

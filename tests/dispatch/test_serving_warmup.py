@@ -30,7 +30,7 @@ from kernels_triton._common import device_capability
 
 def _served_by(impl: str) -> tuple[str, ...]:
     """The variants ``impl`` has a backend for in the registry (not a named gap: mxfp8_w8a16 on
-    hopper, fp8_channel on hopper while kernels_triton.hopper has no module for it)."""
+    hopper)."""
     return tuple(v for v in contract.VARIANTS if not isinstance(registry.entries()[(impl, v)], registry.UnsupportedEntry))
 
 
@@ -84,6 +84,11 @@ def test_cute_buckets_one_per_plan_capacity():
     assert warmup.buckets("reference", "nvfp4", 1024, 2048, 1000) == (1,)
     with pytest.raises(ValueError, match="impl must be one of reference, triton, hopper, cute, got 'gpu'"):
         warmup.route_key("gpu", "nvfp4", 1, 1024, 2048)
+
+
+def test_hopper_variants_include_fp8_channel():
+    """kernels_triton.hopper.fp8_channel serves fp8_channel on sm_90, so warmup covers its routes."""
+    assert "fp8_channel" in HOPPER_VARIANTS and set(HOPPER_VARIANTS) == set(contract.VARIANTS) - {"mxfp8_w8a16"}
 
 
 @pytest.mark.parametrize("variant", HOPPER_VARIANTS)

@@ -77,7 +77,7 @@ needs_pdl_gpu = pytest.mark.skipif(_CAP is None or _CAP[0] < 9,
 
 # (variant, format, linear(x, w)): the whole decode linear of every variant of the registry; on
 # sm_90 the e4m3 formats' production linear is kernels_triton.hopper's (the lessons take no PDL)
-_HOPPER_FORMATS = ("fp8_tensor", "fp8_block", "mxfp8")
+_HOPPER_FORMATS = ("fp8_tensor", "fp8_block", "mxfp8", "fp8_channel")
 
 
 def _linear(v):
@@ -158,7 +158,8 @@ def test_the_decode_chain_kernels_take_part():
     for k in ("hopper._fp8_decode.fp8_decode_gemm_kernel", "hopper._fp4_decode.fp4_decode_gemm_kernel",
               "hopper._fp4_decode.act_planes_kernel", "hopper._e4m3_decode.act_decoded_kernel",
               "hopper._twopass.splitk_reduce_kernel", "hopper.fp8_tensor._quantize_kernel",
-              "hopper._nvfp4_quant._quantize_kernel", "hopper.mxfp4._quantize_kernel"):
+              "hopper._nvfp4_quant._quantize_kernel", "hopper.mxfp4._quantize_kernel",
+              "hopper.fp8_channel._row_amax_kernel", "hopper.fp8_channel._quantize_kernel"):
         assert k in names, (k, sorted(names))
     assert len(names) >= 10, sorted(names)
 
