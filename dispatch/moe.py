@@ -375,8 +375,7 @@ def make(impl: str, variant_name: str):
                                     f"{moe.A16_FORMATS}), not {variant_name}")
     if impl == "cute":
         if spec(v.fmt).element == "e4m3":  # fp8_tensor, fp8_block, fp8_channel, mxfp8 (and its W8A16)
-            return UnsupportedEntry(impl, variant_name, CUTE_NO_FP8 if (v.name, v.fmt) != ("fp8_channel",) * 2
-                                    else "b12x 1.5.1 has no FP8 MoE")
+            return UnsupportedEntry(impl, variant_name, CUTE_NO_FP8)
         if not cute_moe_present():
             return UnsupportedEntry(impl, variant_name, f"{CUTE_MODULE} is not in this installation")
     return _CLASSES[impl](variant_name)

@@ -64,7 +64,8 @@ def _targets(doc: Path):
     `../` path in a doc's text, resolved both from the doc's folder and from the repository root
     (where the docs' commands run)."""
     text = doc.read_text()
-    for m in re.finditer(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text):
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # code blocks hold code, not links
+    for m in re.finditer(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", prose):
         if not re.match(r"[a-z]+:", m.group(1)):  # not http:, https:, mailto:
             yield m.group(0), (doc.parent / m.group(1)).resolve()
     for m in re.finditer(r"(?<![\w./])((?:\.\./)+[\w.\-/]+)", text):

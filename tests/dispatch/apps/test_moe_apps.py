@@ -58,8 +58,9 @@ def test_the_moe_sweep_agrees_with_the_oracle_and_catches_a_wrong_backend(monkey
     if runs_here:
         assert r["summary"]["ok"] and cells["nvfp4"]["ran"] == ["triton"]
         assert cells["nvfp4"]["diffs"]["triton"]["norm_rel"] <= sweep_moe.TOL_NORM_MOE
-    assert cells["fp8_channel"]["status"] == "nothing ran"
-    assert "fp8_channel" in cells["fp8_channel"]["skipped"]["triton"]
+        # fp8_channel (per-token activation scales) is served by the lesson too, within the same bound
+        assert cells["fp8_channel"]["ran"] == ["triton"], cells["fp8_channel"]
+        assert cells["fp8_channel"]["diffs"]["triton"]["norm_rel"] <= sweep_moe.TOL_NORM_MOE
     assert "no sm_90 MoE kernels yet" in cells["nvfp4"]["skipped"]["hopper"]
 
     class GateUpSwapped(dm.TritonMoE):  # a plausible bug: silu on the up half
