@@ -227,3 +227,12 @@ def test_device_changes_the_key():
     portable ones) at M = 17, on this CPU: route_key is the described device's, not this process's."""
     la, lb = _cross(TRITON_GB10, TRITON_H200, 17)
     assert la[FIELDS.index("tile")] != lb[FIELDS.index("tile")]
+
+
+def test_buckets_make_every_launch_of_hopper_fp8_channel():
+    """(b) for the sm_90 fp8_channel routes (decode, portable, TMA prefill) and their two-stage
+    per-token quantizer, whose options name its tile, partials block and Pk class."""
+    cfg = ("hopper", "fp8_channel", "h200", torch.bfloat16)
+    every = assert_buckets_cover(cfg)
+    assert len({lk[0] for lk in every}) >= 3, f"{cfg}: expected the decode, portable and prefill kernels: {every}"
+    assert_key_is_the_launch(cfg, buckets(*cfg))
