@@ -16,7 +16,7 @@ git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/env.txt" || true
 for step in "$@"; do
 case "$step" in
 tests)
-  timeout -k 10 ${TESTS_S:-330} python3 -m pytest -q -n ${NPROC:-12} -p no:cacheprovider -rs \
+  timeout -k 10 ${TESTS_S:-330} python3 -m pytest -q -n ${NPROC:-14} --dist loadgroup --durations=12 -p no:cacheprovider -rs \
     tests/kernels_triton tests/formats tests/dispatch > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
   grep -E "^SKIPPED" "$OUT/pytest.log" | sed -E 's/^SKIPPED \[[0-9]+\] //' | cut -c1-160 | sort | uniq -c | sort -rn | head -12

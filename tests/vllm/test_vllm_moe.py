@@ -28,6 +28,7 @@ import torch
 import formats
 from formats.codecs import decode_e4m3, encode_e4m3
 from conftest import DEVICE  # noqa: F401  (the seeded session; vLLM's CPU platform runs these layers)
+import conftest as _tests_conftest  # noqa: E402  (tests/conftest.py, imported at collection)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "vllm_engine"))
@@ -43,9 +44,19 @@ SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def _lesson_bound():
+    # test_moe.py does `from conftest import ...`: by the time this runs, sys.modules["conftest"] may be
+    # another folder's conftest (tests/vllm_engine's, collected later), so lend it tests/conftest.py.
     spec = importlib.util.spec_from_file_location("_lesson_moe_tests_vllm", ROOT / "tests/kernels_triton/test_moe.py")
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    saved = sys.modules.get("conftest")
+    sys.modules["conftest"] = _tests_conftest
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if saved is None:
+            sys.modules.pop("conftest", None)
+        else:
+            sys.modules["conftest"] = saved
     return mod._moe_bound, mod._assert_matches
 
 
