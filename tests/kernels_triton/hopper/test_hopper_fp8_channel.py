@@ -42,7 +42,7 @@ from kernels_triton.hopper._fp8_prefill import TENSOR_PREFILL_TILE
 FMT = "fp8_channel"
 BF16, FP16 = torch.bfloat16, torch.float16
 SM90, H200_SMS = (9, 0), 132
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _CAP = device_capability(DEVICE)  # None on the CPU (the interpreter)
 # the hopper kernels (wgmma, TMA) run under the interpreter or on sm_90, nowhere else
 needs_interp_or_sm90 = pytest.mark.skipif(

@@ -24,7 +24,7 @@ from kernels_triton.hopper._fp8_prefill import (BLOCK_PREFILL_TILE, TENSOR_PREFI
                                          fp8_prefill_applies, tma_ok)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "h200_prefill_probe.py"
+TOOL = Path(__file__).resolve().parents[3] / "tools" / "h200_prefill_probe.py"
 # small tiles under the interpreter (a program costs ms of Python there); the shipped ones on a GPU
 SMALL = {0: TileConfig(32, 32, 64, GROUP_M=2), 128: TileConfig(32, 64, 128, GROUP_M=2)}
 
