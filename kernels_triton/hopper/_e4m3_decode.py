@@ -18,7 +18,7 @@ by every program in the loop and stored to shared memory as the B tile, so the l
 its wgmmas each step; or (``launch_e4m3_decode_linear``, X_DECODED) the activation quantized and
 dequantized once by ``act_decoded_kernel`` into a bf16 [M, K] scratch in the loop's dot order, which
 the GEMM loads with a plain pipelined load: no dot operand is stored to shared memory inside the
-loop, so Triton's WGMMA pipeliner makes the dot async (``tools/decode_sass.py``: the wait-for-all
+loop, so Triton's WGMMA pipeliner makes the dot async (``tools/probes/decode_sass.py``: the wait-for-all
 becomes ``DEPBAR.LE gsb0, 0x1``) and the next weight decode overlaps the MMAs (as in _fp4_decode).
 
 Fragment order (``_fp4_decode.fragment_order`` on bytes): both operands' K is permuted so that lane

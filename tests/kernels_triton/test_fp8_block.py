@@ -23,8 +23,6 @@ from _e4m3_testlib import (
 )
 from conftest import make_input, rel_err
 from kernels_triton import fp8_block as mod
-from kernels_triton import hopper
-from kernels_triton.hopper._fp8_decode import fp8_decode_config
 
 FMT = "fp8_block"
 BLOCK = 128
@@ -65,7 +63,7 @@ def test_quantize_empty_rows():
 
 # (M, N, K, bias, out_dtype). N = 200 spans two 128-row weight blocks (the second one partial),
 # so sw[n // 128] is exercised inside one tile. On sm_90, M <= 16 runs the swapped decode kernel
-# (_fp8_decode), and K = 1024 / 2048 split it over 2 / 4 programs along K (test_decode_tile_on_sm90).
+# (_fp8_decode), and K = 1024 / 2048 split it over 2 / 4 programs along K (hopper/test_hopper_fp8_block.py).
 GEMM_CASES = [
     (1, 200, 128, True, BF16),
     (3, 40, 384, False, FP16),
@@ -131,16 +129,6 @@ def test_argument_errors_name_the_argument(case):
     call, word = {name: (call, word) for name, call, word in error_calls(mod, FMT, 128, BLOCK, "fp8_tensor")}[case]
     with pytest.raises(ValueError, match=re.escape(word)):
         call()
-
-
-def test_decode_tile_on_sm90():
-    # the Hopper route (kernels_triton.hopper.fp8_block) at M <= 16, K >= 1024 takes the swapped
-    # kernel with split-K on the H200's 132 SMs (a pure function: runs anywhere)
-    n_sms = 132
-    for (M, N, K), split in (((7, 200, 1024), 2), ((16, 128, 2048), 4), ((1, 200, 1024), 2)):
-        r = hopper.module(FMT).route(M, N, K, capability=(9, 0), sm_count=n_sms)
-        assert dict(r.options)["config"] == fp8_decode_config(M, N, K, n_sms)
-        assert dict(r.options)["config"].SPLIT_K == split and r.split_k == split
 
 
 # ---------------------------------------------------------------------------------------------

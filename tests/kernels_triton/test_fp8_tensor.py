@@ -22,8 +22,6 @@ from _e4m3_testlib import (
 )
 from conftest import DEVICE, make_input, rel_err
 from kernels_triton import fp8_tensor as mod
-from kernels_triton import hopper
-from kernels_triton.hopper._fp8_decode import TENSOR_DECODE_TILE, fp8_decode_config
 
 FMT = "fp8_tensor"
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -136,19 +134,6 @@ def test_argument_errors_name_the_argument(case):
 # ---------------------------------------------------------------------------------------------
 # GPU only: the issue's large shapes
 # ---------------------------------------------------------------------------------------------
-def test_decode_tile_on_sm90():
-    """The Hopper route's decode tile (kernels_triton.hopper.fp8_tensor, the H200's 132 SMs) is
-    fp8_decode_config's with TENSOR_DECODE_TILE: 8 stages, split-K only while the 64-row tiles
-    cover less than half the SMs. A pure function of the problem and the SM count: runs anywhere."""
-    n_sms = 132
-    for M, N, K in ((7, 200, 1024), (16, 128, 2048), (1, 8192, 8192), (16, 8192, 8192)):
-        cfg = dict(hopper.module(FMT).route(M, N, K, capability=(9, 0), sm_count=n_sms).options)["config"]
-        assert cfg == fp8_decode_config(M, N, K, n_sms, **TENSOR_DECODE_TILE)
-        assert cfg.num_stages == 8
-        tiles = -(-N // cfg.BLOCK_N)
-        assert (cfg.SPLIT_K > 1) == (tiles < n_sms / 2), (M, N, K, cfg)
-
-
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("M,N,K", [(4096, 4096, 4096), (1, 8192, 8192), (16, 8192, 8192)])

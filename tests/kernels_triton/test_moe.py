@@ -215,7 +215,7 @@ def test_an_expert_without_tokens_and_all_tokens_on_one_expert(fmt, a16):
 @pytest.mark.parametrize("fmt", ["fp8_tensor", "fp8_block", "mxfp8", "mxfp4", "fp8_channel"])
 def test_the_native_kernel(fmt):
     """path="native": the codes and scales through tl.dot_scaled, as on SM12x; the interpreter decodes
-    E8M0 scales right (not nvfp4's e4m3 ones: refused there, see test_errors)."""
+    E8M0 scales right (not nvfp4's e4m3 ones: refused there, see test_errors_name_the_argument)."""
     log = _run(fmt, False, 5, 4, 2, 256, 128, path="native", activation="swigluoai_uninterleave",
                w13_bias=torch.randn(4, 256, device=DEVICE))[2]
     assert log.count("_grouped_gemm_kernel") == 2

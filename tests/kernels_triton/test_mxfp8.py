@@ -25,11 +25,10 @@ from _e4m3_testlib import (
     tolerance,
 )
 from conftest import DEVICE, make_input, rel_err
-from kernels_triton import hopper
 from kernels_triton import mxfp8 as mod
 from kernels_triton._common import interpreting
 from kernels_triton.hopper._e4m3_decode import decode_config as bf16_decode_config
-from kernels_triton.hopper._e4m3_decode import decode_tile, launch_e4m3_decode
+from kernels_triton.hopper._e4m3_decode import launch_e4m3_decode
 from kernels_triton.hopper._fp8_decode import (MX_DECODE_TILE, MX_SCALE, fp8_decode_applies, fp8_decode_config,
                                         launch_fp8_decode)
 
@@ -74,7 +73,7 @@ def test_quantize_empty_rows():
 # interpreter's BLOCK_K, so the K mask is exercised. On sm_90, M <= 16 runs the swapped decode
 # kernel (_fp8_decode, SCALE_K = 32) with its K step the widest of 128 / 64 / 32 dividing K:
 # K = 544 (32-wide steps) splits over 4 programs, 320 (64-wide) over none, 1024 and 2048 (128-wide)
-# over 2 and 4 (test_decode_tile_on_sm90).
+# over 2 and 4 (hopper/test_hopper_mxfp8.py).
 GEMM_CASES = [
     (1, 200, 32, True, BF16),
     (3, 40, 96, False, FP16),
@@ -209,37 +208,6 @@ def test_argument_errors_name_the_argument(case):
         call()
 
 
-def test_decode_launch_refuses_tiles_it_cannot_run():
-    # host checks, made before any launch (so they run on the CPU too): the MX K loop reads one
-    # step's scale bytes as one integer and has no K mask
-    K = 320
-    xq = formats.quantize(make_input((4, K)), FMT, role="activation")
-    w = make_weight(FMT, 8, K, BLOCK)
-    y = torch.empty(4, 8, dtype=BF16, device=w.data.device)
-    for bk, word in ((128, "dividing K"), (256, "BLOCK_K in (32, 64, 128)")):
-        with pytest.raises(ValueError, match=re.escape(word)):
-            launch_fp8_decode(xq.data, w.data, xq.scale, w.scale, None, y, scale_k=MX_SCALE,
-                              config=fp8_decode_config(4, 8, K, bk=bk))
-
-
-def test_decode_tile_on_sm90():
-    # the Hopper route (kernels_triton.hopper.mxfp8) at M <= 16 on the H200's 132 SMs, for both
-    # decode kernels: the fp8 kernel's K step is the widest of 128 / 64 / 32 dividing K, the bf16
-    # kernel's always 128 (a K mask for the rest), split-K while every split keeps >= 4 steps
-    # (_e4m3_decode.decode_tile). A pure function of the problem and the SM count: runs anywhere.
-    n_sms = 132
-    fp8 = (((16, 1, 544), 32, 4), ((5, 72, 320), 64, 1), ((7, 200, 1024), 128, 2), ((16, 128, 2048), 128, 4))
-    bf16 = (((16, 1, 544), 128, 1), ((5, 72, 320), 128, 1), ((7, 200, 1024), 128, 2), ((16, 128, 2048), 128, 4))
-    for kernel, rows in (("bf16", bf16), ("fp8", fp8)):
-        for (M, N, K), bk, split in rows:
-            r = hopper.module(FMT).route(M, N, K, capability=(9, 0), sm_count=n_sms, decode_kernel=kernel)
-            cfg = dict(r.options)["config"]
-            want = (decode_tile(M, N, K, n_sms) if kernel == "bf16"
-                    else fp8_decode_config(M, N, K, n_sms, **MX_DECODE_TILE, bk=bk))
-            assert cfg == want
-            assert (cfg.BLOCK_K, cfg.SPLIT_K) == (bk, split)
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU only: the issue's large shapes
 # ---------------------------------------------------------------------------------------------
@@ -258,12 +226,3 @@ def test_large_shapes_on_gpu(M, N, K):
     tol = tolerance(torch.float32, FMT, M) if fp8_mma(FMT, M) else 1e-4
     assert rel_err(y, formats.reference_linear(xq, w, out_dtype=torch.float32)) <= tol
     check_linear(mod, x, w, None)
-
-
-def test_decode_kernel_knob_is_checked():
-    # the Hopper decode kernel is an argument (route, gemm, linear, tile_config), checked on the
-    # host before anything else (every device)
-    H = hopper.module(FMT)
-    assert H.DECODE_KERNELS == ("bf16", "fp8")
-    with pytest.raises(ValueError, match=re.escape("decode_kernel must be one of ('bf16', 'fp8'), got 'fast'")):
-        H.route(4, 64, 256, capability=(9, 0), sm_count=132, decode_kernel="fast")

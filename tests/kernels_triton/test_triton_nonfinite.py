@@ -119,7 +119,7 @@ def test_nan_weight_scale_w4a16():
     y = kt.linear(_x(1.0), _poison_weight(_weight("mxfp4")), a16=True)
     assert bool(y[:, 0].isnan().all()) and bool(torch.isfinite(y[:, 1:]).all())
     # nvfp4 W4A16 decodes its weight scales without the NaN select (the kernel is at its register
-    # limit: kernels_triton._common.decode_e4m3_finite); a NaN scale code is refused at load instead
+    # limit: kernels_triton._codecs.dequantize_e4m3_finite); a NaN scale code is refused at load instead
     with pytest.raises(ValueError, match="must be non-negative and not NaN"):
         check_scale_values(_poison_weight(_weight("nvfp4")))
 

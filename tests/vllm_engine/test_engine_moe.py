@@ -20,7 +20,7 @@ assertion on a checkpoint shares its engine:
   rounded to bf16 and the all-reduce's rounding, in every row-parallel linear and MoE layer).
 
 FP8_DYNAMIC (per-channel FP8) is not here: the MoE lesson has no per-channel FP8, so vLLM's method
-keeps such layers (tests/vllm/test_vllm_moe.py checks the selection).
+keeps such layers (tests/dispatch/vllm_plugin/test_vllm_moe.py checks the selection).
 """
 
 from __future__ import annotations

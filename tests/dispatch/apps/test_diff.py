@@ -1,7 +1,7 @@
 """``b12x-dual diff`` on real model files (CPU: the reference and Triton's interpreter).
 
 Models: a two-layer model saved with save_quantized (this project's safetensors); checkpoints written
-by compressed-tensors' own code and a ModelOpt-style NVFP4 folder (tests/vllm/checkpoints.py, one
+by compressed-tensors' own code and a ModelOpt-style NVFP4 folder (tests/dispatch/vllm_plugin/checkpoints.py, one
 encoder layer of all-MiniLM-L6-v2); all-MiniLM-L6-v2's own folder (a transformers model, quantized
 here) with --text. Faults (tests/faults.py) are real Triton backends with one defect on one layer.
 """
@@ -24,7 +24,7 @@ from dispatch.apps.cli import main
 
 import faults
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "vllm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_plugin"))
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:

@@ -1,8 +1,8 @@
 """The K loop of the FP4 decode kernel (_fp4_decode) in sm_90 SASS, compiled here without a GPU.
 
-    python tools/fp4_decode_sass.py                       # every format, its default tile
-    python tools/fp4_decode_sass.py --fmt nvfp4 --dump    # one format, the loop's SASS printed
-    PYTHONPATH=/path/to/triton-3.6 python tools/fp4_decode_sass.py   # as the H200 compiles it
+    python tools/probes/fp4_decode_sass.py                       # every format, its default tile
+    python tools/probes/fp4_decode_sass.py --fmt nvfp4 --dump    # one format, the loop's SASS printed
+    PYTHONPATH=/path/to/triton-3.6 python tools/probes/fp4_decode_sass.py   # as the H200 compiles it
 
 Per format: the instructions of the loop body (the block between the loop's backward branch and
 its target) per thread, the counts of the opcodes that matter (HGMMA, the WARPGROUP.DEPBAR waits,
@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # real JITFunctions (kernels_triton respects a set value)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -1,7 +1,7 @@
 """Compile the sm_90 mxfp8 decode GEMMs without a GPU and count the SASS instructions of their K
 loop (docs/perf_notes.md, rows 16 and 21): per thread per 128-wide K step, by opcode.
 
-    python tools/decode_sass.py [--bn 128] [--stages 3] [--warps 4] [--maxnreg N] [--dump loop.sass]
+    python tools/probes/decode_sass.py [--bn 128] [--stages 3] [--warps 4] [--maxnreg N] [--dump loop.sass]
 
 Compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` as the launcher
 specializes real shapes (pointers and integers but M divisible by 16), then disassembled with the
@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

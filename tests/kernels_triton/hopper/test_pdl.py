@@ -21,7 +21,7 @@ from kernels_triton import interpreting
 
 from kernels_triton.hopper import _pdl
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_pdl_never_applies_on_cpu_tensors():

@@ -42,7 +42,7 @@ from kernels_triton.hopper._fp8_prefill import TENSOR_PREFILL_TILE
 FMT = "fp8_channel"
 BF16, FP16 = torch.bfloat16, torch.float16
 SM90, H200_SMS = (9, 0), 132
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _CAP = device_capability(DEVICE)  # None on the CPU (the interpreter)
 # the hopper kernels (wgmma, TMA) run under the interpreter or on sm_90, nowhere else
 needs_interp_or_sm90 = pytest.mark.skipif(
@@ -230,7 +230,8 @@ def test_route_refuses_other_devices_and_a16(cap):
         H.route(16, 64, 64, capability=SM90, sm_count=1, a16=True)
 
 
-@pytest.mark.skipif(_CAP is not None and tuple(_CAP) == SM90, reason="on sm_90 linear runs (test_linear_on_sm90)")
+@pytest.mark.skipif(_CAP is not None and tuple(_CAP) == SM90,
+                    reason="on sm_90 linear runs (test_linear_on_sm90_matches_oracle)")
 def test_linear_and_gemm_refuse_a_device_that_is_not_sm90():
     w = make_weight(FMT, 8, 64, 32)
     with pytest.raises(ValueError, match="kernels_triton.hopper.fp8_channel runs on sm_90 only, got a tensor on"):

@@ -10,10 +10,10 @@ GPU during the compile phase).
 
 ``--compile`` (no GPU needed): builds the shipped prefill tiles for sm_90 and reports, per tile,
 the TMA copies in the PTX, shared memory, and registers / stack / local memory from the cubin's
-resource usage (Triton's cuobjdump); tests/kernels_triton/test_fp8_prefill.py checks them.
+resource usage (Triton's cuobjdump); tests/kernels_triton/hopper/test_fp8_prefill.py checks them.
 
-    PYTHONPATH=. python3 tools/h200_prefill_probe.py --json $OUT/prefill.json [--budget-s 70]
-    TRITON_INTERPRET=0 PYTHONPATH=. python3 tools/h200_prefill_probe.py --compile --json out.json
+    PYTHONPATH=. python3 tools/probes/h200_prefill_probe.py --json $OUT/prefill.json [--budget-s 70]
+    TRITON_INTERPRET=0 PYTHONPATH=. python3 tools/probes/h200_prefill_probe.py --compile --json out.json
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from formats.codecs import decode_e4m3, encode_e4m3
 from conftest import DEVICE  # noqa: F401  (the seeded session; vLLM's CPU platform runs these layers)
 import conftest as _tests_conftest  # noqa: E402  (tests/conftest.py, imported at collection)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "vllm_engine"))
 import engine_env  # noqa: E402  (write_moe_model: compressed-tensors' own writer; no engine needed)
 

@@ -1,7 +1,7 @@
 """Fixtures of the vLLM tests (imported by each test module; no conftest.py here, so that the
 top-level tests/conftest.py stays the only module named ``conftest``).
 
-vLLM 0.33.0 must be installed (``pip install --no-deps -r tests/vllm/requirements-cpu.txt``);
+vLLM 0.33.0 must be installed (``pip install --no-deps -r tests/dispatch/vllm_plugin/requirements-cpu.txt``);
 without it every test here skips, saying so. CI installs it, so CI never sees that skip.
 """
 
@@ -23,7 +23,7 @@ if not torch.cuda.is_available():  # vLLM's CPU platform (without it VllmConfig(
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_PLUGINS", "b12x_dual")
 
-INSTALL = "pip install --no-deps -r tests/vllm/requirements-cpu.txt"
+INSTALL = "pip install --no-deps -r tests/dispatch/vllm_plugin/requirements-cpu.txt"
 try:
     import vllm  # noqa: F401
 except Exception as e:  # noqa: BLE001

@@ -1,5 +1,7 @@
-"""Checks shared by the tests of the three e4m3 formats (test_fp8_tensor, test_fp8_block,
-test_mxfp8). Every check compares a Triton result with the independent formats/ oracle."""
+"""Checks shared by the tests of the e4m3 formats: the lessons' (tests/kernels_triton/test_fp8_tensor,
+test_fp8_block, test_fp8_channel, test_mxfp8, ...) and the hopper modules' (tests/kernels_triton/hopper/),
+so it sits in tests/, which pytest puts on sys.path for tests/conftest.py. Every check compares a
+Triton result with the independent formats/ oracle."""
 
 from __future__ import annotations
 

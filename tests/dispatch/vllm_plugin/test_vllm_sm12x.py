@@ -4,7 +4,7 @@ CUDA graph and replays the same numbers. Skips elsewhere, naming the device foun
 run by the first person with the GPU:
 
     pip install -e '.[dev,vllm]'     # vLLM with its own CUDA torch
-    python -m pytest -q tests/vllm/test_vllm_sm12x.py
+    python -m pytest -q tests/dispatch/vllm_plugin/test_vllm_sm12x.py
 """
 
 from __future__ import annotations

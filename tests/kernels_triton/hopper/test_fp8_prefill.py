@@ -1,7 +1,7 @@
 """kernels_triton.hopper._fp8_prefill (the sm_90 TMA prefill kernel of fp8_tensor and fp8_block) against
 the formats/ oracle. The kernel runs under the interpreter on the CPU (host tensor descriptors,
 codes decoded to fp32) with small tiles, and on a GPU with the shipped tiles; its sm_90 build is
-checked on the CPU (tools/h200_prefill_probe.py --compile: TMA copies in the PTX, two CTAs per SM
+checked on the CPU (tools/probes/h200_prefill_probe.py --compile: TMA copies in the PTX, two CTAs per SM
 by shared memory, no spills)."""
 
 import dataclasses
@@ -24,7 +24,7 @@ from kernels_triton.hopper._fp8_prefill import (BLOCK_PREFILL_TILE, TENSOR_PREFI
                                          fp8_prefill_applies, tma_ok)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "h200_prefill_probe.py"
+TOOL = Path(__file__).resolve().parents[3] / "tools" / "probes" / "h200_prefill_probe.py"
 # small tiles under the interpreter (a program costs ms of Python there); the shipped ones on a GPU
 SMALL = {0: TileConfig(32, 32, 64, GROUP_M=2), 128: TileConfig(32, 64, 128, GROUP_M=2)}
 
@@ -133,7 +133,7 @@ def test_prefill_tile_on_sm90():
 @pytest.mark.slow
 def test_sm90_build_uses_tma_and_fits_two_ctas_per_sm(tmp_path):
     out = tmp_path / "compile.json"
-    root = str(TOOL.parents[1])  # this checkout's packages, not another install's
+    root = str(TOOL.parents[2])  # this checkout's packages, not another install's
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(TOOL), "--compile", "--json", str(out)], env=env, cwd=root,

@@ -2,7 +2,7 @@
 the formats/ oracle on the operands read straight from the checkpoint files (and agrees with
 vLLM's own emulation kernels where vLLM has them: NVFP4, MXFP8).
 
-The checkpoints are written by compressed-tensors (tests/vllm/checkpoints.py); the expected
+The checkpoints are written by compressed-tensors (tests/dispatch/vllm_plugin/checkpoints.py); the expected
 operands below are read from their safetensors files with the family's conventions, never through
 the plugin's conversion code.
 """

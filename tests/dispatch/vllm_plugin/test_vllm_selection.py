@@ -20,7 +20,7 @@ import harness
 
 from dispatch.devices import KNOWN_DEVICES
 
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[2]
 
 
 def _run_python(code: str) -> dict:

@@ -294,7 +294,7 @@ def build(kind: str, root: Path) -> Path:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-if __name__ == "__main__":  # python tests/vllm/checkpoints.py DIR: write all, list the tensors
+if __name__ == "__main__":  # python tests/dispatch/vllm_plugin/checkpoints.py DIR: write all, list the tensors
     import sys
 
     from safetensors import safe_open
