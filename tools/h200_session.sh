@@ -4,7 +4,8 @@
 #   bash tools/h200_session.sh debug    # b12x-dual diff of a tiny transformers Llama (built here, random
 #                                       # weights) across reference / triton / hopper, and the watchdog's cost
 #   bash tools/h200_session.sh bench    # bench --shapes square --m 1,16,4096 --impls hopper,triton --peers gemlite
-#   bash tools/h200_session.sh bench_channel  # fp8_channel hopper / triton against torch._scaled_mm row-wise
+#   bash tools/h200_session.sh bench_channel  # fp8_channel and mxfp8_w8a16 (hopper / triton) against
+#                                       # torch._scaled_mm row-wise and bf16 cuBLAS
 # Results go under $OUT (default ./out); each step prints a short table last. gemlite must be staged in
 # .gemlite (docs/bench.md) and carried for the bench.
 set -u -o pipefail
@@ -40,8 +41,9 @@ bench)
     --peers gemlite --budget-s ${BUDGET_S:-480} --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; tail -n 45 "$OUT/bench.log" | cut -c1-200 ;;
 bench_channel)
-  timeout -k 10 ${BENCH_S:-300} python3 -m dispatch.apps.bench --formats fp8_channel --shapes square,llama3.1-8b \
-    --m 1,16,64,128,256,4096 --impls hopper,triton --baselines torch_bf16,torch_fp8_channel --budget-s ${BUDGET_S:-240} \
+  timeout -k 10 ${BENCH_S:-300} python3 -m dispatch.apps.bench --formats fp8_channel,mxfp8_w8a16 \
+    --shapes ${SHAPES:-square,llama3.1-8b} --m ${MS:-1,16,64,128,256,4096} --impls hopper,triton \
+    --baselines torch_bf16,torch_fp8_channel --budget-s ${BUDGET_S:-240} \
     --json "$OUT/bench_channel.json" > "$OUT/bench_channel.log" 2>&1
   echo "bench_channel rc=$?"; tail -n 40 "$OUT/bench_channel.log" | cut -c1-200 ;;
 *) echo "unknown step $step (tests, debug, bench, bench_channel)"; exit 2 ;;
