@@ -5,10 +5,11 @@ Installed by the ``moe_method`` patch (patches.py), which wraps vLLM's
 0.32.0 and vLLM 0.33.0). The wrapper reads the scheme of ``<layer>.0.gate_proj`` from the
 checkpoint's own config (``quant_config.get_scheme_dict``, as vLLM's method does), maps it with the
 dense plugin's table (scheme.variant_of: NVFP4 -> nvfp4, NVFP4A16 -> nvfp4_w4a16, MXFP4 -> mxfp4,
-MXFP4A16 -> mxfp4_w4a16, FP8_BLOCK -> fp8_block, FP8 -> fp8_tensor), and returns
-:class:`B12xDualCompressedTensorsMoEMethod` where that variant is served and requested (:func:`wanted`),
-vLLM's own method otherwise. FP8_DYNAMIC (fp8_channel) stays vLLM's: the MoE lesson has no
-per-channel FP8 (dispatch.moe's table).
+MXFP4A16 -> mxfp4_w4a16, FP8_BLOCK -> fp8_block, FP8 -> fp8_tensor, FP8_DYNAMIC -> fp8_channel), and
+returns :class:`B12xDualCompressedTensorsMoEMethod` where that variant is served and requested
+(:func:`wanted`), vLLM's own method otherwise. Per-channel FP8 experts are served with FP8_DYNAMIC's
+dynamic per-token activations; with static per-tensor activation scales they are refused by name
+(vLLM's method cannot build them either).
 
 The method's life, per layer:
 
@@ -45,10 +46,10 @@ CT_MOE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_
 
 # The variants this method serves, and the --linear-backend quantization key that asks for each.
 QUANT_KEYS = {"nvfp4": "nvfp4_w4a4", "nvfp4_w4a16": "nvfp4_w4a16", "mxfp4": "mxfp4", "mxfp4_w4a16": "mxfp4",
-              "fp8_block": "fp8_block_w8a8", "fp8_tensor": "fp8_w8a8"}
-NOT_SERVED = {"fp8_channel": "the MoE lesson (kernels_triton.moe) has no per-channel FP8: vLLM's method serves it"}
+              "fp8_block": "fp8_block_w8a8", "fp8_tensor": "fp8_w8a8", "fp8_channel": "fp8_w8a8"}
 # The scale block along K (fp8_block: also along N, so a rank's I rows must hold whole blocks).
-BLOCKS = {"nvfp4": 16, "nvfp4_w4a16": 16, "mxfp4": 32, "mxfp4_w4a16": 32, "fp8_block": 128, "fp8_tensor": 1}
+BLOCKS = {"nvfp4": 16, "nvfp4_w4a16": 16, "mxfp4": 32, "mxfp4_w4a16": 32, "fp8_block": 128, "fp8_tensor": 1,
+          "fp8_channel": 1}
 ACTIVATIONS = ("silu",)  # what a compressed-tensors Qwen3/Mixtral-style MoE uses; gpt-oss is not CT
 
 
@@ -68,8 +69,11 @@ def checkpoint_variant(quant_config, layer, layer_name: str):
     w, a = d.get("weights"), d.get("input_activations")
     text = f"compressed-tensors weights {scheme.describe(w)}, input activations {scheme.describe(a)}"
     variant, why = scheme.variant_of(w, a)
-    if variant in NOT_SERVED:
-        return None, text, NOT_SERVED[variant]
+    if variant == "fp8_channel" and scheme._get(a, "dynamic", False) is not True:
+        # vLLM 0.32/0.33's CompressedTensorsW8A8Fp8MoEMethod cannot build this either (a bare assert)
+        raise CheckpointError(f"layer {layer_name}: the checkpoint's scheme is {text}; per-channel FP8 experts are "
+                              "served with dynamic per-token activations (FP8_DYNAMIC: fp8_channel), and vLLM's MoE "
+                              "method has no static per-tensor form of them either")
     if variant is not None and variant not in QUANT_KEYS:
         return None, text, f"b12x-dual's MoE method serves {', '.join(QUANT_KEYS)}, not {variant}"
     return variant, text, why
@@ -171,6 +175,9 @@ def _params(variant: str, E: int, H: int, I: int, block=(128, 128)):
         return {"w13_weight": (e4, (E, 2 * I, H), None), "w2_weight": (e4, (E, H, I), None),
                 "w13_weight_scale": (f32, (E, 2), "tensor"), "w2_weight_scale": (f32, (E,), "tensor"),
                 "w13_input_scale": (f32, (E,), "tensor"), "w2_input_scale": (f32, (E,), "tensor")}
+    if variant == "fp8_channel":  # FP8_DYNAMIC: one fp32 scale per output channel, activations per token
+        return {"w13_weight": (e4, (E, 2 * I, H), None), "w2_weight": (e4, (E, H, I), None),
+                "w13_weight_scale": (f32, (E, 2 * I, 1), "channel"), "w2_weight_scale": (f32, (E, H, 1), "channel")}
     raise ValueError(f"variant must be one of {tuple(QUANT_KEYS)}, got {variant!r}")
 
 
@@ -357,6 +364,17 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
                                   "negative, NaN or Inf scale is a corrupt checkpoint)")
         return t
 
+    def _per_channel(self, layer, name: str) -> torch.Tensor:
+        """A per-channel weight scale parameter [E, N, 1] as [E, N] float32, every value finite and > 0."""
+        t = getattr(layer, name).data.float().reshape(self.num_experts, -1)
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bool(bad.any()):
+            e, n = bad.nonzero()[0].tolist()
+            raise CheckpointError(f"layer {self.layer_name}: expert {e}: checkpoint tensor {name!r} holds "
+                                  f"{float(t[e, n])!r} for output channel {n}; a per-channel scale must be finite "
+                                  "and > 0 (a zero, negative, NaN or Inf scale is a corrupt checkpoint)")
+        return t.contiguous()
+
     def _one_per_expert(self, layer, name: str, what: str) -> torch.Tensor:
         """[E, 2] (gate, up) -> [E]: the two must agree (one value per expert serves W13)."""
         t = self._positive(layer, name)
@@ -400,6 +418,11 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
                                           name="w2")
                 return (w13, w2, {"scale": self._positive(layer, "w13_input_scale")},
                         {"scale": self._positive(layer, "w2_input_scale")})
+            if v == "fp8_channel":  # activations quantized per token at run time: no options
+                return (experts_from_stacked("fp8_channel", g("w13_weight"), self._per_channel(layer, "w13_weight_scale"),
+                                             name="w13"),
+                        experts_from_stacked("fp8_channel", g("w2_weight"), self._per_channel(layer, "w2_weight_scale"),
+                                             name="w2"), {}, {})
         except CheckpointError:
             raise
         except ValueError as e:

@@ -19,8 +19,8 @@ assertion on a checkpoint shares its engine:
 - TP = 2 (NVFP4) within the TP = 1 bound (test_engine_tp.py's derivation: each rank's partial sum
   rounded to bf16 and the all-reduce's rounding, in every row-parallel linear and MoE layer).
 
-FP8_DYNAMIC (per-channel FP8) is not here: the MoE lesson has no per-channel FP8, so vLLM's method
-keeps such layers (tests/dispatch/vllm_plugin/test_vllm_moe.py checks the selection).
+FP8_DYNAMIC (moe_fp8_channel: per-channel weight scales, activations quantized per token at run
+time) is served as fp8_channel; per-channel experts with static per-tensor activations are refused by name.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pytest  # noqa: E402
 
 # [moe-served]
 SERVED = {"moe_nvfp4": "nvfp4", "moe_nvfp4a16": "nvfp4_w4a16", "moe_mxfp4": "mxfp4", "moe_mxfp4a16": "mxfp4_w4a16",
-          "moe_fp8_block": "fp8_block", "moe_fp8": "fp8_tensor"}
+          "moe_fp8_block": "fp8_block", "moe_fp8": "fp8_tensor", "moe_fp8_channel": "fp8_channel"}
 # [/moe-served]
 N_MOE = 2  # sparse layers of the tiny model
 TP_KIND = "moe_nvfp4"

@@ -38,7 +38,7 @@ PREFIX = "model.layers.0.mlp.experts"
 E, TOP_K, H, I = 8, 2, 256, 128
 # [moe-served]
 SERVED = {"moe_nvfp4": "nvfp4", "moe_nvfp4a16": "nvfp4_w4a16", "moe_mxfp4": "mxfp4", "moe_mxfp4a16": "mxfp4_w4a16",
-          "moe_fp8_block": "fp8_block", "moe_fp8": "fp8_tensor"}
+          "moe_fp8_block": "fp8_block", "moe_fp8": "fp8_tensor", "moe_fp8_channel": "fp8_channel"}
 # [/moe-served]
 SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -106,7 +106,7 @@ def _experts_from_checkpoint(ckpt: Path, kind: str):
     """(w13, w2, w13_act_opts, w2_act_opts) built from the checkpoint's tensors with formats alone."""
     t = _tensors(ckpt)
     fmt = {"nvfp4": "nvfp4", "nvfp4_w4a16": "nvfp4", "mxfp4": "mxfp4", "mxfp4_w4a16": "mxfp4",
-           "fp8_block": "fp8_block", "fp8_tensor": "fp8_tensor"}[SERVED[kind]]
+           "fp8_block": "fp8_block", "fp8_tensor": "fp8_tensor", "fp8_channel": "fp8_channel"}[SERVED[kind]]
     data_key = "weight" if fmt.startswith("fp8") else "weight_packed"
     g = lambda e, p, s: t[f"{PREFIX}.{e}.{p}.{s}"]  # noqa: E731
     d13, d2, s13, s2, g13, g2, o13, o2 = [], [], [], [], [], [], [], []
@@ -127,6 +127,8 @@ def _experts_from_checkpoint(ckpt: Path, kind: str):
         s13.append(torch.cat([gs, us]))
         d2.append(dd)
         s2.append(ds)
+        if fmt == "fp8_channel":  # [N, 1] per-channel scales as formats keeps them: [N]
+            s13[-1], s2[-1] = s13[-1].float().reshape(-1), ds.float().reshape(-1)
         if fmt == "nvfp4":
             g13.append(g(e, "gate_proj", "weight_global_scale").float().reshape(()))
             g2.append(g(e, "down_proj", "weight_global_scale").float().reshape(()))
@@ -175,7 +177,7 @@ def test_the_method_serves_the_checkpoint_scheme_and_matches_the_oracle(kind, mo
     assert PREFIX in rep and SERVED[kind] in rep and "reference" in rep and "ran: reference: 1 calls" in rep
 
 
-@pytest.mark.parametrize("kind", ["moe_nvfp4", "moe_mxfp4a16", "moe_fp8", "moe_fp8_block"])
+@pytest.mark.parametrize("kind", ["moe_nvfp4", "moe_mxfp4a16", "moe_fp8", "moe_fp8_block", "moe_fp8_channel"])
 def test_triton_serves_the_layer_within_the_lesson_bound(kind, moe_ckpt, dist, impl):
     from dispatch import registry
 
@@ -191,17 +193,29 @@ def test_triton_serves_the_layer_within_the_lesson_bound(kind, moe_ckpt, dist, i
     _assert_matches(y, ref, bound, kind)
 
 
-def test_fp8_dynamic_is_left_to_vllm(moe_ckpt, dist, impl):
+def test_per_channel_experts_with_static_activations_are_refused_by_name(moe_ckpt, dist, tmp_path):
+    """FP8_DYNAMIC's scheme with its input activations made static per tensor (the config alone:
+    no compressed-tensors preset writes it): b12x-dual's method serves per-token dynamic activations
+    only, and vLLM's method asserts on it, so the layer is refused naming the layer and the scheme."""
+    import json
+    import shutil
+
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
-    from dispatch.vllm_plugin.moe import B12xDualCompressedTensorsMoEMethod
+    from dispatch.vllm_plugin.convert import CheckpointError
 
-    ckpt = moe_ckpt("moe_fp8_channel")
+    ckpt = tmp_path / "moe_fp8_channel_static"
+    shutil.copytree(moe_ckpt("moe_fp8_channel"), ckpt)
+    cfg_path = ckpt / "config.json"
+    cfg_json = json.loads(cfg_path.read_text())
+    for group in cfg_json["quantization_config"]["config_groups"].values():
+        group["input_activations"].update(dynamic=False, strategy="tensor")
+    cfg_path.write_text(json.dumps(cfg_json))
     with harness.vllm_context(ckpt) as cfg:
-        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
-                                 quant_config=harness.quant_config(cfg), prefix=PREFIX, params_dtype=torch.bfloat16)
-    assert not isinstance(runner.routed_experts.quant_method, B12xDualCompressedTensorsMoEMethod)
-    assert "Fp8" in type(runner.routed_experts.quant_method).__name__
+        with pytest.raises(CheckpointError, match=rf"layer {PREFIX}: .*float8 channel static.*float8 tensor static"
+                                                  r".*dynamic per-token activations"):
+            FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+                            quant_config=harness.quant_config(cfg), prefix=PREFIX, params_dtype=torch.bfloat16)
 
 
 def test_without_the_switch_vllm_keeps_its_method(moe_ckpt, dist):
@@ -220,6 +234,8 @@ def test_without_the_switch_vllm_keeps_its_method(moe_ckpt, dist):
     ("moe_mxfp4", "down_proj.weight_scale", 255),             # E8M0 0xFF: NaN
     ("moe_fp8_block", "up_proj.weight_scale", float("inf")),
     ("moe_nvfp4", "gate_proj.weight_scale", float("nan")),
+    ("moe_fp8_channel", "up_proj.weight_scale", 0.0),          # a per-channel scale of 0
+    ("moe_fp8_channel", "down_proj.weight_scale", -0.5),
 ])
 def test_a_tampered_expert_scale_is_refused_by_name(kind, tensor, value, moe_ckpt, dist, impl):
     from dispatch.vllm_plugin.convert import CheckpointError
