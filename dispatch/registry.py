@@ -42,7 +42,7 @@ from . import backends, policy
 from .contract import (A16_SUFFIX, A16_SUFFIXES, ACT_DTYPES, FORMATS, IMPLS, VARIANTS, Backend,  # noqa: F401  (re-exported)
                        FormatEntry, NoBackend, Problem, Unsupported, UnsupportedEntry, Variant, m_bucket,
                        variant, variant_name)
-from .devices import DeviceInfo
+from .devices import DeviceInfo, resolve
 from .policy import ImplementationUnavailable, Request
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,8 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
     Args:
         variant_: a name of :data:`VARIANTS`.
         M, N, K: the GEMM shape (M = tokens).
-        device: where the call runs (a DeviceInfo: a described device works as well as a real one).
+        device: where the call runs: a DeviceInfo (a described device works as well as a real one),
+            a dispatch.devices.KNOWN_DEVICES key such as "h200", or a torch device.
         impl: per-call request; None reads use_impl() / B12X_IMPL / "auto" (dispatch.policy).
         dtype: the activation dtype.
         log_choice: log auto's choice once per (device, variant, backend, reason); False for reports.
@@ -203,11 +204,13 @@ def choose(variant_: str, M: int, N: int, K: int, device: DeviceInfo, *, impl: O
         a :class:`Choice`; the same object for every call of a (device, variant, M bucket, N, K,
         dtype, request), so a hot path does no policy work after the first call.
     Raises:
-        ValueError: unknown variant.
+        ValueError: unknown variant, or a device that is none of the above.
         dispatch.InvalidImplementation: an unknown name in impl= / use_impl() / B12X_IMPL.
         dispatch.ImplementationUnavailable: a forced implementation cannot serve the call.
         NoBackend: auto found nothing that serves the call (the message lists every reason).
     """
+    if not isinstance(device, DeviceInfo):
+        device = resolve(device)
     return decide(policy.requested_impl(impl), variant_, M, N, K, device, dtype=dtype, log_choice=log_choice)
 
 

@@ -22,7 +22,7 @@ Shapes (N x K, y[M, N] = x[M, K] . W[N, K]^T), from the models' config.json file
 takes ids, model prefixes (llama3.1-8b, qwen3-32b, deepseek-v3, square), "default" (the first ten),
 "all" (these and the MoE layers), or literal NxK; and the MoE layers (dispatch/apps/bench_moe.py):
 
-    gpt-oss-20b:moe      gpt-oss-20b    32 experts, top-4, hidden 2880, intermediate 2880, swigluoai, mxfp4
+    gpt-oss-20b:moe      gpt-oss-20b    32 experts, top-4, hidden 2880, intermediate 2880, swigluoai, mxfp4_w4a16
     qwen3-30b-a3b:moe    Qwen3-30B-A3B  128 experts, top-8, hidden 2048, intermediate 768, silu, nvfp4
     tiny-moe             -              CPU interpreter smoke layer (4 experts, top-2, 128, 128)
 

@@ -2,7 +2,7 @@
 the MoE table's backends against a bf16 baseline measured in the same run.
 
     id                   model          experts  top_k  hidden  intermediate  activation  format
-    gpt-oss-20b:moe      gpt-oss-20b    32       4      2880    2880          swigluoai   mxfp4
+    gpt-oss-20b:moe      gpt-oss-20b    32       4      2880    2880          swigluoai   mxfp4_w4a16 (weight-only: gpt-oss keeps activations bf16)
     qwen3-30b-a3b:moe    Qwen3-30B-A3B  128      8      2048    768           silu        nvfp4
     tiny-moe             -              4        2      128     128           silu        nvfp4  (CPU smoke)
 
@@ -60,7 +60,7 @@ class MoEShape:
 
 
 MOE_SHAPES: list[MoEShape] = [
-    MoEShape("gpt-oss-20b:moe", "gpt-oss-20b", "mxfp4", 32, 4, 2880, 2880, "swigluoai"),
+    MoEShape("gpt-oss-20b:moe", "gpt-oss-20b", "mxfp4_w4a16", 32, 4, 2880, 2880, "swigluoai"),
     MoEShape("qwen3-30b-a3b:moe", "Qwen3-30B-A3B", "nvfp4", 128, 8, 2048, 768, "silu"),
     MoEShape("tiny-moe", "-", "nvfp4", 4, 2, 128, 128, "silu", default=False),
 ]

@@ -3,8 +3,8 @@ and the kernels it launches: ``dispatch.explain`` for a linear layer, ``dispatch
 an MoE layer (``--moe``).
 
     b12x-dual explain --format nvfp4 -m 16 -N 8192 -K 8192 --device h200
-    b12x-dual explain --moe --experts 128 --top-k 8 --hidden 2880 --intermediate 2880 --format mxfp4 -m 16
-    b12x-dual explain --moe --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --format mxfp4 \\
+    b12x-dual explain --moe --experts 128 --top-k 8 --hidden 2048 --intermediate 768 --format nvfp4 -m 16
+    b12x-dual explain --moe --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --format mxfp4_w4a16 \\
         --activation swigluoai --device gb10 --impl triton
 """
 

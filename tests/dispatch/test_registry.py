@@ -252,3 +252,14 @@ def test_cute_quantizer_option_is_checked_before_any_kernel():
         b.apply(torch.randn(2, 256).to(torch.bfloat16), None, quantizer="triton")
     with pytest.raises(ValueError, match="quantizer must be 'cute' or 'triton', got 'fast'"):
         registry.get("cute", "mxfp8").apply(torch.randn(2, 256).to(torch.bfloat16), None, quantizer="fast")
+
+
+def test_choose_takes_a_device_name_and_names_a_bad_device():
+    """choose accepts what explain accepts: a KNOWN_DEVICES key is the described device; anything
+    else is a ValueError naming the argument and what is allowed (never an AttributeError)."""
+    by_name = registry.choose("nvfp4", 16, 4096, 4096, "h200", log_choice=False)
+    assert by_name is registry.choose("nvfp4", 16, 4096, 4096, KNOWN_DEVICES["h200"], log_choice=False)
+    assert registry.choose("nvfp4", 16, 4096, 4096, "rtx_pro_6000", log_choice=False).impl != by_name.impl
+    with pytest.raises(ValueError, match=r"device must be a DeviceInfo, one of \(.*'h200'.*\) or a torch device, "
+                                         r"got 'h999'"):
+        registry.choose("nvfp4", 16, 4096, 4096, "h999")

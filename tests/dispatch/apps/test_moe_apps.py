@@ -93,7 +93,7 @@ def test_split_shapes():
     dense, moe = bench_moe.split_shapes("all")
     assert dense == "all" and len(moe) == 2
     s = bench_moe.MOE_SHAPE_BY_ID["gpt-oss-20b:moe"]
-    assert (s.E, s.top_k, s.H, s.I, s.activation, s.variant) == (32, 4, 2880, 2880, "swigluoai", "mxfp4")
+    assert (s.E, s.top_k, s.H, s.I, s.activation, s.variant) == (32, 4, 2880, 2880, "swigluoai", "mxfp4_w4a16")
     s = bench_moe.MOE_SHAPE_BY_ID["qwen3-30b-a3b:moe"]
     assert (s.E, s.top_k, s.H, s.I, s.activation, s.variant) == (128, 8, 2048, 768, "silu", "nvfp4")
 
