@@ -22,7 +22,9 @@ _TARGET = "vllm.model_executor.kernels.linear"
 # compressed-tensors' MoE method selection (imported while vLLM builds a model): patches.moe_method
 _MOE_TARGET = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
                "compressed_tensors_moe")
-_state = {"registered": False, "applied": False, "moe_applied": False}
+# vLLM's ModelOpt quantization module (imports quantization.fp8 itself): patches.modelopt_fp8_weight_loader
+_MODELOPT_TARGET = "vllm.model_executor.layers.quantization.modelopt"
+_state = {"registered": False, "applied": False, "moe_applied": False, "modelopt_applied": False}
 
 
 def _apply() -> None:
@@ -55,12 +57,27 @@ def _apply_moe() -> None:
             "b12x-dual: patching vLLM's MoE method selection failed; vLLM's own MoE methods serve")
 
 
-_HOOKS = {_TARGET: _apply, _MOE_TARGET: _apply_moe}
+def _apply_modelopt() -> None:
+    if _state["modelopt_applied"]:
+        return
+    _state["modelopt_applied"] = True
+    from . import patches
+
+    try:
+        patches.apply_modelopt()
+    except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
+        import logging
+
+        logging.getLogger("dispatch.vllm_plugin").exception("b12x-dual: patching vLLM's ModelOpt FP8 failed")
+
+
+_HOOKS = {_TARGET: _apply, _MOE_TARGET: _apply_moe, _MODELOPT_TARGET: _apply_modelopt}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_apply` once vLLM's linear-kernel package has finished importing, and
-    :func:`_apply_moe` once compressed-tensors' MoE module has."""
+    """Runs :func:`_apply` once vLLM's linear-kernel package has finished importing,
+    :func:`_apply_moe` once compressed-tensors' MoE module has, :func:`_apply_modelopt` once
+    vLLM's ModelOpt module has."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in _HOOKS:

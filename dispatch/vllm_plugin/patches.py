@@ -26,7 +26,8 @@ patches (tests/dispatch/vllm_plugin/test_vllm_patches.py on 0.33, tests/vllm_eng
    bare ``Parameter`` objects for ``weight``, ``weight_scale`` and ``input_scale`` after
    per-tensor processing, dropping their ``weight_loader`` (0.33 uses ``replace_parameter``, which
    keeps it), so a weight reload had no loader. The wrapper puts each loader back.
-6. ``modelopt_fp8_weight_loader`` (before 0.33 only): the same for 0.32's ModelOpt FP8: its
+6. ``modelopt_fp8_weight_loader`` (before 0.33 only; applied by :func:`apply_modelopt` once the
+   ModelOpt module is imported): the same for 0.32's ModelOpt FP8: its
    per-tensor scheme (``KFp8StaticTensor.process``, the weight and the activation role) swaps in bare
    ``Parameter`` objects for ``weight`` (transposed), ``weight_scale`` and ``input_scale``; 0.33 uses
    ``replace_parameter``. The same wrapper puts each loader back.
@@ -315,7 +316,7 @@ def modelopt_fp8_weight_loader() -> None:
 
 PATCHES = (("kernel_lists", kernel_lists), ("backend_map", backend_map), ("nvfp4_w4a16", nvfp4_w4a16),
            ("cpu_fp8_quant", cpu_fp8_quant), ("ct_fp8_weight_loader", ct_fp8_weight_loader),
-           ("modelopt_fp8_weight_loader", modelopt_fp8_weight_loader), ("load_checks", load_checks))
+           ("load_checks", load_checks))
 
 
 def moe_method() -> None:
@@ -324,22 +325,36 @@ def moe_method() -> None:
     moe.wrap_get_moe_method()
 
 
+def _apply_after(module: str, name: str, fn, what: str) -> list[str]:
+    """Apply one patch that needs ``module`` fully imported (idempotent; a failure is logged and
+    recorded in :data:`failed`)."""
+    if module not in sys.modules:
+        raise RuntimeError(f"patch {name} needs {module} imported first")
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        failed[name] = f"{type(e).__name__}: {e}"
+        log.exception("b12x-dual: patch %s failed; %s", name, what)
+        return applied
+    failed.pop(name, None)
+    if name not in applied:
+        applied.append(name)
+    return applied
+
+
 def apply_moe() -> list[str]:
-    """Apply the ``moe_method`` patch (idempotent; a failure is logged and recorded in :data:`failed`)."""
+    """Apply the ``moe_method`` patch once compressed-tensors' MoE module is imported."""
     from .moe import CT_MOE
 
-    if CT_MOE not in sys.modules:
-        raise RuntimeError(f"patches.apply_moe() needs {CT_MOE} imported first")
-    try:
-        moe_method()
-    except Exception as e:  # noqa: BLE001
-        failed["moe_method"] = f"{type(e).__name__}: {e}"
-        log.exception("b12x-dual: patch moe_method failed; vLLM's own MoE methods serve")
-        return applied
-    failed.pop("moe_method", None)
-    if "moe_method" not in applied:
-        applied.append("moe_method")
-    return applied
+    return _apply_after(CT_MOE, "moe_method", moe_method, "vLLM's own MoE methods serve")
+
+
+def apply_modelopt() -> list[str]:
+    """Apply the ``modelopt_fp8_weight_loader`` patch once vLLM's ModelOpt module has finished
+    importing: importing it from :func:`apply` (run when the linear-kernel package finishes, which
+    can be in the middle of ``quantization.fp8``'s own import) met a partially initialized module."""
+    return _apply_after(MODELOPT, "modelopt_fp8_weight_loader", modelopt_fp8_weight_loader,
+                        "ModelOpt FP8 weights lose their weight_loader on reload (vLLM 0.32's behaviour)")
 
 
 def apply() -> list[str]:
