@@ -26,6 +26,9 @@ os.environ.setdefault("VLLM_PLUGINS", "b12x_dual")
 INSTALL = "pip install --no-deps -r tests/dispatch/vllm_plugin/requirements-cpu.txt"
 try:
     import vllm  # noqa: F401
+    # a real vLLM, not a namespace package of that name (the H200's image has one: `import vllm`
+    # succeeded there while every fixture failed on vllm.plugins)
+    from vllm.plugins import load_general_plugins  # noqa: F401
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"vLLM 0.33.0 is not importable ({type(e).__name__}: {e}); install it with: {INSTALL}",
                 allow_module_level=True)
