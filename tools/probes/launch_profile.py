@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--m", default="128,4096")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--cprofile", type=int, default=0, help="print the top N host functions (cProfile, 50 calls)")
     a = p.parse_args()
     mod = importlib.import_module(f"kernels_triton.hopper.{a.format}")
     rows = []
@@ -91,6 +92,22 @@ def main() -> None:
             r.update(shape=shape, M=M, route=mod.route(M, N, K, capability=(9, 0),
                                                        sm_count=torch.cuda.get_device_properties(0).multi_processor_count).why)
             rows.append(r)
+    if a.cprofile:
+        import cProfile  # noqa: PLC0415
+        import pstats  # noqa: PLC0415
+
+        N, K = (int(v) for v in a.shapes.split(",")[0].split("x"))
+        qw = _weight(a.format, N, K, a.seed)
+        x = torch.randn(int(a.m.split(",")[0]), K, device="cuda", dtype=torch.bfloat16)
+        mod.linear(x, qw)
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(50):
+            mod.linear(x, qw)
+        pr.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(a.cprofile)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
