@@ -530,7 +530,7 @@ def check_experts(w13, w2, variant_name: Optional[str] = None) -> tuple[str, int
         raise ValueError(f"w13's experts must be [2I, H] and w2's [H, I], got w13 {list(w13[0].shape)} and w2 "
                          f"{list(w2[0].shape)} (need w13 rows = 2 x w2 columns, w13 columns = w2 rows)")
     name = variant_name or w13[0].fmt
-    v = variant(name)
+    v = variant(name, "variant")
     if v.fmt != w13[0].fmt:
         raise ValueError(f"variant {name!r} needs {v.fmt} experts, got {w13[0].fmt} ones")
     return v.name, len(w13), h, i

@@ -351,6 +351,9 @@ def test_bad_weights_biases_and_options_are_named(tiny):
         dispatch.BoundMoE(w13, w2, variant="nvfp4_w4a16")
     with pytest.raises(ValueError, match="activation must be one of"):
         dispatch.BoundMoE(w13, w2, activation="gelu")
+    # the MoE argument is "variant" (a linear's is "format"): the message names the one the caller passed
+    with pytest.raises(ValueError, match=r"^variant must be one of \('fp8_tensor', .*got 'mxfp9'$"):
+        dispatch.BoundMoE(w13, w2, variant="mxfp9")
 
 
 # ---------------------------------------------------------------------------------------------
