@@ -273,7 +273,8 @@ def _a16_plan(M: int, N: int, K: int, n_sms: int, x_dtype: torch.dtype) -> tuple
         how = (f"fp16 at M={M}: the fused dequantize-in-registers kernel with x's exact hi/lo bf16 halves (two "
                f"dots per K step){' on the tile of M = 128' if M > PREPASS_MIN_M else ''}")
     else:
-        how = f"bf16 at {DECODE_MAX_M} < M={M} <= {PREPASS_MIN_M}: the fused dequantize-in-registers kernel on x as it is"
+        how = (f"bf16 at {DECODE_MAX_M} < M={M} <= {PREPASS_MIN_M}: the fused dequantize-in-registers kernel on x "
+               f"as it is")
     split = ", split-K" if splitk_plan(K, cfg)[0] > 1 else ""
     return "a16_fused", cfg, f"W8A16 {how}{split}"
 

@@ -327,6 +327,7 @@ _BUILD = r'''
 import json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+import torch
 import triton
 import triton.language as tl
 from kernels_triton.hopper import _e4m3_decode as D, mxfp8 as H
@@ -338,10 +339,10 @@ def build(fn, sig, ce, **opt):
     return {"wgmma": ptx.count("wgmma.mma_async"), "bf16": ptx.count(".bf16"), "pdl": ptx.count("griddepcontrol")}
 i32 = lambda names: {n: "i32" for n in names.split()}
 rows = {}
-cfg = H._a16_plan(16, 4096, 4096, 132, __import__("torch").bfloat16)[1]
+cfg = H._a16_plan(16, 4096, 4096, 132, torch.bfloat16)[1]
 rows["act"] = build(D.act_decoded_kernel, {"x_ptr": "*bf16", "p_ptr": "*bf16", **i32("M K stride_xm stride_xk stride_pm")},
-                    dict(FLOOR_RULE=False, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, USE_PDL=True, A16=True), num_warps=4,
-                    launch_pdl=True)
+                    dict(FLOOR_RULE=False, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, USE_PDL=True, A16=True),
+                    num_warps=4, launch_pdl=True)
 sig = {"x_ptr": "*bf16", "sx_ptr": "*u8", "w_ptr": "*u8", "sw_ptr": "*u8", "bias_ptr": "*fp32", "y_ptr": "*bf16",
        "ws_ptr": "*fp32", **i32("M N K K_PER stride_xm stride_sxm stride_wn stride_swn stride_ym")}
 rows["decode"] = build(D.e4m3_decode_gemm_kernel, sig, dict(
@@ -349,7 +350,7 @@ rows["decode"] = build(D.e4m3_decode_gemm_kernel, sig, dict(
     BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, SPLIT_K=cfg.SPLIT_K, USE_PDL=True, X_DECODED=True),
     num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True)
 for name, xt, split in (("fused_bf16", "*bf16", False), ("fused_fp16", "*fp16", True)):
-    c = H._a16_plan(40, 4096, 4096, 132, __import__("torch").float16 if split else __import__("torch").bfloat16)[1]
+    c = H._a16_plan(40, 4096, 4096, 132, torch.float16 if split else torch.bfloat16)[1]
     sig = {"x_ptr": xt, "w_ptr": "*u8", "sx_ptr": "*u8", "sw_ptr": "*u8", "bias_ptr": "*fp32", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", **i32("M N K K_PER stride_xm stride_xk stride_wn stride_wk stride_sxm stride_sxk "
                                     "stride_swn stride_swk stride_ym stride_yn")}
