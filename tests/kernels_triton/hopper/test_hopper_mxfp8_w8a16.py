@@ -340,7 +340,8 @@ def build(fn, sig, ce, **opt):
 i32 = lambda names: {n: "i32" for n in names.split()}
 rows = {}
 cfg = H._a16_plan(16, 4096, 4096, 132, torch.bfloat16)[1]
-rows["act"] = build(D.act_decoded_kernel, {"x_ptr": "*bf16", "p_ptr": "*bf16", **i32("M K stride_xm stride_xk stride_pm")},
+rows["act"] = build(D.act_decoded_kernel,
+                    {"x_ptr": "*bf16", "p_ptr": "*bf16", **i32("M K stride_xm stride_xk stride_pm")},
                     dict(FLOOR_RULE=False, BLOCK_M=16, BLOCK_K=cfg.BLOCK_K, USE_PDL=True, A16=True),
                     num_warps=4, launch_pdl=True)
 sig = {"x_ptr": "*bf16", "sx_ptr": "*u8", "w_ptr": "*u8", "sw_ptr": "*u8", "bias_ptr": "*fp32", "y_ptr": "*bf16",
