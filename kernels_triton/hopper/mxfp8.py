@@ -315,12 +315,14 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
         a16: W8A16 (x used as it is), the "mxfp8_w8a16" variant.
         scale_rule: ``linear``'s activation option ("ceil" or "floor"); it does not change the route.
         decode_kernel: "bf16" or "fp8", the M <= 16 kernel (module docstring); "bf16" with a16.
-        x_dtype: the activation dtype, torch.bfloat16 or torch.float16 (it changes the W8A16 route only).
+        x_dtype: the activation dtype, torch.bfloat16 or torch.float16 with a16 (it changes the W8A16
+            route only; unused, unchecked without a16).
     Returns:
         Route(impl="hopper", kernels, tile, split_k, why).
     Raises:
         ValueError: a capability other than sm_90 (naming it and why), a negative size, an unknown
-            scale_rule, decode_kernel or x_dtype, decode_kernel="fp8" with a16=True.
+            scale_rule or decode_kernel; with a16=True, decode_kernel="fp8" or an x_dtype other than
+            bf16 / fp16.
     """
     check_route(FMT, capability, a16, M, N, K)
     if scale_rule not in SCALE_RULES:
@@ -328,8 +330,6 @@ def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = Fals
     _check_decode_kernel(decode_kernel)
     if a16:
         _check_a16_options(decode_kernel, x_dtype)
-    elif x_dtype not in X_DTYPES:
-        raise ValueError(f"x_dtype must be torch.bfloat16 or torch.float16, got {x_dtype}")
     if M == 0 or N == 0:
         return Route("hopper", (), "", 1, "M=0 or N=0: nothing to launch")
     if a16:
