@@ -20,6 +20,8 @@ dequantized once by ``act_decoded_kernel`` into a bf16 [M, K] scratch in the loo
 the GEMM loads with a plain pipelined load: no dot operand is stored to shared memory inside the
 loop, so Triton's WGMMA pipeliner makes the dot async (``tools/probes/decode_sass.py``: the wait-for-all
 becomes ``DEPBAR.LE gsb0, 0x1``) and the next weight decode overlaps the MMAs (as in _fp4_decode).
+W8A16 (hopper.mxfp8's weight-only decode, ``launch_e4m3_decode_linear(a16=True)``) takes the second
+source with nothing quantized: act_decoded_kernel (A16) only lays the bf16 x out in that order.
 
 Fragment order (``_fp4_decode.fragment_order`` on bytes): both operands' K is permuted so that lane
 q of a quad holds BLOCK_K / 4 consecutive bytes of a row (two 16-byte loads at BLOCK_K = 128, and
