@@ -430,10 +430,11 @@ def _check_capability(capability) -> None:
 
 
 def plan(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = False, capability=None,
-         sm_count: int = 132, x_dtype: torch.dtype = torch.bfloat16, dynamic: bool = True,
+         sm_count: int = 132, x_dtype: torch.dtype = torch.bfloat16, dynamic: tuple = (True, True),
          tiles: Optional[tuple] = None) -> Plan:
-    """The decisions of one call (``route`` has the arguments); ``tiles``: (W13, W2) TileConfigs
-    forcing both GEMMs' tiles (a decode tile's SPLIT_K included)."""
+    """The decisions of one call (``route`` has the arguments); ``dynamic``: (W13, W2) whose nvfp4
+    activation global scale is dynamic (an amax kernel on the prefill route); ``tiles``: (W13, W2)
+    TileConfigs forcing both GEMMs' tiles (a decode tile's SPLIT_K included)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS} for the hopper MoE (variants {VARIANTS}), got {fmt!r}")
     _check_capability(capability)
@@ -465,8 +466,8 @@ def plan(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = Fa
         return Plan(Route(IMPL, kernels, f"W13 {t13} / W2 {t2}", max(t13.SPLIT_K, t2.SPLIT_K), why), "decode",
                     t13, t2)
     t13, t2 = tiles or prefill_tiles(M, E, top_k, H, I, fmt, capability)
-    quant = () if a16 else ("_amax_kernel",) * (dynamic and fmt == "nvfp4") + ("_quantize_kernel",)
-    kernels = quant + ("_gemm_kernel",) + quant + ("_gemm_kernel", "_combine_kernel")
+    quant = [() if a16 else ("_amax_kernel",) * (d and fmt == "nvfp4") + ("_quantize_kernel",) for d in dynamic]
+    kernels = quant[0] + ("_gemm_kernel",) + quant[1] + ("_gemm_kernel", "_combine_kernel")
     how = ("fp16 x with a weight-only variant: every M takes this route (each fp16 tile as two exact bf16 halves)"
            if fp16_a16 and M <= DECODE_MAX_M else f"M = {M} > {DECODE_MAX_M}")
     why = (f"{name}: the prefill route ({how}): rows sorted by expert in blocks of {t13.BLOCK_M} (a grid of "
@@ -482,11 +483,11 @@ def route(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = F
     """The Route ``fused_moe`` launches for x [M, H] (``x_dtype``) and E experts (W13 [2I, H],
     W2 [H, I]) in ``fmt`` ("nvfp4" / "mxfp4"; ``a16``: weight-only), top_k per token, on a device of
     ``capability`` ((9, x); None: the interpreter) with ``sm_count`` SMs (decode split-K targets):
-    its kernels in launch order, both tiles and why. A static nvfp4 ``global_scale`` in both act
-    options drops the prefill route's amax kernels. Pure. ValueError: a format not served, a
+    its kernels in launch order, both tiles and why. A static nvfp4 ``global_scale`` in an act
+    option drops that GEMM's amax kernel from the prefill route. Pure. ValueError: a format not served, a
     capability that is not sm_90, a bad size, sm_count or x_dtype, H or I not a multiple of the
     format's block, a decode tile other than 16 rows with BLOCK_K >= 4 groups."""
-    dynamic = any((o or {}).get("global_scale") is None for o in (w13_act_opts, w2_act_opts))
+    dynamic = tuple((o or {}).get("global_scale") is None for o in (w13_act_opts, w2_act_opts))
     return plan(M, E, top_k, H, I, fmt=fmt, a16=a16, capability=capability, sm_count=sm_count, x_dtype=x_dtype,
                 dynamic=dynamic, tiles=tiles).route
 
@@ -632,45 +633,55 @@ def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, acti
     s2, rule2 = (None, 0) if a16 else _static_scales(w2_act_opts, fmt, E, x.device, "w2_act_opts")
     pl = plan(M, E, top_k, H, I, fmt=fmt, a16=a16, capability=device_capability(x.device),
               sm_count=sm_count(x.device) if not interpreting() else 132, x_dtype=x.dtype,
-              dynamic=s13 is None or s2 is None, tiles=tiles)
+              dynamic=(s13 is None, s2 is None), tiles=tiles)
     if pl.kind == "none":
         return x.new_empty((0, H))
-    x = x.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
-    wts = topk_weights.float().contiguous()
-    act = MOE_ACTIVATIONS.index(activation)
-    n = M * top_k
+    wts = topk_weights.float().contiguous().view(-1)
     common = dict(a16=a16, top_k=top_k, alpha=float(swiglu_alpha), limit=float(swiglu_limit))
+    inter, blocks = _w13(x, p, ids, pl, activation=activation, bias=w13_bias, static=s13, rule=rule13, **common)
+    n = M * top_k
+    if pl.kind == "decode":
+        o = torch.empty((pl.w2.SPLIT_K, n, H), dtype=torch.float32, device=x.device)
+        _decode_gemm(inter, p.w2, fmt, pl.w2, ids.view(-1), n, o, gather=False, act=-1, bias=None, static=s2,
+                     rule=rule2, **common)
+    else:  # the lesson's quantizer in sorted order, then this GEMM into the slots' o rows
+        ones = torch.ones(E, dtype=torch.float32, device=x.device)
+        a = (inter, inter, ones) if a16 else lesson._quantize(inter, blocks, fmt, s2, rule2, False, top_k, E)
+        o = torch.empty((n, H), dtype=torch.float32, device=x.device)
+        _prefill_gemm(*a, p.w2, blocks, o, fmt, pl.w2, gather=False, act=-1, bias=None, **common)
+    return _combine(o, pl.w2.SPLIT_K if pl.kind == "decode" else 1, w2_bias, ids.view(-1), wts, M, top_k, H, x.dtype,
+                    renormalize)
+
+
+def _w13(x, p: MoEWeights, ids, pl: Plan, *, activation, bias, static, rule, a16, top_k, alpha, limit):
+    """W13 and the activation of route ``pl``: (the intermediate, the lesson's Blocks or None). Decode:
+    [M top_k, I] by slot, no Blocks; prefill: [rows, I] in sorted order. fp32, or bf16 for a16."""
+    E, I, fmt, n = p.num_experts, p.intermediate, p.fmt, ids.numel()
+    x = x.contiguous()
+    act = MOE_ACTIVATIONS.index(activation)
+    common = dict(a16=a16, top_k=top_k, alpha=alpha, limit=limit)
     inter_dtype = torch.bfloat16 if a16 else torch.float32
     if pl.kind == "decode":
-        flat = ids.view(-1)
+        flat = ids.reshape(-1)
         inter = torch.empty((n, I), dtype=inter_dtype, device=x.device)
-        ws13 = _decode_gemm(x, p.w13, fmt, pl.w13, flat, n, inter, gather=True, act=act, bias=w13_bias, static=s13,
-                            rule=rule13, **common)
-        if ws13 is not None:
+        ws = _decode_gemm(x, p.w13, fmt, pl.w13, flat, n, inter, gather=True, act=act, bias=bias, static=static,
+                          rule=rule, **common)
+        if ws is not None:  # split-K: the partials' sum, bias and activation
             bs, bn = (16, 64) if not interpreting() else (triton.next_power_of_2(n), min(256, triton.next_power_of_2(I)))
-            launch(_act_kernel, (triton.cdiv(n, bs), triton.cdiv(I, bn)), ws13,
-                   w13_bias if w13_bias is not None else ws13, flat, inter, n, I, float(swiglu_alpha),
-                   float(swiglu_limit), ws13.stride(0), ws13.stride(1),
-                   w13_bias.stride(0) if w13_bias is not None else 0, inter.stride(0), ACT=act,
-                   HAS_BIAS=w13_bias is not None, ROUND_BF16=a16, SPLIT_K=pl.w13.SPLIT_K, BLOCK_S=bs, BLOCK_N=bn)
-        o = torch.empty((pl.w2.SPLIT_K, n, H), dtype=torch.float32, device=x.device)
-        _decode_gemm(inter, p.w2, fmt, pl.w2, flat, n, o, gather=False, act=-1, bias=None, static=s2, rule=rule2,
-                     **common)
-        return _combine(o, pl.w2.SPLIT_K, w2_bias, flat, wts.view(-1), M, top_k, H, x.dtype, renormalize)
-
-    # prefill: the lesson's grouping and quantizer, these GEMMs
-    blocks = lesson.align_block_size(ids, E, pl.w13.BLOCK_M)
+            launch(_act_kernel, (triton.cdiv(n, bs), triton.cdiv(I, bn)), ws, bias if bias is not None else ws, flat,
+                   inter, n, I, alpha, limit, ws.stride(0), ws.stride(1), bias.stride(0) if bias is not None else 0,
+                   inter.stride(0), ACT=act, HAS_BIAS=bias is not None, ROUND_BF16=a16, SPLIT_K=pl.w13.SPLIT_K,
+                   BLOCK_S=bs, BLOCK_N=bn)
+        return inter, None
     if pl.w2.BLOCK_M != pl.w13.BLOCK_M:
-        raise ValueError(f"tiles must share BLOCK_M (one grouping), got {pl.w13} and {pl.w2}")
+        raise ValueError(f"tiles must share BLOCK_M (one grouping of the rows), got {pl.w13} and {pl.w2}")
+    blocks = lesson.align_block_size(ids, E, pl.w13.BLOCK_M)
     ones = torch.ones(E, dtype=torch.float32, device=x.device)
-    a = (x, x, ones) if a16 else lesson._quantize(x, blocks, fmt, s13, rule13, True, top_k, E)
+    a = (x, x, ones) if a16 else lesson._quantize(x, blocks, fmt, static, rule, True, top_k, E)
     inter = torch.empty((blocks.slot.numel(), I), dtype=inter_dtype, device=x.device)
-    _prefill_gemm(*a, p.w13, blocks, inter, fmt, pl.w13, gather=a16, act=act, bias=w13_bias, **common)
-    a = (inter, inter, ones) if a16 else lesson._quantize(inter, blocks, fmt, s2, rule2, False, top_k, E)
-    o = torch.empty((n, H), dtype=torch.float32, device=x.device)
-    _prefill_gemm(*a, p.w2, blocks, o, fmt, pl.w2, gather=False, act=-1, bias=None, **common)
-    return _combine(o, 1, w2_bias, ids.view(-1), wts.view(-1), M, top_k, H, x.dtype, renormalize)
+    _prefill_gemm(*a, p.w13, blocks, inter, fmt, pl.w13, gather=a16, act=act, bias=bias, **common)
+    return inter, blocks
 
 
 __all__ = ["DECODE_MAX_M", "FORMATS", "Plan", "VARIANTS", "decode_tiles", "fused_moe", "fused_moe_unchecked", "plan",
