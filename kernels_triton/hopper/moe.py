@@ -59,6 +59,7 @@ from ..nvfp4 import nvfp4_quantize_tile
 from . import supported
 from ._fp4_decode import a16_planes, fp4_planes, fragment_order, planes_k
 from ._fp4_gemm import dequantize_e2m1_tile
+from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._route import Route, TileConfig, sm_count
 
 IMPL = "hopper"
@@ -156,11 +157,13 @@ def _decode_gemm_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, S_PAD: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # _pdl: every program waits before its first load
 ):
     GROUP: tl.constexpr = 16 if FMT == _NVFP4 else 32
     # ----- this program's expert: slot j's, if j is its expert's first slot (else another program's)
     j = tl.program_id(0)
     offs_s = tl.arange(0, S_PAD)
+    pdl_wait(USE_PDL)  # x or the intermediate, the previous kernel's output
     ids = tl.load(ids_ptr + offs_s, mask=offs_s < n_slots, other=-1)
     e = tl.load(ids_ptr + j)
     if tl.sum(((ids == e) & (offs_s < j)).to(tl.int32), axis=0) > 0:
@@ -209,6 +212,7 @@ def _decode_gemm_kernel(
                 w_lo, w_hi = fp4_planes(w_ptr, sw_ptr, rows_u, n_ok, k0, K, stride_wn, stride_swn, BLOCK_N, BLOCK_K,
                                         GROUP, FMT == _NVFP4, False, USE_ASM, EVEN_K)
                 acc_u = tl.dot(planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K), a, acc_u)
+        pdl_launch_dependents(USE_PDL)
 
         # ----- epilogue, [BLOCK_M, BLOCK_N]
         mask = ok[:, None] & n_ok[None, :]
@@ -234,9 +238,10 @@ def _decode_gemm_kernel(
 @triton.jit
 def _act_kernel(ws_ptr, bias_ptr, ids_ptr, out_ptr, n_slots, N, alpha, limit, stride_ws, stride_wm, stride_be,
                 stride_om, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
-                SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+                SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
     """W13 after split-K: per slot, gate and up = the sum of the split partials (in split order),
     plus the bias, then the activation, into the intermediate [n_slots, N]."""
+    pdl_wait(USE_PDL)  # the partials
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s_ok, n_ok = offs_s < n_slots, offs_n < N
@@ -255,6 +260,7 @@ def _act_kernel(ws_ptr, bias_ptr, ids_ptr, out_ptr, n_slots, N, alpha, limit, st
         b = bias_ptr + tl.load(ids_ptr + offs_s, mask=s_ok, other=0).to(tl.int64)[:, None] * stride_be
         gate += tl.load(b + rows_g[None, :], mask=mask, other=0.0).to(tl.float32)
         up += tl.load(b + rows_u[None, :], mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
     y = lesson._activation(gate, up, ACT != _SILU, alpha, limit)
     if ROUND_BF16:
         y = round_to_bf16_rne(y)
@@ -340,9 +346,10 @@ def _gemm_kernel(
 @triton.jit
 def _combine_kernel(o_ptr, bias_ptr, ids_ptr, topk_w_ptr, y_ptr, H, stride_ws, stride_om, stride_be, stride_ym,
                     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, ROUND_BF16: tl.constexpr, SPLIT_K: tl.constexpr,
-                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
     """y[t] = sum_j w[t, j] (o[t, j] + b2[e_j]) in fp32, j in order (o: the sum of the split
     partials, in split order); renormalize: w[t, j] / sum_j w[t, j] first; one rounding to y's dtype."""
+    pdl_wait(USE_PDL)  # W2's o rows
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
@@ -380,10 +387,11 @@ class Plan:
 
 def _decode_split(tiles: int, K: int, bk: int, n_sms: int) -> int:
     """Split-K of a decode GEMM with ``tiles`` (expert, N tile) programs: the largest power of two
-    keeping the grid within two programs per SM, each split >= 4 K steps (hopper._twopass.decode_split's
-    rule), then the count whole BLOCK_K ranges give."""
+    keeping the grid within four programs per SM, each split >= 2 K steps (an MoE decode program
+    streams a whole expert row block: fewer, fatter programs than the dense decode's, whose rule is
+    two per SM and >= 4 steps; the partials are a few KB), then the count whole BLOCK_K ranges give."""
     split, steps = 1, triton.cdiv(K, bk)
-    while tiles * split * 2 <= 2 * n_sms and steps >= 8 * split:
+    while tiles * split * 2 <= 4 * n_sms and steps >= 4 * split:
         split *= 2
     per = triton.cdiv(steps, split)
     return triton.cdiv(steps, per)
@@ -523,7 +531,8 @@ def _decode_gemm(a, w: tuple, fmt: str, tile: TileConfig, ids, n_slots: int, out
            ACT=max(act, 0), HAS_BIAS=bias is not None, ROUND_BF16=a16 and gated, USE_ASM=not interpreting(),
            DOT_DTYPE=_dot_dtype(), EVEN_K=K % tile.BLOCK_K == 0, TOP_K=top_k,
            S_PAD=max(16, triton.next_power_of_2(n_slots)), SPLIT_K=split, BLOCK_N=tile.BLOCK_N,
-           BLOCK_M=tile.BLOCK_M, BLOCK_K=tile.BLOCK_K, num_warps=tile.num_warps, num_stages=tile.num_stages)
+           BLOCK_M=tile.BLOCK_M, BLOCK_K=tile.BLOCK_K, num_warps=tile.num_warps, num_stages=tile.num_stages,
+           **pdl_launch(data.device))
     return ws if gated and split > 1 else None
 
 
@@ -536,7 +545,7 @@ def _combine(o, split: int, bias, ids, topk_w, M: int, top_k: int, H: int, out_d
     launch(_combine_kernel, (M, triton.cdiv(H, bh)), o, bias_t, ids, topk_w, y, H, stride_ws, stride_om,
            bias_t.stride(0) if bias is not None else 0, y.stride(0), HAS_BIAS=bias is not None, RENORM=renormalize,
            ROUND_BF16=interpreting() and out_dtype == torch.bfloat16, SPLIT_K=split, TOP_K=top_k,
-           K_PAD=triton.next_power_of_2(top_k), BLOCK_H=bh, num_warps=4)
+           K_PAD=triton.next_power_of_2(top_k), BLOCK_H=bh, num_warps=4, **pdl_launch(o.device))
     return y
 
 
@@ -672,7 +681,7 @@ def _w13(x, p: MoEWeights, ids, pl: Plan, *, activation, bias, static, rule, a16
             launch(_act_kernel, (triton.cdiv(n, bs), triton.cdiv(I, bn)), ws, bias if bias is not None else ws, flat,
                    inter, n, I, alpha, limit, ws.stride(0), ws.stride(1), bias.stride(0) if bias is not None else 0,
                    inter.stride(0), ACT=act, HAS_BIAS=bias is not None, ROUND_BF16=a16, SPLIT_K=pl.w13.SPLIT_K,
-                   BLOCK_S=bs, BLOCK_N=bn)
+                   BLOCK_S=bs, BLOCK_N=bn, **pdl_launch(x.device))
         return inter, None
     if pl.w2.BLOCK_M != pl.w13.BLOCK_M:
         raise ValueError(f"tiles must share BLOCK_M (one grouping of the rows), got {pl.w13} and {pl.w2}")
