@@ -89,14 +89,13 @@ def _quantized_values(x, g, FMT: tl.constexpr, RULE: tl.constexpr, BLOCK_M: tl.c
     """x fp32 [BLOCK_M, BLOCK_K] quantized by the format lesson's tile quantizer (nvfp4 with global
     scale g, MX with RULE 1 = floor) and decoded again without 1 / g: e2m1 times its block scale,
     exact in bf16, fp32 here (NaN for a block whose scale is NaN)."""
+    G: tl.constexpr = 16 + 16 * FMT  # the block: nvfp4 16, mxfp4 32
     if FMT == _NVFP4:
         codes, s = nvfp4_quantize_tile(x, g, BLOCK_M, BLOCK_K)
         sv = dequantize_e4m3(s)
-        G: tl.constexpr = 16
     else:
         codes, s = mxfp4_quantize_tile(x, RULE == 0, BLOCK_M, BLOCK_K)
         sv = dequantize_e8m0(s)
-        G: tl.constexpr = 32
     v = dequantize_e2m1(codes).reshape(BLOCK_M, BLOCK_K // G, G) * sv[:, :, None]
     return v.reshape(BLOCK_M, BLOCK_K)
 
@@ -159,7 +158,7 @@ def _decode_gemm_kernel(
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl: every program waits before its first load
 ):
-    GROUP: tl.constexpr = 16 if FMT == _NVFP4 else 32
+    GROUP: tl.constexpr = 16 + 16 * FMT  # nvfp4 16, mxfp4 32
     # ----- this program's expert: slot j's, if j is its expert's first slot (else another program's)
     j = tl.program_id(0)
     offs_s = tl.arange(0, S_PAD)
@@ -281,7 +280,7 @@ def _gemm_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_DTYPE: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    GROUP: tl.constexpr = 16 if FMT == _NVFP4 else 32
+    GROUP: tl.constexpr = 16 + 16 * FMT  # nvfp4 16, mxfp4 32
     blk = tl.program_id(0)
     e = tl.load(expert_ptr + blk)
     if e < 0:  # past the last expert's blocks
