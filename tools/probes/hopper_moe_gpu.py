@@ -2,6 +2,7 @@
 lead runs this once on the GPU, then sets dispatch.moe.HOPPER_MOE_GPU_RAN = True if it passes.
 
     python tools/probes/hopper_moe_gpu.py [--ms 1,4,16,64,512] [--bench-ms 1,4,16,128,1024] [--no-bench]
+                                          [--sweep 1,16]
 
 (a) correctness: each served variant (mxfp4_w4a16 and mxfp4 at gpt-oss-20b's layer: E 32, top-4,
     H = I = 2880, SwiGLU with expert biases; nvfp4 and nvfp4_w4a16 at Qwen3-30B-A3B's: E 128, top-8,
@@ -17,7 +18,10 @@ lead runs this once on the GPU, then sets dispatch.moe.HOPPER_MOE_GPU_RAN = True
         B12X_HOPPER_MOE_UNVERIFIED=1 python -m dispatch.apps.bench --shapes moe --impls hopper,triton \\
             --m 1,4,16,128,1024 --check
 
-A short table comes last. About 2-3 minutes on an H200 (the first calls compile the kernels).
+(c) --sweep M,..: the decode route's tiles around the default (BLOCK_N, split-K, warps, stages,
+    BLOCK_K), each checked against the oracle, then timed (off by default: each config compiles).
+
+The short tables come last. About 2-3 minutes on an H200 without --sweep (the first calls compile).
 Exit status 1 if a check failed or a launch differed from its route.
 """
 
@@ -111,11 +115,66 @@ def bench(ms: list[int]):
                                    budget_s=150)
 
 
+def sweep(ms: list[int]) -> list[list]:
+    """--sweep: the decode route's tiles around the default, per benchmark layer (its own variant) and M,
+    timed with bench's Timer (CUDA graphs, 4 routings rotated); every timed config is first checked
+    against the oracle (norm_rel <= 1e-2). Each config compiles its kernels once (seconds each)."""
+    import dataclasses
+
+    from dispatch.apps.bench_run import Timer
+    from kernels_triton import moe as lesson
+    from kernels_triton.hopper import moe as hmoe
+    from kernels_triton.hopper._route import TileConfig, sm_count
+
+    dev = torch.device("cuda")
+    timer = Timer(gpu=True, warmup_ms=10, rep_ms=40, graph_max_m=64)
+    rows = []
+    for layer, variant, E, k, H, I, act, bias in (LAYERS[0], LAYERS[2]):
+        fmt, a16 = variant.split("_")[0], variant.endswith("_w4a16")
+        g = torch.Generator(device=dev).manual_seed(99)
+        w13 = [formats.quantize(torch.randn(2 * I, H, generator=g, device=dev) / math.sqrt(H), fmt) for _ in range(E)]
+        w2 = [formats.quantize(torch.randn(H, I, generator=g, device=dev) / math.sqrt(I), fmt) for _ in range(E)]
+        p = lesson.prepare_experts(w13, w2)
+        kw = dict(activation=act)
+        if bias:
+            kw.update(w13_bias=torch.randn(E, 2 * I, generator=g, device=dev),
+                      w2_bias=torch.randn(E, H, generator=g, device=dev).bfloat16())
+        for M in ms:
+            sets = [(torch.randn(M, H, generator=g, device=dev).bfloat16(),
+                     torch.rand(M, E, generator=g, device=dev).argsort(dim=1)[:, :k].to(torch.int32),
+                     torch.rand(M, k, generator=g, device=dev) + 0.05) for _ in range(4)]
+            d13, d2 = hmoe.decode_tiles(M, E, k, H, I, fmt, (9, 0), sm_count(dev))
+            configs = {"default": (d13, d2)}
+            for bn13, bn2 in ((32, 64), (128, 128), (64, 64), (64, 256)):
+                configs[f"bn {bn13}/{bn2}"] = (dataclasses.replace(d13, BLOCK_N=bn13), dataclasses.replace(d2, BLOCK_N=bn2))
+            for f in (2, 4):
+                configs[f"split x{f}"] = (dataclasses.replace(d13, SPLIT_K=d13.SPLIT_K * f),
+                                          dataclasses.replace(d2, SPLIT_K=d2.SPLIT_K * f))
+            configs["split 1"] = (dataclasses.replace(d13, SPLIT_K=1), dataclasses.replace(d2, SPLIT_K=1))
+            configs["warps 8"] = (dataclasses.replace(d13, num_warps=8), dataclasses.replace(d2, num_warps=8))
+            configs["stages 2"] = (dataclasses.replace(d13, num_stages=2), dataclasses.replace(d2, num_stages=2))
+            configs["bk 256"] = (dataclasses.replace(d13, BLOCK_K=256), dataclasses.replace(d2, BLOCK_K=256))
+            ref = formats.reference_moe(*sets[0][:1], w13, w2, *sets[0][1:], a16=a16, out_dtype=torch.float64, **kw)
+            for name, tiles in configs.items():
+                try:
+                    nr = _norm_rel(hmoe.fused_moe(*sets[0][:1], p, *sets[0][1:], a16=a16, tiles=tiles, **kw), ref)
+                    t = timer([lambda s=s: hmoe.fused_moe_unchecked(s[0], p, s[1], s[2], a16=a16, tiles=tiles, **kw)
+                               for s in sets], M)
+                    rows.append([layer, variant, M, name, f"W13 {tiles[0]} / W2 {tiles[1]}", f"{t['us']:.1f}",
+                                 f"{nr:.1e}" + ("" if nr <= TOL else " FAIL")])
+                except Exception as e:  # noqa: BLE001
+                    rows.append([layer, variant, M, name, "", "-", f"{type(e).__name__}: {str(e)[:80]}"])
+                print(" | ".join(str(c) for c in rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,4,16,64,512")
     ap.add_argument("--bench-ms", default="1,4,16,128,1024")
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--sweep", default="", help="also time the decode route's tiles around the default at these M "
+                    "(e.g. 1,16; ~2-4 min more: each config compiles)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("needs an sm_90 GPU (H100/H200)")
@@ -150,6 +209,11 @@ def main(argv=None) -> int:
         print("(b) us per layer call: layer | M | torch_bf16_moe | triton | hopper | hopper x vs bf16 | "
               "hopper x vs triton | hopper check")
         for r in table:
+            print(" | ".join(str(c) for c in r))
+    if args.sweep:
+        srows = sweep([int(m) for m in args.sweep.split(",")])
+        print("(c) decode tiles: layer | variant | M | config | tiles | us | norm_rel")
+        for r in srows:
             print(" | ".join(str(c) for c in r))
     print("RESULT:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
