@@ -57,7 +57,7 @@ from ..moe import MoEWeights, prepare_experts  # noqa: F401  (the prepared exper
 from ..mxfp4 import mxfp4_quantize_tile
 from ..nvfp4 import nvfp4_quantize_tile
 from . import supported
-from ._fp4_decode import a16_planes, fp4_planes, fragment_order, planes_k
+from ._fp4_decode import a16_planes, act_planes_kernel, fp4_planes, fragment_order, planes_k
 from ._fp4_gemm import dequantize_e2m1_tile
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._route import Route, TileConfig, sm_count
@@ -71,7 +71,12 @@ _NVFP4, _MXFP4 = tl.constexpr(0), tl.constexpr(1)  # FORMATS' indices
 _SILU, _SWIGLU = tl.constexpr(0), tl.constexpr(1)  # MOE_ACTIVATIONS[0], [1] (interleaved gate/up)
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)
-_KERNELS = ("_decode_gemm_kernel", "_act_kernel", "_gemm_kernel", "_combine_kernel")
+DECODE_A16_PLANES = True
+"""Decode route, weight-only: x laid out once as the product's bf16 planes (hopper._fp4_decode's
+act_planes_kernel) and the intermediate stored by W13 straight into W2's planes, so the K loops load
+their activation tiles as they are (no reorder, no shared-memory store of a dot operand inside the
+loop: Triton's wgmma pipeliner keeps the MMAs asynchronous, as in the dense decode GEMM). False: each
+K step reorders its tile in registers (no extra launch). tools/probes/hopper_moe_gpu.py --sweep times both."""
 
 
 # == Device helpers ===============================================================================
@@ -82,6 +87,28 @@ def _chunk_slots(offs_s, mine, rank, c0, BLOCK_M: tl.constexpr):
     r = c0 + tl.arange(0, BLOCK_M)
     hit = mine[None, :] & (rank[None, :] == r[:, None])  # [BLOCK_M, S_PAD], at most one per row
     return tl.sum(tl.where(hit, offs_s[None, :], 0), axis=1), tl.sum(hit.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _plane_col(k, PLANE_K: tl.constexpr):
+    """The column of element k in the planes layout (act_planes_kernel, store_planes): each PLANE_K
+    tile holds [its even elements, its odd ones], each plane in fragment order (input column
+    (KP / 4) q + 4c + 2h + e of a plane goes to 16c + 8h + 2q + e, KP = PLANE_K / 2)."""
+    KP: tl.constexpr = PLANE_K // 2
+    r = k % PLANE_K
+    j = r // 2
+    q, rr = j // (KP // 4), j % (KP // 4)
+    return k - r + (r % 2) * KP + 16 * (rr // 4) + 8 * ((rr // 2) % 2) + 2 * q + rr % 2
+
+
+@triton.jit
+def _plane_elem(p, PLANE_K: tl.constexpr):
+    """The element k held by column p of the planes layout (_plane_col's inverse)."""
+    KP: tl.constexpr = PLANE_K // 2
+    r = p % PLANE_K
+    pp = r % KP
+    j = (KP // 4) * ((pp // 2) % 4) + 4 * (pp // 16) + 2 * ((pp // 8) % 2) + pp % 2
+    return p - r + 2 * j + r // KP
 
 
 @triton.jit
@@ -157,6 +184,8 @@ def _decode_gemm_kernel(
     DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, S_PAD: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl: every program waits before its first load
+    A_PLANES: tl.constexpr = False,  # A16: A is already in the planes layout at BLOCK_K (K padded)
+    OUT_PLANE_K: tl.constexpr = 0,  # W13: > 0 stores the intermediate in W2's planes layout at this PLANE_K
 ):
     GROUP: tl.constexpr = 16 + 16 * FMT  # nvfp4 16, mxfp4 32
     # ----- this program's expert: slot j's, if j is its expert's first slot (else another program's)
@@ -202,8 +231,14 @@ def _decode_gemm_kernel(
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            a_lo, a_hi = _act_planes(a_ptr, src, ok, k0, K, stride_am, g, FMT, A16, RULE, BLOCK_M, BLOCK_K)
-            a = tl.trans(planes_k(a_lo.to(DOT_DTYPE), a_hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K))
+            if A_PLANES:  # the tile as it is; past K (padding that may hold anything) reads 0
+                offs_p = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(a_ptr + src[:, None] * stride_am + offs_p[None, :],
+                            mask=ok[:, None] & (_plane_elem(offs_p, BLOCK_K) < K)[None, :], other=0.0)
+                a = tl.trans(a.to(DOT_DTYPE))
+            else:
+                a_lo, a_hi = _act_planes(a_ptr, src, ok, k0, K, stride_am, g, FMT, A16, RULE, BLOCK_M, BLOCK_K)
+                a = tl.trans(planes_k(a_lo.to(DOT_DTYPE), a_hi.to(DOT_DTYPE), BLOCK_M, BLOCK_K))
             w_lo, w_hi = fp4_planes(w_ptr, sw_ptr, rows_g, n_ok, k0, K, stride_wn, stride_swn, BLOCK_N, BLOCK_K,
                                     GROUP, FMT == _NVFP4, False, USE_ASM, EVEN_K)
             acc_g = tl.dot(planes_k(w_lo.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), BLOCK_N, BLOCK_K), a, acc_g)
@@ -229,7 +264,8 @@ def _decode_gemm_kernel(
             y = lesson._activation(y, up, ACT != _SILU, alpha, limit)
             if ROUND_BF16:  # the weight-only intermediate is W2's bf16 operand (RNE on every backend)
                 y = round_to_bf16_rne(y)
-            tl.store(out_ptr + slot.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+            cols = _plane_col(offs_n, OUT_PLANE_K) if OUT_PLANE_K else offs_n
+            tl.store(out_ptr + slot.to(tl.int64)[:, None] * stride_om + cols[None, :],
                      y.to(out_ptr.dtype.element_ty), mask=mask)
 # [/decode-kernel]
 
@@ -237,7 +273,8 @@ def _decode_gemm_kernel(
 @triton.jit
 def _act_kernel(ws_ptr, bias_ptr, ids_ptr, out_ptr, n_slots, N, alpha, limit, stride_ws, stride_wm, stride_be,
                 stride_om, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
-                SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
+                SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
+                OUT_PLANE_K: tl.constexpr = 0):
     """W13 after split-K: per slot, gate and up = the sum of the split partials (in split order),
     plus the bias, then the activation, into the intermediate [n_slots, N]."""
     pdl_wait(USE_PDL)  # the partials
@@ -263,7 +300,8 @@ def _act_kernel(ws_ptr, bias_ptr, ids_ptr, out_ptr, n_slots, N, alpha, limit, st
     y = lesson._activation(gate, up, ACT != _SILU, alpha, limit)
     if ROUND_BF16:
         y = round_to_bf16_rne(y)
-    tl.store(out_ptr + offs_s.to(tl.int64)[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+    cols = _plane_col(offs_n, OUT_PLANE_K) if OUT_PLANE_K else offs_n  # W2's planes layout (DECODE_A16_PLANES)
+    tl.store(out_ptr + offs_s.to(tl.int64)[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
@@ -463,13 +501,14 @@ def plan(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = Fa
             if t.BLOCK_M != 16 or t.BLOCK_K < 4 * _GROUP[fmt] or t.BLOCK_K & (t.BLOCK_K - 1):
                 raise ValueError(f"a decode tile needs BLOCK_M 16 and BLOCK_K a power of two >= {4 * _GROUP[fmt]}, "
                                  f"got {t}")
-        kernels = ("_decode_gemm_kernel",) + (("_act_kernel",) if t13.SPLIT_K > 1 else ()) + \
-                  ("_decode_gemm_kernel", "_combine_kernel")
+        kernels = ("act_planes_kernel",) * (a16 and DECODE_A16_PLANES) + ("_decode_gemm_kernel",) + \
+                  (("_act_kernel",) if t13.SPLIT_K > 1 else ()) + ("_decode_gemm_kernel", "_combine_kernel")
+        act = ("x laid out once as bf16 planes, the intermediate stored as W2's planes" if a16 and DECODE_A16_PLANES
+               else "each activation tile reordered in registers" if a16 else "the activation quantized in registers")
         why = (f"{name} at M = {M} <= {DECODE_MAX_M}: the decode route, no sorting: one program per (slot, N tile, "
-               f"K split), the programs of each expert's first slot stream its weights once per N tile "
-               f"({'its activation quantized in registers, ' if not a16 else ''}the swapped product on nibble "
-               f"planes); split-K W13 {t13.SPLIT_K}, W2 {t2.SPLIT_K} (at most {min(M * top_k, E)} experts x N tiles "
-               f"over {sm_count} SMs); the top_k sum in _combine_kernel")
+               f"K split), the programs of each expert's first slot stream its weights once per N tile ({act}, the "
+               f"swapped product on nibble planes); split-K W13 {t13.SPLIT_K}, W2 {t2.SPLIT_K} (at most "
+               f"{min(M * top_k, E)} experts x N tiles over {sm_count} SMs); the top_k sum in _combine_kernel")
         return Plan(Route(IMPL, kernels, f"W13 {t13} / W2 {t2}", max(t13.SPLIT_K, t2.SPLIT_K), why), "decode",
                     t13, t2)
     t13, t2 = tiles or prefill_tiles(M, E, top_k, H, I, fmt, capability)
@@ -505,7 +544,8 @@ def _dot_dtype():
 
 
 def _decode_gemm(a, w: tuple, fmt: str, tile: TileConfig, ids, n_slots: int, out, *, a16: bool, gather: bool,
-                 act: int, bias, static, rule: int, top_k: int, alpha: float, limit: float):
+                 act: int, bias, static, rule: int, top_k: int, alpha: float, limit: float, a_planes: bool = False,
+                 out_plane_k: int = 0):
     """One decode GEMM: W13 (act >= 0) into ``out`` (the intermediate [n_slots, I]), or W2 (act -1)
     into ``out`` = the split partials [SPLIT_K, n_slots, H] fp32. Returns the W13 partials
     [SPLIT_K, n_slots, 2I] when W13 splits K (``_act_kernel`` finishes them), else None."""
@@ -531,8 +571,19 @@ def _decode_gemm(a, w: tuple, fmt: str, tile: TileConfig, ids, n_slots: int, out
            DOT_DTYPE=_dot_dtype(), EVEN_K=K % tile.BLOCK_K == 0, TOP_K=top_k,
            S_PAD=max(16, triton.next_power_of_2(n_slots)), SPLIT_K=split, BLOCK_N=tile.BLOCK_N,
            BLOCK_M=tile.BLOCK_M, BLOCK_K=tile.BLOCK_K, num_warps=tile.num_warps, num_stages=tile.num_stages,
-           **pdl_launch(data.device))
+           A_PLANES=a_planes, OUT_PLANE_K=out_plane_k, **pdl_launch(data.device))
     return ws if gated and split > 1 else None
+
+
+def plane_columns(K: int, plane_k: int, device=None) -> torch.Tensor:
+    """int64 [K]: the column of each element k in the planes layout at ``plane_k`` (_plane_col, on the
+    host): ``planes[:, plane_columns(K, pk)]`` is the [rows, K] matrix in K order."""
+    k = torch.arange(K, device=device)
+    kp = plane_k // 2
+    r = k % plane_k
+    j = r // 2
+    q, rr = j // (kp // 4), j % (kp // 4)
+    return k - r + (r % 2) * kp + 16 * (rr // 4) + 8 * ((rr // 2) % 2) + 2 * q + rr % 2
 
 
 def _combine(o, split: int, bias, ids, topk_w, M: int, top_k: int, H: int, out_dtype, renormalize: bool):
@@ -627,6 +678,11 @@ def fused_moe(x: torch.Tensor, prepared: MoEWeights, topk_ids: torch.Tensor, top
                                tiles=tiles)
 
 
+def _a16_planes(pl: Plan, a16: bool) -> bool:
+    """Whether route ``pl`` lays the weight-only activations out as planes (DECODE_A16_PLANES)."""
+    return bool(a16 and pl.kind == "decode" and "act_planes_kernel" in pl.route.kernels)
+
+
 def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, activation="silu", renormalize=False,
                         w13_bias=None, w2_bias=None, a16=False, w13_act_opts=None, w2_act_opts=None,
                         swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT, tiles=None) -> torch.Tensor:
@@ -652,7 +708,7 @@ def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, acti
     if pl.kind == "decode":
         o = torch.empty((pl.w2.SPLIT_K, n, H), dtype=torch.float32, device=x.device)
         _decode_gemm(inter, p.w2, fmt, pl.w2, ids.view(-1), n, o, gather=False, act=-1, bias=None, static=s2,
-                     rule=rule2, **common)
+                     rule=rule2, a_planes=_a16_planes(pl, a16), **common)
     else:  # the lesson's quantizer in sorted order, then this GEMM into the slots' o rows
         ones = torch.ones(E, dtype=torch.float32, device=x.device)
         a = (inter, inter, ones) if a16 else lesson._quantize(inter, blocks, fmt, s2, rule2, False, top_k, E)
@@ -664,7 +720,9 @@ def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, acti
 
 def _w13(x, p: MoEWeights, ids, pl: Plan, *, activation, bias, static, rule, a16, top_k, alpha, limit):
     """W13 and the activation of route ``pl``: (the intermediate, the lesson's Blocks or None). Decode:
-    [M top_k, I] by slot, no Blocks; prefill: [rows, I] in sorted order. fp32, or bf16 for a16."""
+    [M top_k, I] by slot, no Blocks (weight-only with DECODE_A16_PLANES: [M top_k, I padded to W2's
+    BLOCK_K] in W2's planes layout, ``plane_columns`` reads it back); prefill: [rows, I] in sorted
+    order. fp32, or bf16 for a16."""
     E, I, fmt, n = p.num_experts, p.intermediate, p.fmt, ids.numel()
     x = x.contiguous()
     act = MOE_ACTIVATIONS.index(activation)
@@ -672,15 +730,25 @@ def _w13(x, p: MoEWeights, ids, pl: Plan, *, activation, bias, static, rule, a16
     inter_dtype = torch.bfloat16 if a16 else torch.float32
     if pl.kind == "decode":
         flat = ids.reshape(-1)
-        inter = torch.empty((n, I), dtype=inter_dtype, device=x.device)
+        planes = _a16_planes(pl, a16)
+        out_pk = pl.w2.BLOCK_K if planes else 0
+        inter = torch.empty((n, triton.cdiv(I, out_pk) * out_pk if planes else I), dtype=inter_dtype, device=x.device)
+        if planes:  # x as the product's planes, once (zeros past H)
+            bk, H, M = pl.w13.BLOCK_K, x.shape[1], x.shape[0]
+            xp = torch.empty((M, triton.cdiv(H, bk) * bk), dtype=torch.float32 if interpreting() else torch.bfloat16,
+                             device=x.device)
+            launch(act_planes_kernel, (triton.cdiv(H, bk),), x, x, xp, M, H, x.stride(0), x.stride(1), 0, xp.stride(0),
+                   GROUP=32, SCALE_E4M3=False, A16=True, F16_DEQUANTIZE=False, USE_ASM=False, DOT_DTYPE=_dot_dtype(),
+                   EVEN_K=H % bk == 0, BLOCK_M=16, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(x.device))
+            x = xp
         ws = _decode_gemm(x, p.w13, fmt, pl.w13, flat, n, inter, gather=True, act=act, bias=bias, static=static,
-                          rule=rule, **common)
+                          rule=rule, a_planes=planes, out_plane_k=out_pk, **common)
         if ws is not None:  # split-K: the partials' sum, bias and activation
             bs, bn = (16, 64) if not interpreting() else (triton.next_power_of_2(n), min(256, triton.next_power_of_2(I)))
             launch(_act_kernel, (triton.cdiv(n, bs), triton.cdiv(I, bn)), ws, bias if bias is not None else ws, flat,
                    inter, n, I, alpha, limit, ws.stride(0), ws.stride(1), bias.stride(0) if bias is not None else 0,
                    inter.stride(0), ACT=act, HAS_BIAS=bias is not None, ROUND_BF16=a16, SPLIT_K=pl.w13.SPLIT_K,
-                   BLOCK_S=bs, BLOCK_N=bn, **pdl_launch(x.device))
+                   BLOCK_S=bs, BLOCK_N=bn, OUT_PLANE_K=out_pk, **pdl_launch(x.device))
         return inter, None
     if pl.w2.BLOCK_M != pl.w13.BLOCK_M:
         raise ValueError(f"tiles must share BLOCK_M (one grouping of the rows), got {pl.w13} and {pl.w2}")

@@ -30,6 +30,7 @@ import math
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE, device_name, make_input
 
 import formats
@@ -72,7 +73,9 @@ def _kernel_intermediate(x, p, ids, a16, kw, tiles):
     inter, blocks = hmoe._w13(x, p, ids.to(torch.int32), pl, activation=kw.get("activation", "silu"),
                               bias=kw.get("w13_bias"), static=s13, rule=rule, a16=a16, top_k=top_k,
                               alpha=kw.get("swiglu_alpha", 1.702), limit=kw.get("swiglu_limit", 7.0))
-    if blocks is None:
+    if blocks is None:  # decode: by slot; weight-only in W2's planes layout (DECODE_A16_PLANES)
+        if hmoe._a16_planes(pl, a16):
+            inter = inter[:, hmoe.plane_columns(p.intermediate, pl.w2.BLOCK_K, inter.device)]
         return inter.double()
     real = blocks.slot < M * top_k
     out = torch.empty(M * top_k, p.intermediate, dtype=torch.float64, device=x.device)
@@ -204,7 +207,8 @@ def test_forced_split_k_and_a_k_tail(fmt, a16):
     tiles = (TileConfig(16, 32, 128, GROUP_M=1, num_stages=1, SPLIT_K=3), TileConfig(16, 64, 128, GROUP_M=1,
                                                                                       num_stages=1, SPLIT_K=2))
     log = _run(fmt, a16, 5, 4, 2, 384, 256, tiles=tiles, activation="swigluoai", bias=True)[1]
-    assert log == ("_decode_gemm_kernel", "_act_kernel", "_decode_gemm_kernel", "_combine_kernel")
+    first = ("act_planes_kernel",) if a16 and hmoe.DECODE_A16_PLANES else ()  # x laid out as planes once
+    assert log == first + ("_decode_gemm_kernel", "_act_kernel", "_decode_gemm_kernel", "_combine_kernel")
     _run(fmt, a16, 2, 3, 2, 320, 128, activation="swigluoai", bias=True)
 
 
@@ -291,7 +295,9 @@ def test_route_names_the_kernels_per_m(fmt, a16):
     assert hmoe.route(0, E, k, H, I, fmt=fmt, a16=a16, capability=(9, 0)).kernels == ()
     for M in (1, 4, 16):
         r = hmoe.route(M, E, k, H, I, fmt=fmt, a16=a16, capability=(9, 0), sm_count=132)
-        assert r.kernels[0] == "_decode_gemm_kernel" and r.kernels[-2:] == ("_decode_gemm_kernel", "_combine_kernel")
+        first = ("act_planes_kernel",) if a16 and hmoe.DECODE_A16_PLANES else ()
+        assert r.kernels[:len(first) + 1] == first + ("_decode_gemm_kernel",), r.describe()
+        assert r.kernels[-2:] == ("_decode_gemm_kernel", "_combine_kernel")
         assert ("_act_kernel" in r.kernels) == ("W13" in r.tile and "splitk" in r.tile.split("/")[0]), r.describe()
         assert r.impl == "hopper" and "decode route" in r.why
     r1 = hmoe.route(1, E, k, H, I, fmt=fmt, a16=a16, capability=(9, 0), sm_count=132)
@@ -307,6 +313,51 @@ def test_route_names_the_kernels_per_m(fmt, a16):
             "_amax_kernel") == 1
     fp16 = hmoe.route(4, E, k, H, I, fmt=fmt, a16=a16, capability=(9, 0), x_dtype=torch.float16)
     assert ("_decode_gemm_kernel" in fp16.kernels) == (not a16)  # fp16 weight-only: the prefill kernel's hi/lo
+
+
+@pytest.mark.parametrize("plane_k", [128, 256])
+def test_the_planes_layout_is_act_planes_kernels(plane_k, monkeypatch):
+    """plane_columns (the decode route's map of an element to its planes column, _plane_col on the
+    host) is the layout hopper._fp4_decode.act_planes_kernel writes: x [3, K] laid out by the kernel and
+    read back through the map is x; and the weight-only decode route with the planes off (each K step
+    reorders its tile in registers) gives the oracle too."""
+    _needs_kernels()
+    from kernels_triton.hopper import _fp4_decode
+
+    K = 2 * plane_k + 64  # a partial last tile
+    x = make_input((3, K), block=32)
+    xp = torch.empty((3, triton.cdiv(K, plane_k) * plane_k), dtype=torch.float32 if interpreting() else torch.bfloat16,
+                     device=DEVICE)
+    _fp4_decode.act_planes_kernel[(triton.cdiv(K, plane_k),)](
+        x, x, xp, 3, K, x.stride(0), x.stride(1), 0, xp.stride(0), GROUP=32, SCALE_E4M3=False, A16=True,
+        F16_DEQUANTIZE=False, USE_ASM=False, DOT_DTYPE=hmoe._dot_dtype(), EVEN_K=False, BLOCK_M=16, BLOCK_K=plane_k)
+    cols = hmoe.plane_columns(K, plane_k, DEVICE)
+    assert len(set(cols.tolist())) == K and int(cols.max()) < xp.shape[1]  # one column each
+    assert torch.equal(xp[:, cols].to(x.dtype), x)
+    monkeypatch.setattr(hmoe, "DECODE_A16_PLANES", False)
+    log = _run("mxfp4", True, 3, 4, 2, 256, 128, activation="swigluoai", bias=True)[1]
+    assert "act_planes_kernel" not in log
+
+
+def test_the_planes_padding_is_never_read():
+    """W2's decode GEMM on a weight-only intermediate in the planes layout (K = I = 192, BLOCK_K 128:
+    the last tile half padding) whose padding holds NaN: the padding reads as 0 (the load's mask maps
+    each column back to its element, _plane_elem), the result is the K-order path's, bit for bit."""
+    _needs_kernels()
+    E, H, I, top_k, M = 3, 128, 192, 2, 4
+    w13, w2 = _experts("mxfp4", E, H, I)
+    p = moe.prepare_experts(w13, w2)
+    ids, _ = _routing(M, E, top_k)
+    flat, n = ids.reshape(-1), M * top_k
+    inter = make_input((n, I), block=32)
+    planes = torch.full((n, 256), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    planes[:, hmoe.plane_columns(I, 128, DEVICE)] = inter
+    tile = TileConfig(16, 64, 128, GROUP_M=1, num_stages=1)
+    kw = dict(a16=True, gather=False, act=-1, bias=None, static=None, rule=0, top_k=top_k, alpha=1.0, limit=1.0)
+    o_planes, o_k = (torch.empty((1, n, H), device=DEVICE) for _ in range(2))
+    hmoe._decode_gemm(planes, p.w2, "mxfp4", tile, flat, n, o_planes, a_planes=True, **kw)
+    hmoe._decode_gemm(inter, p.w2, "mxfp4", tile, flat, n, o_k, **kw)
+    assert bool(torch.isfinite(o_planes).all()) and torch.equal(o_planes, o_k)
 
 
 def test_route_refuses_what_it_does_not_serve():
