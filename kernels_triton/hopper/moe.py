@@ -53,7 +53,7 @@ from .._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3
                        nan_if_nonfinite, round_to_bf16_rne)
 from .._common import check_activation, device_capability, interpreting, launch
 from .. import moe as lesson
-from ..moe import MoEWeights, prepare_experts  # noqa: F401  (the prepared experts are the lesson's)
+from ..moe import MoEWeights, prepare_experts  # noqa: F401  (the prepared experts are the lesson's: re-exported)
 from ..mxfp4 import mxfp4_quantize_tile
 from ..nvfp4 import nvfp4_quantize_tile
 from . import supported
@@ -173,7 +173,7 @@ def _expert_global_scale(a_ptr, static_ptr, e, offs_s, mine, rank, count, K, str
 @triton.jit
 def _decode_gemm_kernel(
     a_ptr,  # x [M, K] (GATHER: read at each slot's token) or the intermediate [n_slots, K] by slot
-    w_ptr, sw_ptr, gw_ptr,  # the experts: packed e2m1 [E, rows, K/2], block scale bytes [E, rows, K/GROUP], nvfp4 g_w [E]
+    w_ptr, sw_ptr, gw_ptr,  # the experts: e2m1 [E, rows, K/2], scale bytes [E, rows, K/GROUP], nvfp4 g_w [E]
     static_ptr,  # nvfp4 W4A4 with STATIC: the activations' global scale per expert [E]
     bias_ptr, ids_ptr, out_ptr, ws_ptr,  # bias [E, rows]; topk_ids [n_slots] int32; out; split-K partials
     n_slots, N, K, K_PER, alpha, limit,
@@ -309,7 +309,7 @@ def _act_kernel(ws_ptr, bias_ptr, ids_ptr, out_ptr, n_slots, N, alpha, limit, st
 # [prefill-kernel]
 @triton.jit
 def _gemm_kernel(
-    a_ptr, sa_ptr, ta_ptr,  # A: codes in sorted order + block scale bytes + per-expert g [E] (W4A4), or x / the bf16 intermediate
+    a_ptr, sa_ptr, ta_ptr,  # A: sorted codes, scale bytes, per-expert g [E] (W4A4); or x / the bf16 intermediate
     w_ptr, sw_ptr, tw_ptr,  # the experts: packed e2m1 [E, rows, K/2], scale bytes, nvfp4 g_w [E]
     bias_ptr, slot_ptr, expert_ptr, out_ptr,  # bias [E, rows]; the grouping (lesson.Blocks); out
     N, K, n_slots, alpha, limit,
@@ -439,7 +439,9 @@ def decode_tiles(M: int, E: int, top_k: int, H: int, I: int, fmt: str, capabilit
     BLOCK_N 64 intermediate columns for W13 (its gate and up rows: 128 weight rows, two accumulators),
     128 rows for W2; BLOCK_K 128 (the planes need >= 4 block-scale groups: 128 for mxfp4). Split-K
     from the programs of the experts a call can touch at most, min(M top_k, E) (the routing is not
-    read on the host). Interpreter: tiles as large as the problem, no split."""
+    read on the host). Interpreter (capability None): tiles as large as the problem, no split. Pure,
+    raises nothing; n_sms: the device's SMs. Source: hopper._twopass.decode_split's rule, retuned
+    (``_decode_split``)."""
     if capability is None:
         p2 = triton.next_power_of_2
         bk13, bk2 = (min(512, max(128, p2(k))) for k in (H, I))
@@ -455,7 +457,8 @@ def decode_tiles(M: int, E: int, top_k: int, H: int, I: int, fmt: str, capabilit
 def prefill_tiles(M: int, E: int, top_k: int, H: int, I: int, fmt: str, capability):
     """(W13 tile, W2 tile) of the prefill route. BLOCK_M: the lesson's rule (the mean rows per expert,
     16 to 64); BLOCK_N 64 for W13 (two accumulators), 128 for W2; BLOCK_K 64 (bf16 tiles of two
-    dequantized operands in registers); 8 warps at 64-row blocks. Interpreter: as large as the problem."""
+    dequantized operands in registers); 8 warps at 64-row blocks. Interpreter: as large as the problem.
+    Pure, raises nothing. Source: kernels_triton.moe.tile_config's BLOCK_M rule."""
     bm = min(64, max(16, triton.next_power_of_2(triton.cdiv(max(M * top_k, 1), E))))
     if capability is None:
         p2 = triton.next_power_of_2
@@ -479,7 +482,8 @@ def plan(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = Fa
          tiles: Optional[tuple] = None) -> Plan:
     """The decisions of one call (``route`` has the arguments); ``dynamic``: (W13, W2) whose nvfp4
     activation global scale is dynamic (an amax kernel on the prefill route); ``tiles``: (W13, W2)
-    TileConfigs forcing both GEMMs' tiles (a decode tile's SPLIT_K included)."""
+    TileConfigs forcing both GEMMs' tiles (a decode tile's SPLIT_K included). Pure; raises what
+    ``route`` raises."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS} for the hopper MoE (variants {VARIANTS}), got {fmt!r}")
     _check_capability(capability)
@@ -517,7 +521,8 @@ def plan(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = Fa
     how = ("fp16 x with a weight-only variant: every M takes this route (each fp16 tile as two exact bf16 halves)"
            if fp16_a16 and M <= DECODE_MAX_M else f"M = {M} > {DECODE_MAX_M}")
     why = (f"{name}: the prefill route ({how}): rows sorted by expert in blocks of {t13.BLOCK_M} (a grid of "
-           f"{triton.cdiv(M * top_k, t13.BLOCK_M) + min(M * top_k, E)} blocks){'' if a16 else ', the activations quantized by the lesson in sorted order'}, "
+           f"{triton.cdiv(M * top_k, t13.BLOCK_M) + min(M * top_k, E)} blocks)"
+           f"{'' if a16 else ', the activations quantized by the lesson in sorted order'}, "
            f"both operands dequantized in registers to bf16 for tl.dot's MMA (fp32 accumulation); the top_k sum "
            f"in _combine_kernel")
     return Plan(Route(IMPL, kernels, f"W13 {t13} / W2 {t2}", 1, why), "prefill", t13, t2)
@@ -577,7 +582,8 @@ def _decode_gemm(a, w: tuple, fmt: str, tile: TileConfig, ids, n_slots: int, out
 
 def plane_columns(K: int, plane_k: int, device=None) -> torch.Tensor:
     """int64 [K]: the column of each element k in the planes layout at ``plane_k`` (_plane_col, on the
-    host): ``planes[:, plane_columns(K, pk)]`` is the [rows, K] matrix in K order."""
+    host): ``planes[:, plane_columns(K, pk)]`` is the [rows, K] matrix in K order. ``plane_k``: a
+    power of two >= 64 (not checked). Pure. Source: hopper._fp4_decode's fragment_order and planes_k."""
     k = torch.arange(K, device=device)
     kp = plane_k // 2
     r = k % plane_k
@@ -744,7 +750,8 @@ def _w13(x, p: MoEWeights, ids, pl: Plan, *, activation, bias, static, rule, a16
         ws = _decode_gemm(x, p.w13, fmt, pl.w13, flat, n, inter, gather=True, act=act, bias=bias, static=static,
                           rule=rule, a_planes=planes, out_plane_k=out_pk, **common)
         if ws is not None:  # split-K: the partials' sum, bias and activation
-            bs, bn = (16, 64) if not interpreting() else (triton.next_power_of_2(n), min(256, triton.next_power_of_2(I)))
+            p2 = triton.next_power_of_2
+            bs, bn = (16, 64) if not interpreting() else (p2(n), min(256, p2(I)))
             launch(_act_kernel, (triton.cdiv(n, bs), triton.cdiv(I, bn)), ws, bias if bias is not None else ws, flat,
                    inter, n, I, alpha, limit, ws.stride(0), ws.stride(1), bias.stride(0) if bias is not None else 0,
                    inter.stride(0), ACT=act, HAS_BIAS=bias is not None, ROUND_BF16=a16, SPLIT_K=pl.w13.SPLIT_K,
@@ -760,5 +767,5 @@ def _w13(x, p: MoEWeights, ids, pl: Plan, *, activation, bias, static, rule, a16
     return inter, blocks
 
 
-__all__ = ["DECODE_MAX_M", "FORMATS", "Plan", "VARIANTS", "decode_tiles", "fused_moe", "fused_moe_unchecked", "plan",
-           "prefill_tiles", "route"]
+__all__ = ["DECODE_A16_PLANES", "DECODE_MAX_M", "FORMATS", "Plan", "VARIANTS", "decode_tiles", "fused_moe",
+           "fused_moe_unchecked", "plan", "plane_columns", "prefill_tiles", "prepare_experts", "route"]
