@@ -935,5 +935,6 @@ def explain_moe(variant, M, num_experts, top_k, hidden, intermediate, device=Non
     return "\n".join(lines)
 
 
-__all__ = ["BoundMoE", "CuteMoE", "HopperMoE", "MoEBackend", "MoEProblem", "ReferenceMoE", "TritonMoE", "check_experts", "choose",
-           "decide", "entries", "explain_moe", "fused_moe", "get", "make", "validate_call", "verdict"]
+__all__ = ["BoundMoE", "CuteMoE", "HopperMoE", "MoEBackend", "MoEProblem", "ReferenceMoE", "TritonMoE", "check_experts",
+           "choose", "decide", "entries", "explain_moe", "fused_moe", "get", "hopper_gap", "hopper_moe_on", "make",
+           "validate_call", "verdict"]

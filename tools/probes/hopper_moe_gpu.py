@@ -74,7 +74,8 @@ def check(ms: list[int], device="cuda", layers=LAYERS) -> tuple[list[list], bool
         fmt, a16 = variant.split("_")[0], variant.endswith("_w4a16")
         g = torch.Generator(device=dev).manual_seed(1234)
         if (layer, fmt) not in experts:
-            w13 = [formats.quantize(torch.randn(2 * I, H, generator=g, device=dev) / math.sqrt(H), fmt) for _ in range(E)]
+            w13 = [formats.quantize(torch.randn(2 * I, H, generator=g, device=dev) / math.sqrt(H), fmt)
+                   for _ in range(E)]
             w2 = [formats.quantize(torch.randn(H, I, generator=g, device=dev) / math.sqrt(I), fmt) for _ in range(E)]
             experts[(layer, fmt)] = (w13, w2, lesson.prepare_experts(w13, w2))
         w13, w2, p = experts[(layer, fmt)]
@@ -124,7 +125,7 @@ def sweep(ms: list[int]) -> list[list]:
     from dispatch.apps.bench_run import Timer
     from kernels_triton import moe as lesson
     from kernels_triton.hopper import moe as hmoe
-    from kernels_triton.hopper._route import TileConfig, sm_count
+    from kernels_triton.hopper._route import sm_count
 
     dev = torch.device("cuda")
     timer = Timer(gpu=True, warmup_ms=10, rep_ms=40, graph_max_m=64)
@@ -146,7 +147,8 @@ def sweep(ms: list[int]) -> list[list]:
             d13, d2 = hmoe.decode_tiles(M, E, k, H, I, fmt, (9, 0), sm_count(dev))
             configs = {"default": (d13, d2)}
             for bn13, bn2 in ((32, 64), (128, 128), (64, 64), (64, 256)):
-                configs[f"bn {bn13}/{bn2}"] = (dataclasses.replace(d13, BLOCK_N=bn13), dataclasses.replace(d2, BLOCK_N=bn2))
+                configs[f"bn {bn13}/{bn2}"] = (dataclasses.replace(d13, BLOCK_N=bn13),
+                                               dataclasses.replace(d2, BLOCK_N=bn2))
             for f in (2, 4):
                 configs[f"split x{f}"] = (dataclasses.replace(d13, SPLIT_K=d13.SPLIT_K * f),
                                           dataclasses.replace(d2, SPLIT_K=d2.SPLIT_K * f))
@@ -199,7 +201,8 @@ def main(argv=None) -> int:
             table.append([shape, M, f"{bu:.1f}" if bu else "-", f"{tu:.1f}" if tu else "-",
                           f"{hu:.1f}" if hu else (hop.get("error") or hop.get("skipped") or "-")[:60],
                           f"{bu / hu:.2f}" if bu and hu else "-", f"{tu / hu:.2f}" if tu and hu else "-",
-                          f"{chk.get('norm_rel', float('nan')):.1e} {'ok' if chk.get('ok') else 'FAIL'}" if chk else "-"])
+                          f"{chk.get('norm_rel', float('nan')):.1e} {'ok' if chk.get('ok') else 'FAIL'}" if chk
+                          else "-"])
         for k, v in res["notes"].items():
             print(f"{k}: {v}")
         if res["skipped"]:

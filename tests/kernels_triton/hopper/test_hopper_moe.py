@@ -26,7 +26,6 @@ Interpreter cost: 46 tests (and the compile-only sm_90 build, ~30 s), ~3 min ser
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
