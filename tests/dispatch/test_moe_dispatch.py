@@ -177,7 +177,8 @@ def test_the_table_has_every_cell_and_names_its_gaps():
         if v in dm.HOPPER_MOE_VARIANTS and dm.hopper_moe_on():
             assert isinstance(table[("hopper", v)], dm.HopperMoE)
         else:
-            assert isinstance(table[("hopper", v)], UnsupportedEntry) and table[("hopper", v)].reason == dm.hopper_gap(v)
+            cell = table[("hopper", v)]
+            assert isinstance(cell, UnsupportedEntry) and cell.reason == dm.hopper_gap(v)
         assert isinstance(table[("triton", v)], dm.TritonMoE) == (v in LESSON)
     for v in ("fp8_tensor", "fp8_block", "fp8_channel", "mxfp8", "mxfp8_w8a16"):
         assert table[("cute", v)].reason == "b12x 1.5.1 has no FP8 MoE; triton serves"
