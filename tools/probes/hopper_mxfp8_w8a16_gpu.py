@@ -108,7 +108,7 @@ def main() -> int:
     for N, K in SHAPES:
         w = torch.randn(N, K, device="cuda", generator=gen) * 0.05
         qw = formats.quantize(w, "mxfp8")
-        w_bf16 = formats.dequantize(qw, torch.bfloat16)  # the same weight for cuBLAS (exact in bf16)
+        w_bf16 = formats.dequantize(qw, torch.float32).to(torch.bfloat16)  # the same weight for cuBLAS (exact in bf16)
         bias = torch.randn(N, device="cuda", generator=gen)
         for M in MS:
             row = {"N": N, "K": K, "M": M}
