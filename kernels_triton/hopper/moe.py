@@ -71,12 +71,12 @@ _NVFP4, _MXFP4 = tl.constexpr(0), tl.constexpr(1)  # FORMATS' indices
 _SILU, _SWIGLU = tl.constexpr(0), tl.constexpr(1)  # MOE_ACTIVATIONS[0], [1] (interleaved gate/up)
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)
-DECODE_A16_PLANES = True
-"""Decode route, weight-only: x laid out once as the product's bf16 planes (hopper._fp4_decode's
+DECODE_A16_PLANES = False
+"""Decode route, weight-only. True: x laid out once as the product's bf16 planes (hopper._fp4_decode's
 act_planes_kernel) and the intermediate stored by W13 straight into W2's planes, so the K loops load
-their activation tiles as they are (no reorder, no shared-memory store of a dot operand inside the
-loop: Triton's wgmma pipeliner keeps the MMAs asynchronous, as in the dense decode GEMM). False: each
-K step reorders its tile in registers (no extra launch). tools/probes/hopper_moe_gpu.py --sweep times both."""
+their activation tiles as they are. False (the default): each K step reorders its activation tile in
+registers, no extra launch and no plane layout of the intermediate; on the GPU this measured faster
+(docs/results.md). tools/probes/hopper_moe_gpu.py --sweep times both."""
 
 
 # == Device helpers ===============================================================================
@@ -436,8 +436,8 @@ def _decode_split(tiles: int, K: int, bk: int, n_sms: int) -> int:
 
 def decode_tiles(M: int, E: int, top_k: int, H: int, I: int, fmt: str, capability, n_sms: int):
     """(W13 tile, W2 tile) of the decode route. BLOCK_M 16 (the slots of one expert per chunk);
-    BLOCK_N 64 intermediate columns for W13 (its gate and up rows: 128 weight rows, two accumulators),
-    128 rows for W2; BLOCK_K 128 (the planes need >= 4 block-scale groups: 128 for mxfp4). Split-K
+    BLOCK_N 128 intermediate columns for W13 (its gate and up rows: 256 weight rows, two accumulators),
+    128 rows for W2 (the wider W13 tile measured faster than 64 on the GPU); BLOCK_K 128 (the planes need >= 4 block-scale groups: 128 for mxfp4). Split-K
     from the programs of the experts a call can touch at most, min(M top_k, E) (the routing is not
     read on the host). Interpreter (capability None): tiles as large as the problem, no split. Pure,
     raises nothing; n_sms: the device's SMs. Source: hopper._twopass.decode_split's rule, retuned
@@ -448,7 +448,7 @@ def decode_tiles(M: int, E: int, top_k: int, H: int, I: int, fmt: str, capabilit
         return (TileConfig(16, min(256, max(16, p2(I))), bk13, GROUP_M=1, num_stages=1),
                 TileConfig(16, min(256, max(16, p2(H))), bk2, GROUP_M=1, num_stages=1))
     experts = min(M * top_k, E)
-    t13 = TileConfig(16, 64, 128, GROUP_M=1, num_warps=4, num_stages=3)
+    t13 = TileConfig(16, 128, 128, GROUP_M=1, num_warps=4, num_stages=3)
     t2 = TileConfig(16, 128, 128, GROUP_M=1, num_warps=4, num_stages=3)
     return tuple(dataclasses.replace(t, SPLIT_K=_decode_split(experts * triton.cdiv(n, t.BLOCK_N), k, t.BLOCK_K, n_sms))
                  for t, n, k in ((t13, I, H), (t2, H, I)))

@@ -157,10 +157,13 @@ def sweep(ms: list[int]) -> list[list]:
             configs["stages 2"] = (dataclasses.replace(d13, num_stages=2), dataclasses.replace(d2, num_stages=2))
             configs["bk 256"] = (dataclasses.replace(d13, BLOCK_K=256), dataclasses.replace(d2, BLOCK_K=256))
             if a16:
-                configs["a16 reorder in loop"] = (d13, d2)  # DECODE_A16_PLANES off
+                configs["a16 planes toggled"] = (d13, d2)  # DECODE_A16_PLANES flipped
+            configs["bk 256, bn 128/256"] = (dataclasses.replace(d13, BLOCK_K=256, BLOCK_N=128),
+                                             dataclasses.replace(d2, BLOCK_K=256, BLOCK_N=256))
             ref = formats.reference_moe(*sets[0][:1], w13, w2, *sets[0][1:], a16=a16, out_dtype=torch.float64, **kw)
+            planes = hmoe.DECODE_A16_PLANES
             for name, tiles in configs.items():
-                hmoe.DECODE_A16_PLANES = name != "a16 reorder in loop"
+                hmoe.DECODE_A16_PLANES = planes != (name == "a16 planes toggled")
                 try:
                     nr = _norm_rel(hmoe.fused_moe(*sets[0][:1], p, *sets[0][1:], a16=a16, tiles=tiles, **kw), ref)
                     t = timer([lambda s=s: hmoe.fused_moe_unchecked(s[0], p, s[1], s[2], a16=a16, tiles=tiles, **kw)
@@ -170,7 +173,7 @@ def sweep(ms: list[int]) -> list[list]:
                 except Exception as e:  # noqa: BLE001
                     rows.append([layer, variant, M, name, "", "-", f"{type(e).__name__}: {str(e)[:80]}"])
                 print(" | ".join(str(c) for c in rows[-1]), flush=True)
-            hmoe.DECODE_A16_PLANES = True
+            hmoe.DECODE_A16_PLANES = planes
     return rows
 
 
