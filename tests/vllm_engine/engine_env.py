@@ -785,12 +785,15 @@ MANTISSA = {"bf16": 7, "e4m3": 3, "e2m1": 1}
 def activation_format(model: Path) -> str | None:
     """The element format the checkpoint ``model`` quantizes linear inputs to ("e4m3", "e2m1"), or
     None where it keeps them in the model's dtype: from config.json's quantization_config
-    (compressed-tensors: every config group's ``input_activations``; ModelOpt: ``quant_algo``).
+    (compressed-tensors: every config group's ``input_activations``; ModelOpt: ``quant_algo``;
+    gpt-oss's ``quant_method "mxfp4"``: weights only).
     Raises ValueError for a config it cannot read, naming what it found."""
     qc = json.loads((model / "config.json").read_text())["quantization_config"]
     if qc.get("quant_method") == "modelopt":
         algo = qc.get("quant_algo") or qc.get("quantization", {}).get("quant_algo")
-        found = {"NVFP4": "e2m1", "FP8": "e4m3"}.get(algo, "?")
+        found = {"NVFP4": "e2m1", "FP8": "e4m3", "W4A16_NVFP4": None}.get(algo, "?")
+    elif qc.get("quant_method") == "mxfp4":  # gpt-oss's own MXFP4: weights only, activations bf16
+        found = None
     else:
         kinds = {None if g.get("input_activations") is None else
                  (g["input_activations"]["type"], g["input_activations"]["num_bits"])

@@ -347,3 +347,17 @@ def test_modelopt_tampered_and_missing_expert_scales_are_refused_by_name(modelop
                                               r"gate .* and up .*one weight global scale \(weight_scale_2\) per "
                                               r"expert \(ModelOpt's export shares it"):
         build_modelopt(ckpt, tamper=lambda n, t: t * 2 if n == up else t)
+
+
+def test_modelopt_w13_input_scale_is_the_larger_of_gate_and_up(modelopt_ckpt, dist, impl):
+    """One static input scale serves an expert's W13: the larger of gate's and up's, as vLLM's
+    kernels take it (``a13_scale.max(dim=1)``, quantization/utils/flashinfer_fp4_moe.py and
+    b12x_moe.py), as formats' divisor g = 1 / input_scale (within the reciprocal's float32 rounding)."""
+    impl("reference")
+    ckpt = modelopt_ckpt("modelopt_moe_NVFP4")
+    up = f"{PREFIX}.1.up_proj.input_scale"
+    layer = build_modelopt(ckpt, tamper=lambda n, t: t * 4 if n == up else t)
+    t = _tensors(ckpt)
+    g = layer.quant_method.bound.w13_act_opts["global_scale"].double()
+    want = 1 / torch.stack([t[f"{PREFIX}.0.gate_proj.input_scale"].double(), t[up].double() * 4])
+    assert bool(((g[:2] - want).abs() <= want * 2.0 ** -23).all()), (g[:2], want)
