@@ -546,7 +546,7 @@ def _modelopt_quantized(family: str, kind: str):
 
 
 def _modelopt_decoded(family: str, model: Path):
-    """``family``'s model (bf16) with every tensor of the ModelOpt checkpoint ``model``, each
+    """``family``'s model (bf16; "qwen3_moe": the tiny Qwen3-MoE, experts linearized) with every tensor of the ModelOpt checkpoint ``model``, each
     quantized weight decoded by ModelOpt's own ``NVFP4QTensor`` / ``FP8QTensor.dequantize`` from
     the tensors the exporter wrote (``weight``, ``weight_scale``, ``weight_scale_2``); the input
     scales are not used (activations unquantized)."""
@@ -569,7 +569,11 @@ def _modelopt_decoded(family: str, model: Path):
             else:
                 v = FP8QTensor(v.shape, torch.float32, v).dequantize(dtype=torch.float32, scale=scale)
         state[name] = v.float()
-    m = tiny_model(family)
+    if family == "qwen3_moe":  # the checkpoint's per-expert projections: the experts linearized
+        m = tiny_qwen3_moe()
+        linearize_experts(m)
+    else:
+        m = tiny_model(family)
     missing, unexpected = m.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if m.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -767,7 +771,7 @@ def independent_logprobs(model: Path, family: str, kind: str, runs, tmp: Path) -
     activations, for the tokens of ``runs`` (run()'s result) with the engine's tokens as context:
     compressed-tensors' decompression in transformers (decompressed(quantize_activations=False)),
     or, for a ModelOpt kind, ModelOpt's own quantized model in a child process (``tmp``: its files)."""
-    if kind in MODELOPT:
+    if kind in MODELOPT or kind in MODELOPT_MOE:
         tokens, out = tmp / "runs.json", tmp / "logprobs.json"
         tokens.write_text(json.dumps(runs))
         _modelopt_child("evaluate", family, str(model), str(tokens), str(out))

@@ -361,3 +361,19 @@ def test_modelopt_w13_input_scale_is_the_larger_of_gate_and_up(modelopt_ckpt, di
     g = layer.quant_method.bound.w13_act_opts["global_scale"].double()
     want = 1 / torch.stack([t[f"{PREFIX}.0.gate_proj.input_scale"].double(), t[up].double() * 4])
     assert bool(((g[:2] - want).abs() <= want * 2.0 ** -23).all()), (g[:2], want)
+
+
+def test_gptoss_layer_with_another_activation_is_refused_by_name(gptoss_ckpt, dist):
+    """gpt-oss's W13 rows are interleaved for swigluoai; the method serves nothing else, and says so
+    at the layer's construction (vLLM's method would build it)."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
+
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    with harness.vllm_context(gptoss_ckpt) as cfg:
+        with pytest.raises(CheckpointError, match=rf"layer {PREFIX}: gpt-oss MXFP4 .* with activation 'silu'; "
+                                                  r"b12x-dual's gpt-oss MXFP4 MoE method serves \('swigluoai',\)"):
+            FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, renormalize=True,
+                            quant_config=harness.quant_config(cfg), prefix=PREFIX, params_dtype=torch.bfloat16,
+                            has_bias=True, activation="silu", routed_experts_cls=GptOssRoutedExperts)
