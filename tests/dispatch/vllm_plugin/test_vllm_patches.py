@@ -220,12 +220,14 @@ def test_gptoss_and_modelopt_moe_get_quant_method_are_wrapped_and_what_they_rely
         assert cls.__dict__["get_quant_method"] is wrapped
     assert mx.GptOssMxfp4Config.get_name() == "gpt_oss_mxfp4"
     loader = inspect.getsource(RoutedExperts.weight_loader)
-    assert 'if quant_config_name == "gpt_oss_mxfp4":' in loader and "param.data[:, :dim1, :dim2].copy_(loaded_weight)" in loader
+    assert 'if quant_config_name == "gpt_oss_mxfp4":' in loader
+    assert "param.data[:, :dim1, :dim2].copy_(loaded_weight)" in loader
     assert '"ModelOpt" in quant_method_name' in loader and "uses_weight_scale_2_pattern()" in loader
     assert '"use_global_sf"' in loader
     gpt = inspect.getsource(gpt_oss.GptOssModel._load_weights_mxfp4)
     assert gpt.count("expert_id=None") >= 6 and "2 * intermediate_size, -1" in gpt
-    assert 'getattr(self.quant_method, "weight_dtype", "")' in inspect.getsource(gpt_oss.GptOssRoutedExperts.weight_loader)
+    gpt_loader = inspect.getsource(gpt_oss.GptOssRoutedExperts.weight_loader)
+    assert 'getattr(self.quant_method, "weight_dtype", "")' in gpt_loader
     assert mo.ModelOptNvFp4Config.FusedMoEMethodCls.__name__ == "ModelOptNvFp4FusedMoE"
     assert "self.FusedMoEMethodCls(" in inspect.getsource(mo.ModelOptQuantConfigBase.get_quant_method)
     assert "ModelOpt" in moe.B12xDualModelOptNvFp4MoEMethod.__name__
