@@ -377,3 +377,16 @@ def test_gptoss_layer_with_another_activation_is_refused_by_name(gptoss_ckpt, di
             FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, renormalize=True,
                             quant_config=harness.quant_config(cfg), prefix=PREFIX, params_dtype=torch.bfloat16,
                             has_bias=True, activation="silu", routed_experts_cls=GptOssRoutedExperts)
+
+
+def test_gptoss_under_auto_is_never_first(gptoss_ckpt, dist, monkeypatch):
+    """Under auto the plugin's MoE method goes first only where b12x's fused MoE (cute) serves the
+    layer, and it takes no expert biases: gpt-oss's layers stay vLLM's on every device unless asked for."""
+    from dispatch.vllm_plugin import moe, placement
+
+    monkeypatch.delenv(placement.ENV_AUTO, raising=False)
+    with harness.vllm_context(gptoss_ckpt, linear_backend="auto"):
+        ok, why = moe.wanted("mxfp4_w4a16", biases=True)
+    assert not ok and "takes no expert biases" in why and "--moe-backend b12x" in why, why
+    with harness.vllm_context(gptoss_ckpt, linear_backend="b12x"):
+        assert moe.wanted("mxfp4_w4a16", biases=True) == (True, "--linear-backend b12x")
