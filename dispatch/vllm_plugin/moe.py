@@ -230,6 +230,7 @@ class B12xDualMoEMethod(_Base):
     BIASES = False  # expert biases served (gpt-oss's experts have them)
     OPTIONAL: tuple = ()  # parameters a checkpoint of this layout may leave out
     SHARED = "compressed-tensors shares it over gate and up"  # why one W13 per-tensor scale per expert
+    ZEROS = False  # parameters start at zero (rows a rank's loader leaves unfilled must compute 0)
 
     def __init__(self, moe, *, variant: str, scheme_text: str = "", layer_name: str = "moe"):
         if _Base is not object:
@@ -258,7 +259,7 @@ class B12xDualMoEMethod(_Base):
         for name, (dtype, shape, kind) in self.params(E, H, I).items():
             # per-tensor scales start at 1, as vLLM's methods make them: its loader compares an
             # arriving up_proj input scale with the gate's slot unless that holds 1
-            init = torch.ones if kind == "tensor" else torch.empty
+            init = torch.ones if kind == "tensor" else (torch.zeros if self.ZEROS else torch.empty)
             p = torch.nn.Parameter(init(shape, dtype=dtype), requires_grad=False)
             layer.register_parameter(name, p)
             attrs = dict(extra_weight_attrs)
@@ -570,6 +571,9 @@ class B12xDualGptOssMxfp4MoEMethod(B12xDualMoEMethod):
     LAYOUT = "gpt-oss MXFP4"
     ACTIVATIONS = ("swigluoai",)
     BIASES = True
+    # vLLM's gpt-oss loader gives a tensor-parallel rank whole 32-blocks of I (cdiv): the last rank's
+    # rows past the checkpoint stay zero, as in vLLM's method (codes 0, biases 0: their output is 0)
+    ZEROS = True
     weight_dtype = "gpt_oss_mxfp4"  # GptOssRoutedExperts reads this of its quant method
 
     def params(self, E: int, H: int, I: int) -> dict:

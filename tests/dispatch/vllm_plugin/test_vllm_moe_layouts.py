@@ -85,17 +85,18 @@ def gptoss_ckpt(ckpt_root):
         return engine_env.write_gptoss_model(ckpt_root)
 
 
-def build_gptoss(ckpt: Path, *, tamper=None, skip=(), linear_backend="b12x"):
+def build_gptoss(ckpt: Path, *, tamper=None, skip=(), linear_backend="b12x", intermediate=I):
     """vLLM's GptOssRoutedExperts for layer 0 of ``ckpt``, loaded as GptOssModel._load_weights_mxfp4
     loads it at TP = 1 and processed. ``tamper(name, tensor)`` edits a checkpoint tensor on the way
-    in; ``skip``: checkpoint leaf names (``down_proj_scales``) left out."""
+    in; ``skip``: checkpoint leaf names (``down_proj_scales``) left out; ``intermediate``: the
+    layer's I per rank (above the checkpoint's: the rows vLLM's loader leaves unfilled)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
 
     with harness.vllm_context(ckpt, linear_backend=linear_backend) as cfg:
         qc = harness.quant_config(cfg)
-        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, renormalize=True,
-                                 quant_config=qc, prefix=PREFIX, params_dtype=torch.bfloat16,
+        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=intermediate,
+                                 renormalize=True, quant_config=qc, prefix=PREFIX, params_dtype=torch.bfloat16,
                                  apply_router_weight_on_input=False, has_bias=True, activation="swigluoai",
                                  routed_experts_cls=GptOssRoutedExperts)
         layer = runner.routed_experts
@@ -149,6 +150,23 @@ def test_gptoss_layer_is_served_as_mxfp4_w4a16_and_matches_the_oracle(gptoss_ckp
     assert method.launched == {"reference": 1}
     rep = method.report(7)
     assert PREFIX in rep and "mxfp4_w4a16" in rep and "gpt-oss MXFP4" in rep and "ran: reference: 1 calls" in rep
+
+
+def test_gptoss_rows_past_the_checkpoint_compute_zero(gptoss_ckpt, dist, impl):
+    """vLLM's gpt-oss loader gives each tensor-parallel rank whole 32-blocks of I (cdiv), so the last
+    rank's I can exceed what the checkpoint fills (gpt-oss-20b's I = 2880 at TP = 4: 736 per rank,
+    672 filled on the last); it copies into the leading rows only. Here the layer holds I = 160 and
+    the checkpoint 128: the extra rows must compute 0 (zero codes and biases, as vLLM's method
+    allocates them), so the output is the 128-row oracle's (one bf16 rounding)."""
+    impl("reference")
+    layer = build_gptoss(gptoss_ckpt, intermediate=I + 32)
+    assert layer.quant_method.bound.intermediate == I + 32
+    w13, w2, b13, b2 = gptoss_experts(gptoss_ckpt)
+    x, ids, wt, y = _call(layer, 6, 4)
+    ref = formats.reference_moe(x, w13, w2, ids, wt, activation="swigluoai", w13_bias=b13, w2_bias=b2, a16=True,
+                                out_dtype=torch.float64)
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y).all() and bool((err <= _bf16_bound(ref)).all()), float(err.max())
 
 
 def test_gptoss_layer_triton_within_the_lesson_bound(gptoss_ckpt, dist, impl):
