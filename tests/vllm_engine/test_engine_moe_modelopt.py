@@ -3,7 +3,8 @@
 The tiny random Qwen3-MoE (2 sparse layers, 8 experts, top-2, H = 256, I = 128) quantized and
 exported by NVIDIA ModelOpt's own code (NVFP4_DEFAULT_CFG, engine_env.write_modelopt_moe_model; it
 runs on a CPU): every linear, the experts' gate/up/down included, is NVFP4 W4A4 with static
-input scales. Without the plugin vLLM's ModelOptNvFp4FusedMoE has no CPU backend; with the plugin
+input scales. Without the plugin the engine stops at the first dense NVFP4 linear ("Failed to find a
+kernel"), and vLLM's ModelOptNvFp4FusedMoE has no CPU backend either; with the plugin
 and --linear-backend b12x the dense linears are the plugin's NVFP4 classes and every MoE layer gets
 B12xDualModelOptNvFp4MoEMethod (nvfp4, g = 1 / weight_scale_2, W13's input scale the larger of
 gate's and up's). One engine (B12X_IMPL=reference), shared by:
