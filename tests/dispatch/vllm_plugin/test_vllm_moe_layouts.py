@@ -408,3 +408,31 @@ def test_gptoss_under_auto_is_never_first(gptoss_ckpt, dist, monkeypatch):
     assert not ok and "takes no expert biases" in why and "--moe-backend b12x" in why, why
     with harness.vllm_context(gptoss_ckpt, linear_backend="b12x"):
         assert moe.wanted("mxfp4_w4a16", biases=True) == (True, "--linear-backend b12x")
+
+
+def test_modelopt_group_size_other_than_16_is_refused_by_name(modelopt_ckpt, dist, tmp_path):
+    """The ModelOpt config with ``group_size`` 32 (the config alone; NVFP4's block is 16 by
+    definition): refused at the layer's construction naming the layer and the group size."""
+    import json
+    import shutil
+
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    from dispatch.vllm_plugin.convert import CheckpointError
+
+    ckpt = tmp_path / "modelopt_group32"
+    shutil.copytree(modelopt_ckpt("modelopt_moe_NVFP4"), ckpt)
+    for name in ("config.json", "hf_quant_config.json"):
+        cfg = json.loads((ckpt / name).read_text())
+        qc = cfg.get("quantization_config") or cfg["quantization"]
+        qc["group_size"] = 32
+        for group in qc.get("config_groups", {}).values():
+            for key in ("weights", "input_activations"):
+                if group.get(key):
+                    group[key]["group_size"] = 32
+        (ckpt / name).write_text(json.dumps(cfg))
+    with harness.vllm_context(ckpt) as cfg:
+        with pytest.raises(CheckpointError, match=rf"layer {PREFIX}: the checkpoint is ModelOpt NVFP4 with group_size "
+                                                  r"32; NVFP4 experts have one e4m3 block scale per 16 elements"):
+            FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, renormalize=True,
+                            quant_config=harness.quant_config(cfg), prefix=PREFIX, params_dtype=torch.bfloat16)
