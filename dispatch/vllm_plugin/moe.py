@@ -641,7 +641,7 @@ class B12xDualModelOptNvFp4MoEMethod(B12xDualMoEMethod):
         from formats.base import ieee_div
 
         g = lambda n: getattr(layer, n).data  # noqa: E731
-        one = torch.ones((), dtype=torch.float32)
+        one = torch.ones((), dtype=torch.float32, device=g("w2_weight_scale_2").device)
         g13 = ieee_div(one, self._one_per_expert(layer, "w13_weight_scale_2", "weight global scale (weight_scale_2)"))
         g2 = ieee_div(one, self._positive(layer, "w2_weight_scale_2"))
         try:
