@@ -24,7 +24,10 @@ _MOE_TARGET = ("vllm.model_executor.layers.quantization.compressed_tensors.compr
                "compressed_tensors_moe")
 # vLLM's ModelOpt quantization module (imports quantization.fp8 itself): patches.modelopt_fp8_weight_loader
 _MODELOPT_TARGET = "vllm.model_executor.layers.quantization.modelopt"
-_state = {"registered": False, "applied": False, "moe_applied": False, "modelopt_applied": False}
+# vLLM's MXFP4 quantization module (GptOssMxfp4Config): patches.gptoss_moe_method
+_MXFP4_TARGET = "vllm.model_executor.layers.quantization.mxfp4"
+_state = {"registered": False, "applied": False, "moe_applied": False, "modelopt_applied": False,
+          "mxfp4_applied": False}
 
 
 def _apply() -> None:
@@ -68,16 +71,30 @@ def _apply_modelopt() -> None:
     except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
         import logging
 
-        logging.getLogger("dispatch.vllm_plugin").exception("b12x-dual: patching vLLM's ModelOpt FP8 failed")
+        logging.getLogger("dispatch.vllm_plugin").exception("b12x-dual: patching vLLM's ModelOpt module failed")
 
 
-_HOOKS = {_TARGET: _apply, _MOE_TARGET: _apply_moe, _MODELOPT_TARGET: _apply_modelopt}
+def _apply_mxfp4() -> None:
+    if _state["mxfp4_applied"]:
+        return
+    _state["mxfp4_applied"] = True
+    from . import patches
+
+    try:
+        patches.apply_gptoss()
+    except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
+        import logging
+
+        logging.getLogger("dispatch.vllm_plugin").exception("b12x-dual: patching vLLM's gpt-oss MXFP4 MoE failed")
+
+
+_HOOKS = {_TARGET: _apply, _MOE_TARGET: _apply_moe, _MODELOPT_TARGET: _apply_modelopt, _MXFP4_TARGET: _apply_mxfp4}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs :func:`_apply` once vLLM's linear-kernel package has finished importing,
     :func:`_apply_moe` once compressed-tensors' MoE module has, :func:`_apply_modelopt` once
-    vLLM's ModelOpt module has."""
+    vLLM's ModelOpt module has, :func:`_apply_mxfp4` once vLLM's MXFP4 module has."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in _HOOKS:

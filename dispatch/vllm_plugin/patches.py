@@ -45,6 +45,18 @@ patches (tests/dispatch/vllm_plugin/test_vllm_patches.py on 0.33, tests/vllm_eng
    other layer vLLM's. Relies on: the static method is looked up on the class by every caller;
    ``layer.moe_config``, ``layer.ckpt_gate_proj_name``; ``quant_config._add_fused_moe_to_target_scheme_map``
    and ``get_scheme_dict``; RoutedExperts.weight_loader's signature and name-based branches.
+9. ``gptoss_moe_method`` (0.32, 0.33; applied by :func:`apply_gptoss` once vLLM's MXFP4 module is
+   imported): ``GptOssMxfp4Config.get_quant_method`` (gpt-oss's own MXFP4 checkpoints) is wrapped
+   (moe.select_gptoss): where asked for, an MoE layer gets b12x-dual's gpt-oss MXFP4 method. Relies
+   on: the config class looked up per model (``get_quantization_config``); ``RoutedExperts``;
+   ``GptOssModel._load_weights_mxfp4`` handing stacked tensors (``expert_id`` None) to
+   ``RoutedExperts.weight_loader``, which copies them whole for the ``gpt_oss_mxfp4`` config.
+10. ``modelopt_moe_method`` (0.32, 0.33; applied by :func:`apply_modelopt`):
+   ``ModelOptNvFp4Config.get_quant_method`` is wrapped (moe.select_modelopt): where asked for, a
+   quantized MoE layer of a ModelOpt NVFP4 checkpoint gets b12x-dual's ModelOpt NVFP4 method (before
+   vLLM's ``ModelOptNvFp4FusedMoE``, whose constructor fails on the CPU). Relies on:
+   ``is_layer_excluded``, ``quant_method``, ``is_checkpoint_nvfp4_serialized``, ``group_size``;
+   RoutedExperts.weight_loader's "ModelOpt" class-name branches (``uses_weight_scale_2_pattern``).
 """
 
 from __future__ import annotations
@@ -349,12 +361,34 @@ def apply_moe() -> list[str]:
     return _apply_after(CT_MOE, "moe_method", moe_method, "vLLM's own MoE methods serve")
 
 
+def gptoss_moe_method() -> None:
+    from . import moe
+
+    moe.wrap_gptoss_get_quant_method()
+
+
+def modelopt_moe_method() -> None:
+    from . import moe
+
+    moe.wrap_modelopt_get_quant_method()
+
+
+def apply_gptoss() -> list[str]:
+    """Apply the ``gptoss_moe_method`` patch once vLLM's MXFP4 module is imported."""
+    from .moe import MXFP4
+
+    return _apply_after(MXFP4, "gptoss_moe_method", gptoss_moe_method, "vLLM's own gpt-oss MXFP4 MoE method serves")
+
+
 def apply_modelopt() -> list[str]:
-    """Apply the ``modelopt_fp8_weight_loader`` patch once vLLM's ModelOpt module has finished
-    importing: importing it from :func:`apply` (run when the linear-kernel package finishes, which
-    can be in the middle of ``quantization.fp8``'s own import) met a partially initialized module."""
-    return _apply_after(MODELOPT, "modelopt_fp8_weight_loader", modelopt_fp8_weight_loader,
-                        "ModelOpt FP8 weights lose their weight_loader on reload (vLLM 0.32's behaviour)")
+    """Apply the ``modelopt_fp8_weight_loader`` and ``modelopt_moe_method`` patches once vLLM's
+    ModelOpt module has finished importing: importing it from :func:`apply` (run when the
+    linear-kernel package finishes, which can be in the middle of ``quantization.fp8``'s own
+    import) met a partially initialized module."""
+    _apply_after(MODELOPT, "modelopt_fp8_weight_loader", modelopt_fp8_weight_loader,
+                 "ModelOpt FP8 weights lose their weight_loader on reload (vLLM 0.32's behaviour)")
+    return _apply_after(MODELOPT, "modelopt_moe_method", modelopt_moe_method,
+                        "vLLM's own ModelOpt NVFP4 MoE method serves")
 
 
 def apply() -> list[str]:

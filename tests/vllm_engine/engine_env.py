@@ -409,6 +409,97 @@ def write_gptoss_model(root: Path, kind: str = "gptoss_mxfp4") -> Path:
     write_tokenizer(out)
     return out
 
+# ModelOpt NVFP4 MoE checkpoint kind -> ModelOpt's config (modelopt.torch.quantization).
+MODELOPT_MOE = {"modelopt_moe_NVFP4": "NVFP4_DEFAULT_CFG", "modelopt_moe_W4A16_NVFP4": "W4A16_NVFP4_CFG"}
+
+
+def write_modelopt_moe_model(root: Path, kind: str = "modelopt_moe_NVFP4") -> Path:
+    """The tiny Qwen3-MoE as a ModelOpt NVFP4 checkpoint ``root/kind`` (MODELOPT_MOE), written once:
+    by NVIDIA ModelOpt's own ``mtq.quantize`` + ``export_hf_checkpoint`` (a child process) where
+    nvidia-modelopt is installed (.venv-engine; its export runs on a CPU), else derived in ModelOpt's
+    layout (:func:`derive_modelopt_moe`). Returns the directory; ``(out / "DERIVED")`` exists for a
+    derived one."""
+    if kind not in MODELOPT_MOE:
+        raise ValueError(f"kind must be one of {tuple(MODELOPT_MOE)}, got {kind!r}")
+    out = root / kind
+    if (out / "config.json").exists():
+        return out
+    if modelopt_available() == "":
+        _modelopt_child("export", "qwen3_moe", kind, str(out))
+    else:
+        derive_modelopt_moe(out, kind)
+    write_tokenizer(out)
+    return out
+
+
+def derive_modelopt_moe(out: Path, kind: str) -> None:
+    """The tiny Qwen3-MoE in the layout nvidia-modelopt 0.47.0's ``export_hf_checkpoint`` writes
+    for NVFP4_DEFAULT_CFG / W4A16_NVFP4_CFG, for an environment without ModelOpt (vLLM 0.33's
+    venv). Per expert and projection (``mlp.experts.<e>.gate_proj`` ...): ``weight`` u8 [N, K/2]
+    (e2m1, element 2i in the low nibble), ``weight_scale`` e4m3 [N, K/16], ``weight_scale_2`` f32
+    0-d = amax / (6 * 448) (a multiplier, shared by an expert's gate and up, as ModelOpt's export
+    makes it), and for NVFP4 ``input_scale`` f32 0-d = input amax / (6 * 448) over the calibration
+    tokens (every token through every expert, as ModelOpt calibrates MoE experts); the codes and
+    block scales are ``formats.quantize(W, "nvfp4", global_scale=1 / weight_scale_2)``. Only the
+    experts are quantized: attention, router, embeddings and head stay as the model holds them and
+    are excluded (``ignore`` / ``exclude_modules``). tests/vllm_engine/test_engine_moe_checkpoints.py
+    checks this layout against ModelOpt's own export where ModelOpt is installed."""
+    import torch
+    from safetensors.torch import save_file
+
+    import formats
+
+    model = tiny_qwen3_moe()
+    model.config.architectures = ["Qwen3MoeForCausalLM"]
+    inputs = {}
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0].detach()))
+             for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(input_ids=calibration_ids())
+    for h in hooks:
+        h.remove()
+    a16 = kind == "modelopt_moe_W4A16_NVFP4"
+    tensors, ignore = {}, ["lm_head", "model.embed_tokens"]
+    for name, t in model.state_dict().items():
+        if ".mlp.experts." not in name:
+            tensors[name] = t.contiguous()
+    for i, layer in enumerate(model.model.layers):
+        ignore += [f"model.layers.{i}.self_attn*", f"model.layers.{i}.mlp.gate"]
+        fused = layer.mlp.experts
+        x = inputs[i].reshape(-1, inputs[i].shape[-1]).float()
+        n = fused.intermediate_dim
+        for e in range(fused.num_experts):
+            w = {"gate_proj": fused.gate_up_proj[e, :n], "up_proj": fused.gate_up_proj[e, n:],
+                 "down_proj": fused.down_proj[e]}
+            w = {k: v.detach().float() for k, v in w.items()}
+            inter = torch.nn.functional.silu(x @ w["gate_proj"].T) * (x @ w["up_proj"].T)
+            amax = {"gate_proj": torch.maximum(w["gate_proj"].abs().amax(), w["up_proj"].abs().amax())}
+            amax["up_proj"], amax["down_proj"] = amax["gate_proj"], w["down_proj"].abs().amax()
+            x_amax = {"gate_proj": x.abs().amax(), "up_proj": x.abs().amax(), "down_proj": inter.abs().amax()}
+            for proj, wt in w.items():
+                p = f"model.layers.{i}.mlp.experts.{e}.{proj}."
+                ws2 = (amax[proj].double() / 2688).float()
+                q = formats.quantize(wt, "nvfp4", global_scale=float((1 / ws2.double()).float()))
+                tensors[p + "weight"], tensors[p + "weight_scale"] = q.data.contiguous(), q.scale.contiguous()
+                tensors[p + "weight_scale_2"] = ws2.reshape(())
+                if not a16:
+                    tensors[p + "input_scale"] = (x_amax[proj].double() / 2688).float().reshape(())
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    algo = "W4A16_NVFP4" if a16 else "NVFP4"
+    group = {"weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+             "input_activations": None if a16 else {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+             "targets": ["Linear"]}
+    qc = {"config_groups": {"group_0": group}, "ignore": ignore, "quant_algo": algo,
+          "producer": {"name": "b12x-dual derive_modelopt_moe", "version": "0"}, "quant_method": "modelopt"}
+    cfg = model.config.to_dict()
+    cfg.update(dtype="bfloat16", quantization_config=qc)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "hf_quant_config.json").write_text(json.dumps({"producer": qc["producer"], "quantization": {
+        "quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ignore}}, indent=2))
+    (out / "DERIVED").write_text("written by engine_env.derive_modelopt_moe (no nvidia-modelopt here)\n")
+
+
 def modelopt_available() -> str:
     """"" when nvidia-modelopt (MODELOPT_REQUIRED) is installed, else why not."""
     name, version = MODELOPT_REQUIRED
@@ -440,18 +531,23 @@ def _modelopt_quantized(family: str, kind: str):
     import modelopt.torch.quantization as mtq
     import torch
 
-    model = tiny_model(family)
+    if family == "qwen3_moe":  # ModelOpt's export reads config.architectures
+        model = tiny_qwen3_moe()
+        model.config.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        model = tiny_model(family)
     ids = calibration_ids()
 
     def loop(m):
         with torch.no_grad():
             m(input_ids=ids)
 
-    return mtq.quantize(model, getattr(mtq, MODELOPT[kind]), loop)
+    return mtq.quantize(model, getattr(mtq, {**MODELOPT, **MODELOPT_MOE}[kind]), loop)
 
 
 def _modelopt_decoded(family: str, model: Path):
-    """``family``'s model (bf16) with every tensor of the ModelOpt checkpoint ``model``, each
+    """``family``'s model (bf16; "qwen3_moe": the tiny Qwen3-MoE, experts linearized) with every
+    tensor of the ModelOpt checkpoint ``model``, each
     quantized weight decoded by ModelOpt's own ``NVFP4QTensor`` / ``FP8QTensor.dequantize`` from
     the tensors the exporter wrote (``weight``, ``weight_scale``, ``weight_scale_2``); the input
     scales are not used (activations unquantized)."""
@@ -474,7 +570,11 @@ def _modelopt_decoded(family: str, model: Path):
             else:
                 v = FP8QTensor(v.shape, torch.float32, v).dequantize(dtype=torch.float32, scale=scale)
         state[name] = v.float()
-    m = tiny_model(family)
+    if family == "qwen3_moe":  # the checkpoint's per-expert projections: the experts linearized
+        m = tiny_qwen3_moe()
+        linearize_experts(m)
+    else:
+        m = tiny_model(family)
     missing, unexpected = m.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if m.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -672,7 +772,7 @@ def independent_logprobs(model: Path, family: str, kind: str, runs, tmp: Path) -
     activations, for the tokens of ``runs`` (run()'s result) with the engine's tokens as context:
     compressed-tensors' decompression in transformers (decompressed(quantize_activations=False)),
     or, for a ModelOpt kind, ModelOpt's own quantized model in a child process (``tmp``: its files)."""
-    if kind in MODELOPT:
+    if kind in MODELOPT or kind in MODELOPT_MOE:
         tokens, out = tmp / "runs.json", tmp / "logprobs.json"
         tokens.write_text(json.dumps(runs))
         _modelopt_child("evaluate", family, str(model), str(tokens), str(out))
@@ -690,12 +790,15 @@ MANTISSA = {"bf16": 7, "e4m3": 3, "e2m1": 1}
 def activation_format(model: Path) -> str | None:
     """The element format the checkpoint ``model`` quantizes linear inputs to ("e4m3", "e2m1"), or
     None where it keeps them in the model's dtype: from config.json's quantization_config
-    (compressed-tensors: every config group's ``input_activations``; ModelOpt: ``quant_algo``).
+    (compressed-tensors: every config group's ``input_activations``; ModelOpt: ``quant_algo``;
+    gpt-oss's ``quant_method "mxfp4"``: weights only).
     Raises ValueError for a config it cannot read, naming what it found."""
     qc = json.loads((model / "config.json").read_text())["quantization_config"]
     if qc.get("quant_method") == "modelopt":
         algo = qc.get("quant_algo") or qc.get("quantization", {}).get("quant_algo")
-        found = {"NVFP4": "e2m1", "FP8": "e4m3"}.get(algo, "?")
+        found = {"NVFP4": "e2m1", "FP8": "e4m3", "W4A16_NVFP4": None}.get(algo, "?")
+    elif qc.get("quant_method") == "mxfp4":  # gpt-oss's own MXFP4: weights only, activations bf16
+        found = None
     else:
         kinds = {None if g.get("input_activations") is None else
                  (g["input_activations"]["type"], g["input_activations"]["num_bits"])

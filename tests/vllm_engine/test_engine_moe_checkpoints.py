@@ -163,3 +163,81 @@ def test_gptoss_mxfp4_layout(moe_root):
             ref = w[e].T.detach().float()
             elem = formats.codecs.decode_e8m0(s[e]).repeat_interleave(32, 1)
             assert torch.all((formats.dequantize(q) - ref).abs() <= _bound("moe_mxfp4", ref, elem))
+
+
+def _modelopt_layout(d) -> dict:
+    """{(layer, leaf of one expert's projection): (dtype, shape)} of a ModelOpt MoE checkpoint's experts."""
+    out = {}
+    for k, v in _tensors(d).items():
+        if ".mlp.experts." in k:
+            layer, rest = k.split(".mlp.experts.")
+            out[(layer, rest.split(".", 1)[1])] = (v.dtype, tuple(v.shape))
+    return out
+
+
+@pytest.mark.parametrize("kind", tuple(engine_env.MODELOPT_MOE))
+def test_modelopt_moe_checkpoint_layout_and_values(kind, moe_root, reference):
+    """The ModelOpt NVFP4 Qwen3-MoE (nvidia-modelopt's export where it is installed, else
+    engine_env.derive_modelopt_moe): per expert and projection ``weight`` u8 [N, K/2],
+    ``weight_scale`` e4m3 [N, K/16], ``weight_scale_2`` f32 0-d shared by gate and up, ``input_scale``
+    f32 0-d for NVFP4 only; each weight, read as formats' NVFP4 with g = 1 / weight_scale_2 (the plugin's
+    reading of ModelOpt's multiplier), is the model's weight within NVFP4's rounding bound (the
+    wrong projection is not), and where ModelOpt is installed, ModelOpt's own NVFP4QTensor decodes
+    every weight to formats' reading within 2^-22 relative (the reciprocal's and the division's
+    float32 roundings), and the derived layout equals the export's."""
+    d = engine_env.write_modelopt_moe_model(moe_root, kind)
+    a16 = kind.endswith("W4A16_NVFP4")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "modelopt"
+    assert cfg["quantization_config"]["quant_algo"] == ("W4A16_NVFP4" if a16 else "NVFP4")
+    t = _tensors(d)
+    leaves = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_scale_2": torch.float32}
+    if not a16:
+        leaves["input_scale"] = torch.float32
+    fused_layers = [layer.mlp.experts for layer in reference.model.layers]
+    for layer in range(LAYERS):
+        for e in range(E):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            assert t[p + "gate_proj.weight_scale_2"] == t[p + "up_proj.weight_scale_2"]
+            for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                got = {leaf: (v.dtype, tuple(v.shape)) for leaf, v in
+                       ((kk[len(p + proj) + 1:], vv) for kk, vv in t.items() if kk.startswith(p + proj + "."))}
+                want = {"weight": (torch.uint8, (n, k // 2)), "weight_scale": (torch.float8_e4m3fn, (n, k // 16))}
+                want.update({leaf: (torch.float32, ()) for leaf in leaves if leaf not in want})
+                assert got == want, f"{p}{proj}: {got}"
+                g = (1 / t[p + proj + ".weight_scale_2"].double()).float()
+                q = formats.QuantizedTensor("nvfp4", "weight", t[p + proj + ".weight"],
+                                            t[p + proj + ".weight_scale"], g, (1, 16), (n, k))
+                dq = formats.dequantize(q)
+                f = fused_layers[layer]
+                w = {"gate_proj": f.gate_up_proj[e, :I], "up_proj": f.gate_up_proj[e, I:],
+                     "down_proj": f.down_proj[e]}[proj].detach().float()
+                elem = formats.codecs.decode_e4m3(q.scale).repeat_interleave(16, 1) / g
+                assert torch.all((dq - w).abs() <= _bound("moe_nvfp4", w, elem)), f"{p}{proj}"
+                if proj == "gate_proj":
+                    other = f.gate_up_proj[e, I:].detach().float()
+                    assert not torch.all((dq - other).abs() <= _bound("moe_nvfp4", other, elem))
+    if engine_env.modelopt_available():
+        assert (d / "DERIVED").exists()
+        return
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    assert not (d / "DERIVED").exists()
+    for name, v in t.items():
+        if name.endswith(".weight") and v.dtype == torch.uint8:
+            base = name[: -len("weight")]
+            q = NVFP4QTensor(torch.Size([v.shape[0], 2 * v.shape[1]]), torch.float32, v)
+            theirs = q.dequantize(dtype=torch.float32, scale=t[base + "weight_scale"],
+                                  double_scale=t[base + "weight_scale_2"], block_sizes={-1: 16}).double()
+            g = (1 / t[base + "weight_scale_2"].double()).float()
+            q = formats.QuantizedTensor("nvfp4", "weight", v, t[base + "weight_scale"], g, (1, 16),
+                                        (v.shape[0], 2 * v.shape[1]))
+            ours = formats.dequantize(q, torch.float64)
+            assert torch.all((ours - theirs).abs() <= theirs.abs() * 2.0 ** -22), name
+    derived = moe_root / f"{kind}_derived"
+    if not (derived / "model.safetensors").exists():
+        engine_env.derive_modelopt_moe(derived, kind)
+    assert _modelopt_layout(derived) == _modelopt_layout(d)
+    mine = json.loads((derived / "hf_quant_config.json").read_text())["quantization"]
+    theirs = json.loads((d / "hf_quant_config.json").read_text())["quantization"]
+    assert {k: mine[k] for k in ("quant_algo", "group_size")} == {k: theirs[k] for k in ("quant_algo", "group_size")}

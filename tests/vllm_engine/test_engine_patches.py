@@ -121,3 +121,27 @@ def test_cpu_worker_sets_dist_ident_from_its_init_method():
 
     assert 'os.environ["VLLM_DIST_IDENT"]' in inspect.getsource(cpu_communicator._CPUSHMDistributed.make_group_name)
     assert 'os.environ["VLLM_DIST_IDENT"] = (' in inspect.getsource(cpu_worker)
+
+
+def test_gptoss_and_modelopt_moe_methods_premises_on_0_32(patched):
+    """Patches 9 and 10 on 0.32 (the same code as 0.33's; the twin test there says more): the two
+    config classes' inherited get_quant_method(layer, prefix) build RoutedExperts' method; the
+    loader's gpt_oss_mxfp4 whole-tensor copy and its "ModelOpt" class-name branches are there; the
+    wrappers are in place once the modules are imported."""
+    import importlib
+
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    from dispatch.vllm_plugin import moe
+
+    mx = importlib.import_module(moe.MXFP4)
+    mo = importlib.import_module(moe.MODELOPT)
+    assert {"gptoss_moe_method", "modelopt_moe_method"} <= set(patched.applied), (patched.applied, patched.failed)
+    for cls, base in ((mx.GptOssMxfp4Config, mx.Mxfp4Config), (mo.ModelOptNvFp4Config, mo.ModelOptQuantConfigBase)):
+        original = getattr(cls.__dict__["get_quant_method"], "__b12x_dual_original__", None)
+        assert original is base.__dict__["get_quant_method"], cls.__name__
+        assert list(inspect.signature(original).parameters) == ["self", "layer", "prefix"]
+    loader = inspect.getsource(RoutedExperts.weight_loader)
+    assert 'if quant_config_name == "gpt_oss_mxfp4":' in loader
+    assert '"ModelOpt" in quant_method_name' in loader and "uses_weight_scale_2_pattern()" in loader
+    assert mo.ModelOptNvFp4Config.FusedMoEMethodCls.__name__ == "ModelOptNvFp4FusedMoE"

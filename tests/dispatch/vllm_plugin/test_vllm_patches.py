@@ -188,6 +188,52 @@ def test_moe_method_get_moe_method_is_wrapped_and_what_it_relies_on_is_there(dis
     assert cls.__dict__["get_moe_method"].__func__.__b12x_dual_original__ is original
 
 
+def test_gptoss_and_modelopt_moe_get_quant_method_are_wrapped_and_what_they_rely_on_is_there(dist):
+    """Patches 9 (gptoss_moe_method) and 10 (modelopt_moe_method): gpt-oss's MXFP4 config class is
+    still ``GptOssMxfp4Config`` (quant_method "mxfp4" on a gpt_oss model) building RoutedExperts'
+    method in ``get_quant_method(layer, prefix)`` (inherited from Mxfp4Config); vLLM's gpt-oss
+    loader still hands whole stacked tensors (``expert_id=None``) that RoutedExperts.weight_loader
+    copies whole for that config, and GptOssRoutedExperts still reads the method's ``weight_dtype``;
+    ModelOpt's NVFP4 config still builds its MoE method in ``get_quant_method`` (inherited from
+    ModelOptQuantConfigBase) through ``FusedMoEMethodCls``, and the loader still branches on
+    "ModelOpt" in the method's class name (``uses_weight_scale_2_pattern``, the two input-scale
+    shards) and reads ``use_global_sf``. Then the patches: each class's own attribute is our
+    wrapper, once."""
+    import importlib
+
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.models import gpt_oss
+
+    from dispatch.vllm_plugin import moe, patches
+
+    mx = importlib.import_module(moe.MXFP4)
+    mo = importlib.import_module(moe.MODELOPT)
+    assert {"gptoss_moe_method", "modelopt_moe_method"} <= set(patches.applied), (patches.applied, patches.failed)
+    for cls, base, wrap in ((mx.GptOssMxfp4Config, mx.Mxfp4Config, moe.wrap_gptoss_get_quant_method),
+                            (mo.ModelOptNvFp4Config, mo.ModelOptQuantConfigBase, moe.wrap_modelopt_get_quant_method)):
+        wrapped = cls.__dict__["get_quant_method"]
+        original = getattr(wrapped, "__b12x_dual_original__", None)
+        assert original is base.__dict__["get_quant_method"], cls.__name__
+        assert list(inspect.signature(original).parameters) == ["self", "layer", "prefix"]
+        assert "RoutedExperts" in inspect.getsource(original)
+        wrap()  # idempotent
+        assert cls.__dict__["get_quant_method"] is wrapped
+    assert mx.GptOssMxfp4Config.get_name() == "gpt_oss_mxfp4"
+    loader = inspect.getsource(RoutedExperts.weight_loader)
+    assert 'if quant_config_name == "gpt_oss_mxfp4":' in loader
+    assert "param.data[:, :dim1, :dim2].copy_(loaded_weight)" in loader
+    assert '"ModelOpt" in quant_method_name' in loader and "uses_weight_scale_2_pattern()" in loader
+    assert '"use_global_sf"' in loader
+    gpt = inspect.getsource(gpt_oss.GptOssModel._load_weights_mxfp4)
+    assert gpt.count("expert_id=None") >= 6 and "2 * intermediate_size, -1" in gpt
+    gpt_loader = inspect.getsource(gpt_oss.GptOssRoutedExperts.weight_loader)
+    assert 'getattr(self.quant_method, "weight_dtype", "")' in gpt_loader
+    assert mo.ModelOptNvFp4Config.FusedMoEMethodCls.__name__ == "ModelOptNvFp4FusedMoE"
+    assert "self.FusedMoEMethodCls(" in inspect.getsource(mo.ModelOptQuantConfigBase.get_quant_method)
+    assert "ModelOpt" in moe.B12xDualModelOptNvFp4MoEMethod.__name__
+    assert "compressed" not in moe.B12xDualModelOptNvFp4MoEMethod.__name__.lower()
+
+
 def test_modelopt_fp8_weight_loader_not_needed_on_0_33(dist):
     """0.33's ModelOpt per-tensor FP8 scheme (KFp8StaticTensor.process) keeps each weight_loader
     (replace_parameter), so the 0.32 patch stays off; if vLLM goes back to bare Parameters this

@@ -47,8 +47,8 @@ def test_register_is_cheap_and_idempotent():
 
 def test_entry_point_found_by_load_general_plugins():
     """vLLM's own plugin loader finds the entry point; importing vLLM's kernel package afterwards
-    applies every patch but the ModelOpt one, which applies once vLLM's ModelOpt module has
-    finished importing; our classes lead the lists."""
+    applies every patch but the ModelOpt ones, which apply once vLLM's ModelOpt module has
+    finished importing, and the gpt-oss one (once vLLM's MXFP4 module has); our classes lead the lists."""
     got = _run_python(
         "import json\n"
         "from vllm.plugins import load_general_plugins\n"
@@ -58,13 +58,18 @@ def test_entry_point_found_by_load_general_plugins():
         "from dispatch.vllm_plugin import patches\n"
         "after_linear = list(patches.applied)\n"
         "import vllm.model_executor.layers.quantization.modelopt\n"
-        "print(json.dumps({'after_linear': after_linear, 'applied': patches.applied, 'failed': patches.failed,\n"
+        "after_modelopt = list(patches.applied)\n"
+        "import vllm.model_executor.layers.quantization.mxfp4\n"
+        "print(json.dumps({'after_linear': after_linear, 'after_modelopt': after_modelopt,\n"
+        "  'applied': patches.applied, 'failed': patches.failed,\n"
         "  'first': {k: getattr(lin, v)[PlatformEnum.CUDA][0].__name__ for k, v in patches.LIST_NAMES.items()},\n"
         "  'second_fp8': lin._POSSIBLE_FP8_KERNELS[PlatformEnum.CUDA][1].__name__,\n"
         "  'b12x': sorted(c.__name__ for c in lin._LINEAR_BACKEND_KERNEL_MAP['b12x'])}))")
     assert got["after_linear"] == ["kernel_lists", "backend_map", "nvfp4_w4a16", "cpu_fp8_quant",
                                    "ct_fp8_weight_loader", "load_checks"]
-    assert got["applied"] == got["after_linear"] + ["modelopt_fp8_weight_loader"] and got["failed"] == {}
+    modelopt = ["modelopt_fp8_weight_loader", "modelopt_moe_method"]
+    assert got["after_modelopt"][-2:] == modelopt and got["failed"] == {}
+    assert sorted(got["applied"]) == sorted(got["after_linear"] + modelopt + ["gptoss_moe_method"])
     assert got["first"] == {"fp8": "B12xDualFp8TensorKernel", "fp8_block": "B12xDualFp8BlockKernel",
                             "mxfp8": "B12xDualMxfp8Kernel", "nvfp4": "B12xDualNvFp4Kernel",
                             "mxfp4": "B12xDualMxFp4Kernel"}
