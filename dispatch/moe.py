@@ -178,6 +178,18 @@ class MoEBackend:
         """The kernels a call of ``problem`` launches on ``device`` (by name, in order), the tile and why."""
         raise NotImplementedError
 
+    def stages(self, x, prepared, topk_ids, topk_weights, **kw):
+        """Each step's result of a call (kernels_triton.moe.Stages: W13's quantized input, W13's output,
+        the activation, W2's quantized input, W2's weighted output, y), for a debugger
+        (dispatch.moe_check); None where the implementation exposes no intermediate values (its
+        kernels keep them on chip). Arguments as :meth:`run`'s, trusted."""
+        return None
+
+    def prepared_experts(self, prepared, w13, w2) -> Optional[tuple[list, list]]:
+        """(w13, w2) as ``prepare`` left them, as per-expert QuantizedTensors of the layout of the given
+        ``w13`` / ``w2`` (to compare them byte for byte), or None where prepare repacks them."""
+        return None
+
 
 class ReferenceMoE(MoEBackend):
     """formats.reference_moe: every expert's two GEMMs from the dequantized operands in float64."""
@@ -204,6 +216,9 @@ class ReferenceMoE(MoEBackend):
         return reference_moe(x, w13, w2, topk_ids, topk_weights, activation=activation, renormalize=renormalize,
                              w13_bias=w13_bias, w2_bias=w2_bias, a16=self.a16, w13_act_opts=w13_act_opts,
                              w2_act_opts=w2_act_opts, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+    def prepared_experts(self, prepared, w13, w2):
+        return prepared[0], prepared[1]
 
     def route(self, problem, device):
         return Route("reference", (), "", 1, "formats.reference_moe: a loop over experts, dequantize both operands, "
@@ -264,6 +279,33 @@ class TritonMoE(MoEBackend):
         p = problem
         return self._module().route(p.M, p.num_experts, p.top_k, p.hidden, p.intermediate, fmt=p.fmt, a16=p.a16,
                                     capability=_capability(device), sm_count=max(int(device.sm_count), 1))
+
+    def stages(self, x, prepared, topk_ids, topk_weights, *, activation="silu", renormalize=False, w13_bias=None,
+               w2_bias=None, w13_act_opts=None, w2_act_opts=None, swiglu_alpha=SWIGLU_ALPHA,
+               swiglu_limit=SWIGLU_LIMIT):
+        """kernels_triton.moe.fused_moe_stages: the lesson's steps of this call, one row per slot."""
+        self.validate_device(x)
+        return self._module().fused_moe_stages(
+            x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize, w13_bias=w13_bias,
+            w2_bias=w2_bias, a16=self.a16, w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts,
+            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+    def prepared_experts(self, prepared, w13, w2):
+        """The lesson's stacks (MoEWeights) split per expert, in the dtypes of ``w13`` / ``w2``."""
+        from dataclasses import replace
+
+        out = []
+        for (data, block, per_expert), ws in ((prepared.w13, w13), (prepared.w2, w2)):
+            qs = []
+            for e, q in enumerate(ws):
+                scale = q.scale if block is None else block[e].view(q.scale.dtype).reshape(q.scale.shape)
+                if q.block_shape is None and per_expert is not None:  # fp8_tensor: the per-tensor scale
+                    scale = per_expert[e].reshape(q.scale.shape).to(q.scale.dtype)
+                gs = None if q.global_scale is None else per_expert[e].reshape(q.global_scale.shape)
+                qs.append(replace(q, data=data[e].view(q.data.dtype).reshape(q.data.shape), scale=scale,
+                                  global_scale=gs))
+            out.append(qs)
+        return out[0], out[1]
 
 
 STATIC_SCALE_OPTION = {"fp8_tensor": "scale", "nvfp4": "global_scale"}
