@@ -45,6 +45,7 @@ from formats import QuantizedTensor, reference_moe, spec
 from formats.moe import MOE_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from formats.validate import check_weight
 
+from . import check as _check
 from . import policy, registry
 from .contract import (ACT_DTYPES, DECODE_M, DECODE_MAX_M, IMPLS, M_BUCKETS, PREFILL_M, ImplementationUnavailable,
                        NoBackend, Unsupported, UnsupportedEntry, m_bucket, variant)
@@ -742,16 +743,19 @@ class BoundMoE:
         self._backend_of[backend.name] = backend
         return prepared
 
-    def __call__(self, x, topk_ids, topk_weights, *, renormalize=False) -> torch.Tensor:
+    def __call__(self, x, topk_ids, topk_weights, *, renormalize=False, watch=True) -> torch.Tensor:
         """y [M, H] of x's dtype: x [M, H] (bf16/fp16; the reference also float32), topk_ids integer
         [M, top_k] in [0, E), topk_weights float [M, top_k], all on the experts' device; ``renormalize``
         divides each token's weights by their sum first. Validated once here (:func:`validate_call`),
-        then the chosen backend's trusted ``run``. Raises ValueError naming a bad argument,
+        then the chosen backend's trusted ``run``; with B12X_CHECK on, sampled calls are checked
+        (dispatch.check.Watchdog.after_moe_call; ``watch=False`` keeps a call out: warmup's inputs).
+        Raises ValueError naming a bad argument,
         InvalidImplementation / ImplementationUnavailable / NoBackend from the decision, and
         RuntimeError for a sealed layer whose choice changed."""
-        return self._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl())
+        return self._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl(), watch)
 
-    def _call(self, x, topk_ids, topk_weights, renormalize: bool, request: policy.Request) -> torch.Tensor:
+    def _call(self, x, topk_ids, topk_weights, renormalize: bool, request: policy.Request,
+              watch: bool = True) -> torch.Tensor:
         allowed = act_dtypes_of(self.variant, request.impl)
         M, top_k = validate_call(x, topk_ids, topk_weights, self.num_experts, self.hidden, allowed)
         if x.device != self.w13[0].data.device:
@@ -764,6 +768,8 @@ class BoundMoE:
                           w2_act_opts=self.w2_act_opts or None, swiglu_alpha=self.swiglu_alpha,
                           swiglu_limit=self.swiglu_limit)
         self.last_impl = c.impl
+        if _check.WATCHDOG is not None and watch:  # B12X_CHECK on; off: this test is all
+            _check.WATCHDOG.after_moe_call(self.name, c.backend, self, x, topk_ids, topk_weights, renormalize, y)
         return y
 
     def prepare_buckets(self, top_k: int, dtype: Optional[torch.dtype] = None) -> None:
@@ -831,7 +837,7 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, *, variant=None, activation="s
     ImplementationUnavailable and NoBackend. Source: formats.reference_moe (the numbers)."""
     layer = BoundMoE(w13, w2, variant=variant, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
                      w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts, name="fused_moe")
-    return layer._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl(impl))
+    return layer._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl(impl), watch=False)
 
 
 def moe_shape_classes(M: int) -> list[tuple[str, int, str]]:

@@ -496,6 +496,8 @@ def run_replay(path: str, *, impls: Optional[list[str]] = None, device: Optional
 
     rp = replay.read(path)
     device = device or H.default_device()
+    if isinstance(rp, replay.MoEReplay):
+        return _run_replay_moe(rp, path, impls, device)
     layer = DM.Layer(rp.layer, rp.variant, rp.qweight, rp.bias, rp.act_opts)
     x, how = replay.rebuild_x(rp, device)
     ckpt = checkpoint_stage([layer], {rp.layer: [(rp.x, "")]}, {}, device)
@@ -514,6 +516,41 @@ def run_replay(path: str, *, impls: Optional[list[str]] = None, device: Optional
             "recorded_report": rp.meta.get("report", {}), "recorded_output": recorded,
             "stage_rechecked": rp.xq is not None or a16, "version": rp.version,
             "layout": how, "layout_rebuilt": not how.startswith("input layout differs"),
+            "reproduces": None if res is None else (not res["ok"]),
+            "why_not_here": r["skipped"].get(rp.impl, "" if res is not None else f"{rp.impl} is not known here")}
+    out = _result(path, "replay file", [r], {}, ckpt)
+    out["replay"] = info
+    return out
+
+
+def _run_replay_moe(rp, path: str, impls: Optional[list[str]], device: str) -> dict[str, Any]:
+    """An MoE replay file (version 3): the call rerun here on its recorded routing with every MoE
+    implementation available (each departure split by expert and step), the recorded output rechecked
+    against the oracle with formats.bounds.moe_bound, and whether the divergence reproduces."""
+    from dispatch import moe as dmoe
+    from dispatch import replay
+
+    x, how = replay.rebuild_x(rp, device)
+    lay = rp.layer
+    ckpt_findings = moe_findings(lay)
+    ckpt = {"sound": not any(f["severity"] == UNSOUND for f in ckpt_findings),
+            "findings": [{"layer": lay.name, **f} for f in ckpt_findings],
+            "layers": {lay.name: ckpt_findings} if ckpt_findings else {}}
+    r = diff_moe_layer(lay, x, device, impls, f"replay {Path(path).name}", routing=(rp.topk_ids, rp.topk_weights))
+    r["checkpoint"] = ckpt_findings
+    recorded = None
+    if rp.y is not None:
+        ref_backend = dmoe.entries()[("reference", rp.variant)]
+        with torch.no_grad():
+            res = moe_check.compare_moe(ref_backend, lay, rp.x, rp.topk_ids, rp.topk_weights, y=rp.y, split=False,
+                                        prepared=ref_backend.prepare(lay.w13, lay.w2, activation=lay.activation))
+        recorded = moe_check.summarize(res)
+    res = r["results"].get(rp.impl)
+    info = {"layer": rp.layer.name, "impl": rp.impl, "variant": rp.variant, "kind": "moe",
+            "route": rp.meta.get("route", ""), "recorded_on": rp.meta.get("device", {}),
+            "recorded_versions": rp.meta.get("versions", {}), "recorded_report": rp.meta.get("report", {}),
+            "recorded_output": recorded, "stage_rechecked": False, "version": rp.version, "layout": how,
+            "layout_rebuilt": not how.startswith("input layout differs"),
             "reproduces": None if res is None else (not res["ok"]),
             "why_not_here": r["skipped"].get(rp.impl, "" if res is not None else f"{rp.impl} is not known here")}
     out = _result(path, "replay file", [r], {}, ckpt)
@@ -677,9 +714,13 @@ def print_report(result: dict[str, Any], *, plain: bool = False) -> None:
               f"route: {rp['route'] or '-'}")
         print(rp["layout"])
         reported = (rp.get("recorded_report") or {}).get("first")
-        print("recorded by the watchdog: " + (check.describe_first(reported) if reported else "(no report in the file)"))
+        describe = moe_check.describe_first if rp.get("kind") == "moe" else check.describe_first
+        print("recorded by the watchdog: " + (describe(reported) if reported else "(no report in the file)"))
         rec = rp["recorded_output"]
-        if rec is not None:
+        if rec is not None and rp.get("kind") == "moe":
+            print("recorded output against the oracle here (formats.bounds.moe_bound, the recorded routing): " + (
+                "within the bound" if rec["ok"] else moe_check.describe_first(rec["first"])))
+        elif rec is not None:
             stage = ("" if rp["stage_rechecked"] else " (the file holds no quantized activation of the implementation "
                      "(version 1): the output is checked on the oracle's, so an activation fault reads as a gemm one)")
             print("recorded output against the oracle here: " + (
