@@ -5,8 +5,8 @@ Two users:
 * ``b12x-dual diff`` (dispatch.apps.diff) calls :func:`compare_backend` for every implementation
   on identical quantized operands and reports where each departs;
 * the watchdog (``B12X_CHECK``) calls :meth:`Watchdog.after_call` from ``QuantLinear.forward`` and
-  the vLLM plugin's op on sampled calls, and :meth:`Watchdog.after_moe_call` from ``BoundMoE``
-  (dispatch.moe_check holds the MoE comparison).
+  the vLLM plugin's op on sampled calls; ``BoundMoE`` calls dispatch.moe_check.after_moe_call
+  (the same sampling state, the MoE comparison).
 
 What is compared, per call (M rows, N columns, K):
 
@@ -573,69 +573,13 @@ class Watchdog:
         return res
 
 
-    def after_moe_call(self, layer: str, backend, bound, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, renormalize: bool, y: torch.Tensor) -> Optional[dict]:
-        """Check an MoE call (dispatch.moe.BoundMoE) that returned ``y`` if it is sampled (the rule of
-        :meth:`after_call`, per layer name): y against formats.reference_moe on the call's own routing,
-        per (token, 128-column tile), in multiples of formats.bounds.moe_bound
-        (dispatch.moe_check.compare_moe on the recorded output: the call is not rerun). Returns the
-        report of a divergence (logged once per layer, written as an MoE replay file that
-        ``b12x-dual diff --replay`` splits by expert and step), else None."""
-        if self._capturing(x) or not self.sample(layer):
-            return None
-        from . import moe_check
-
-        lay = moe_check.MoELayer(layer, bound.variant, bound.w13, bound.w2, None, topk_ids.shape[1], renormalize,
-                                 bound.activation, dict(bound.w13_act_opts), dict(bound.w2_act_opts),
-                                 bound.w13_bias, bound.w2_bias)
-        try:
-            with torch.no_grad():
-                res = moe_check.compare_moe(backend, lay, x, topk_ids, topk_weights, y=y, split=False,
-                                            prepared=bound.backends.get(backend.name))
-            if res["error"]:
-                raise RuntimeError(res["error"])
-        except Exception as e:  # noqa: BLE001  (the check must not take the server down; it says why, once)
-            with self._lock:
-                self.diverged[layer] = {"error": f"{type(e).__name__}: {e}", "ok": False}
-            log.error("b12x-dual watchdog: cannot check MoE layer %s on %s (%s): %s: %s; not checking it again",
-                      layer, backend.impl, backend.variant, type(e).__name__, e)
-            return None
-        self.checked += 1
-        if res["ok"]:
-            return None
-        from . import replay
-        from .devices import device_of
-
-        M = x.shape[0]
-        try:
-            res["route"] = backend.route(bound.problem(M, topk_ids.shape[1], x.dtype), device_of(x)).describe()
-        except Exception as e:  # noqa: BLE001  (a route that cannot be described must not hide the report)
-            res["route"] = f"(route unavailable: {type(e).__name__}: {e})"
-        res["layer"] = layer
-        path = None
-        try:
-            path = replay.write_moe(self.directory, layer=lay, impl=backend.impl, x=x, topk_ids=topk_ids,
-                                    topk_weights=topk_weights, y=y, route=res["route"],
-                                    report=moe_check.summarize(res))
-        except Exception as e:  # noqa: BLE001  (a full disk must not take the server down; say so)
-            log.error("b12x-dual watchdog: could not write the replay file for %s to %s: %s", layer,
-                      self.directory, e)
-        res["replay"] = None if path is None else str(path)
-        with self._lock:
-            self.diverged[layer] = res
-        log.warning("%s", warning_text(res, backend))
-        return res
-
-
 def warning_text(res: dict[str, Any], backend) -> str:
     """The watchdog's WARNING: a short first line with the finding (layer, implementation, variant,
     M, the first departure), then one detail per line (route, bound, replay file, what to run)."""
-    if res.get("kind") == "moe":
-        from .moe_check import describe_first as moe_first
+    return _warning_lines(res, backend, describe_first(res["first"]))
 
-        finding = moe_first(res["first"]) + f" (E={res['E']}, top_k={res['top_k']}; the replay names the expert)"
-    else:
-        finding = describe_first(res["first"])
+
+def _warning_lines(res: dict[str, Any], backend, finding: str) -> str:
     head = f"b12x-dual watchdog: layer {res['layer']} on {backend.impl} ({backend.variant}, M={res['M']}): {finding}"
     lines = [head, f"  route: {res.get('route') or '-'}", f"  bound: {res['bound']}",
              f"  replay file: {res.get('replay') or '(not written)'}"]

@@ -46,6 +46,7 @@ from formats.moe import MOE_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from formats.validate import check_weight
 
 from . import check as _check
+from . import moe_check
 from . import policy, registry
 from .contract import (ACT_DTYPES, DECODE_M, DECODE_MAX_M, IMPLS, M_BUCKETS, PREFILL_M, ImplementationUnavailable,
                        NoBackend, Unsupported, UnsupportedEntry, m_bucket, variant)
@@ -748,7 +749,7 @@ class BoundMoE:
         [M, top_k] in [0, E), topk_weights float [M, top_k], all on the experts' device; ``renormalize``
         divides each token's weights by their sum first. Validated once here (:func:`validate_call`),
         then the chosen backend's trusted ``run``; with B12X_CHECK on, sampled calls are checked
-        (dispatch.check.Watchdog.after_moe_call; ``watch=False`` keeps a call out: warmup's inputs).
+        (dispatch.moe_check.after_moe_call; ``watch=False`` keeps a call out: warmup's inputs).
         Raises ValueError naming a bad argument,
         InvalidImplementation / ImplementationUnavailable / NoBackend from the decision, and
         RuntimeError for a sealed layer whose choice changed."""
@@ -769,7 +770,8 @@ class BoundMoE:
                           swiglu_limit=self.swiglu_limit)
         self.last_impl = c.impl
         if _check.WATCHDOG is not None and watch:  # B12X_CHECK on; off: this test is all
-            _check.WATCHDOG.after_moe_call(self.name, c.backend, self, x, topk_ids, topk_weights, renormalize, y)
+            moe_check.after_moe_call(_check.WATCHDOG, self.name, c.backend, self, x, topk_ids, topk_weights,
+                                     renormalize, y)
         return y
 
     def prepare_buckets(self, top_k: int, dtype: Optional[torch.dtype] = None) -> None:

@@ -3,7 +3,7 @@ first wrong step and block.
 
 Users: ``b12x-dual diff`` (dispatch.apps.diff: every MoE implementation of dispatch.moe's table on
 one layer, M and seeded routing), ``b12x-dual diff --replay`` on an MoE replay file, and the
-watchdog (``B12X_CHECK``, dispatch.check.Watchdog.after_moe_call) on sampled BoundMoE calls.
+watchdog (``B12X_CHECK``, :func:`after_moe_call` with dispatch.check's Watchdog) on sampled BoundMoE calls.
 
 What is compared, for x [M, H] routed by the layer's router (``route_tokens``) to top_k of E experts:
 
@@ -39,6 +39,7 @@ and the first differing expert, tensor, row and K-block is named beside the find
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -49,7 +50,9 @@ from formats import QuantizedTensor
 from formats.bounds import describe_moe, gemm_bound, moe_activation_bound, moe_bound
 from formats.moe import MOE_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, moe_activation
 
-from .check import TILE_N, bias_stats, error_grid, grid_summary, quant_diff
+from .check import TILE_N, _warning_lines, bias_stats, error_grid, grid_summary, quant_diff
+
+log = logging.getLogger("dispatch.check")  # the watchdog's messages, under the dense watchdog's logger
 
 STEPS = ("w13_input", "w13_gemm", "act_fn", "w2_input", "w2_gemm")
 """The steps of one expert, in forward order."""
@@ -393,5 +396,58 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["MoELayer", "STEPS", "compare_moe", "describe_first", "expert_steps", "route_tokens", "summarize",
+def after_moe_call(wd, layer: str, backend, bound, x: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, renormalize: bool, y: torch.Tensor) -> Optional[dict]:
+    """The watchdog's check of an MoE call (dispatch.moe.BoundMoE) that returned ``y``, if ``wd`` (a
+    dispatch.check.Watchdog: the sampling rule and state of B12X_CHECK, per layer name) samples it:
+    y against formats.reference_moe on the call's own routing, per (token, 128-column tile), in
+    multiples of formats.bounds.moe_bound (:func:`compare_moe` on the recorded output: the call is
+    not rerun). Returns the report of a divergence (logged once per layer as a WARNING and written as
+    an MoE replay file, which ``b12x-dual diff --replay`` splits by expert and step), else None. A
+    check that itself fails is logged once (ERROR), never raised; a malformed B12X_CHECK raises."""
+    if hasattr(wd, "err"):  # dispatch.check._Invalid: a malformed B12X_CHECK
+        raise wd.err
+    if wd._capturing(x) or not wd.sample(layer):
+        return None
+    lay = MoELayer(layer, bound.variant, bound.w13, bound.w2, None, topk_ids.shape[1], renormalize, bound.activation,
+                   dict(bound.w13_act_opts), dict(bound.w2_act_opts), bound.w13_bias, bound.w2_bias)
+    try:
+        with torch.no_grad():
+            res = compare_moe(backend, lay, x, topk_ids, topk_weights, y=y, split=False,
+                              prepared=bound.backends.get(backend.name))
+        if res["error"]:
+            raise RuntimeError(res["error"])
+    except Exception as e:  # noqa: BLE001  (the check must not take the server down; it says why, once)
+        with wd._lock:
+            wd.diverged[layer] = {"error": f"{type(e).__name__}: {e}", "ok": False}
+        log.error("b12x-dual watchdog: cannot check MoE layer %s on %s (%s): %s: %s; not checking it again",
+                  layer, backend.impl, backend.variant, type(e).__name__, e)
+        return None
+    wd.checked += 1
+    if res["ok"]:
+        return None
+    from . import replay
+    from .devices import device_of
+
+    M = x.shape[0]
+    try:
+        res["route"] = backend.route(bound.problem(M, topk_ids.shape[1], x.dtype), device_of(x)).describe()
+    except Exception as e:  # noqa: BLE001  (a route that cannot be described must not hide the report)
+        res["route"] = f"(route unavailable: {type(e).__name__}: {e})"
+    res["layer"] = layer
+    path = None
+    try:
+        path = replay.write_moe(wd.directory, layer=lay, impl=backend.impl, x=x, topk_ids=topk_ids,
+                                topk_weights=topk_weights, y=y, route=res["route"], report=summarize(res))
+    except Exception as e:  # noqa: BLE001  (a full disk must not take the server down; say so)
+        log.error("b12x-dual watchdog: could not write the replay file for %s to %s: %s", layer, wd.directory, e)
+    res["replay"] = None if path is None else str(path)
+    with wd._lock:
+        wd.diverged[layer] = res
+    finding = describe_first(res["first"]) + f" (E={res['E']}, top_k={res['top_k']}; the replay names the expert)"
+    log.warning("%s", _warning_lines(res, backend, finding))
+    return res
+
+
+__all__ = ["MoELayer", "STEPS", "after_moe_call", "compare_moe", "describe_first", "expert_steps", "route_tokens", "summarize",
            "weight_note"]

@@ -233,9 +233,28 @@ def write(directory, *, layer: str, impl: str, variant: str, x: torch.Tensor, qw
 
 
 @dataclass
+class MoEExperts:
+    """An MoE replay file's layer: the fields of dispatch.moe_check.MoELayer (which diff builds from
+    it; router None: the routing is recorded)."""
+
+    name: str
+    variant: str
+    w13: list
+    w2: list
+    router: Optional[torch.Tensor]
+    top_k: int
+    renormalize: bool
+    activation: str
+    w13_act_opts: dict
+    w2_act_opts: dict
+    w13_bias: Optional[torch.Tensor]
+    w2_bias: Optional[torch.Tensor]
+
+
+@dataclass
 class MoEReplay:
     """A read MoE replay file (version 3, meta kind "moe"): the call (on the CPU) and its metadata.
-    ``layer``: a dispatch.moe_check.MoELayer (no router: the routing is recorded)."""
+    ``layer``: :class:`MoEExperts` (no router: the routing is recorded)."""
 
     path: str
     layer: Any
@@ -260,7 +279,7 @@ def write_moe(directory, *, layer, impl: str, x: torch.Tensor, topk_ids: torch.T
               device: Optional[dict] = None, path=None) -> Path:
     """Write one MoE call (version :data:`VERSION`, kind "moe") into ``directory`` or at ``path``.
 
-    Args: ``layer`` a dispatch.moe_check.MoELayer (its experts, activation, options, biases; its
+    Args: ``layer`` a dispatch.moe_check.MoELayer or MoEExperts (its experts, activation, options, biases; its
         ``renormalize`` is the call's); x [M, H] as the layer received it (layout recorded as for a
         linear call); topk_ids int [M, top_k]; topk_weights float [M, top_k]; y [M, H]; impl, the
         route text and the report.
@@ -314,7 +333,6 @@ def write_moe(directory, *, layer, impl: str, x: torch.Tensor, topk_ids: torch.T
 
 def _read_moe(p: Path, version: int, meta: dict, tensors: dict) -> MoEReplay:
     from .contract import variant as variant_of
-    from .moe_check import MoELayer
 
     where = f"--replay {str(p)!r}"
     try:
@@ -349,9 +367,9 @@ def _read_moe(p: Path, version: int, meta: dict, tensors: dict) -> MoEReplay:
         for stem in ("13", "2"):
             if k.startswith(f"opt{stem}."):
                 opts[stem][k[len(stem) + 4:]] = t
-    lay = MoELayer(layer, variant, experts["w13"], experts["w2"], None, int(meta.get("top_k", 1)),
-                   bool(meta.get("renormalize", False)), meta.get("activation", "silu"), opts["13"], opts["2"],
-                   tensors.get("w13_bias"), tensors.get("w2_bias"))
+    lay = MoEExperts(layer, variant, experts["w13"], experts["w2"], None, int(meta.get("top_k", 1)),
+                     bool(meta.get("renormalize", False)), meta.get("activation", "silu"), opts["13"], opts["2"],
+                     tensors.get("w13_bias"), tensors.get("w2_bias"))
     ids, w, x = tensors["topk_ids"], tensors["topk_weights"], tensors["x"]
     if ids.shape != w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"{where}: topk_ids {tuple(ids.shape)} and topk_weights {tuple(w.shape)} must both be "

@@ -531,7 +531,7 @@ def _run_replay_moe(rp, path: str, impls: Optional[list[str]], device: str) -> d
     from dispatch import replay
 
     x, how = replay.rebuild_x(rp, device)
-    lay = rp.layer
+    lay = moe_check.MoELayer(**{f: getattr(rp.layer, f) for f in replay.MoEExperts.__dataclass_fields__})
     ckpt_findings = moe_findings(lay)
     ckpt = {"sound": not any(f["severity"] == UNSOUND for f in ckpt_findings),
             "findings": [{"layer": lay.name, **f} for f in ckpt_findings],

@@ -230,7 +230,7 @@ def test_watchdog_replay_roundtrip_holds_the_routing_and_names_the_expert(qwen_m
 
 def test_watchdog_off_never_checks_an_moe_call(qwen_moe, monkeypatch):
     """B12X_CHECK unset: BoundMoE calls never enter the checker (WATCHDOG is None)."""
-    from dispatch import check
+    from dispatch import check, moe_check
     from dispatch import moe as dmoe
     from dispatch.apps import diff_models as DM
 
@@ -241,7 +241,7 @@ def test_watchdog_off_never_checks_an_moe_call(qwen_moe, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the watchdog ran with B12X_CHECK off")
 
-    monkeypatch.setattr(check.Watchdog, "after_moe_call", boom)
+    monkeypatch.setattr(moe_check, "after_moe_call", boom)
     folder, _ = qwen_moe
     (lay,) = DM.load_model(str(folder), "nvfp4", ["layers.0.mlp"]).layers
     x = torch.randn(2, H_).bfloat16()
