@@ -327,3 +327,47 @@ def test_ct_moe_nan_scale_in_one_expert_is_named_with_layer_and_expert(ct_moe, t
         "model.layers.0.mlp", 2, key, "nan_scale", [{"index": [9, 1]}])
     assert [r["layer"] for r in data["layers"]] == ["model.layers.0.self_attn.q_proj"]
     assert "the checkpoint is NOT sound: 1 finding(s) in 1 layer(s); first: layer model.layers.0.mlp" in out
+
+
+def test_ct_moe_gate_and_up_global_scales_that_differ_are_named(ct_moe, tmp_path, capsys):
+    """Expert 1's up_proj weight_global_scale doubled in a copy: its W13 would need two NVFP4 global
+    scales; diff names the layer, the expert and why (exit 2, a MODEL it cannot read)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = ct_moe
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (f,) = bad.glob("*.safetensors")
+    t = load_file(str(f))
+    t["model.layers.0.mlp.experts.1.up_proj.weight_global_scale"] *= 2
+    save_file(t, str(f), metadata={"format": "pt"})
+    rc, _, err = _run(capsys, bad, "--layers", "*.mlp", "--tokens", "2", "--impls", "reference")
+    assert rc == diff.EXIT_ARGS
+    assert "MoE layer model.layers.0.mlp: expert 1: gate and up have different NVFP4 weight global scales" in err
+
+
+def test_moe_replay_and_router_errors_are_named(qwen_moe, tmp_path, capsys):
+    """An MoE replay file without its topk_ids: exit 2 naming the tensor; a router of another H and a top_k
+    above the expert count: ValueErrors naming the argument and what is allowed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dispatch import moe_check, replay
+    from dispatch.apps import diff_models as DM
+
+    folder, _ = qwen_moe
+    (lay,) = DM.load_model(str(folder), "nvfp4", ["layers.0.mlp"]).layers
+    x = torch.randn(3, H_).bfloat16()
+    ids, w = moe_check.route_tokens(x, lay.router, TOP_K)
+    path = replay.write_moe(tmp_path, layer=lay, impl="triton", x=x, topk_ids=ids, topk_weights=w)
+    with safe_open(str(path), "pt") as f:
+        md, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k != "topk_ids"}
+    save_file(tensors, str(path), metadata=md)
+    rc, _, err = _run(capsys, "--replay", path)
+    assert rc == diff.EXIT_ARGS and "tensor 'topk_ids' is missing" in err
+    with pytest.raises(ValueError, match=r"router must be \[E, H=32\], got \(4, 64\)"):
+        moe_check.route_tokens(torch.zeros(2, 32), lay.router, TOP_K)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 4\] \(the expert count\), got 5"):
+        moe_check.route_tokens(x, lay.router, 5)
