@@ -31,11 +31,21 @@ forward order), M, implementation, row, column tile (or K-block with its columns
 activation quantization or the GEMM departs first. ``--plot DIR`` writes a heat map per layer, M
 and implementation (rows x column tiles, log10 error/bound).
 
+MoE layers (dispatch.moe_check; diff_models reads them from transformers Qwen3-MoE folders and
+checkpoints whose experts are modules ``<layer>.experts.<e>.<proj>``) run in the same forward
+order: the checkpoint stage scans every expert's W13 and W2 (findings name the expert); the
+implementation stage routes the activations with the layer's router (softmax top-k, renormalized as
+the layer asks) and runs every MoE implementation of dispatch.moe's table here: the call against
+formats.reference_moe (formats.bounds.moe_bound), then on a departure each expert alone (the first
+wrong expert), then in it each step (W13 input quantization, W13 GEMM, activation, W2 input
+quantization, W2 GEMM) where the implementation exposes them, or the weighted combine.
+
 ``--replay FILE`` reruns a call captured by the watchdog (B12X_CHECK; dispatch.replay) on this
 machine with every implementation available here, on the input layout the call had (strides,
 storage offset), rechecks the output recorded in the file against the oracle on the
 implementation's recorded quantized activation, prints the watchdog's own report beside it, and
-says whether the divergence reproduces.
+says whether the divergence reproduces (an MoE file: on its recorded routing, naming the first wrong
+expert and step).
 
 Exit status: 0 the checkpoint is sound and every implementation agrees with the oracle; 1 an
 implementation departs (or raised), the checkpoint sound; 3 the checkpoint is not sound, every
