@@ -145,10 +145,12 @@ def test_steps_of_a_clean_expert_are_within_their_bounds(qwen_moe):
 
     folder, _ = qwen_moe
     (lay,) = DM.load_model(str(folder), "nvfp4", ["layers.1.mlp"]).layers
-    x = torch.randn(5, H_, generator=torch.Generator().manual_seed(3)).bfloat16()
+    lay = lay.to(DEVICE)
+    x = torch.randn(5, H_, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
     backend = dmoe.get("triton", "nvfp4")
     tokens = torch.arange(5)
-    steps, first, inter = moe_check.expert_steps(backend, backend.prepare(lay.w13, lay.w2), lay, 3, x, tokens, "cpu")
+    steps, first, inter = moe_check.expert_steps(backend, backend.prepare(lay.w13, lay.w2), lay, 3, x, tokens,
+                                                 torch.device(DEVICE).type)
     assert [s["step"] for s in steps] == list(moe_check.STEPS) and first is None and inter.shape == (5, I_)
     for s in steps:
         assert s["quant"]["equal"] if "quant" in s else s["worst"] <= 1, s["step"]
@@ -244,9 +246,10 @@ def test_watchdog_off_never_checks_an_moe_call(qwen_moe, monkeypatch):
     monkeypatch.setattr(moe_check, "after_moe_call", boom)
     folder, _ = qwen_moe
     (lay,) = DM.load_model(str(folder), "nvfp4", ["layers.0.mlp"]).layers
-    x = torch.randn(2, H_).bfloat16()
-    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    y = dmoe.BoundMoE(lay.w13, lay.w2, name="l")(x, ids, torch.full((2, 2), 0.5), watch=True)
+    lay = lay.to(DEVICE)
+    x = torch.randn(2, H_).bfloat16().to(DEVICE)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    y = dmoe.BoundMoE(lay.w13, lay.w2, name="l")(x, ids, torch.full((2, 2), 0.5, device=DEVICE), watch=True)
     assert y.shape == (2, H_)
 
 
