@@ -376,3 +376,56 @@ def test_moe_replay_and_router_errors_are_named(qwen_moe, tmp_path, capsys):
         moe_check.route_tokens(torch.zeros(2, 32), lay.router, TOP_K)
     with pytest.raises(ValueError, match=r"top_k must be in \[1, 4\] \(the expert count\), got 5"):
         moe_check.route_tokens(x, lay.router, 5)
+
+
+def test_text_captures_the_moe_blocks_own_input(qwen_moe, tmp_path, capsys, monkeypatch):
+    """--text on the transformers folder: the MoE block's real input (one row per token of the text, the
+    hidden state after the attention and the norm) is captured by a hook on the block, routed by its
+    router and diffed (exit 0); --save-inputs holds exactly what the block received in the forward."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder, model = qwen_moe
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, out, _ = _run(capsys, folder, "--layers", "layers.1.mlp", "--text", "w5 w9 w2 w7", "--impls", "reference",
+                      "--json", tmp_path / "d.json", "--save-inputs", tmp_path / "x.safetensors")
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert rc == diff.EXIT_OK, out
+    (r,) = data["layers"]
+    assert (r["layer"], r["kind"], r["input"], r["M"]) == ("layers.1.mlp", "moe", "--text", 4)
+    got = {}
+    h = model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: got.__setitem__("x", a[0].reshape(-1, H_)))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[6, 10, 3, 8]]))
+    finally:
+        h.remove()
+    from safetensors.torch import load_file
+
+    torch.testing.assert_close(load_file(str(tmp_path / "x.safetensors"))["layers.1.mlp"], got["x"].bfloat16())
+
+
+def test_checkpoint_stage_names_a_nan_code_in_one_experts_w2(qwen_moe):
+    """An e4m3 weight code of expert 2's W2 (fp8_channel experts) set to 0x7F (NaN) at row 3, column 10:
+    the checkpoint stage names the layer, expert 2, the tensor experts.2.w2.data and the position, and the
+    oracle's NaN output (every token routed to expert 2 reads W2 row 3: output column 3); not sound."""
+    from dispatch import moe_check
+    from dispatch.apps import diff_models as DM
+
+    folder, _ = qwen_moe
+    (lay,) = DM.load_model(str(folder), "fp8_channel", ["layers.0.mlp"]).layers
+    lay.w2[2].data.view(torch.uint8)[3, 10] = 0x7F
+    x = torch.randn(8, H_, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ckpt = diff.checkpoint_stage([lay], {lay.name: [(x, "random")]}, {}, "cpu")
+    assert ckpt["sound"] is False
+    code, oracle = ckpt["findings"]
+    assert (code["layer"], code["expert"], code["tensor"], code["kind"], code["positions"][0]["row"],
+            code["positions"][0]["column"]) == ("layers.0.mlp", 2, "experts.2.w2.data", "nan_code", 3, 10)
+    ids, _ = moe_check.route_tokens(x, lay.router, TOP_K)
+    routed = sorted(set((ids == 2).any(dim=1).nonzero().flatten().tolist()))
+    assert (oracle["kind"], oracle["count"]) == ("nonfinite_output", len(routed)) and routed
+    assert [(p["row"], p["column"]) for p in oracle["positions"]] == [(t, 3) for t in routed][:8]
