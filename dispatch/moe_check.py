@@ -295,7 +295,8 @@ def compare_moe(backend, layer: MoELayer, x: torch.Tensor, topk_ids: torch.Tenso
             res["ok"] = True
             return res
         f = res["moe"]["first"]
-        moe_first = {"stage": "moe", "row": f["row"], "tile": f["tile"], "ratio": float(res["moe"]["grid"][f["row"], f["tile"]])}
+        moe_first = {"stage": "moe", "row": f["row"], "tile": f["tile"],
+                     "ratio": float(res["moe"]["grid"][f["row"], f["tile"]])}
         if not split:
             res["first"] = moe_first
             return res
@@ -449,5 +450,6 @@ def after_moe_call(wd, layer: str, backend, bound, x: torch.Tensor, topk_ids: to
     return res
 
 
-__all__ = ["MoELayer", "STEPS", "after_moe_call", "compare_moe", "describe_first", "expert_steps", "route_tokens", "summarize",
+__all__ = ["MoELayer", "STEPS", "after_moe_call", "compare_moe", "describe_first", "expert_steps", "route_tokens",
+           "summarize",
            "weight_note"]

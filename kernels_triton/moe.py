@@ -684,7 +684,8 @@ def _steps(x, p: MoEWeights, topk_ids, topk_weights, *, activation, renormalize,
         _gemm(*a13, p.w13, blocks, h, p.fmt, path, tile, a16=a16, gather=a16, act=-1, bias=w13_bias,
               topk_w=torch.ones(M * top_k, device=x.device), top_k=top_k, alpha=0.0, limit=0.0)
         keep.update(x_q=None if a16 else (_by_slot(a13[0], blocks), _by_slot(a13[1], blocks), a13[2]), h=h,
-                    a=_by_slot(inter, blocks), a_q=None if a16 else (_by_slot(a[0], blocks), _by_slot(a[1], blocks), a[2]),
+                    a=_by_slot(inter, blocks),
+                    a_q=None if a16 else (_by_slot(a[0], blocks), _by_slot(a[1], blocks), a[2]),
                     o=slots, y=y)
     return y
 

@@ -391,7 +391,8 @@ def load_checkpoint(folder: Path, config: dict) -> Model:
         try:
             layers.append(_moe_from_modules(name, experts, modules, qcfg, config))
         except CheckpointError:
-            findings = [dict(f, expert=e) for e, projs in sorted(experts.items()) for _p, (prefix, t) in sorted(projs.items())
+            findings = [dict(f, expert=e) for e, projs in sorted(experts.items())
+                        for _p, (prefix, t) in sorted(projs.items())
                         for leaf, v in sorted(t.items()) for f in scan_raw(v, f"{prefix}.{leaf}")]
             if not findings:
                 raise

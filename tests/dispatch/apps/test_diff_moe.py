@@ -273,8 +273,9 @@ def ct_moe(tmp_path_factory):
     engine_env.linearize_experts(model)  # llm-compressor's unfused experts: modules mlp.experts.<e>.<proj>
     mlp = model.model.layers[0].mlp
     float_weights = {"router": mlp.gate.weight.detach().float().clone(),
-                     "gate_up": [(x.gate_proj.weight.detach().double().clone(), x.up_proj.weight.detach().double().clone())
-                                 for x in mlp.experts]}  # compressing replaces them in place
+                     "gate_up": [(x.gate_proj.weight.detach().double().clone(),
+                                  x.up_proj.weight.detach().double().clone()) for x in mlp.experts]}
+    # (compressing replaces the weights in place)
     out = tmp_path_factory.mktemp("ct_moe") / "nvfp4"
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     checkpoints.quantize_ct(model, ids, "NVFP4", out, ignore=["lm_head"], prefix="model.layers.",
