@@ -451,5 +451,4 @@ def after_moe_call(wd, layer: str, backend, bound, x: torch.Tensor, topk_ids: to
 
 
 __all__ = ["MoELayer", "STEPS", "after_moe_call", "compare_moe", "describe_first", "expert_steps", "route_tokens",
-           "summarize",
-           "weight_note"]
+           "summarize", "weight_note"]
