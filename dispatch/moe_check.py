@@ -54,6 +54,9 @@ from .check import TILE_N, _warning_lines, bias_stats, error_grid, grid_summary,
 
 log = logging.getLogger("dispatch.check")  # the watchdog's messages, under the dense watchdog's logger
 
+BF16_INTERMEDIATE = ("cute",)
+"""Implementations that round W13's output and the intermediate to bf16 (b12x's fused MoE): their
+bound carries those roundings (formats.bounds.moe_bound's ``bf16_intermediate``)."""
 STEPS = ("w13_input", "w13_gemm", "act_fn", "w2_input", "w2_gemm")
 """The steps of one expert, in forward order."""
 STEP_TEXT = {"w13_input": "activation quantization of the W13 input", "w13_gemm": "the W13 GEMM",
@@ -289,7 +292,8 @@ def compare_moe(backend, layer: MoELayer, x: torch.Tensor, topk_ids: torch.Tenso
             st = backend.stages(x2, prepared, topk_ids, topk_weights, **kw) if split else None
         res["stages_exposed"] = st is not None
         ref, bound = moe_bound(x2, layer.w13, layer.w2, topk_ids, topk_weights, a16=backend.a16,
-                               inter=None if st is None else st.a, out_dtype=y.dtype, **kw)
+                               inter=None if st is None else st.a, out_dtype=y.dtype,
+                               bf16_intermediate=backend.impl in BF16_INTERMEDIATE, **kw)
         res["moe"] = _stage("moe", y.reshape(M, -1), ref, bound)
         if res["moe"]["first"] is None:
             res["ok"] = True
@@ -326,7 +330,7 @@ def _split(backend, prepared, layer, x2, topk_ids, topk_weights, y, renorm, res,
             y_e = backend.apply(x_e, prepared, ids_e, ones, **kw)
             steps, step_first, inter = expert_steps(backend, prepared, layer, e, x_e, tokens, device_kind)
         ref_e, bound_e = moe_bound(x_e, layer.w13, layer.w2, ids_e, ones, a16=backend.a16, inter=inter,
-                                   out_dtype=y_e.dtype, **kw)
+                                   out_dtype=y_e.dtype, bf16_intermediate=backend.impl in BF16_INTERMEDIATE, **kw)
         s = _stage("expert", y_e, ref_e, bound_e)
         ok = s["first"] is None
         res["experts"].append({"expert": e, "tokens": tokens.tolist(), "worst": s["worst"], "n_bad": s["n_bad"],

@@ -130,7 +130,8 @@ def _expert_opts(opts, e: int) -> dict:
 def moe_bound(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
               activation: str = "silu", renormalize: bool = False, w13_bias=None, w2_bias=None, a16: bool = False,
               w13_act_opts=None, w2_act_opts=None, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-              out_dtype: Optional[torch.dtype] = None, inter: Optional[torch.Tensor] = None) -> tuple:
+              out_dtype: Optional[torch.dtype] = None, inter: Optional[torch.Tensor] = None,
+              bf16_intermediate: bool = False) -> tuple:
     """(the oracle's float64 y [M, H], the element-wise bound on |y_impl - y| [M, H]) for one MoE call, as
     the Triton lesson rounds it, stage by stage for each (token, expert) (tests/kernels_triton/test_moe.py
     asserts the same terms):
@@ -148,6 +149,9 @@ def moe_bound(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: to
     * W2 in fp32: I 2^-24 |A|.|W2|^T + 6 2^-24 (|o| + |b2|); the router weight (renormalized in fp32:
       top_k + 1 roundings), its product and the top_k sum in fp32: (2 top_k + 2) 2^-24 sum_j |w_j o_j|.
     * y rounded once to ``out_dtype`` (default x's): 2^-p |y| plus the smallest subnormal spacing.
+    * ``bf16_intermediate`` (b12x's fused MoE, the cute backend): W13's output and the activated
+      intermediate are each rounded to bf16 before the next step: 2^-8 |h| more in dh and 2^-8 |a|
+      more in da.
 
     Arguments as formats.reference_moe's. Returns float64 tensors on the CPU. Raises what
     formats.reference_moe raises."""
@@ -179,6 +183,8 @@ def moe_bound(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: to
         b2 = torch.zeros(H, dtype=torch.float64) if w2_bias is None else w2_bias[e].double().cpu()
         h = X @ W13.T + b13
         dh = H * U32 * (X.abs() @ W13.abs().T) + 6 * U32 * (h.abs() + b13.abs())
+        if bf16_intermediate:
+            dh = dh + U_BF16 * (h.abs() + dh)
         sel = (slice(0, None, 2), slice(1, None, 2)) if activation == "swigluoai" else (slice(0, I), slice(I, None))
         g, up, dg, du = h[:, sel[0]], h[:, sel[1]], dh[:, sel[0]], dh[:, sel[1]]
         a = moe_activation(h, activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
@@ -186,6 +192,8 @@ def moe_bound(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: to
             g.clamp(max=swiglu_limit) * torch.sigmoid(swiglu_alpha * g.clamp(max=swiglu_limit))
         c = 0.0 if activation == "silu" else 1.0
         da = lip * (up.abs() + du + c) * dg + (act_g.abs() + lip * dg) * du + 32 * U32 * a.abs() + U_FP32_TINY
+        if bf16_intermediate:
+            da = da + U_BF16 * (a.abs() + da)
         if a16:
             da = da + U_BF16 * (a.abs() + da)
             A, dA = a, da
