@@ -33,6 +33,13 @@ from kernels_triton import Route, record_launches  # noqa: F401  (re-exported fo
 
 INSTALL_CUTE = "pip install 'b12x-dual[cute]'"
 
+MXFP8_W8A16_GPU_RAN = False
+"""Whether kernels_triton.hopper.mxfp8's W8A16 route (linear(a16=True)) has passed its tests on an
+sm_90 GPU. Until it has, the (hopper, mxfp8_w8a16) cell stays a named gap (``triton_gap``: written,
+not yet run on a GPU) and sm_90 serves mxfp8_w8a16 with the lesson; set True once the GPU suite
+(tests/kernels_triton/hopper/test_hopper_mxfp8_w8a16.py) and tools/probes/hopper_mxfp8_w8a16_gpu.py
+passed on the H200."""
+
 
 def _dtype_ok(problem: Problem, allowed) -> tuple[bool, str]:
     if problem.dtype in allowed:
@@ -307,7 +314,7 @@ def _hopper_module_present(fmt: str) -> bool:
 
 class HopperBackend(TritonBackend):
     """kernels_triton.hopper.<fmt>: the sm_90 production kernels (swapped-wgmma decode GEMMs for
-    M <= 16, the TMA prefill, split-K, PDL), on sm_90 only; W4A16 through ``linear(a16=True)``."""
+    M <= 16, the TMA prefill, split-K, PDL), on sm_90 only; W4A16 / W8A16 through ``linear(a16=True)``."""
 
     impl = "hopper"
 
@@ -333,7 +340,8 @@ class HopperBackend(TritonBackend):
         for ok, why in (_dtype_ok(problem, self.act_dtypes), _k_ok(problem)):
             if not ok:
                 return False, f"hopper: {why}"
-        return True, f"kernels_triton.hopper.{self.fmt}" + (" W4A16" if self.a16 else "")
+        mode = (" W4A16" if spec(self.fmt).element == "e2m1" else " W8A16") if self.a16 else ""
+        return True, f"kernels_triton.hopper.{self.fmt}{mode}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,15 +461,20 @@ _CLASSES = {"reference": ReferenceBackend, "triton": TritonBackend, "hopper": Ho
 
 def triton_gap(impl: str, variant: str) -> Optional[str]:
     """Why a Triton implementation ("triton", "hopper") has no kernel for ``variant``, or None: the
-    hopper module of its format is not in this installation (sm_90 then runs the lesson), or the
-    module's route refuses ``a16=True`` (no weight-only path there yet). Read from the modules
-    themselves (a pure route() call), so a path that lands lifts the gap without an edit here."""
+    hopper module of its format is not in this installation (sm_90 then runs the lesson), the
+    module's route refuses ``a16=True`` (no weight-only path there yet), or the path is written but
+    not yet run on a GPU (hopper's mxfp8_w8a16 while MXFP8_W8A16_GPU_RAN is False). Read from the
+    modules themselves (a pure route() call), so a path that lands lifts the gap without an edit
+    here, once it has run on a GPU."""
     v = _variant(variant)
     if impl == "hopper" and not _hopper_module_present(v.fmt):
         return (f"kernels_triton.hopper.{v.fmt} is not in this installation: on sm_90 {variant} runs the "
                 f"lesson (kernels_triton.{v.fmt})")
     if not v.a16:
         return None
+    if impl == "hopper" and variant == "mxfp8_w8a16" and not MXFP8_W8A16_GPU_RAN:
+        return ("kernels_triton.hopper.mxfp8 W8A16 is written, not yet run on a GPU (dispatch.backends."
+                "MXFP8_W8A16_GPU_RAN is False): on sm_90 mxfp8_w8a16 runs the lesson (kernels_triton.mxfp8)")
     import kernels_triton
     from kernels_triton import hopper
 

@@ -163,12 +163,13 @@ def _variants() -> dict[str, Variant]:
 VARIANTS: dict[str, Variant] = _variants()
 
 
-def variant(name: str) -> Variant:
-    """The Variant of a name; ValueError listing the names otherwise."""
+def variant(name: str, arg: str = "format") -> Variant:
+    """The Variant of a name; ValueError naming ``arg`` (the caller's argument: "format" for a
+    linear, "variant" for an MoE layer) and listing the names otherwise."""
     try:
         return VARIANTS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"format must be one of {tuple(VARIANTS)}, got {name!r}") from None
+        raise ValueError(f"{arg} must be one of {tuple(VARIANTS)}, got {name!r}") from None
 
 
 def variant_name(fmt: str, a16: bool = False) -> str:

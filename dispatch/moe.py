@@ -24,8 +24,9 @@ The same design as the dense linear layer (``dispatch.contract`` / ``registry`` 
 The implementations are the dense table's names (``contract.IMPLS``), so ``B12X_IMPL``,
 ``use_impl()`` and ``impl=`` mean the same here (``dispatch.policy``), and auto walks the same
 priority list (``registry.PRIORITY``): on SM120/SM121 cute (``kernels_cute.moe``, b12x's fused MoE)
-where it serves the call, else the Triton lesson; on sm_90 the hopper cell is a named gap (no sm_90
-MoE kernels yet), so the Triton lesson serves; on other GPUs and the CPU (Triton's interpreter) the
+where it serves the call, else the Triton lesson; on sm_90 hopper (``kernels_triton.hopper.moe``,
+nvfp4 / mxfp4 W4A4 and W4A16) once its gate ``HOPPER_MOE_GPU_RAN`` is on, a named gap until then
+and for the other variants, so the Triton lesson serves; on other GPUs and the CPU (Triton's interpreter) the
 lesson; the float64 oracle ``formats.reference_moe`` everywhere. A cell with no kernel is an
 :class:`~dispatch.contract.UnsupportedEntry` saying why. Neither this module nor building the table
 imports b12x: ``kernels_cute.moe`` is imported on the first verb that needs it.
@@ -318,7 +319,36 @@ CUTE_NO_BIAS = "b12x 1.5.1's fused MoE takes no expert biases (gpt-oss's experts
 CUTE_BF16_ONLY = "the MoE table prepares kernels_cute.moe's experts for bfloat16 I/O; triton serves other dtypes"
 CUTE_STATIC_NVFP4 = ("b12x's fused MoE quantizes nvfp4 activations with static per-expert global scales only; this "
                      "layer's are dynamic (no 'global_scale' in w13_act_opts and w2_act_opts): triton serves")
-HOPPER_GAP = "no sm_90 MoE kernels yet: the triton lesson serves sm_90"
+HOPPER_MOE_GPU_RAN = False
+"""The gate of the sm_90 MoE (kernels_triton.hopper.moe): new sm_90 routes stay off until a GPU ran
+them. False: make("hopper", v) is a named gap for every variant (HOPPER_UNRUN for the served ones);
+the lead flips it once the H200 has run tests/kernels_triton/hopper/test_hopper_moe.py and the bench."""
+HOPPER_UNVERIFIED_ENV = "B12X_HOPPER_MOE_UNVERIFIED"
+"""Set to 1 to turn the gate on in this process while HOPPER_MOE_GPU_RAN is False (for the GPU probe
+tools/probes/hopper_moe_gpu.py and the bench on the H200, nothing else); read when the table is built."""
+HOPPER_MOE_VARIANTS = ("nvfp4", "nvfp4_w4a16", "mxfp4", "mxfp4_w4a16")
+"""The variants kernels_triton.hopper.moe serves (its VARIANTS; the table's without importing it)."""
+HOPPER_UNRUN = (f"kernels_triton.hopper.moe is written, not yet run on a GPU (dispatch.moe.HOPPER_MOE_GPU_RAN is "
+                f"False; {HOPPER_UNVERIFIED_ENV}=1 forces it on): the triton lesson serves sm_90")
+HOPPER_GAP = (f"no sm_90 MoE kernels for this variant (kernels_triton.hopper.moe serves "
+              f"{', '.join(HOPPER_MOE_VARIANTS)}): the triton lesson serves sm_90")
+
+
+def hopper_moe_on() -> bool:
+    """Whether make("hopper", v) serves kernels_triton.hopper.moe's variants: HOPPER_MOE_GPU_RAN, or
+    B12X_HOPPER_MOE_UNVERIFIED=1. ValueError naming the variable for a value other than 0 / 1 / unset."""
+    import os
+
+    value = os.environ.get(HOPPER_UNVERIFIED_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{HOPPER_UNVERIFIED_ENV}={value!r} is not allowed; allowed: 1 (serve the unverified sm_90 "
+                         "MoE kernels), 0 or unset")
+    return HOPPER_MOE_GPU_RAN or value == "1"
+
+
+def hopper_gap(variant_name: str) -> str:
+    """The reason of the hopper MoE cell of ``variant_name`` while it is a gap."""
+    return HOPPER_UNRUN if variant_name in HOPPER_MOE_VARIANTS else HOPPER_GAP
 
 
 @functools.lru_cache(maxsize=1)
@@ -402,15 +432,82 @@ class CuteMoE(MoEBackend):
                                     capability=_capability(device))
 
 
-_CLASSES = {"reference": ReferenceMoE, "triton": TritonMoE, "cute": CuteMoE}
+class HopperMoE(MoEBackend):
+    """kernels_triton.hopper.moe: the sm_90 MoE (decode and prefill routes) for nvfp4 / mxfp4, W4A4
+    and W4A16, on the lesson's prepared experts (kernels_triton.moe.prepare_experts)."""
+
+    impl = "hopper"
+
+    @staticmethod
+    def _module():
+        from kernels_triton.hopper import moe
+
+        return moe
+
+    def is_supported(self, device):
+        if device.kind == "cpu":
+            return False, "hopper needs an sm_90 GPU; this call runs on the CPU"
+        if not device.is_sm90:
+            return False, f"hopper needs an sm_90 GPU; {device.name} is {device.arch}"
+        from kernels_triton import hopper
+
+        return hopper.supported(tuple(device.capability))
+
+    def can_implement(self, problem, device=None):
+        ok, why = _problem_ok(problem, self.act_dtypes)
+        if not ok:
+            return False, f"hopper: {why}"
+        r = self._module().route(problem.M, problem.num_experts, problem.top_k, problem.hidden, problem.intermediate,
+                                 fmt=problem.fmt, a16=problem.a16, capability=(9, 0), x_dtype=problem.dtype)
+        kind = "decode" if "_decode_gemm_kernel" in r.kernels else "prefill"
+        return True, f"kernels_triton.hopper.moe{' weight-only' if self.a16 else ''} ({kind} route)"
+
+    def prepare(self, w13, w2, *, activation="silu"):
+        check_experts(w13, w2, self.variant)
+        from kernels_triton import moe
+
+        return moe.prepare_experts(w13, w2)
+
+    def experts_of(self, prepared):
+        return prepared.num_experts, prepared.hidden
+
+    def prepared_experts(self, prepared, w13, w2):
+        """The lesson's stacks (hopper prepares the lesson's MoEWeights) split per expert."""
+        return TritonMoE.prepared_experts(self, prepared, w13, w2)
+
+    def validate_device(self, x) -> None:
+        """ImplementationUnavailable unless x is on an sm_90 GPU with the interpreter off."""
+        from kernels_triton._common import device_capability
+
+        dev = device_of(x)
+        if device_capability(x.device) is None or not dev.is_sm90:
+            raise ImplementationUnavailable(self.impl, dev, f"MoE {self.variant}: kernels_triton.hopper.moe runs on "
+                                            f"an sm_90 GPU with TRITON_INTERPRET off, got x on {x.device}")
+
+    def run(self, x, prepared, topk_ids, topk_weights, *, activation="silu", renormalize=False, w13_bias=None,
+            w2_bias=None, w13_act_opts=None, w2_act_opts=None, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT):
+        self.validate_device(x)
+        return self._module().fused_moe_unchecked(
+            x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize, w13_bias=w13_bias,
+            w2_bias=w2_bias, a16=self.a16, w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts,
+            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+    def route(self, problem, device):
+        p = problem
+        return self._module().route(p.M, p.num_experts, p.top_k, p.hidden, p.intermediate, fmt=p.fmt, a16=p.a16,
+                                    capability=_capability(device), sm_count=max(int(device.sm_count), 1),
+                                    x_dtype=p.dtype)
+
+
+_CLASSES = {"reference": ReferenceMoE, "triton": TritonMoE, "cute": CuteMoE, "hopper": HopperMoE}
 
 
 def make(impl: str, variant_name: str):
     """The MoE table cell of (impl, variant): an MoEBackend, or an UnsupportedEntry saying why."""
     # [moe-make]
     v = variant(variant_name)
-    if impl == "hopper":
-        return UnsupportedEntry(impl, variant_name, HOPPER_GAP)
+    if impl == "hopper" and (variant_name not in HOPPER_MOE_VARIANTS or not hopper_moe_on()):
+        return UnsupportedEntry(impl, variant_name, hopper_gap(variant_name))
     if impl == "triton":
         from kernels_triton import moe
 
@@ -574,7 +671,7 @@ def check_experts(w13, w2, variant_name: Optional[str] = None) -> tuple[str, int
         raise ValueError(f"w13's experts must be [2I, H] and w2's [H, I], got w13 {list(w13[0].shape)} and w2 "
                          f"{list(w2[0].shape)} (need w13 rows = 2 x w2 columns, w13 columns = w2 rows)")
     name = variant_name or w13[0].fmt
-    v = variant(name)
+    v = variant(name, "variant")
     if v.fmt != w13[0].fmt:
         raise ValueError(f"variant {name!r} needs {v.fmt} experts, got {w13[0].fmt} ones")
     return v.name, len(w13), h, i
@@ -892,5 +989,6 @@ def explain_moe(variant, M, num_experts, top_k, hidden, intermediate, device=Non
     return "\n".join(lines)
 
 
-__all__ = ["BoundMoE", "CuteMoE", "MoEBackend", "MoEProblem", "ReferenceMoE", "TritonMoE", "check_experts", "choose",
-           "decide", "entries", "explain_moe", "fused_moe", "get", "make", "validate_call", "verdict"]
+__all__ = ["BoundMoE", "CuteMoE", "HopperMoE", "MoEBackend", "MoEProblem", "ReferenceMoE", "TritonMoE", "check_experts",
+           "choose", "decide", "entries", "explain_moe", "fused_moe", "get", "hopper_gap", "hopper_moe_on", "make",
+           "validate_call", "verdict"]

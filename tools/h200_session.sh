@@ -6,6 +6,8 @@
 #   bash tools/h200_session.sh bench    # bench --shapes square --m 1,16,4096 --impls hopper,triton --peers gemlite
 #   bash tools/h200_session.sh bench_channel  # fp8_channel and mxfp8_w8a16 (hopper / triton) against
 #                                       # torch._scaled_mm row-wise and bf16 cuBLAS
+#   bash tools/h200_session.sh w8a16    # hopper mxfp8 W8A16: its tests, then its probe (oracle + timing)
+#   bash tools/h200_session.sh moe_tests moe_probe  # hopper MoE: its tests; its probe (oracle, bench --shapes moe)
 # Results go under $OUT (default ./out); each step prints a short table last. gemlite must be staged in
 # .gemlite (docs/bench.md) and carried for the bench.
 set -u -o pipefail
@@ -46,6 +48,19 @@ bench_channel)
     --baselines torch_bf16,torch_fp8_channel --budget-s ${BUDGET_S:-240} \
     --json "$OUT/bench_channel.json" > "$OUT/bench_channel.log" 2>&1
   echo "bench_channel rc=$?"; tail -n 40 "$OUT/bench_channel.log" | cut -c1-200 ;;
-*) echo "unknown step $step (tests, debug, bench, bench_channel)"; exit 2 ;;
+w8a16)
+  timeout -k 5 200 python3 -m pytest -q -n ${NPROC:-8} -p no:cacheprovider tests/kernels_triton/hopper/test_hopper_mxfp8_w8a16.py \
+    tests/kernels_triton/hopper/test_hopper_mxfp8.py > "$OUT/w8a16_tests.log" 2>&1; echo "w8a16 tests rc=$?"
+  grep -E "^(FAILED|ERROR)" "$OUT/w8a16_tests.log" | head -10; tail -n 1 "$OUT/w8a16_tests.log"
+  timeout -k 5 150 python3 tools/probes/hopper_mxfp8_w8a16_gpu.py --json "$OUT/mxfp8_w8a16.json" > "$OUT/w8a16_probe.log" 2>&1
+  echo "w8a16 probe rc=$?"; tail -n 22 "$OUT/w8a16_probe.log" ;;
+moe_tests)
+  timeout -k 5 240 python3 -m pytest -q -n ${NPROC:-8} -p no:cacheprovider tests/kernels_triton/hopper/test_hopper_moe.py \
+    > "$OUT/moe_tests.log" 2>&1; echo "moe tests rc=$?"
+  grep -E "^(FAILED|ERROR)" "$OUT/moe_tests.log" | head -10; tail -n 1 "$OUT/moe_tests.log" ;;
+moe_probe)
+  timeout -k 5 ${MOE_PROBE_S:-240} python3 tools/probes/hopper_moe_gpu.py ${MOE_PROBE_ARGS:-} > "$OUT/moe_probe.log" 2>&1
+  echo "moe probe rc=$?"; tail -n 30 "$OUT/moe_probe.log" ;;
+*) echo "unknown step $step (tests, debug, bench, bench_channel, w8a16, moe_tests, moe_probe)"; exit 2 ;;
 esac
 done

@@ -39,6 +39,7 @@ from dispatch import moe as dm
 from dispatch.describe import route_text
 
 from . import _harness as H
+from .bench_plan import GRAPH_MAX_M
 from .sweep_moe import TOL_NORM_MOE
 
 
@@ -171,7 +172,7 @@ def run_moe_bench(shapes: list[MoEShape], *, ms: Optional[list[int]] = None, var
     gpu = H.on_gpu()
     device = H.default_device()
     dev_info = H.running_device(device)
-    timer = timer or Timer(gpu=gpu, warmup_ms=10, rep_ms=50, graph_max_m=64)
+    timer = timer or Timer(gpu=gpu, warmup_ms=10, rep_ms=50, graph_max_m=GRAPH_MAX_M)
     ms = ms or ([1, 16, 64, 512, 4096] if gpu else [1])
     impls = [i for i in MOE_BENCH_IMPLS if impls is None or i in impls]
     grouped_why = _grouped_mm_runs(device)

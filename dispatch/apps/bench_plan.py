@@ -48,7 +48,9 @@ SHAPES: list[Shape] = [
     Shape("tiny", "-", "CPU interpreter smoke shape", 64, 128, default=False),
 ]
 SHAPE_BY_ID = {s.id: s for s in SHAPES}
-GRAPH_MAX_M = 64
+GRAPH_MAX_M = 512
+"""The largest M timed by CUDA-graph replay: vLLM's default largest captured batch
+(max_cudagraph_capture_size 512), so every M a serving engine replays from a graph is timed that way."""
 BENCH_M = (*DECODE_M, 64, 512, PREFILL_M)
 """The Ms bench times by default on a GPU: the decode classes (dispatch.contract.DECODE_M), a
 decode batch of 64, a short prefill of 512 and the prefill class (PREFILL_M)."""

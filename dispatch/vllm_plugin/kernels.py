@@ -148,21 +148,57 @@ class _Adapter:
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8 per-tensor (W8A8, static or dynamic activation scale)
+# FP8 with vLLM's ScaledMM keys: per-tensor and per-channel weight scales
 # ---------------------------------------------------------------------------------------------
-class B12xDualFp8TensorKernel(_Adapter, FP8ScaledMMLinearKernel):
-    """Per-tensor FP8 (CT / ModelOpt ``fp8_w8a8``) through b12x-dual's fp8_tensor backend
-    (per-channel weights go to B12xDualFp8ChannelKernel, next in vLLM's list)."""
+class _Fp8ScaledMM(_Adapter, FP8ScaledMMLinearKernel):
+    """What the two FP8 ScaledMM classes share: the dtype and placement checks after ``_scales_ok``
+    (each class's scale granularity), the conversion ``CONVERT`` (a dispatch.vllm_plugin.convert
+    function) and apply_weights. Not registered itself (KERNELS lists its subclasses)."""
 
-    VARIANT, QUANT_KEY = "fp8_tensor", "fp8_w8a8"
+    CONVERT = None
 
     @classmethod
     def is_supported(cls, compute_capability: Optional[int] = None):
         return cls._placement(compute_capability)
 
     @classmethod
+    def _scales_ok(cls, w, a) -> tuple[bool, Optional[str]]:
+        raise NotImplementedError
+
+    @classmethod
     def can_implement(cls, config):
-        w, a = config.weight_quant_key.scale, config.activation_quant_key.scale
+        ok, why = cls._scales_ok(config.weight_quant_key.scale, config.activation_quant_key.scale)
+        if not ok:
+            return ok, why
+        ok, why = _check_dtypes(config)
+        if not ok:
+            return ok, why
+        n, k = config.weight_shape
+        ok, why = placement.shape_placement(cls.VARIANT, cls.QUANT_KEY, n, k, config.input_dtype)
+        return ok, (None if ok else why)
+
+    def process_weights_after_loading(self, layer):
+        n, k = self.config.weight_shape
+        static = bool(self.config.activation_quant_key.scale.static)
+        qw, act = type(self).CONVERT(layer, n, k, static_input=static)
+        self._load(layer, qw, act)
+
+    def apply_weights(self, layer, x, bias=None):
+        return self._run(layer, x, bias)
+
+    def apply_scaled_mm(self, **kwargs):  # the base class's hook; apply_weights never calls it
+        raise NotImplementedError(f"{type(self).__name__} overrides apply_weights")
+
+
+class B12xDualFp8TensorKernel(_Fp8ScaledMM):
+    """Per-tensor FP8 (CT / ModelOpt ``fp8_w8a8``) through b12x-dual's fp8_tensor backend
+    (per-channel weights go to B12xDualFp8ChannelKernel, next in vLLM's list)."""
+
+    VARIANT, QUANT_KEY = "fp8_tensor", "fp8_w8a8"
+    CONVERT = staticmethod(convert.fp8_tensor)
+
+    @classmethod
+    def _scales_ok(cls, w, a):
         if not (w.static and w.group_shape.is_per_tensor()):
             return False, (f"weight scale is {w.group_shape} (static={w.static}); this class takes one static "
                            "per-tensor scale (per-channel: B12xDualFp8ChannelKernel)")
@@ -173,67 +209,26 @@ class B12xDualFp8TensorKernel(_Adapter, FP8ScaledMMLinearKernel):
         if not (a.group_shape.is_per_tensor() or dynamic_token):
             return False, (f"activation scale group shape is {a.group_shape} (static={a.static}); b12x-dual "
                            "takes per-tensor (static or dynamic) or dynamic per-token (served per tensor)")
-        ok, why = _check_dtypes(config)
-        if not ok:
-            return ok, why
-        n, k = config.weight_shape
-        ok, why = placement.shape_placement(cls.VARIANT, cls.QUANT_KEY, n, k, config.input_dtype)
-        return ok, (None if ok else why)
-
-    def process_weights_after_loading(self, layer):
-        n, k = self.config.weight_shape
-        static = bool(self.config.activation_quant_key.scale.static)
-        qw, act = convert.fp8_tensor(layer, n, k, static_input=static)
-        self._load(layer, qw, act)
-
-    def apply_weights(self, layer, x, bias=None):
-        return self._run(layer, x, bias)
-
-    def apply_scaled_mm(self, **kwargs):  # the base class's hook; apply_weights never calls it
-        raise NotImplementedError("B12xDualFp8TensorKernel overrides apply_weights")
+        return True, None
 
 
-# ---------------------------------------------------------------------------------------------
-# FP8 per-channel weights (CT FP8_DYNAMIC): per-token dynamic or per-tensor static activations
-# ---------------------------------------------------------------------------------------------
-class B12xDualFp8ChannelKernel(_Adapter, FP8ScaledMMLinearKernel):
+class B12xDualFp8ChannelKernel(_Fp8ScaledMM):
     """Per-channel FP8 weights (compressed-tensors strategy "channel", the FP8_DYNAMIC preset: vLLM's
     weight key ``GroupShape(-1, 1)``) with dynamic per-token or static per-tensor activation scales,
     through b12x-dual's fp8_channel backend."""
 
     VARIANT, QUANT_KEY = "fp8_channel", "fp8_w8a8"
+    CONVERT = staticmethod(convert.fp8_channel)
 
     @classmethod
-    def is_supported(cls, compute_capability: Optional[int] = None):
-        return cls._placement(compute_capability)
-
-    @classmethod
-    def can_implement(cls, config):
-        w, a = config.weight_quant_key.scale, config.activation_quant_key.scale
+    def _scales_ok(cls, w, a):
         if not (w.static and w.group_shape.is_per_channel()):
             return False, (f"weight scale is {w.group_shape} (static={w.static}); this class takes one static "
                            "scale per output channel (GroupShape(row=-1, col=1))")
         if not ((not a.static and a.group_shape.is_per_token()) or (a.static and a.group_shape.is_per_tensor())):
             return False, (f"activation scale is {a.group_shape} (static={a.static}); fp8_channel takes dynamic "
                            "per-token or static per-tensor activation scales")
-        ok, why = _check_dtypes(config)
-        if not ok:
-            return ok, why
-        n, k = config.weight_shape
-        ok, why = placement.shape_placement(cls.VARIANT, cls.QUANT_KEY, n, k, config.input_dtype)
-        return ok, (None if ok else why)
-
-    def process_weights_after_loading(self, layer):
-        n, k = self.config.weight_shape
-        static = bool(self.config.activation_quant_key.scale.static)
-        qw, act = convert.fp8_channel(layer, n, k, static_input=static)
-        self._load(layer, qw, act)
-
-    def apply_weights(self, layer, x, bias=None):
-        return self._run(layer, x, bias)
-
-    def apply_scaled_mm(self, **kwargs):  # the base class's hook; apply_weights never calls it
-        raise NotImplementedError("B12xDualFp8ChannelKernel overrides apply_weights")
+        return True, None
 
 
 # ---------------------------------------------------------------------------------------------

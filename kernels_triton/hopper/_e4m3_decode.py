@@ -20,6 +20,8 @@ dequantized once by ``act_decoded_kernel`` into a bf16 [M, K] scratch in the loo
 the GEMM loads with a plain pipelined load: no dot operand is stored to shared memory inside the
 loop, so Triton's WGMMA pipeliner makes the dot async (``tools/probes/decode_sass.py``: the wait-for-all
 becomes ``DEPBAR.LE gsb0, 0x1``) and the next weight decode overlaps the MMAs (as in _fp4_decode).
+W8A16 (hopper.mxfp8's weight-only decode, ``launch_e4m3_decode_linear(a16=True)``) takes the second
+source with nothing quantized: act_decoded_kernel (A16) only lays the bf16 x out in that order.
 
 Fragment order (``_fp4_decode.fragment_order`` on bytes): both operands' K is permuted so that lane
 q of a quad holds BLOCK_K / 4 consecutive bytes of a row (two 16-byte loads at BLOCK_K = 128, and
@@ -150,12 +152,14 @@ def act_decoded_kernel(
     x_ptr, p_ptr, M, K, stride_xm, stride_xk, stride_pm,
     FLOOR_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl
+    A16: tl.constexpr = False,  # W8A16: x itself (bf16), only laid out in the dot order; FLOOR_RULE unused
 ):
     """p [M, K_pad] (K_pad a multiple of BLOCK_K): x quantized to mxfp8 by mxfp8's rule
     (mx_e4m3_quantize, the codes and scales of mxfp8.quantize_activation) and dequantized,
     code * 2^e, each BLOCK_K tile in fragment order, the order the decode GEMM dots it (zeros past
     K). Exact in bf16 for the scales the rule writes (module docstring); a non-finite block is NaN.
-    One program per K tile, all rows."""
+    A16 (W8A16): x itself, bf16, laid out the same way (no quantization; exact). One program per K
+    tile, all rows."""
     k0 = tl.program_id(0) * BLOCK_K
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -163,8 +167,11 @@ def act_decoded_kernel(
     pdl_wait(USE_PDL)  # x is the previous kernel's output
     x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
                 mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
-    q, s = mx_e4m3_quantize(x.reshape(BLOCK_M, BLOCK_K // _GROUP, _GROUP), FLOOR_RULE)
-    v = (dequantize_e4m3(q) * dequantize_e8m0(s)[:, :, None]).reshape(BLOCK_M, BLOCK_K)  # fp32, exact
+    if A16:  # x as it is (fp32 of bf16: exact); NaN and Inf reach the dot as they are
+        v = x
+    else:
+        q, s = mx_e4m3_quantize(x.reshape(BLOCK_M, BLOCK_K // _GROUP, _GROUP), FLOOR_RULE)
+        v = (dequantize_e4m3(q) * dequantize_e8m0(s)[:, :, None]).reshape(BLOCK_M, BLOCK_K)  # fp32, exact
     pdl_launch_dependents(USE_PDL)
     v = fragment_order(v, BLOCK_M, BLOCK_K)
     tl.store(p_ptr + offs_m.to(tl.int64)[:, None] * stride_pm + offs_k[None, :], v.to(p_ptr.dtype.element_ty),
@@ -282,7 +289,7 @@ def launch_e4m3_decode(x, sx, w, sw, bias, y, *, config: TileConfig | None = Non
 
 
 def launch_e4m3_decode_linear(x, w, sw, bias, y, *, floor_rule: bool = False, config: TileConfig | None = None,
-                              use_asm: bool | None = None) -> torch.Tensor:
+                              use_asm: bool | None = None, a16: bool = False) -> torch.Tensor:
     """y = dequant(q(x)) . dequant(w)^T + bias for M <= 16 rows of a bf16 / fp16 activation x, q the
     mxfp8 activation quantizer (mxfp8.quantize_activation: formats.quantize's codes and scales): the
     decode linear in two launches (plus split-K's reduction). act_decoded_kernel quantizes x and
@@ -291,21 +298,31 @@ def launch_e4m3_decode_linear(x, w, sw, bias, y, *, floor_rule: bool = False, co
     operands are those of launch_e4m3_decode on quantize_activation(x), so the result is too, up
     to the order of the fp32 additions (the same dot: bit for bit under the interpreter).
 
+    a16=True (W8A16, hopper.mxfp8's weight-only decode): x is not quantized; act_decoded_kernel
+    only lays the bf16 rows out in the dot order, and y = x . dequant(w)^T + bias (every product
+    of a bf16 value and a 4-significant-bit weight is exact in the fp32 accumulator).
+
     Args:
         x: bfloat16 / float16 [M, K], any strides; M <= 16, K a positive multiple of 32.
         w, sw: the weight's e4m3 codes [N, K] (float8_e4m3fn or uint8) and E8M0 bytes uint8
             [N, K/32], K stride 1 in both.
         bias: None or a contiguous float32 / bf16 / fp16 [N] (kernel_bias's), added in fp32.
         y: the output, bfloat16 / float16 / float32 [M, N], unit column stride; written, returned.
-        floor_rule: the activation's scale rule, False for "ceil", True for "floor" (OCP MX 6.3).
+        floor_rule: the activation's scale rule, False for "ceil", True for "floor" (OCP MX 6.3);
+            unused with a16.
         config, use_asm: as launch_e4m3_decode (the weight decode).
+        a16: W8A16, x used as it is; x must then be bfloat16 (the scratch is bf16 on a GPU, which
+            holds fp16's 11 significant bits only approximately).
     Returns:
         y.
     Raises:
-        ValueError: as launch_e4m3_decode (x must be bfloat16 / float16 here; no sx), naming the
-            argument.
+        ValueError: as launch_e4m3_decode (x must be bfloat16 / float16 here, bfloat16 with a16;
+            no sx), naming the argument.
     """
     M, N, K = _check_operands(x, None, w, sw, bias, y, x_codes=False)
+    if a16 and x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 with a16=True (the decode GEMM dots a bf16 copy of it; fp16 x takes "
+                         f"hopper.mxfp8's split-K GEMM with exact hi/lo bf16 halves), got {x.dtype}")
     cfg = _checked_config(M, N, K, y, config)
     if M == 0 or N == 0:
         return y
@@ -314,7 +331,8 @@ def launch_e4m3_decode_linear(x, w, sw, bias, y, *, floor_rule: bool = False, co
     xd = torch.empty((M, k_tiles * bk), dtype=torch.float32 if interpreting() else torch.bfloat16, device=y.device)
     launch(act_decoded_kernel, (k_tiles,),
         x, xd, M, K, x.stride(0), x.stride(1), xd.stride(0),
-        FLOOR_RULE=floor_rule, BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(y.device),
+        FLOOR_RULE=floor_rule, BLOCK_M=cfg.BLOCK_M, BLOCK_K=bk, num_warps=4, num_stages=1, A16=a16,
+        **pdl_launch(y.device),
     )
     return _launch_gemm(xd, sw, w, sw, bias, y, cfg, use_asm, None, x_decoded=True)  # sx unused
 

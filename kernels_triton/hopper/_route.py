@@ -68,14 +68,18 @@ def sm_count(device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+WEIGHT_ONLY = ("nvfp4", "mxfp4", "mxfp8")  # the formats with an a16=True (W4A16 / W8A16) route here
+
+
 def check_route(fmt: str, capability, a16: bool, M: int, N: int, K: int) -> None:
     """The checks a route of the e4m3 formats opens with: ValueError for a capability other than
-    sm_90 (naming it and why), a16=True (no weight-only mode) or a negative size."""
+    sm_90 (naming it and why), a16=True for a format without a weight-only mode (WEIGHT_ONLY) or a
+    negative size."""
     ok, why = supported(capability)
     if not ok:
         raise ValueError(f"kernels_triton.hopper.{fmt} runs on sm_90 only: {why}")
-    if a16:
-        raise ValueError(f"a16=True (W4A16) exists for nvfp4 and mxfp4, got {fmt!r}")
+    if a16 and fmt not in WEIGHT_ONLY:
+        raise ValueError(f"a16=True (W4A16 / W8A16) exists for {', '.join(WEIGHT_ONLY)}, got {fmt!r}")
     _common.check_sizes(M, N, K)
 
 

@@ -18,6 +18,22 @@ The lesson (``kernels_triton.mxfp8``) teaches this GEMM; this module runs it on 
     M > 128    a pre-pass dequantizing each operand once into bf16 (_dequantize_kernel), then the
                bf16 GEMM of _twopass
 
+W8A16 (``linear(a16=True)``, ``gemm_w8a16``; the "mxfp8_w8a16" variant: x stays bf16/fp16, only
+the weight is MXFP8) takes the FP4 W4A16 routes' choices (hopper._fp4_route), with this module's and
+_e4m3_decode's kernels; nothing is quantized:
+
+    M <= 16, bf16 x    act_decoded_kernel (A16) lays x out in the decode GEMM's dot order, then
+                       e4m3_decode_gemm_kernel as above, split-K, the ordered reduction
+    M <= 128           _gemm_kernel (A16): the weight tile dequantized in registers, x's tile
+                       dotted as it is; split-K at M <= 64
+    M > 128, bf16 x    _dequantize_kernel on the weight once, then the bf16 GEMM on x
+    fp16 x, every M    _gemm_kernel (A16, SPLIT_A16): fp16 has 11 significant bits, so x is dotted
+                       as its exact bf16 hi and lo halves (a bf16 copy, which the decode GEMM and
+                       the pre-pass would dot, rounds it); the tile of M = 128 above 128 rows
+
+Every product (bf16 x, or a half of fp16 x, times code * 2^e: at most 8 + 4 significant bits) is
+exact in the fp32 accumulator, as in the lesson's W8A16 kernel (kernels_triton.mxfp8).
+
 ``route`` is that table as data; ``linear`` computes it once and launches exactly its kernels.
 """
 
@@ -34,7 +50,7 @@ from formats._mx import SCALE_RULES
 from formats.constants import MX_BLOCK
 
 from .._codecs import dequantize_e4m3, dequantize_e8m0, grouped_tile
-from .._common import (check_activation, check_bias, check_gemm_operands, check_weight,
+from .._common import (check_activation, check_bias, check_gemm_operands, check_out_dtype, check_weight,
                        flatten_rows, interpreting, kernel_bias, launch)
 from ..mxfp8 import mxfp8_quantize_tile as mx_e4m3_quantize
 from ..tuning import quant_config
@@ -44,7 +60,7 @@ from ._e4m3_decode import DECODE_MAX_M, decode_tile, launch_e4m3_decode, launch_
 from ._fp8_decode import MX_SCALE, launch_fp8_decode
 from ._fp8_decode import decode_config as fp8_decode_config
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._tiles import e4m3_config
+from ._tiles import PREPASS_MIN_M, e4m3_config
 from ._twopass import (NO_ALPHA, epilogue, launch_bf16_gemm, launch_splitk_reduce, scratch_dtype, splitk_plan,
                        splitk_workspace, store_splitk_partial)
 
@@ -57,6 +73,7 @@ DECODE_KERNELS = ("bf16", "fp8")  # M <= 16: _e4m3_decode or _fp8_decode (module
 # the H200; docs/perf_notes.md)
 DECODED_ACT_MAX_M = 1
 PORTABLE_BLOCK_K = 64  # the fused kernel's K step: the dequantized tiles live in registers before the dot
+X_DTYPES = (torch.bfloat16, torch.float16)  # the activations linear takes (W8A8 quantizes them; W8A16 dots them)
 
 
 @triton.jit
@@ -121,8 +138,11 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl)
+    A16: tl.constexpr = False,  # W8A16: x is the bf16/fp16 activation itself; sx unused
+    SPLIT_A16: tl.constexpr = False,  # A16 with fp16 x on a GPU: dot its exact bf16 hi and lo halves
 ):
-    """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8."""
+    """One [BLOCK_M, BLOCK_N] tile of y. x/w codes and sx/sw E8M0 bytes are all uint8 (A16: x is
+    bf16/fp16, any strides)."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale block")
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
@@ -135,16 +155,34 @@ def _gemm_kernel(
     k_lo = pid_k * K_PER
     pdl_wait(USE_PDL)  # the quantized activation
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
-        # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
-        a = _dequantize_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
-                          BLOCK_M, BLOCK_K)
-        b = _dequantize_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
-                          BLOCK_N, BLOCK_K)
-        if DOT_BF16:
-            # exact: code * 2^e has 4 significant bits (see the module docstring)
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
+        if A16:
+            # x as it is: a bf16 x times code * 2^e is exact in the bf16 dot; fp16 x (11 significant
+            # bits) is x_hi + x_lo, both exact in bf16 (the remainder has <= 3 significant bits)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xa = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
+                         mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+            b = _dequantize_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
+                                 BLOCK_N, BLOCK_K)
+            if SPLIT_A16:
+                b_t = tl.trans(b.to(tl.bfloat16))
+                x_hi = xa.to(tl.float32).to(tl.bfloat16)
+                acc = tl.dot(x_hi, b_t, acc)
+                acc = tl.dot((xa.to(tl.float32) - x_hi.to(tl.float32)).to(tl.bfloat16), b_t, acc)
+            elif DOT_BF16:
+                acc = tl.dot(xa.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
+            else:  # the interpreter: fp32 operands (exact; its bf16 dot is wrong)
+                acc = tl.dot(xa.to(tl.float32), tl.trans(b), acc)
         else:
-            acc = tl.dot(a, tl.trans(b), acc)
+            # code * 2^e for both tiles (K is a multiple of 32; BLOCK_K need not divide it: masked)
+            a = _dequantize_tile(x_ptr, sx_ptr, offs_m, m_ok, k0, K, stride_xm, stride_xk, stride_sxm, stride_sxk,
+                                 BLOCK_M, BLOCK_K)
+            b = _dequantize_tile(w_ptr, sw_ptr, offs_n, n_ok, k0, K, stride_wn, stride_wk, stride_swn, stride_swk,
+                                 BLOCK_N, BLOCK_K)
+            if DOT_BF16:
+                # exact: code * 2^e has 4 significant bits (see the module docstring)
+                acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
     pdl_launch_dependents(USE_PDL)
 
     if SPLIT_K > 1:  # a partial sum of this K range; the bias comes in the reduction
@@ -216,29 +254,88 @@ def _gemm_kernels(kind: str, cfg: TileConfig, K: int) -> tuple[tuple[str, ...], 
     return (gemm,) + (("splitk_reduce_kernel",) if n_split > 1 else ()), n_split
 
 
+def _a16_plan(M: int, N: int, K: int, n_sms: int, x_dtype: torch.dtype) -> tuple[str, TileConfig, str]:
+    """(W8A16 GEMM kind "a16_decode" | "a16_fused" | "a16_prepass", its tile, why) for M >= 1: the
+    choices of the FP4 W4A16 routes (hopper._fp4_route), for the same reasons."""
+    if M <= DECODE_MAX_M and x_dtype == torch.bfloat16:
+        return "a16_decode", decode_tile(M, N, K, n_sms), (
+            f"W8A16 bf16 at M={M} <= {DECODE_MAX_M}: act_decoded_kernel lays x out in the dot order, then the swapped "
+            f"decode GEMM (the e4m3 weight decoded to bf16 in registers), split-K by the SM count ({n_sms})")
+    fp16 = x_dtype == torch.float16
+    # fp16 x keeps the fused kernel at every M: it dots x's exact bf16 hi and lo halves, where the
+    # decode GEMM and the pre-pass would dot a bf16 copy of x (rounded)
+    cfg = e4m3_config(min(M, PREPASS_MIN_M) if fp16 else M, N, K, block_k=PORTABLE_BLOCK_K, prepass=True)
+    if cfg.PREPASS:
+        return "a16_prepass", cfg, (
+            f"W8A16 bf16 at M={M} > {PREPASS_MIN_M}: the weight dequantized once into bf16 (_dequantize_kernel), then "
+            f"the bf16 GEMM on x as it is (the fused kernel would decode every weight tile M / BLOCK_M times)")
+    if fp16:
+        how = (f"fp16 at M={M}: the fused dequantize-in-registers kernel with x's exact hi/lo bf16 halves (two "
+               f"dots per K step){' on the tile of M = 128' if M > PREPASS_MIN_M else ''}")
+    else:
+        how = (f"bf16 at {DECODE_MAX_M} < M={M} <= {PREPASS_MIN_M}: the fused dequantize-in-registers kernel on x "
+               f"as it is")
+    split = ", split-K" if splitk_plan(K, cfg)[0] > 1 else ""
+    return "a16_fused", cfg, f"W8A16 {how}{split}"
+
+
+def _a16_kernels(kind: str, cfg: TileConfig, K: int) -> tuple[tuple[str, ...], int]:
+    """(kernel names, split-K launched) of a W8A16 plan."""
+    if kind == "a16_prepass":
+        return ("_dequantize_kernel", "bf16_gemm_kernel"), 1
+    gemm, n_split = _gemm_kernels("decode_bf16" if kind == "a16_decode" else "portable", cfg, K)
+    return (("act_decoded_kernel",) if kind == "a16_decode" else ()) + gemm, n_split
+
+
+def _check_a16_options(decode_kernel: str, x_dtype) -> None:
+    _check_decode_kernel(decode_kernel)
+    if decode_kernel != "bf16":
+        raise ValueError(f"decode_kernel must be 'bf16' with a16=True (the 'fp8' kernel dots e4m3 activation codes; "
+                         f"W8A16 keeps x in bf16/fp16), got {decode_kernel!r}")
+    if x_dtype not in X_DTYPES:
+        raise ValueError(f"x_dtype must be torch.bfloat16 or torch.float16, got {x_dtype}")
+
+
 def route(M: int, N: int, K: int, *, capability, sm_count: int, a16: bool = False, scale_rule: str = "ceil",
-          decode_kernel: str = "bf16") -> Route:
+          decode_kernel: str = "bf16", x_dtype: torch.dtype = torch.bfloat16) -> Route:
     """The kernels ``linear`` launches for an [M, K] x [N, K]^T mxfp8 problem on sm_90.
+
+    W8A16 (``a16=True``: x stays bf16/fp16, only the weight is MXFP8) follows the FP4 W4A16 routes
+    (hopper._fp4_route): bf16 x at M <= 16 takes the swapped decode GEMM on x laid out in its dot
+    order (act_decoded_kernel with A16, then e4m3_decode_gemm_kernel, split-K); M <= 128 the fused
+    dequantize-in-registers _gemm_kernel (split-K at M <= 64); bf16 x above 128 rows the weight
+    dequantized once into bf16, then the bf16 GEMM (the fused kernel would decode each weight
+    tile M / BLOCK_M times). fp16 x takes the fused kernel at every M, dotting its exact bf16
+    hi and lo halves (a bf16 copy of x, which the decode GEMM and the pre-pass dot, would round it).
 
     Args:
         M, N, K: the problem (K a multiple of 32).
         capability: the device's (major, minor); must be (9, 0) (``supported``).
         sm_count: the device's SM count (the decode kernels' split-K target).
-        a16: must be False (mxfp8 has no weight-only mode).
+        a16: W8A16 (x used as it is), the "mxfp8_w8a16" variant.
         scale_rule: ``linear``'s activation option ("ceil" or "floor"); it does not change the route.
-        decode_kernel: "bf16" or "fp8", the M <= 16 kernel (module docstring).
+        decode_kernel: "bf16" or "fp8", the M <= 16 kernel (module docstring); "bf16" with a16.
+        x_dtype: the activation dtype, torch.bfloat16 or torch.float16 with a16 (it changes the W8A16
+            route only; unused, unchecked without a16).
     Returns:
         Route(impl="hopper", kernels, tile, split_k, why).
     Raises:
-        ValueError: a capability other than sm_90 (naming it and why), a16=True, a negative size,
-            an unknown scale_rule or decode_kernel.
+        ValueError: a capability other than sm_90 (naming it and why), a negative size, an unknown
+            scale_rule or decode_kernel; with a16=True, decode_kernel="fp8" or an x_dtype other than
+            bf16 / fp16.
     """
     check_route(FMT, capability, a16, M, N, K)
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     _check_decode_kernel(decode_kernel)
+    if a16:
+        _check_a16_options(decode_kernel, x_dtype)
     if M == 0 or N == 0:
         return Route("hopper", (), "", 1, "M=0 or N=0: nothing to launch")
+    if a16:
+        kind, cfg, why = _a16_plan(M, N, K, sm_count, x_dtype)
+        kernels, n_split = _a16_kernels(kind, cfg, K)
+        return Route("hopper", kernels, str(cfg), n_split, why, (("gemm", kind), ("config", cfg)))
     kind, cfg, gwhy = _gemm_plan(M, N, K, sm_count, decode_kernel)
     kernels, n_split = _gemm_kernels(kind, cfg, K)
     if kind == "decode_bf16" and M <= DECODED_ACT_MAX_M:
@@ -302,23 +399,49 @@ def _run_gemm(kind: str, cfg: TileConfig, xq, qweight, bias, y) -> torch.Tensor:
     sx, sw = xq.scale, qweight.scale
     if kind == "prepass":
         return launch_bf16_gemm(_dequantize(x, sx), _dequantize(w, sw), y, bias=bias, config=cfg)
+    return _launch_fused(x, sx, w, sw, bias, y, cfg)
+
+
+def _launch_fused(x, sx, w, sw, bias, y, cfg: TileConfig) -> torch.Tensor:
+    """_gemm_kernel (and split-K's reduction) into y [M, N]: x uint8 codes with E8M0 bytes sx, or
+    (sx None, W8A16) the bf16/fp16 activation itself; w, sw the weight's uint8 codes and bytes."""
     M, N = y.shape
-    K = qweight.k
+    K = w.shape[1]
     interp = interpreting()
+    a16 = sx is None
+    if a16:  # sx is an unused pointer argument; the weight's bytes stand in for it
+        sx, stride_sx = sw, (0, 0)
+    else:
+        stride_sx = (sx.stride(0), sx.stride(1))
     n_split, k_per = splitk_plan(K, cfg)
     ws = splitk_workspace(n_split, M, N, y.device) if n_split > 1 else y
     launch(_gemm_kernel, (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), n_split),
            x, w, sx, sw, bias if bias is not None else y, y, ws,
            M, N, K, k_per,
            x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-           sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
+           *stride_sx, sw.stride(0), sw.stride(1), y.stride(0), y.stride(1),
            HAS_BIAS=bias is not None, DOT_BF16=not interp, ROUND_BF16=interp and y.dtype == torch.bfloat16,
            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
            SPLIT_K=n_split,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device))
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device),
+           **({"A16": True, "SPLIT_A16": x.dtype == torch.float16 and not interp} if a16 else {}))
     if n_split > 1:
         launch_splitk_reduce(ws, y, bias=bias)
     return y
+
+
+def _run_a16(kind: str, cfg: TileConfig, x2, qweight, bias, y) -> torch.Tensor:
+    """Launch one W8A16 plan (``_a16_plan``) on x2 [M, K] (bf16/fp16, any strides) into y [M, N]
+    (bias already kernel_bias's). ValueError for fp16 x2 on a plan that dots a bf16 copy of x."""
+    if kind in ("a16_decode", "a16_prepass") and x2.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 for the W8A16 route {kind!r} (it dots x as bf16; fp16 x takes the "
+                         f"fused kernel: route(..., a16=True, x_dtype=torch.float16)), got {x2.dtype}")
+    w, sw = qweight.data.view(torch.uint8), qweight.scale
+    if kind == "a16_decode":
+        return launch_e4m3_decode_linear(x2, w.contiguous(), sw.contiguous(), bias, y, config=cfg, a16=True)
+    if kind == "a16_prepass":  # the bf16 GEMM's operands share one dtype: x as it is on a GPU, fp32 (exact) interpreted
+        return launch_bf16_gemm(x2.to(scratch_dtype()), _dequantize(w, sw), y, bias=bias, config=cfg)
+    return _launch_fused(x2, None, w, sw, bias, y, cfg)
 
 
 def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
@@ -349,8 +472,10 @@ def gemm(xq: QuantizedTensor, qweight: QuantizedTensor, bias: Optional[torch.Ten
 def execute(r: Route, x: torch.Tensor, qweight: QuantizedTensor, bias=None, *,
             scale_rule: str = "ceil") -> torch.Tensor:
     """Run the route ``r`` (this module's ``route`` for x's rows) on checked operands: the
-    quantizer, then the GEMM plan the route names. ``linear`` is route + execute; tests run a route
-    of sm_90 here under the interpreter."""
+    quantizer, then the GEMM plan the route names (a W8A16 route: no quantizer, x as it is; scale_rule
+    unused). ``linear`` is route + execute; tests run a route of sm_90 here under the interpreter.
+    Raises ValueError for fp16 x on a W8A16 route of bf16 x (its decode GEMM and pre-pass dot x as
+    bf16)."""
     N = qweight.shape[0]
     x2 = flatten_rows(x)
     y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
@@ -359,7 +484,9 @@ def execute(r: Route, x: torch.Tensor, qweight: QuantizedTensor, bias=None, *,
     opts = dict(r.options)
     kind, cfg = opts["gemm"], opts["config"]
     bias = kernel_bias(bias)
-    if kind == "decode_bf16_act":
+    if kind.startswith("a16_"):
+        _run_a16(kind, cfg, x2, qweight, bias, y)
+    elif kind == "decode_bf16_act":
         launch_e4m3_decode_linear(x2, qweight.data.contiguous(), qweight.scale.contiguous(), bias, y,
                                   floor_rule=scale_rule == "floor", config=cfg)
     else:
@@ -367,28 +494,71 @@ def execute(r: Route, x: torch.Tensor, qweight: QuantizedTensor, bias=None, *,
     return y.reshape(*x.shape[:-1], N)
 
 
+def gemm_w8a16(x2d: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y = x2d . dequant(qweight)^T (+ bias) with unquantized activations (W8A16, the "mxfp8_w8a16"
+    variant) on sm_90, by the kernels of ``route(..., a16=True, x_dtype=x2d.dtype)``.
+
+    Args:
+        x2d: bfloat16/float16 [M, K] (any strides), on the weight's device.
+        qweight: mxfp8 weight QuantizedTensor [N, K] (e4m3 codes, E8M0 bytes [N, K/32], linear layout).
+        bias: optional float32/bf16/fp16 [N], added in fp32.
+        out_dtype: torch.bfloat16, torch.float16 or torch.float32; default x2d's dtype.
+    Returns:
+        [M, N] tensor of out_dtype: every product exact (bf16 x times e4m3 * 2^e in the bf16 dot;
+        fp16 x as its exact bf16 hi and lo halves), fp32 sums (formats.reference_linear(..., a16=True)
+        up to the fp32 summation order), one rounding to out_dtype.
+    Raises:
+        ValueError: naming the argument: x2d not a 2-D bf16/fp16 tensor, K not a multiple of 32 or
+            not the weight's K, a wrong weight format or layout, devices, bias, out_dtype, or a device
+            that is not sm_90.
+    """
+    check_weight(qweight, FMT)
+    N, K = qweight.shape
+    check_activation(x2d, K, K_MULTIPLE, FMT, device=qweight.device)
+    if x2d.dim() != 2:
+        raise ValueError(f"x2d must be 2-D [M, K], got shape {tuple(x2d.shape)}")
+    out_dtype = out_dtype or x2d.dtype
+    check_out_dtype(out_dtype)
+    check_bias(bias, N, qweight.device)
+    cap = check_device(FMT, qweight.device)
+    M = x2d.shape[0]
+    r = route(M, N, K, capability=cap, sm_count=sm_count(qweight.device), a16=True, x_dtype=x2d.dtype)
+    y = torch.empty((M, N), dtype=out_dtype, device=qweight.device)
+    if r.kernels:
+        opts = dict(r.options)
+        _run_a16(opts["gemm"], opts["config"], x2d, qweight, kernel_bias(bias), y)
+    return y
+
+
 def linear(x: torch.Tensor, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
-           scale_rule: str = "ceil", decode_kernel: str = "bf16") -> torch.Tensor:
-    """y = x . W^T (+ bias) with x quantized to MXFP8 on the fly, on sm_90: route() once, then
-    exactly its kernels.
+           a16: bool = False, scale_rule: str = "ceil", decode_kernel: str = "bf16") -> torch.Tensor:
+    """y = x . W^T (+ bias) on sm_90: W8A8 (x quantized to MXFP8 on the fly) or, with a16=True,
+    W8A16 (x used as it is: gemm_w8a16); route() once, then exactly its kernels.
 
     Args:
         x: bfloat16/float16 [..., K], K a multiple of 32, any strides.
         qweight: mxfp8 weight QuantizedTensor [N, K] (linear layout) on x's device.
         bias: optional float32/bf16/fp16 [N].
-        scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation).
-        decode_kernel: "bf16" or "fp8", the M <= 16 kernel (module docstring).
+        a16: keep the activations in bf16/fp16 (weight-only quantization, "mxfp8_w8a16").
+        scale_rule: activation scale rule, "ceil" or "floor" (see quantize_activation); unused with a16.
+        decode_kernel: "bf16" or "fp8", the M <= 16 kernel (module docstring); "bf16" with a16.
     Returns:
         [..., N] tensor of x's dtype.
     Raises:
         ValueError: naming the argument: wrong weight format, x dtype, K not a multiple of 32 or
-            not the weight's K, devices, bias shape or dtype, scale_rule, decode_kernel, or a device
-            that is not sm_90.
+            not the weight's K, devices, bias shape or dtype, scale_rule, decode_kernel ("fp8" with
+            a16), or a device that is not sm_90.
     """
     check_weight(qweight, FMT)
     N, K = qweight.shape
     check_activation(x, K, K_MULTIPLE, FMT, device=qweight.device)
     check_bias(bias, N, qweight.device)
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    if a16:
+        _check_a16_options(decode_kernel, x.dtype)
+        return gemm_w8a16(flatten_rows(x), qweight, bias).reshape(*x.shape[:-1], N)
     cap = check_device(FMT, qweight.device)
     r = route(x.numel() // K, N, K, capability=cap, sm_count=sm_count(qweight.device), scale_rule=scale_rule,
               decode_kernel=decode_kernel)

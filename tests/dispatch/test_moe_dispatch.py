@@ -15,6 +15,8 @@ hard-coded. Tiny shapes: the interpreter runs every kernel on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import math
 import os
@@ -127,7 +129,7 @@ def test_b12x_impl_selects_the_implementation(monkeypatch):
         assert layer.last_impl == impl
     assert sorted(layer.backends) == sorted(f"{i}:mxfp8" for i in ("reference", "triton"))
     monkeypatch.setenv(policy.ENV_VAR, "hopper")  # a named gap: forced, never a silent fallback
-    with pytest.raises(ImplementationUnavailable, match="no sm_90 MoE kernels yet"):
+    with pytest.raises(ImplementationUnavailable, match="no sm_90 MoE kernels for this variant"):
         layer(x, ids, wt)
     monkeypatch.setenv(policy.ENV_VAR, "nonsense")
     with pytest.raises(dispatch.InvalidImplementation, match="B12X_IMPL='nonsense'"):
@@ -172,7 +174,11 @@ def test_the_table_has_every_cell_and_names_its_gaps():
     assert set(table) == {(i, v) for i in registry.IMPLS for v in registry.VARIANTS}
     for v in registry.VARIANTS:
         assert isinstance(table[("reference", v)], dm.ReferenceMoE)
-        assert isinstance(table[("hopper", v)], UnsupportedEntry) and table[("hopper", v)].reason == dm.HOPPER_GAP
+        if v in dm.HOPPER_MOE_VARIANTS and dm.hopper_moe_on():
+            assert isinstance(table[("hopper", v)], dm.HopperMoE)
+        else:
+            cell = table[("hopper", v)]
+            assert isinstance(cell, UnsupportedEntry) and cell.reason == dm.hopper_gap(v)
         assert isinstance(table[("triton", v)], dm.TritonMoE) == (v in LESSON)
     for v in ("fp8_tensor", "fp8_block", "fp8_channel", "mxfp8", "mxfp8_w8a16"):
         assert table[("cute", v)].reason == "b12x 1.5.1 has no FP8 MoE; triton serves"
@@ -181,18 +187,36 @@ def test_the_table_has_every_cell_and_names_its_gaps():
             assert isinstance(table[("cute", v)], dm.CuteMoE)
         else:
             assert table[("cute", v)].reason == "kernels_cute.moe is not in this installation"
-    with pytest.raises(registry.Unsupported, match="no sm_90 MoE kernels yet"):
-        dm.get("hopper", "nvfp4")
+    with pytest.raises(registry.Unsupported, match="no sm_90 MoE kernels for this variant"):
+        dm.get("hopper", "fp8_block")
+    if not dm.hopper_moe_on():
+        with pytest.raises(registry.Unsupported, match="written, not yet run on a GPU"):
+            dm.get("hopper", "nvfp4")
 
 
-def test_h200_picks_the_triton_lesson_after_the_hopper_gap():
+def _hopper_gate_off(monkeypatch):
+    """The sm_90 MoE's gate off for one test (HOPPER_MOE_GPU_RAN False, no B12X_HOPPER_MOE_UNVERIFIED),
+    the table rebuilt under it: the hopper cells are named gaps, as on a machine before the GPU ran them."""
+    monkeypatch.setattr(dm, "HOPPER_MOE_GPU_RAN", False)
+    monkeypatch.delenv(dm.HOPPER_UNVERIFIED_ENV, raising=False)
+    monkeypatch.setattr(dm, "_TABLE", {})
+    dm.clear_cache()
+
+
+def test_h200_picks_the_triton_lesson_after_the_hopper_gap(monkeypatch):
+    """While the sm_90 MoE's gate is off the hopper cell is a named gap and auto on an H200 takes the
+    lesson; an unserved variant stays a gap."""
+    _hopper_gate_off(monkeypatch)
     p = dm.MoEProblem("mxfp4", 32, 4, 2880, 2880, 16, "swigluoai")
     c = dm.choose(p, KNOWN_DEVICES["h200"])
     assert c.impl == "triton" and c.requested == "auto"
-    assert c.considered[0] == ("hopper", False, f"hopper has no MoE kernel for mxfp4: {dm.HOPPER_GAP}")
-    assert "no sm_90 MoE kernels yet" in c.reason
+    assert c.considered[0] == ("hopper", False, f"hopper has no MoE kernel for mxfp4: {dm.HOPPER_UNRUN}")
+    assert "written, not yet run on a GPU" in c.reason
     r = c.backend.route(p, KNOWN_DEVICES["h200"])
     assert r.kernels == tmoe.route(16, 32, 4, 2880, 2880, fmt="mxfp4", capability=(9, 0)).kernels
+    c8 = dm.choose(dataclasses.replace(p, variant="mxfp8"), KNOWN_DEVICES["h200"])
+    assert c8.considered[0] == ("hopper", False, f"hopper has no MoE kernel for mxfp8: {dm.HOPPER_GAP}")
+    dm.clear_cache()
 
 
 @pytest.mark.parametrize("installed", [True, False], ids=["b12x", "no-b12x"])
@@ -270,7 +294,8 @@ def test_the_decision_cache_is_keyed_by_every_field():
     assert len(dm._cache) == len(variations) + 3
 
 
-def test_experts_are_prepared_once_per_backend():
+def test_experts_are_prepared_once_per_backend(monkeypatch):
+    _hopper_gate_off(monkeypatch)
     w13, w2 = _experts("mxfp4")
     layer = dispatch.BoundMoE(w13, w2, activation="swigluoai", device=KNOWN_DEVICES["h200"])
     layer.prepare_buckets(TOP_K)  # every bucket on a described H200: the lesson, prepared once
@@ -285,7 +310,8 @@ def test_experts_are_prepared_once_per_backend():
     assert sorted(layer.backends) == ["reference:mxfp4", "triton:mxfp4"]
     assert layer.backends["triton:mxfp4"] is p
     text = layer.report(1, TOP_K)
-    assert "triton" in text and "_grouped_gemm_kernel" in text and "no sm_90 MoE kernels yet" in text
+    assert "triton" in text and "_grouped_gemm_kernel" in text and "written, not yet run on a GPU" in text
+    dm.clear_cache()
 
 
 def test_a_sealed_layer_refuses_a_changed_choice(monkeypatch):
@@ -351,6 +377,9 @@ def test_bad_weights_biases_and_options_are_named(tiny):
         dispatch.BoundMoE(w13, w2, variant="nvfp4_w4a16")
     with pytest.raises(ValueError, match="activation must be one of"):
         dispatch.BoundMoE(w13, w2, activation="gelu")
+    # the MoE argument is "variant" (a linear's is "format"): the message names the one the caller passed
+    with pytest.raises(ValueError, match=r"^variant must be one of \('fp8_tensor', .*got 'mxfp9'$"):
+        dispatch.BoundMoE(w13, w2, variant="mxfp9")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,9 +387,13 @@ def test_bad_weights_biases_and_options_are_named(tiny):
 # ---------------------------------------------------------------------------------------------
 def test_explain_moe_names_the_pick_the_gaps_and_the_route(monkeypatch):
     text = dispatch.explain_moe("mxfp4", 16, 32, 4, 2880, 2880, "h200", activation="swigluoai")
-    assert "MoE mxfp4 decode M=16 E=32 top_k=4 H=2880 I=2880 swigluoai (M bucket 16, asked): auto -> triton" in text
-    assert "    hopper: no: hopper has no MoE kernel for mxfp4: no sm_90 MoE kernels yet" in text
-    assert "prefill M=4096" in text and "_grouped_gemm_kernel" in text
+    if dm.hopper_moe_on():  # the sm_90 MoE's gate is on: hopper serves, with its decode and prefill routes
+        assert "swigluoai (M bucket 16, asked): auto -> hopper" in text and "_decode_gemm_kernel" in text
+        assert "prefill M=4096" in text and "_gemm_kernel" in text
+    else:
+        assert "MoE mxfp4 decode M=16 E=32 top_k=4 H=2880 I=2880 swigluoai (M bucket 16, asked): auto -> triton" in text
+        assert f"    hopper: no: hopper has no MoE kernel for mxfp4: {dm.HOPPER_UNRUN}" in text
+        assert "prefill M=4096" in text and "_grouped_gemm_kernel" in text
     forced = dispatch.explain_moe("fp8_tensor", 1, 8, 2, 128, 128, "gb10", impl="cute")
     assert "impl=cute -> error: implementation 'cute' cannot serve" in forced and "no FP8 MoE" in forced
     monkeypatch.setenv(policy.ENV_VAR, "reference")

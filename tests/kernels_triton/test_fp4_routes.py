@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-from conftest import DEVICE, assert_within_bound, gemm_bound, make_input
+from conftest import DEVICE, make_input
 
-import formats
+from _fp4_testlib import check_fp4_output, fp4_weight, jit_names
 from kernels_triton import mxfp4, nvfp4, record_launches
 from kernels_triton._common import device_capability, gemm_path
 from kernels_triton.hopper._route import sm_count
@@ -30,29 +29,11 @@ CAPABILITIES = [None, (8, 9), (9, 0), (12, 0), (12, 1)]
 LESSON = {"nvfp4": nvfp4, "mxfp4": mxfp4}
 
 
-def _weight(fmt, N, K):
-    return formats.quantize(make_input((N, K), block=16) * 0.05, fmt, role="weight").to(DEVICE)
-
-
-def _check_output(y, x, qw, a16, **opts):
-    if x.shape[0] == 0:
-        assert y.shape == (0, qw.shape[0])
-        return
-    xr = x.cpu() if a16 else formats.quantize(x.cpu(), qw.fmt, role="activation", **opts)
-    ref = formats.reference_linear(xr, qw.to("cpu"), a16=a16, out_dtype=x.dtype)
-    assert ref.abs().max() > 0
-    assert_within_bound(y, ref, gemm_bound(xr, qw, None, x.dtype, ref))
-
-
-def _jit_names(*modules) -> set[str]:
-    return {name for m in modules for name, v in vars(m).items() if isinstance(v, triton.runtime.KernelInterface)}
-
-
 @pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_lesson_launches_its_route(fmt, a16, M, N, K):
     mod = LESSON[fmt]
-    qw = _weight(fmt, N, K)
+    qw = fp4_weight(fmt, N, K)
     x = make_input((M, K), torch.bfloat16, block=16)
     dev = torch.device(DEVICE)
     r = mod.route(M, N, K, capability=device_capability(dev), sm_count=sm_count(dev), a16=a16)
@@ -60,7 +41,7 @@ def test_lesson_launches_its_route(fmt, a16, M, N, K):
     with record_launches() as log:
         y = mod.linear(x, qw, a16=a16)
     assert tuple(log) == r.kernels, r.describe()
-    _check_output(y, x, qw, a16)
+    check_fp4_output(y, x, qw, a16)
 
 
 def test_lesson_static_scale_and_forced_native_routes():
@@ -69,20 +50,20 @@ def test_lesson_static_scale_and_forced_native_routes():
     dev = torch.device(DEVICE)
     cap, sms = device_capability(dev), sm_count(dev)
     x = make_input((5, 64), torch.bfloat16, block=16)
-    qw = _weight("nvfp4", 24, 64)
+    qw = fp4_weight("nvfp4", 24, 64)
     r = nvfp4.route(5, 24, 64, capability=cap, sm_count=sms, global_scale=30.0)
     assert r.kernels[0] == "_quantize_kernel"
     with record_launches() as log:
         y = nvfp4.linear(x, qw, global_scale=30.0)
     assert tuple(log) == r.kernels
-    _check_output(y, x, qw, False, global_scale=30.0)
-    qw4 = _weight("mxfp4", 24, 64)
+    check_fp4_output(y, x, qw, False, global_scale=30.0)
+    qw4 = fp4_weight("mxfp4", 24, 64)
     for path in ("portable", "native"):
         r = mxfp4.route(5, 24, 64, capability=cap, sm_count=sms, path=path)
         with record_launches() as log:
             y = mxfp4.linear(x, qw4, path=path)
         assert tuple(log) == r.kernels and r.kernels[-1] == f"_{path}_gemm_kernel"
-        _check_output(y, x, qw4, False)
+        check_fp4_output(y, x, qw4, False)
 
 
 @pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
@@ -91,7 +72,7 @@ def test_lesson_routes_name_kernels_of_the_module(fmt, a16, capability):
     """Pure: no GPU needed. Every route of the lesson is impl "triton", names kernels the lesson
     defines, never a split-K, and the native kernel only on SM12x W4A4."""
     mod = LESSON[fmt]
-    names = _jit_names(mod)
+    names = jit_names(mod)
     for M, N, K in SHAPES:
         r = mod.route(M, N, K, capability=capability, sm_count=132, a16=a16)
         assert r.impl == "triton" and r.split_k == 1 and set(r.kernels) <= names, r.describe()

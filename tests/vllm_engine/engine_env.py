@@ -769,3 +769,26 @@ def independent_window(model: Path) -> tuple[float, float]:
 
 if __name__ == "__main__":  # the ModelOpt child (_modelopt_child)
     _modelopt_main(*sys.argv[1:])
+
+
+def switch_dense_layers(model, impl: str) -> int:
+    """Inside LLM.apply_model: B12X_IMPL becomes ``impl`` in this process (the engine core runs here)
+    and every dense plugin layer gets ``impl``'s prepared weight for each M bucket, beside the ones it
+    has (reference and triton both prepare the checkpoint's QuantizedTensor itself). Returns how many
+    dense plugin layers it switched."""
+    from dispatch.vllm_plugin import ops
+
+    os.environ["B12X_IMPL"] = impl
+    n = 0
+    for mod in model.modules():
+        handle = getattr(mod, "b12x_dual_handle", None)
+        if handle is None:
+            continue
+        st = ops.state(handle)
+        qw = next(iter(st.backends.values()))[1]
+        for m in ops.LOAD_M:
+            c = st.choose(m)
+            if c.backend.name not in st.backends:
+                st.backends[c.backend.name] = (c.backend, c.backend.prepare(qw))
+        n += 1
+    return n

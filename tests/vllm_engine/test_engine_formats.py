@@ -18,6 +18,7 @@ exporter writes them (the Llama). For each checkpoint, one engine, in this proce
 
 from __future__ import annotations
 
+import functools
 import os
 
 import engine_env
@@ -92,27 +93,8 @@ def _biases(model) -> dict:
 
 
 def _switch(impl: str):
-    """A function for LLM.apply_model: B12X_IMPL becomes ``impl`` in this process (the engine core
-    runs here) and every plugin layer gets ``impl``'s prepared weight for each M bucket, beside the
-    ones it has (reference and triton both prepare the checkpoint's QuantizedTensor itself)."""
-    def switch(model):
-        from dispatch.vllm_plugin import ops
-
-        os.environ["B12X_IMPL"] = impl
-        n = 0
-        for mod in model.modules():
-            handle = getattr(mod, "b12x_dual_handle", None)
-            if handle is None:
-                continue
-            st = ops.state(handle)
-            qw = next(iter(st.backends.values()))[1]
-            for m in ops.LOAD_M:
-                c = st.choose(m)
-                if c.backend.name not in st.backends:
-                    st.backends[c.backend.name] = (c.backend, c.backend.prepare(qw))
-            n += 1
-        return n
-    return switch
+    """A function for LLM.apply_model: engine_env.switch_dense_layers to ``impl``."""
+    return functools.partial(engine_env.switch_dense_layers, impl=impl)
 
 
 def _start(d):

@@ -61,24 +61,13 @@ def _moe_layers(model) -> dict:
 
 
 def _switch(impl: str):
-    """For LLM.apply_model: B12X_IMPL becomes ``impl`` in this process (the engine core runs here);
-    every dense plugin layer gets ``impl``'s prepared weight for each M bucket beside its own, and
-    every MoE layer's BoundMoE is prepared for ``impl`` at every bucket and sealed again."""
+    """For LLM.apply_model: engine_env.switch_dense_layers to ``impl``, and every MoE layer's BoundMoE
+    prepared for ``impl`` at every bucket and sealed again."""
     def switch(model):
-        from dispatch.vllm_plugin import moe, ops
+        from dispatch.vllm_plugin import moe
 
-        os.environ["B12X_IMPL"] = impl
+        engine_env.switch_dense_layers(model, impl)
         n = 0
-        for mod in model.modules():
-            handle = getattr(mod, "b12x_dual_handle", None)
-            if handle is None:
-                continue
-            st = ops.state(handle)
-            qw = next(iter(st.backends.values()))[1]
-            for m in ops.LOAD_M:
-                c = st.choose(m)
-                if c.backend.name not in st.backends:
-                    st.backends[c.backend.name] = (c.backend, c.backend.prepare(qw))
         for method in moe.moe_methods(model).values():
             method.bound.sealed = False
             method.bound.prepare_buckets(method.top_k)

@@ -162,7 +162,6 @@ def test_auto_tokens_cover_every_moe_route_here(qwen_moe):
     """The default Ms of an MoE layer hold 1, 17, 300 and every M at which an MoE implementation's route
     (kernels, tile) changes on this device: every M up to MAX_AUTO_M takes the route of the largest
     default at or below it."""
-    from dispatch import registry
     from dispatch.apps import diff_models as DM
 
     folder, _ = qwen_moe
@@ -175,7 +174,7 @@ def test_auto_tokens_cover_every_moe_route_here(qwen_moe):
         key = lambda m: diff.route_key(backend.route(diff._moe_problem(lay, m, torch.bfloat16), dev))  # noqa: E731
         for m in range(1, diff.MAX_AUTO_M + 1, 13):
             assert key(m) == key(max(a for a in ms if a <= m)), (backend.impl, m)
-    assert "triton" in run and registry.IMPLS[0] in run or "reference" in run
+    assert {"triton", "reference"} <= set(run)
 
 
 # ---------------------------------------------------------------------------------------------

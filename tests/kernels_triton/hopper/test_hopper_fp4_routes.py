@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
+from conftest import DEVICE, device_name, make_input
 
-import formats
+from _fp4_testlib import check_fp4_output, fp4_weight, jit_names
 from kernels_triton import interpreting, record_launches
 from kernels_triton._common import device_capability
 from kernels_triton.hopper import _fp4_decode, _fp4_gemm, _nvfp4_quant, _twopass
@@ -33,31 +32,13 @@ IDS = ["nvfp4", "nvfp4_w4a16", "mxfp4", "mxfp4_w4a16"]
 HOPPER = {"nvfp4": hopper_nvfp4, "mxfp4": hopper_mxfp4}
 
 
-def _weight(fmt, N, K):
-    return formats.quantize(make_input((N, K), block=16) * 0.05, fmt, role="weight").to(DEVICE)
-
-
-def _check_output(y, x, qw, a16, **opts):
-    if x.shape[0] == 0:
-        assert y.shape == (0, qw.shape[0])
-        return
-    xr = x.cpu() if a16 else formats.quantize(x.cpu(), qw.fmt, role="activation", **opts)
-    ref = formats.reference_linear(xr, qw.to("cpu"), a16=a16, out_dtype=x.dtype)
-    assert ref.abs().max() > 0
-    assert_within_bound(y, ref, gemm_bound(xr, qw, None, x.dtype, ref))
-
-
-def _jit_names(*modules) -> set[str]:
-    return {name for m in modules for name, v in vars(m).items() if isinstance(v, triton.runtime.KernelInterface)}
-
-
 @pytest.mark.parametrize("fmt,a16", VARIANTS, ids=IDS)
 @pytest.mark.parametrize("M", [0, 1, 16, 17, 128, 129, 4096])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_hopper_routes_name_kernels_of_the_implementation(fmt, a16, M, x_dtype):
     """Pure: hopper's route on sm_90 names only kernels of kernels_triton.hopper (and the shared
     split-K reduction and bf16 GEMM); decode GEMMs at 1 <= M <= 16 except fp16 W4A16."""
-    names = _jit_names(_fp4_decode, _fp4_gemm, _nvfp4_quant, hopper_mxfp4, _twopass)
+    names = jit_names(_fp4_decode, _fp4_gemm, _nvfp4_quant, hopper_mxfp4, _twopass)
     r = HOPPER[fmt].route(M, 8192, 8192, capability=(9, 0), sm_count=132, a16=a16, x_dtype=x_dtype)
     assert r.impl == "hopper" and set(r.kernels) <= names, r.describe()
     decode = 1 <= M <= 16 and not (a16 and x_dtype == torch.float16)
@@ -80,7 +61,7 @@ def test_hopper_linear_refuses_a_device_that_is_not_sm90(fmt, a16):
     dev = torch.device(DEVICE)
     if hopper_nvfp4.supported(device_capability(dev))[0]:
         pytest.skip(f"this device is sm_90 ({device_name()}): the hopper kernels run here")
-    qw = _weight(fmt, 8, 64)
+    qw = fp4_weight(fmt, 8, 64)
     with pytest.raises(ValueError, match=r"qweight\.device must be an sm_90 GPU for the hopper kernels, got"):
         HOPPER[fmt].linear(make_input((2, 64), torch.bfloat16), qw, a16=a16)
 
@@ -101,11 +82,11 @@ def test_hopper_launches_its_route(fmt, a16, M, x_dtype):
     _require_sm90()
     N, K = 1024, 2048
     mod = HOPPER[fmt]
-    qw = _weight(fmt, N, K)
+    qw = fp4_weight(fmt, N, K)
     x = make_input((M, K), x_dtype, block=16)
     dev = torch.device(DEVICE)
     r = mod.route(M, N, K, capability=device_capability(dev), sm_count=sm_count(dev), a16=a16, x_dtype=x_dtype)
     with record_launches() as log:
         y = mod.linear(x, qw, a16=a16)
     assert tuple(log) == r.kernels, r.describe()
-    _check_output(y, x, qw, a16)
+    check_fp4_output(y, x, qw, a16)
