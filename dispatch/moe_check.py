@@ -28,8 +28,8 @@ What is compared, for x [M, H] routed by the layer's router (``route_tokens``) t
                              the implementation's own intermediate;
                   w2_gemm    W2's output against formats.reference_linear on the implementation's
                              quantized intermediate, gemm_bound (fp32 output);
-                where it does not (cute: b12x's fused kernel keeps them on chip), the stage is
-                "expert" (the expert's output as a whole);
+                where it does not (cute: b12x's fused kernel, hopper: the sm_90 MoE keep them on
+                chip), the stage is "expert" (the expert's output as a whole);
     combine     where no expert departs alone but the call does: y against the router-weighted sum
                 of the experts' own restricted outputs (the weighting, the top_k sum, the rounding).
 
