@@ -5,7 +5,8 @@ Two users:
 * ``b12x-dual diff`` (dispatch.apps.diff) calls :func:`compare_backend` for every implementation
   on identical quantized operands and reports where each departs;
 * the watchdog (``B12X_CHECK``) calls :meth:`Watchdog.after_call` from ``QuantLinear.forward`` and
-  the vLLM plugin's op on sampled calls.
+  the vLLM plugin's op on sampled calls; ``BoundMoE`` calls dispatch.moe_check.after_moe_call
+  (the same sampling state, the MoE comparison).
 
 What is compared, per call (M rows, N columns, K):
 
@@ -575,8 +576,11 @@ class Watchdog:
 def warning_text(res: dict[str, Any], backend) -> str:
     """The watchdog's WARNING: a short first line with the finding (layer, implementation, variant,
     M, the first departure), then one detail per line (route, bound, replay file, what to run)."""
-    head = (f"b12x-dual watchdog: layer {res['layer']} on {backend.impl} ({backend.variant}, M={res['M']}): "
-            f"{describe_first(res['first'])}")
+    return _warning_lines(res, backend, describe_first(res["first"]))
+
+
+def _warning_lines(res: dict[str, Any], backend, finding: str) -> str:
+    head = f"b12x-dual watchdog: layer {res['layer']} on {backend.impl} ({backend.variant}, M={res['M']}): {finding}"
     lines = [head, f"  route: {res.get('route') or '-'}", f"  bound: {res['bound']}",
              f"  replay file: {res.get('replay') or '(not written)'}"]
     if res.get("replay"):

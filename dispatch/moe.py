@@ -46,6 +46,8 @@ from formats import QuantizedTensor, reference_moe, spec
 from formats.moe import MOE_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from formats.validate import check_weight
 
+from . import check as _check
+from . import moe_check
 from . import policy, registry
 from .contract import (ACT_DTYPES, DECODE_M, DECODE_MAX_M, IMPLS, M_BUCKETS, PREFILL_M, ImplementationUnavailable,
                        NoBackend, Unsupported, UnsupportedEntry, m_bucket, variant)
@@ -179,6 +181,18 @@ class MoEBackend:
         """The kernels a call of ``problem`` launches on ``device`` (by name, in order), the tile and why."""
         raise NotImplementedError
 
+    def stages(self, x, prepared, topk_ids, topk_weights, **kw):
+        """Each step's result of a call (kernels_triton.moe.Stages: W13's quantized input, W13's output,
+        the activation, W2's quantized input, W2's weighted output, y), for a debugger
+        (dispatch.moe_check); None where the implementation exposes no intermediate values (its
+        kernels keep them on chip). Arguments as :meth:`run`'s, trusted."""
+        return None
+
+    def prepared_experts(self, prepared, w13, w2) -> Optional[tuple[list, list]]:
+        """(w13, w2) as ``prepare`` left them, as per-expert QuantizedTensors of the layout of the given
+        ``w13`` / ``w2`` (to compare them byte for byte), or None where prepare repacks them."""
+        return None
+
 
 class ReferenceMoE(MoEBackend):
     """formats.reference_moe: every expert's two GEMMs from the dequantized operands in float64."""
@@ -205,6 +219,9 @@ class ReferenceMoE(MoEBackend):
         return reference_moe(x, w13, w2, topk_ids, topk_weights, activation=activation, renormalize=renormalize,
                              w13_bias=w13_bias, w2_bias=w2_bias, a16=self.a16, w13_act_opts=w13_act_opts,
                              w2_act_opts=w2_act_opts, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+    def prepared_experts(self, prepared, w13, w2):
+        return prepared[0], prepared[1]
 
     def route(self, problem, device):
         return Route("reference", (), "", 1, "formats.reference_moe: a loop over experts, dequantize both operands, "
@@ -265,6 +282,33 @@ class TritonMoE(MoEBackend):
         p = problem
         return self._module().route(p.M, p.num_experts, p.top_k, p.hidden, p.intermediate, fmt=p.fmt, a16=p.a16,
                                     capability=_capability(device), sm_count=max(int(device.sm_count), 1))
+
+    def stages(self, x, prepared, topk_ids, topk_weights, *, activation="silu", renormalize=False, w13_bias=None,
+               w2_bias=None, w13_act_opts=None, w2_act_opts=None, swiglu_alpha=SWIGLU_ALPHA,
+               swiglu_limit=SWIGLU_LIMIT):
+        """kernels_triton.moe.fused_moe_stages: the lesson's steps of this call, one row per slot."""
+        self.validate_device(x)
+        return self._module().fused_moe_stages(
+            x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize, w13_bias=w13_bias,
+            w2_bias=w2_bias, a16=self.a16, w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts,
+            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+    def prepared_experts(self, prepared, w13, w2):
+        """The lesson's stacks (MoEWeights) split per expert, in the dtypes of ``w13`` / ``w2``."""
+        from dataclasses import replace
+
+        out = []
+        for (data, block, per_expert), ws in ((prepared.w13, w13), (prepared.w2, w2)):
+            qs = []
+            for e, q in enumerate(ws):
+                scale = q.scale if block is None else block[e].view(q.scale.dtype).reshape(q.scale.shape)
+                if q.block_shape is None and per_expert is not None:  # fp8_tensor: the per-tensor scale
+                    scale = per_expert[e].reshape(q.scale.shape).to(q.scale.dtype)
+                gs = None if q.global_scale is None else per_expert[e].reshape(q.global_scale.shape)
+                qs.append(replace(q, data=data[e].view(q.data.dtype).reshape(q.data.shape), scale=scale,
+                                  global_scale=gs))
+            out.append(qs)
+        return out[0], out[1]
 
 
 STATIC_SCALE_OPTION = {"fp8_tensor": "scale", "nvfp4": "global_scale"}
@@ -426,6 +470,10 @@ class HopperMoE(MoEBackend):
 
     def experts_of(self, prepared):
         return prepared.num_experts, prepared.hidden
+
+    def prepared_experts(self, prepared, w13, w2):
+        """The lesson's stacks (hopper prepares the lesson's MoEWeights) split per expert."""
+        return TritonMoE.prepared_experts(self, prepared, w13, w2)
 
     def validate_device(self, x) -> None:
         """ImplementationUnavailable unless x is on an sm_90 GPU with the interpreter off."""
@@ -793,16 +841,19 @@ class BoundMoE:
         self._backend_of[backend.name] = backend
         return prepared
 
-    def __call__(self, x, topk_ids, topk_weights, *, renormalize=False) -> torch.Tensor:
+    def __call__(self, x, topk_ids, topk_weights, *, renormalize=False, watch=True) -> torch.Tensor:
         """y [M, H] of x's dtype: x [M, H] (bf16/fp16; the reference also float32), topk_ids integer
         [M, top_k] in [0, E), topk_weights float [M, top_k], all on the experts' device; ``renormalize``
         divides each token's weights by their sum first. Validated once here (:func:`validate_call`),
-        then the chosen backend's trusted ``run``. Raises ValueError naming a bad argument,
+        then the chosen backend's trusted ``run``; with B12X_CHECK on, sampled calls are checked
+        (dispatch.moe_check.after_moe_call; ``watch=False`` keeps a call out: warmup's inputs).
+        Raises ValueError naming a bad argument,
         InvalidImplementation / ImplementationUnavailable / NoBackend from the decision, and
         RuntimeError for a sealed layer whose choice changed."""
-        return self._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl())
+        return self._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl(), watch)
 
-    def _call(self, x, topk_ids, topk_weights, renormalize: bool, request: policy.Request) -> torch.Tensor:
+    def _call(self, x, topk_ids, topk_weights, renormalize: bool, request: policy.Request,
+              watch: bool = True) -> torch.Tensor:
         allowed = act_dtypes_of(self.variant, request.impl)
         M, top_k = validate_call(x, topk_ids, topk_weights, self.num_experts, self.hidden, allowed)
         if x.device != self.w13[0].data.device:
@@ -815,6 +866,9 @@ class BoundMoE:
                           w2_act_opts=self.w2_act_opts or None, swiglu_alpha=self.swiglu_alpha,
                           swiglu_limit=self.swiglu_limit)
         self.last_impl = c.impl
+        if _check.WATCHDOG is not None and watch:  # B12X_CHECK on; off: this test is all
+            moe_check.after_moe_call(_check.WATCHDOG, self.name, c.backend, self, x, topk_ids, topk_weights,
+                                     renormalize, y)
         return y
 
     def prepare_buckets(self, top_k: int, dtype: Optional[torch.dtype] = None) -> None:
@@ -882,7 +936,7 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, *, variant=None, activation="s
     ImplementationUnavailable and NoBackend. Source: formats.reference_moe (the numbers)."""
     layer = BoundMoE(w13, w2, variant=variant, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
                      w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts, name="fused_moe")
-    return layer._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl(impl))
+    return layer._call(x, topk_ids, topk_weights, renormalize, policy.requested_impl(impl), watch=False)
 
 
 def moe_shape_classes(M: int) -> list[tuple[str, int, str]]:

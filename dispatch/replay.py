@@ -33,7 +33,21 @@ Metadata (safetensors' string map): ``format`` = :data:`FORMAT`, ``version`` = :
 
 Version 1 files (no x.storage, xq or their metadata) are still read: their call is rerun on the
 contiguous copy of x, and the replay says that the input layout differs from the call's and that
-the stage of the recorded output cannot be rechecked.
+the stage of the recorded output cannot be rechecked. Version 2 files are version 3's linear files.
+
+Version 3 adds MoE calls (:func:`write_moe`, the watchdog's BoundMoE check), meta ``kind`` = "moe":
+
+    x, x.storage          as above (x [M, H])
+    topk_ids, topk_weights  the router's choice [M, top_k] (int32, float32), before renormalization
+    y                     the output the implementation produced [M, H]
+    experts.<e>.w13.data, .scale, .global_scale   expert e's W13 [2I, H] as loaded (formats.QuantizedTensor)
+    experts.<e>.w2.data, .scale, .global_scale    expert e's W2 [H, I]
+    w13_bias, w2_bias     [E, 2I], [E, H] (absent without biases)
+    opt13.<name>, opt2.<name>  the two GEMMs' activation options that are tensors (one or E values)
+
+    meta: layer, impl, variant, kind "moe", activation, renormalize, top_k, num_experts,
+          w13 / w2 {fmt, shape, block_shape, scale_layout}, options13 / options2 (not tensors),
+          route, device, versions, report (dispatch.moe_check.summarize), x_layout
 
 ``b12x-dual diff --replay FILE`` reads it (:func:`read`) and reruns it (dispatch.apps.diff).
 """
@@ -55,7 +69,7 @@ from formats import QuantizedTensor
 from formats.validate import check_quantized_activation, check_weight
 
 FORMAT = "b12x-dual.replay"
-VERSION = 2
+VERSION = 3
 SUFFIX = ".b12x-replay.safetensors"
 ALIGN = 256
 """Bytes: a rebuilt input's first element gets the same address modulo this (Triton specializes on
@@ -218,8 +232,155 @@ def write(directory, *, layer: str, impl: str, variant: str, x: torch.Tensor, qw
     return Path(path)
 
 
-def read(path) -> Replay:
-    """Read a replay file of version 1 to :data:`VERSION` (tensors on the CPU).
+@dataclass
+class MoEExperts:
+    """An MoE replay file's layer: the fields of dispatch.moe_check.MoELayer (which diff builds from
+    it; router None: the routing is recorded)."""
+
+    name: str
+    variant: str
+    w13: list
+    w2: list
+    router: Optional[torch.Tensor]
+    top_k: int
+    renormalize: bool
+    activation: str
+    w13_act_opts: dict
+    w2_act_opts: dict
+    w13_bias: Optional[torch.Tensor]
+    w2_bias: Optional[torch.Tensor]
+
+
+@dataclass
+class MoEReplay:
+    """A read MoE replay file (version 3, meta kind "moe"): the call (on the CPU) and its metadata.
+    ``layer``: :class:`MoEExperts` (no router: the routing is recorded)."""
+
+    path: str
+    layer: Any
+    impl: str
+    variant: str
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    y: Optional[torch.Tensor]
+    meta: dict
+    version: int = VERSION
+    layout: Optional[dict] = None
+    storage: Optional[torch.Tensor] = None
+
+    @property
+    def renormalize(self) -> bool:
+        return self.layer.renormalize
+
+
+def write_moe(directory, *, layer, impl: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              y: Optional[torch.Tensor] = None, route: str = "", report: Optional[dict] = None,
+              device: Optional[dict] = None, path=None) -> Path:
+    """Write one MoE call (version :data:`VERSION`, kind "moe") into ``directory`` or at ``path``.
+
+    Args: ``layer`` a dispatch.moe_check.MoELayer or MoEExperts (its experts, activation, options, biases; its
+        ``renormalize`` is the call's); x [M, H] as the layer received it (layout recorded as for a
+        linear call); topk_ids int [M, top_k]; topk_weights float [M, top_k]; y [M, H]; impl, the
+        route text and the report.
+    Returns: the file's path (``<layer>-<impl>-<variant>-moe-<time>-<pid>.b12x-replay.safetensors``).
+    Raises: ValueError for a malformed expert (formats.validate); OSError when it cannot be written."""
+    from safetensors.torch import save_file
+
+    from .describe import library_versions
+
+    for e, (a, b) in enumerate(zip(layer.w13, layer.w2)):
+        check_weight(a, name=f"w13[{e}]")
+        check_weight(b, name=f"w2[{e}]")
+    x_layout, storage = layout_of(x)
+    tensors = {"x": _own(x.reshape(-1, x.shape[-1])), "topk_ids": _own(topk_ids.to(torch.int32)),
+               "topk_weights": _own(topk_weights.float())}
+    if storage is not None:
+        tensors["x.storage"] = storage
+    if y is not None:
+        tensors["y"] = _own(y.reshape(x.reshape(-1, x.shape[-1]).shape[0], -1))
+    for e, (a, b) in enumerate(zip(layer.w13, layer.w2)):
+        for stem, q in (("w13", a), ("w2", b)):
+            for k, t in q.tensors().items():
+                tensors[f"experts.{e}.{stem}.{k}"] = _own(t)
+    for name in ("w13_bias", "w2_bias"):
+        if getattr(layer, name) is not None:
+            tensors[name] = _own(getattr(layer, name))
+    options = {}
+    for stem, opts in (("13", layer.w13_act_opts), ("2", layer.w2_act_opts)):
+        options[stem] = {}
+        for k, v in (opts or {}).items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"opt{stem}.{k}"] = _own(v.reshape(()) if v.numel() == 1 else v.reshape(-1))
+            else:
+                options[stem][k] = v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+    meta = {
+        "layer": layer.name, "impl": impl, "variant": layer.variant, "kind": "moe", "activation": layer.activation,
+        "renormalize": bool(layer.renormalize), "top_k": int(topk_ids.shape[1]), "num_experts": len(layer.w13),
+        "w13": {k: v for k, v in _qt_meta(layer.w13[0]).items() if k != "role"},
+        "w2": {k: v for k, v in _qt_meta(layer.w2[0]).items() if k != "role"},
+        "options13": options["13"], "options2": options["2"], "route": route, "device": device or _device(),
+        "versions": library_versions(), "report": report or {}, "created_unix": time.time(), "x_layout": x_layout,
+    }
+    if path is None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", layer.name)[:80] or "layer"
+        path = Path(directory) / f"{safe}-{impl}-{layer.variant}-moe-{int(time.time() * 1000)}-{os.getpid()}{SUFFIX}"
+    save_file(tensors, str(path), metadata={"format": FORMAT, "version": str(VERSION),
+                                            "meta": json.dumps(meta, default=str)})
+    return Path(path)
+
+
+def _read_moe(p: Path, version: int, meta: dict, tensors: dict) -> MoEReplay:
+    from .contract import variant as variant_of
+
+    where = f"--replay {str(p)!r}"
+    try:
+        layer, impl, variant, E = meta["layer"], meta["impl"], meta["variant"], int(meta["num_experts"])
+        wm = {"w13": meta["w13"], "w2": meta["w2"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: MoE metadata is incomplete ({type(e).__name__}: {e})") from None
+    try:
+        spec = variant_of(variant)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    for key in ("x", "topk_ids", "topk_weights"):
+        if key not in tensors:
+            raise ValueError(f"{where}: tensor {key!r} is missing")
+    experts = {"w13": [], "w2": []}
+    for e in range(E):
+        for stem in ("w13", "w2"):
+            m = wm[stem]
+            if m.get("fmt") != spec.fmt:
+                raise ValueError(f"{where}: variant {variant!r} but {stem} experts of {m.get('fmt')!r}")
+            key = f"experts.{e}.{stem}"
+            if f"{key}.data" not in tensors or f"{key}.scale" not in tensors:
+                raise ValueError(f"{where}: tensor {key + '.data'!r} or {key + '.scale'!r} is missing")
+            q = QuantizedTensor(m["fmt"], "weight", tensors[f"{key}.data"], tensors[f"{key}.scale"],
+                                tensors.get(f"{key}.global_scale"),
+                                None if m["block_shape"] is None else tuple(m["block_shape"]), tuple(m["shape"]),
+                                m.get("scale_layout", "linear"))
+            check_weight(q, m["fmt"], name=f"{where} {stem}[{e}]")
+            experts[stem].append(q)
+    opts = {"13": dict(meta.get("options13", {})), "2": dict(meta.get("options2", {}))}
+    for k, t in tensors.items():
+        for stem in ("13", "2"):
+            if k.startswith(f"opt{stem}."):
+                opts[stem][k[len(stem) + 4:]] = t
+    lay = MoEExperts(layer, variant, experts["w13"], experts["w2"], None, int(meta.get("top_k", 1)),
+                     bool(meta.get("renormalize", False)), meta.get("activation", "silu"), opts["13"], opts["2"],
+                     tensors.get("w13_bias"), tensors.get("w2_bias"))
+    ids, w, x = tensors["topk_ids"], tensors["topk_weights"], tensors["x"]
+    if ids.shape != w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{where}: topk_ids {tuple(ids.shape)} and topk_weights {tuple(w.shape)} must both be "
+                         f"[M={x.shape[0]}, top_k]")
+    return MoEReplay(str(p), lay, impl, variant, x, ids, w, tensors.get("y"), meta, version, meta.get("x_layout"),
+                     tensors.get("x.storage"))
+
+
+def read(path):
+    """Read a replay file of version 1 to :data:`VERSION` (tensors on the CPU): a :class:`Replay`, or
+    a :class:`MoEReplay` for an MoE call (version 3, meta kind "moe").
 
     Raises:
         ValueError naming the path: a missing or unreadable file, a file that is not a replay file
@@ -255,6 +416,8 @@ def read(path) -> Replay:
         raise ValueError(f"--replay {str(path)!r}: file version {version}; allowed: 1-{VERSION}")
     try:
         meta = json.loads(md["meta"])
+        if meta.get("kind") == "moe" and version >= 3:
+            return _read_moe(p, version, meta, tensors)
         layer, impl, variant, w = meta["layer"], meta["impl"], meta["variant"], meta["weight"]
     except (KeyError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"--replay {str(path)!r}: metadata is incomplete ({type(e).__name__}: {e})") from None

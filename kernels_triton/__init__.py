@@ -16,7 +16,8 @@ a16=...) -> (path, reason)`` is the policy, a pure function the dispatcher can r
 Mixture-of-experts: ``kernels_triton.moe`` (also ``kernels_triton.fused_moe``) is the MoE lesson,
 one MoE layer's routed experts in every format over the lessons' public tile helpers:
 ``prepare_experts(w13, w2) -> MoEWeights``, ``fused_moe(x, prepared, topk_ids, topk_weights, ...)``,
-``fused_moe_unchecked``, ``route(M, E, top_k, H, I, *, fmt, ...)``, ``align_block_size``.
+``fused_moe_unchecked``, ``fused_moe_stages`` (the same call with each step's result kept, for a
+debugger), ``route(M, E, top_k, H, I, *, fmt, ...)``, ``align_block_size``.
 
 Routes as data: ``route(M, N, K, *, capability, ...)`` of a format module returns the ``Route``
 (kernels by name, tile, split-K, why) that its ``linear`` launches; ``record_launches()`` lists

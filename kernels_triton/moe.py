@@ -612,13 +612,64 @@ def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, acti
                         swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT, tile=None, path=None) -> torch.Tensor:
     """``fused_moe`` without its argument checks (the act options, tile and path are still read), for a
     caller that made them (dispatch's bound call): the same result; wrong arguments give wrong numbers."""
-    p, (M, top_k) = prepared, topk_ids.shape
+    return _steps(x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize,
+                  w13_bias=w13_bias, w2_bias=w2_bias, a16=a16, w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts,
+                  alpha=swiglu_alpha, limit=swiglu_limit, tile=tile, path=path)
+
+
+@dataclass(frozen=True)
+class Stages:
+    """Each step's result of one ``fused_moe`` call (``fused_moe_stages``), one row per slot
+    (slot = token * top_k + j, the (token, j) pair), for a debugger (``b12x-dual diff``):
+
+    x_q:  the W13 input quantized, (codes uint8 [slots, H or H/2], block scales [slots, H/VEC] (fp8_channel:
+          [slots, 1]), per-expert values float32 [E]); None for a weight-only variant (x is read as it is)
+    h:    float32 [slots, 2I]: W13's output after alpha and bias, before the activation (W13's GEMM run
+          once more without the activation epilogue, so that the two can be told apart)
+    a:    [slots, I]: the activated intermediate (float32; bfloat16 weight-only)
+    a_q:  the W2 input quantized, as x_q; None weight-only
+    o:    float32 [slots, H]: W2's output times the router weight (renormalized if asked)
+    y:    [M, H] of x's dtype: the result, as ``fused_moe`` returns it"""
+
+    x_q: Optional[tuple]
+    h: torch.Tensor
+    a: torch.Tensor
+    a_q: Optional[tuple]
+    o: torch.Tensor
+    y: torch.Tensor
+
+
+def fused_moe_stages(x, prepared: MoEWeights, topk_ids, topk_weights, *, activation="silu", renormalize=False,
+                     w13_bias=None, w2_bias=None, a16=False, w13_act_opts=None, w2_act_opts=None,
+                     swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT, tile=None, path=None) -> Stages:
+    """``fused_moe_unchecked``'s call with every step kept (:class:`Stages`): the same kernels on the same
+    arguments (y is the same), plus one more launch of W13's GEMM without the activation, so that a
+    debugger can compare each step with the oracle's. Arguments are not checked (as fused_moe_unchecked)."""
+    keep: dict = {}
+    _steps(x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize, w13_bias=w13_bias,
+           w2_bias=w2_bias, a16=a16, w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts, alpha=swiglu_alpha,
+           limit=swiglu_limit, tile=tile, path=path, keep=keep)
+    return Stages(**keep)
+
+
+def _by_slot(t: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """Rows in sorted order -> rows in slot order (padding dropped)."""
+    real = blocks.slot < blocks.n_slots
+    out = t.new_empty((blocks.n_slots,) + tuple(t.shape[1:]))
+    out[blocks.slot[real].long()] = t[real]
+    return out
+
+
+def _steps(x, p: MoEWeights, topk_ids, topk_weights, *, activation, renormalize, w13_bias, w2_bias, a16, w13_act_opts,
+           w2_act_opts, alpha, limit, tile, path, keep: Optional[dict] = None) -> torch.Tensor:
+    """Steps 1 to 4; ``keep``: a dict that receives each step's result (fused_moe_stages)."""
+    M, top_k = topk_ids.shape
     _, path, tile = _plan(M, p.num_experts, top_k, p.hidden, p.intermediate, p.fmt, a16, device_capability(x.device),
                           path, tile, w13_act_opts, w2_act_opts)
     if M == 0:
         return x.new_empty((0, p.hidden))
-    blocks, inter = _w13(x, p, topk_ids, path, tile, a16=a16, act_opts=w13_act_opts, activation=activation,
-                         bias=w13_bias, alpha=swiglu_alpha, limit=swiglu_limit)
+    blocks, a13, inter = _w13(x, p, topk_ids, path, tile, a16=a16, act_opts=w13_act_opts, activation=activation,
+                              bias=w13_bias, alpha=alpha, limit=limit)
     w = topk_weights.float()
     w = (w / w.sum(dim=-1, keepdim=True) if renormalize else w).reshape(-1).contiguous()
     slots = torch.empty((M * top_k, p.hidden), dtype=torch.float32, device=x.device)
@@ -627,12 +678,21 @@ def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, acti
                   top_k, p.num_experts)
     _gemm(*a, p.w2, blocks, slots, p.fmt, path, tile, a16=a16, gather=False, act=-1, bias=w2_bias, topk_w=w,
           top_k=top_k, alpha=0.0, limit=0.0)
-    return slots.view(M, top_k, p.hidden).sum(dim=1).to(x.dtype)  # the top_k sum in fp32, one rounding
+    y = slots.view(M, top_k, p.hidden).sum(dim=1).to(x.dtype)  # the top_k sum in fp32, one rounding
+    if keep is not None:  # a debugger's copy of each step (not on the serving path)
+        h = torch.empty((M * top_k, 2 * p.intermediate), dtype=torch.float32, device=x.device)
+        _gemm(*a13, p.w13, blocks, h, p.fmt, path, tile, a16=a16, gather=a16, act=-1, bias=w13_bias,
+              topk_w=torch.ones(M * top_k, device=x.device), top_k=top_k, alpha=0.0, limit=0.0)
+        keep.update(x_q=None if a16 else (_by_slot(a13[0], blocks), _by_slot(a13[1], blocks), a13[2]), h=h,
+                    a=_by_slot(inter, blocks),
+                    a_q=None if a16 else (_by_slot(a[0], blocks), _by_slot(a[1], blocks), a[2]),
+                    o=slots, y=y)
+    return y
 
 
 def _w13(x, p: MoEWeights, topk_ids, path, tile, *, a16, act_opts, activation, bias, alpha, limit):
-    """Steps 1 to 3 for W13: (the Blocks, the activated intermediate [rows, I] in sorted order: fp32,
-    or bf16 for a16)."""
+    """Steps 1 to 3 for W13: (the Blocks, W13's input (codes, scales, per-expert values; x itself for a16),
+    the activated intermediate [rows, I] in sorted order: fp32, or bf16 for a16)."""
     E, top_k, x = p.num_experts, topk_ids.shape[1], x.contiguous()
     blocks = align_block_size(topk_ids, E, tile.BLOCK_M)
     inter = torch.empty((blocks.slot.numel(), p.intermediate), dtype=torch.bfloat16 if a16 else torch.float32,
@@ -641,4 +701,4 @@ def _w13(x, p: MoEWeights, topk_ids, path, tile, *, a16, act_opts, activation, b
         _quantize(x, blocks, p.fmt, *_act_opts(act_opts, p.fmt, E, x.device, "w13_act_opts"), True, top_k, E)
     _gemm(*a, p.w13, blocks, inter, p.fmt, path, tile, a16=a16, gather=a16, act=MOE_ACTIVATIONS.index(activation),
           bias=bias, topk_w=inter, top_k=top_k, alpha=float(alpha), limit=float(limit))
-    return blocks, inter
+    return blocks, a, inter

@@ -23,6 +23,13 @@ others are not:
                           dropped) instead of to nearest even: within the bound, biased toward zero
 
 ``only_n`` of the last four is one N or a tuple of them.
+
+MoE faults are real :class:`dispatch.moe.TritonMoE` backends (the lesson's kernels) with one defect,
+registered in dispatch.moe's table (:func:`installed_moe`):
+
+    FlippedExpertScale    prepare flips one block-scale byte of one expert's W2 (or W13) in the stacked
+                          experts: that expert departs, at its W2 (W13) GEMM
+    DropsRenormalize      run ignores ``renormalize``: each expert alone is right, the weighted combine is not
 """
 
 from __future__ import annotations
@@ -179,3 +186,55 @@ def installed(cls, variant: str, **fields):
     finally:
         table[key] = old
         registry.clear_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE: a real dispatch.moe.TritonMoE (the lesson's kernels) with one defect, in dispatch.moe's table
+# ---------------------------------------------------------------------------------------------
+from dispatch import moe as _dmoe  # noqa: E402
+
+
+class FlippedExpertScale(_dmoe.TritonMoE):
+    """prepare returns the stacked experts with one block-scale byte of expert ``expert``'s W2 (or
+    W13, ``tensor``) changed at (row ``n``, K-block ``kb``): that expert's W2 GEMM departs in column
+    tile n // 128 (W2's rows are the output columns), for every token routed to it whose K-block kb
+    is not all zero."""
+
+    expert, tensor, n, kb, only_h = 2, "w2", 5, 1, None
+
+    def prepare(self, w13, w2, *, activation="silu"):
+        p = super().prepare(w13, w2, activation=activation)
+        if self.only_h is not None and p.hidden != self.only_h:
+            return p
+        data, block, per = getattr(p, self.tensor)
+        block = block.clone()
+        v = block.view(torch.uint8)
+        v[self.expert, self.n, self.kb] ^= 0x08  # one exponent bit of an e4m3 / the 4th bit of an E8M0 byte
+        return replace(p, **{self.tensor: (data, block, per)})
+
+
+class DropsRenormalize(_dmoe.TritonMoE):
+    """run (hence apply) ignores ``renormalize`` (a router-weight bug): every expert alone is right
+    (one expert per token, weight 1), the call is not: the weighted combine departs."""
+
+    def run(self, x, prepared, topk_ids, topk_weights, **kw):
+        return super().run(x, prepared, topk_ids, topk_weights, **{**kw, "renormalize": False})
+
+
+@contextlib.contextmanager
+def installed_moe(cls, variant: str, **fields):
+    """Register ``cls(variant)`` (with ``fields`` set on it) as the MoE table's triton:<variant> for the block."""
+    table = _dmoe._TABLE
+    _dmoe.entries()
+    key = ("triton", variant)
+    old = table[key]
+    b = cls(variant)
+    for k, v in fields.items():
+        setattr(b, k, v)
+    table[key] = b
+    _dmoe.clear_cache()
+    try:
+        yield b
+    finally:
+        table[key] = old
+        _dmoe.clear_cache()

@@ -31,11 +31,21 @@ forward order), M, implementation, row, column tile (or K-block with its columns
 activation quantization or the GEMM departs first. ``--plot DIR`` writes a heat map per layer, M
 and implementation (rows x column tiles, log10 error/bound).
 
+MoE layers (dispatch.moe_check; diff_models reads them from transformers Qwen3-MoE folders and
+checkpoints whose experts are modules ``<layer>.experts.<e>.<proj>``) run in the same forward
+order: the checkpoint stage scans every expert's W13 and W2 (findings name the expert); the
+implementation stage routes the activations with the layer's router (softmax top-k, renormalized as
+the layer asks) and runs every MoE implementation of dispatch.moe's table here: the call against
+formats.reference_moe (formats.bounds.moe_bound), then on a departure each expert alone (the first
+wrong expert), then in it each step (W13 input quantization, W13 GEMM, activation, W2 input
+quantization, W2 GEMM) where the implementation exposes them, or the weighted combine.
+
 ``--replay FILE`` reruns a call captured by the watchdog (B12X_CHECK; dispatch.replay) on this
 machine with every implementation available here, on the input layout the call had (strides,
 storage offset), rechecks the output recorded in the file against the oracle on the
 implementation's recorded quantized activation, prints the watchdog's own report beside it, and
-says whether the divergence reproduces.
+says whether the divergence reproduces (an MoE file: on its recorded routing, naming the first wrong
+expert and step).
 
 Exit status: 0 the checkpoint is sound and every implementation agrees with the oracle; 1 an
 implementation departs (or raised), the checkpoint sound; 3 the checkpoint is not sound, every
@@ -56,7 +66,7 @@ from typing import Any, Optional, Union
 import torch
 
 import formats
-from dispatch import check, registry
+from dispatch import check, moe_check, registry
 from dispatch.api import library_versions
 from dispatch.devices import DeviceInfo
 from formats.validate import UNSOUND, describe_finding, scan_scalar, scan_values
@@ -195,6 +205,138 @@ def diff_layer(layer: DM.Layer, x: torch.Tensor, device: str, impls: Optional[li
             "ok": all(r["ok"] for r in results.values())}
 
 
+# ---------------------------------------------------------------------------------------------
+# MoE layers
+# ---------------------------------------------------------------------------------------------
+def _moe_problem(layer: moe_check.MoELayer, M: int, dtype: torch.dtype):
+    from dispatch import moe as dmoe
+
+    static = dmoe.STATIC_SCALE_OPTION.get(registry.variant(layer.variant).fmt)
+    return dmoe.MoEProblem(layer.variant, layer.num_experts, layer.top_k, layer.hidden, layer.intermediate, M,
+                           layer.activation, dtype, layer.w13_bias is not None or layer.w2_bias is not None,
+                           static is not None and all(o.get(static) is not None
+                                                      for o in (layer.w13_act_opts, layer.w2_act_opts)))
+
+
+def moe_backends_here(layer: moe_check.MoELayer, M: int, dtype: torch.dtype, device: Union[str, DeviceInfo],
+                      impls: Optional[list[str]] = None) -> tuple[dict, dict]:
+    """({impl: MoEBackend} of dispatch.moe's table that can run this layer's M-token call on
+    ``device``, {impl: why not}), in registry order."""
+    from dispatch import moe as dmoe
+
+    dev = _device_info(device)
+    problem = _moe_problem(layer, M, dtype)
+    run, skipped = {}, {}
+    for impl in registry.IMPLS:
+        if impls is not None and impl not in impls:
+            continue
+        entry = dmoe.entries()[(impl, layer.variant)]
+        ok, why = dmoe.verdict(entry, problem, dev)
+        if ok:
+            run[impl] = entry
+        else:
+            skipped[impl] = why
+    return run, skipped
+
+
+def auto_tokens_moe(layer: moe_check.MoELayer, dtype: torch.dtype, device: Union[str, DeviceInfo],
+                    impls: Optional[list[str]] = None) -> list[int]:
+    """The token counts a default diff of an MoE layer runs: {DECODE_M, ABOVE_16_M, PREFILL_M} and
+    every M in 1..MAX_AUTO_M at which the route (kernels, tile) of an MoE implementation that runs on
+    ``device`` changes, ascending (MoEBackend.route: pure)."""
+    dev = _device_info(device)
+    run, _ = moe_backends_here(layer, DECODE_M, dtype, device, impls)
+    ms = {DECODE_M, ABOVE_16_M, PREFILL_M}
+    for backend in run.values():
+        prev = None
+        for M in range(1, MAX_AUTO_M + 1):
+            try:
+                r = backend.route(_moe_problem(layer, M, dtype), dev)
+                key = route_key(r)
+            except Exception as e:  # noqa: BLE001
+                key = (f"{type(e).__name__}: {e}",)
+            if key != prev:
+                ms.add(M)
+                prev = key
+    return sorted(ms)
+
+
+def diff_moe_layer(layer: moe_check.MoELayer, x: torch.Tensor, device: str, impls: Optional[list[str]] = None,
+                   input_source: str = "", routing: Optional[tuple] = None) -> dict[str, Any]:
+    """Every MoE implementation available here on one MoE layer and one input x [M, H], routed by the
+    layer's router (dispatch.moe_check.route_tokens) or by ``routing`` (topk_ids, topk_weights: a
+    replayed call's): {"layer", "kind": "moe", "variant", "M", "E", "top_k", "H", "I", "input",
+    "routing": {"topk_ids", "topk_weights", "renormalize"}, "results": {impl: compare_moe result},
+    "skipped", "routes", "route_short", "first": {"impl", "kind", "stage", "expert", "row", ...} or
+    None, "ok"}."""
+    x2 = x.reshape(-1, x.shape[-1]).to(device)
+    M = x2.shape[0]
+    lay = layer.to(device)
+    if routing is None:
+        ids, w = moe_check.route_tokens(x2, lay.router, lay.top_k)
+    else:
+        ids, w = (t.to(device) for t in routing)
+    run, skipped = moe_backends_here(lay, M, x2.dtype, device, impls)
+    dev = H.running_device(device)
+    results, routes, short = {}, {}, {}
+    for impl, backend in run.items():
+        results[impl] = moe_check.compare_moe(backend, lay, x2, ids, w, device_kind=torch.device(device).type)
+        try:
+            r = backend.route(_moe_problem(lay, M, x2.dtype), dev)
+        except Exception as e:  # noqa: BLE001
+            r = f"(route unavailable: {type(e).__name__}: {e})"
+        routes[impl] = r if isinstance(r, str) else r.describe()
+        short[impl] = route_short(r) if not isinstance(r, str) and r.kernels else (
+            r if isinstance(r, str) else "formats.reference_moe (float64 oracle, no kernel)")
+    first = None
+    for impl, res in results.items():
+        if res["first"] is not None:
+            first = {"impl": impl, "kind": "moe", "M": M, **res["first"], "weight": res["weight"]}
+            break
+    return {"layer": layer.name, "kind": "moe", "variant": layer.variant, "M": M, "E": layer.num_experts,
+            "top_k": ids.shape[1], "H": layer.hidden, "I": layer.intermediate, "input": input_source,
+            "routing": {"topk_ids": ids.cpu().tolist(), "topk_weights": w.cpu().tolist(),
+                        "renormalize": layer.renormalize},
+            "results": results, "skipped": skipped, "routes": routes, "route_short": short, "first": first,
+            "ok": all(r["ok"] for r in results.values())}
+
+
+def moe_oracle_findings(layer: moe_check.MoELayer, x: torch.Tensor, limit: int = 8) -> list[dict]:
+    """formats.reference_moe on x routed by the layer's router: a finding where a finite input row
+    gives a non-finite output, with positions {"M", "row", "column"}."""
+    x2 = x.reshape(-1, x.shape[-1]).cpu()
+    lay = layer.to("cpu")
+    ids, w = moe_check.route_tokens(x2, lay.router, lay.top_k)
+    ref = formats.reference_moe(x2, lay.w13, lay.w2, ids, w, activation=lay.activation, renormalize=lay.renormalize,
+                                w13_bias=lay.w13_bias, w2_bias=lay.w2_bias, a16=registry.variant(lay.variant).a16,
+                                w13_act_opts=lay.w13_act_opts or None, w2_act_opts=lay.w2_act_opts or None)
+    bad = ~torch.isfinite(ref) & torch.isfinite(x2).all(dim=1, keepdim=True)
+    n = int(bad.sum())
+    if not n:
+        return []
+    pos = [{"M": x2.shape[0], "row": int(r), "column": int(c)} for r, c in bad.nonzero()[:limit].tolist()]
+    return [{"tensor": "oracle output", "kind": "nonfinite_output", "severity": UNSOUND, "count": n,
+             "what": NONFINITE_OUTPUT_MOE, "positions": pos}]
+
+
+def moe_findings(layer: moe_check.MoELayer) -> list[dict]:
+    """formats.validate.scan_values of every expert's W13 and W2 ("experts.<e>.w13.scale", ...) and
+    scan_scalar of the static activation scales, each finding with its "expert"."""
+    fs = []
+    for e in range(layer.num_experts):
+        for stem, q in (("w13", layer.w13[e]), ("w2", layer.w2[e])):
+            fs += [dict(f, expert=e) for f in scan_values(q, name=f"experts.{e}.{stem}")]
+    for stem, opts in (("w13", layer.w13_act_opts), ("w2", layer.w2_act_opts)):
+        for key, t in opts.items():
+            if isinstance(t, torch.Tensor):
+                vals = t.reshape(-1)
+                for e in range(vals.numel()):
+                    fs += [dict(f, expert=e) if vals.numel() > 1 else f
+                           for f in scan_scalar(vals[e], f"{stem} input {key}" + (f" (expert {e})" if vals.numel() > 1
+                                                                                 else ""))]
+    return fs
+
+
 def _lookup(got: dict, name: str):
     for n in DM.spellings(name):
         if n in got:
@@ -215,18 +357,23 @@ def layer_inputs(model: DM.Model, layers: list[DM.Layer], *, tokens: Optional[li
         got, source = DM.capture_text(model, text, dtype), "--text"
     out = {}
     for i, lay in enumerate(layers):
+        moe = isinstance(lay, moe_check.MoELayer)
+        k = lay.hidden if moe else lay.qweight.k
         x = _lookup(got, lay.name)
         if x is not None:
-            if x.shape[-1] != lay.qweight.k:
+            if x.shape[-1] != k:
                 raise ValueError(f"{source}: the input of layer {lay.name!r} has K={x.shape[-1]}, the layer "
-                                 f"K={lay.qweight.k}")
+                                 f"K={k}")
             out[lay.name] = [(x.reshape(-1, x.shape[-1]).to(dtype), source)]
             continue
-        ms = tokens or auto_tokens(lay.variant, lay.qweight.rows, lay.qweight.k, dtype, device, impls, lay.act_opts)
+        if moe:
+            ms = tokens or auto_tokens_moe(lay, dtype, device, impls)
+        else:
+            ms = tokens or auto_tokens(lay.variant, lay.qweight.rows, k, dtype, device, impls, lay.act_opts)
         out[lay.name] = []
         for m in ms:
             gen = torch.Generator().manual_seed((seed * 100003 + i) * 8191 + m)
-            x = H.make_input((m, lay.qweight.k), dtype, gen, "cpu")
+            x = H.make_input((m, k), dtype, gen, "cpu")
             out[lay.name].append((x, f"random (seed {seed}, {m} rows)" + (
                 "" if source == "random" else f"; not in {source}")))
     return out
@@ -237,6 +384,8 @@ def layer_inputs(model: DM.Model, layers: list[DM.Layer], *, tokens: Optional[li
 # ---------------------------------------------------------------------------------------------
 NONFINITE_OUTPUT = ("non-finite oracle output(s) for finite input rows: the layer's own codes and scales "
                     "give NaN or Inf (output column n is weight row n)")
+NONFINITE_OUTPUT_MOE = ("non-finite oracle output(s) for finite input rows: the MoE layer's experts, routed by its "
+                        "own router, give NaN or Inf")
 
 
 def oracle_findings(layer: DM.Layer, x: torch.Tensor, device: str, limit: int = 8) -> list[dict]:
@@ -259,7 +408,8 @@ def oracle_findings(layer: DM.Layer, x: torch.Tensor, device: str, limit: int = 
 
 def checkpoint_stage(layers: list[DM.Layer], xs: dict, refused: dict, device: str) -> dict[str, Any]:
     """The checkpoint stage (before any kernel): per layer, formats.validate.scan_values of the
-    weight, scan_scalar of static activation scales, the oracle's finiteness on each finite input
+    weight (of every expert's W13 and W2 for an MoE layer, each finding with its "expert"),
+    scan_scalar of static activation scales, the oracle's finiteness on each finite input
     (:func:`oracle_findings`), and the findings of modules the converters refused (``refused``).
     Returns {"sound": no finding of severity "unsound", "findings": [{"layer", **finding}, ...] in
     forward order, "layers": {layer: [findings]}}."""
@@ -267,12 +417,16 @@ def checkpoint_stage(layers: list[DM.Layer], xs: dict, refused: dict, device: st
     for name, fs in refused.items():
         per[name] = [dict(f, refused=True) for f in fs]
     for lay in layers:
-        fs = scan_values(lay.qweight, name="weight")
-        for key, t in lay.act_opts.items():
-            if isinstance(t, torch.Tensor):
-                fs += scan_scalar(t, f"input {key}")
+        moe = isinstance(lay, moe_check.MoELayer)
+        if moe:
+            fs = moe_findings(lay)
+        else:
+            fs = scan_values(lay.qweight, name="weight")
+            for key, t in lay.act_opts.items():
+                if isinstance(t, torch.Tensor):
+                    fs += scan_scalar(t, f"input {key}")
         for x, _src in xs.get(lay.name, []):
-            got = oracle_findings(lay, x, device)
+            got = moe_oracle_findings(lay, x) if moe else oracle_findings(lay, x, device)
             if got:
                 fs += got
                 break  # the first M that shows it
@@ -304,7 +458,10 @@ def run_diff(model_path: str, *, layers: Optional[list[str]] = None, fmt: str = 
     with H.Progress(sum(len(v) for v in xs.values()), "diff", enabled=progress) as bar:
         for lay in chosen:
             for x, src in xs[lay.name]:
-                r = diff_layer(lay, x, device, impls, src)
+                if isinstance(lay, moe_check.MoELayer):
+                    r = diff_moe_layer(lay, x, device, impls, src)
+                else:
+                    r = diff_layer(lay, x, device, impls, src)
                 r["checkpoint"] = ckpt["layers"].get(lay.name, [])
                 out_layers.append(r)
                 bar.advance(f"{lay.name} M={r['M']} {'ok' if r['ok'] else 'DEPARTS'}")
@@ -349,6 +506,8 @@ def run_replay(path: str, *, impls: Optional[list[str]] = None, device: Optional
 
     rp = replay.read(path)
     device = device or H.default_device()
+    if isinstance(rp, replay.MoEReplay):
+        return _run_replay_moe(rp, path, impls, device)
     layer = DM.Layer(rp.layer, rp.variant, rp.qweight, rp.bias, rp.act_opts)
     x, how = replay.rebuild_x(rp, device)
     ckpt = checkpoint_stage([layer], {rp.layer: [(rp.x, "")]}, {}, device)
@@ -367,6 +526,41 @@ def run_replay(path: str, *, impls: Optional[list[str]] = None, device: Optional
             "recorded_report": rp.meta.get("report", {}), "recorded_output": recorded,
             "stage_rechecked": rp.xq is not None or a16, "version": rp.version,
             "layout": how, "layout_rebuilt": not how.startswith("input layout differs"),
+            "reproduces": None if res is None else (not res["ok"]),
+            "why_not_here": r["skipped"].get(rp.impl, "" if res is not None else f"{rp.impl} is not known here")}
+    out = _result(path, "replay file", [r], {}, ckpt)
+    out["replay"] = info
+    return out
+
+
+def _run_replay_moe(rp, path: str, impls: Optional[list[str]], device: str) -> dict[str, Any]:
+    """An MoE replay file (version 3): the call rerun here on its recorded routing with every MoE
+    implementation available (each departure split by expert and step), the recorded output rechecked
+    against the oracle with formats.bounds.moe_bound, and whether the divergence reproduces."""
+    from dispatch import moe as dmoe
+    from dispatch import replay
+
+    x, how = replay.rebuild_x(rp, device)
+    lay = moe_check.MoELayer(**{f: getattr(rp.layer, f) for f in replay.MoEExperts.__dataclass_fields__})
+    ckpt_findings = moe_findings(lay)
+    ckpt = {"sound": not any(f["severity"] == UNSOUND for f in ckpt_findings),
+            "findings": [{"layer": lay.name, **f} for f in ckpt_findings],
+            "layers": {lay.name: ckpt_findings} if ckpt_findings else {}}
+    r = diff_moe_layer(lay, x, device, impls, f"replay {Path(path).name}", routing=(rp.topk_ids, rp.topk_weights))
+    r["checkpoint"] = ckpt_findings
+    recorded = None
+    if rp.y is not None:
+        ref_backend = dmoe.entries()[("reference", rp.variant)]
+        with torch.no_grad():
+            res = moe_check.compare_moe(ref_backend, lay, rp.x, rp.topk_ids, rp.topk_weights, y=rp.y, split=False,
+                                        prepared=ref_backend.prepare(lay.w13, lay.w2, activation=lay.activation))
+        recorded = moe_check.summarize(res)
+    res = r["results"].get(rp.impl)
+    info = {"layer": rp.layer.name, "impl": rp.impl, "variant": rp.variant, "kind": "moe",
+            "route": rp.meta.get("route", ""), "recorded_on": rp.meta.get("device", {}),
+            "recorded_versions": rp.meta.get("versions", {}), "recorded_report": rp.meta.get("report", {}),
+            "recorded_output": recorded, "stage_rechecked": False, "version": rp.version, "layout": how,
+            "layout_rebuilt": not how.startswith("input layout differs"),
             "reproduces": None if res is None else (not res["ok"]),
             "why_not_here": r["skipped"].get(rp.impl, "" if res is not None else f"{rp.impl} is not known here")}
     out = _result(path, "replay file", [r], {}, ckpt)
@@ -420,6 +614,8 @@ def first_line(first: Optional[dict]) -> str:
     head = (head + ", " if head else "") + f"{first['impl']}: "
     if first["stage"] == "error":
         return head + f"raised {first['detail']}"
+    if first.get("kind") == "moe":
+        return head + moe_check.describe_first(first) + moe_check.weight_note(first.get("weight"))
     return head + check.describe_first(first) + _weight_note(first.get("weight"))
 
 
@@ -482,17 +678,23 @@ def print_report(result: dict[str, Any], *, plain: bool = False) -> None:
     rows = []
     bounds = {}
     for r in result["layers"]:
+        if r.get("kind") == "moe":
+            continue
         for impl, res in r["results"].items():
             rows.append([r["layer"], r["variant"], f"{r['M']}x{r['N']}x{r['K']}", impl, _act_str(res["activation"]),
                          _stage_str(res["gemm"]), _stage_str(res["linear"]), _where(res["first"]),
                          "ok" if res["ok"] else ("ERROR" if res["error"] else "DEPARTS")])
             bounds[(impl, r["variant"], res["out_dtype"])] = res["bound"]
-    H.print_table(f"b12x-dual diff {result['model']} ({result['kind']}) on {result['device']['name']}: "
-                  "error / bound, max per (row, 128-column tile)",
-                  ["layer", "variant", "M x N x K", "impl", "activation vs oracle", "gemm", "linear",
-                   "first bad block", "status"], rows, plain=plain)
+    title = f"b12x-dual diff {result['model']} ({result['kind']}) on {result['device']['name']}"
+    if rows or not any(r.get("kind") == "moe" for r in result["layers"]):
+        H.print_table(f"{title}: error / bound, max per (row, 128-column tile)",
+                      ["layer", "variant", "M x N x K", "impl", "activation vs oracle", "gemm", "linear",
+                       "first bad block", "status"], rows, plain=plain)
+    else:
+        print(title)
     for (impl, variant, dt), text in bounds.items():
         print(f"bound {impl} {variant} {dt}: {text}")
+    _print_moe(result, plain)
     routes: dict[tuple, list[str]] = {}
     for r in result["layers"]:
         for impl, text in r.get("route_short", {}).items():
@@ -522,9 +724,13 @@ def print_report(result: dict[str, Any], *, plain: bool = False) -> None:
               f"route: {rp['route'] or '-'}")
         print(rp["layout"])
         reported = (rp.get("recorded_report") or {}).get("first")
-        print("recorded by the watchdog: " + (check.describe_first(reported) if reported else "(no report in the file)"))
+        describe = moe_check.describe_first if rp.get("kind") == "moe" else check.describe_first
+        print("recorded by the watchdog: " + (describe(reported) if reported else "(no report in the file)"))
         rec = rp["recorded_output"]
-        if rec is not None:
+        if rec is not None and rp.get("kind") == "moe":
+            print("recorded output against the oracle here (formats.bounds.moe_bound, the recorded routing): " + (
+                "within the bound" if rec["ok"] else moe_check.describe_first(rec["first"])))
+        elif rec is not None:
             stage = ("" if rp["stage_rechecked"] else " (the file holds no quantized activation of the implementation "
                      "(version 1): the output is checked on the oracle's, so an activation fault reads as a gemm one)")
             print("recorded output against the oracle here: " + (
@@ -537,6 +743,44 @@ def print_report(result: dict[str, Any], *, plain: bool = False) -> None:
     print("first bad block: " + first_line(result["first"]))
     print("verdict: " + result["verdict"])
     sys.stdout.flush()
+
+
+def _moe_where(res: dict) -> tuple[str, str, str]:
+    """(first wrong expert, step, block) of one MoE result, as table cells."""
+    f = res["first"]
+    if f is None:
+        return "-", "-", "-"
+    if f["stage"] == "error":
+        return "-", "error", "-"
+    expert = str(f.get("expert", "-"))
+    block = (f"token {f['row']} kblk {f['kblock']}" if "kblock" in f else f"token {f['row']} tile {f['tile']}")
+    return expert, f["stage"], block
+
+
+def _print_moe(result: dict[str, Any], plain: bool) -> None:
+    """The MoE table (one row per MoE layer, M and implementation) and the MoE bounds."""
+    rows, bounds = [], {}
+    for r in result["layers"]:
+        if r.get("kind") != "moe":
+            continue
+        for impl, res in r["results"].items():
+            expert, step, block = _moe_where(res)
+            worst = "-" if res["moe"] is None else (H.fmt_num(res["moe"]["worst"]) + (
+                f" ({res['moe']['n_bad']} bad)" if res["moe"]["n_bad"] else ""))
+            rows.append([r["layer"], r["variant"], f"{r['M']}x{r['H']} E={r['E']} top{r['top_k']} I={r['I']}", impl,
+                         worst, expert, step, block, "ok" if res["ok"] else ("ERROR" if res["error"] else "DEPARTS")])
+            bounds[(r["variant"], res["out_dtype"])] = res["bound"]
+    if not rows:
+        return
+    H.print_table("MoE layers: error / bound of the call, max per (token, 128-column tile); on a departure the first "
+                  "wrong expert (each run alone), its first wrong step and block",
+                  ["layer", "variant", "M x H, experts", "impl", "moe", "expert", "step", "first bad block", "status"],
+                  rows, plain=plain)
+    for (variant, dt), text in bounds.items():
+        print(f"bound moe {variant} {dt}: {text}")
+    print("bound of each step of an expert: w13_gemm / w2_gemm: formats.bounds.gemm_bound (float32 output) on the "
+          "implementation's own quantized input; act_fn: formats.bounds.moe_activation_bound "
+          "((32 + 2 max(1, alpha) |g|) 2^-24 |a|); w13_input / w2_input: byte for byte against formats.quantize")
 
 
 def plot(result: dict[str, Any], folder: str) -> list[str]:
@@ -556,7 +800,7 @@ def plot(result: dict[str, Any], folder: str) -> list[str]:
     for r in result["layers"]:
         several = len(result.get("tokens", {}).get(r["layer"], [])) > 1
         for impl, res in r["results"].items():
-            st = res["gemm"] or res["linear"]
+            st = res.get("gemm") or res.get("linear") or res.get("moe")
             if st is None:
                 continue
             g = torch.as_tensor(st["grid"], dtype=torch.float64)

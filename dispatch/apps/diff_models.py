@@ -22,6 +22,23 @@ MODEL is one of:
 * a folder whose config.json builds a transformers model (no quantization_config): the model is
   loaded with transformers and every nn.Linear quantized to ``--format`` (quantize_model).
 
+MoE layers (dispatch.moe_check.MoELayer) are read beside the linears, in the same forward order:
+
+* a transformers folder whose MoE blocks hold their experts as 3-D parameters (Qwen3-MoE:
+  ``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) and a top-k router
+  (``mlp.gate``: weight [E, H], ``top_k``, ``norm_topk_prob``): each expert's W13 and W2
+  quantized to ``--format`` with the oracle (one global scale per expert's W13 for nvfp4);
+* a checkpoint whose experts are modules ``<layer>.experts.<e>.{gate_proj, up_proj, down_proj}``
+  (``w1``, ``w3``, ``w2`` too; compressed-tensors / llm-compressor's MoE layout, as vLLM loads
+  it): each converted as a linear, gate and up stacked into W13 [2I, H] (they must share an NVFP4
+  global scale and static input scales, as vLLM's MoE method requires; FP8 per-tensor weight
+  scales are merged to the larger, vLLM's requantize_with_max_scale); the router is
+  ``<layer>.gate.weight`` (float), top_k ``num_experts_per_tok`` and renormalize
+  ``norm_topk_prob`` (default true) of config.json, activation ``hidden_act`` (silu).
+
+An MoE layer is named after the module that holds the experts and the router (``model.layers.0.mlp``);
+``--layers`` matches that name or ``<name>.experts``.
+
 Inputs: seeded random activations (dispatch.apps._harness.make_input); the model's own forward on
 ``--text`` (hooks on each nn.Linear capture its input; the checkpoint families through
 transformers' compressed-tensors support where it can build the model); or ``--inputs FILE``, a
@@ -32,12 +49,14 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from dispatch.moe_check import MoELayer
 from formats import QuantizedTensor
 from formats.validate import scan_raw
 
@@ -55,14 +74,15 @@ class Layer:
 
 @dataclass
 class Model:
-    """The layers of a MODEL, in forward order, and what it is (``kind``); ``float_model`` is the
+    """The layers of a MODEL (quantized linears, :class:`Layer`, and MoE layers, MoELayer), in forward
+    order, and what it is (``kind``); ``float_model`` is the
     transformers model for --text (None when there is none); ``refused``: {module: findings} of
     checkpoint modules whose values the converters refuse (formats.validate.scan_raw on the stored
     tensors), which no implementation can run; ``order``: how the forward order was found."""
 
     path: str
     kind: str
-    layers: list[Layer]
+    layers: list  # Layer and MoELayer, in forward order
     skipped: dict = field(default_factory=dict)
     float_model: object = None
     refused: dict = field(default_factory=dict)
@@ -126,7 +146,7 @@ def module_order(folder: Path) -> Optional[dict[str, int]]:
     return {canonical(n): i for i, (n, _m) in enumerate(net.named_modules())}
 
 
-def forward_order(layers: list[Layer], order: Optional[dict[str, int]],
+def forward_order(layers: list, order: Optional[dict[str, int]],
                   source: str = "transformers, built on the meta device") -> tuple[list[Layer], str]:
     """``layers`` sorted in the model's forward order, and how it was found: the model's module order
     (``order``, from :func:`module_order`) where it names the layer, else the numeric layer index
@@ -237,8 +257,102 @@ def convert_module(prefix: str, t: dict[str, torch.Tensor], qcfg: dict) -> tuple
     return Layer(prefix, variant, qw, None if bias is None else bias.to(torch.bfloat16), opts), None
 
 
+EXPERT_MODULE = re.compile(r"^(?P<layer>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
+"""An expert's module in a checkpoint: ``<layer>.experts.<e>.<proj>`` (gate_proj/w1, up_proj/w3, down_proj/w2)."""
+_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def fuse_w13(gate: QuantizedTensor, up: QuantizedTensor, what: str) -> QuantizedTensor:
+    """One expert's gate [I, H] and up [I, H] weights stacked into W13 [2I, H] (gate rows first, as
+    formats.reference_moe's silu reads them). NVFP4: the two must share one global scale; FP8 per
+    tensor: the one with the smaller scale is re-encoded under the larger (vLLM's
+    requantize_with_max_scale); fp8_block: I must hold whole 128-row blocks. ValueError naming
+    ``what`` otherwise."""
+    from dispatch.check import linear_scales
+
+    if (gate.fmt, gate.shape) != (up.fmt, up.shape):
+        raise ValueError(f"{what}: gate and up differ ({gate.fmt} {gate.shape} vs {up.fmt} {up.shape})")
+    if gate.global_scale is not None and not torch.equal(gate.global_scale.float().reshape(()),
+                                                         up.global_scale.float().reshape(())):
+        raise ValueError(f"{what}: gate and up have different NVFP4 weight global scales "
+                         f"({float(gate.global_scale):g} and {float(up.global_scale):g}); an expert's W13 has one "
+                         "(compressed-tensors shares it over gate and up, and vLLM's MoE method requires it)")
+    n, k = gate.shape
+    if gate.block_shape is None:  # fp8_tensor: one scale per tensor
+        from dispatch.vllm_plugin.moe import _requantize_to_max
+
+        scales = torch.stack([gate.scale.float().reshape(()), up.scale.float().reshape(())]).reshape(1, 2)
+        data = torch.cat([gate.data, up.data]).unsqueeze(0)
+        codes = _requantize_to_max(data, scales)[0]
+        return QuantizedTensor(gate.fmt, "weight", codes, scales.amax().reshape(()), None, None, (2 * n, k))
+    br = gate.block_shape[0]
+    if n % br:
+        raise ValueError(f"{what}: {gate.fmt} weight blocks are {br} rows; the expert's I={n} must hold whole "
+                         "blocks to stack gate and up into W13")
+    scale = torch.cat([linear_scales(gate), linear_scales(up)])
+    return QuantizedTensor(gate.fmt, "weight", torch.cat([gate.data, up.data]).contiguous(), scale.contiguous(),
+                           gate.global_scale, gate.block_shape, (2 * n, k))
+
+
+def _stack_opts(opts: list[dict], what: str) -> dict:
+    """Per-expert activation options -> one dict (a tensor option: [E] values, one per expert)."""
+    keys = set().union(*[o.keys() for o in opts]) if opts else set()
+    out = {}
+    for key in keys:
+        vals = [o.get(key) for o in opts]
+        if any(v is None for v in vals):
+            raise ValueError(f"{what}: activation option {key!r} is given for some experts only")
+        if isinstance(vals[0], torch.Tensor):
+            out[key] = torch.stack([v.float().reshape(()) for v in vals])
+        elif len(set(vals)) == 1:
+            out[key] = vals[0]
+        else:
+            raise ValueError(f"{what}: activation option {key!r} differs between experts ({vals[:4]})")
+    return out
+
+
+def _moe_from_modules(name: str, experts: dict, modules: dict, qcfg: dict, config: dict) -> MoELayer:
+    """One MoE layer of a checkpoint from its experts' modules {e: {"gate"|"up"|"down": (prefix, tensors)}}.
+    Raises CheckpointError from the converters (with the module's prefix) and ValueError for a
+    layer that is not one (missing projections, no router, another activation)."""
+    E = max(experts) + 1
+    missing = [f"expert {e} {p}" for e in range(E) for p in ("gate", "up", "down") if p not in experts.get(e, {})]
+    if missing:
+        raise ValueError(f"MoE layer {name}: checkpoint module(s) missing: {', '.join(missing[:6])}")
+    router = modules.get(f"{name}.gate", {}).get("weight")
+    if router is None or not router.is_floating_point() or router.dim() != 2 or router.shape[0] != E:
+        raise ValueError(f"MoE layer {name}: no float router weight '{name}.gate.weight' [E={E}, H] in the checkpoint")
+    act = str(config.get("hidden_act", "silu"))
+    if act != "silu":
+        raise ValueError(f"MoE layer {name}: activation {act!r}; diff reads checkpoint MoE layers with 'silu' "
+                         "(Qwen3-MoE, Mixtral)")
+    w13, w2, o13, o2 = [], [], [], []
+    variant = None
+    for e in range(E):
+        got = {}
+        for proj in ("gate", "up", "down"):
+            prefix, t = experts[e][proj]
+            lay, why = convert_module(prefix, t, qcfg)
+            if lay is None:
+                raise ValueError(f"MoE layer {name}: expert {e} {proj} ({prefix}) is not quantized ({why})")
+            got[proj] = lay
+        variant = got["gate"].variant
+        if got["gate"].act_opts.keys() != got["up"].act_opts.keys() or any(
+                not torch.equal(torch.as_tensor(got["gate"].act_opts[k]), torch.as_tensor(got["up"].act_opts[k]))
+                for k in got["gate"].act_opts):
+            raise ValueError(f"MoE layer {name}: expert {e}: gate and up have different static input scales; an "
+                             "expert's W13 has one (vLLM's MoE method requires it)")
+        w13.append(fuse_w13(got["gate"].qweight, got["up"].qweight, f"MoE layer {name}: expert {e}"))
+        w2.append(got["down"].qweight)
+        o13.append(got["gate"].act_opts)
+        o2.append(got["down"].act_opts)
+    top_k = int(config.get("num_experts_per_tok", config.get("num_experts_per_token", 2)))
+    return MoELayer(name, variant, w13, w2, router.float(), top_k, bool(config.get("norm_topk_prob", True)), act,
+                    _stack_opts(o13, f"MoE layer {name} W13"), _stack_opts(o2, f"MoE layer {name} W2"))
+
+
 def load_checkpoint(folder: Path, config: dict) -> Model:
-    """A compressed-tensors / ModelOpt / Fp8Config checkpoint folder -> its quantized linears."""
+    """A compressed-tensors / ModelOpt / Fp8Config checkpoint folder -> its quantized linears and MoE layers."""
     qcfg = config.get("quantization_config") or {}
     tensors = _read_folder_tensors(folder)
     modules: dict[str, dict[str, torch.Tensor]] = {}
@@ -248,8 +362,16 @@ def load_checkpoint(folder: Path, config: dict) -> Model:
     from dispatch.vllm_plugin.convert import CheckpointError
 
     layers, skipped, refused = [], {}, {}
+    moe: dict[str, dict[int, dict]] = {}
+    for prefix, t in modules.items():
+        m = EXPERT_MODULE.match(prefix)
+        if m and ("weight" in t or "weight_packed" in t):
+            moe.setdefault(m["layer"], {}).setdefault(int(m["e"]), {})[_PROJ[m["proj"]]] = (prefix, t)
+    routers = {f"{name}.gate" for name in moe}
     for prefix, t in modules.items():
         if "weight" not in t and "weight_packed" not in t:
+            continue
+        if EXPERT_MODULE.match(prefix) or prefix in routers:
             continue
         try:
             layer, why = convert_module(prefix, t, qcfg)
@@ -265,6 +387,16 @@ def load_checkpoint(folder: Path, config: dict) -> Model:
             skipped[prefix] = why
         else:
             layers.append(layer)
+    for name, experts in moe.items():
+        try:
+            layers.append(_moe_from_modules(name, experts, modules, qcfg, config))
+        except CheckpointError:
+            findings = [dict(f, expert=e) for e, projs in sorted(experts.items())
+                        for _p, (prefix, t) in sorted(projs.items())
+                        for leaf, v in sorted(t.items()) for f in scan_raw(v, f"{prefix}.{leaf}")]
+            if not findings:
+                raise
+            refused[name] = findings
     kind = str(qcfg.get("quant_method", "?"))
     layers, how = forward_order(layers, module_order(folder))
     return Model(str(folder), f"checkpoint ({kind})", layers, skipped, refused=refused, order=how)
@@ -306,16 +438,51 @@ def load_transformers(folder: Path, fmt: str, patterns: Optional[list[str]] = No
         raise ValueError(f"MODEL {str(folder)!r}: transformers cannot build the model from its config.json "
                          f"({type(e).__name__}: {e})") from None
     names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-    wanted = {lay.name for lay in select([Layer(n, fmt, None) for n in names], patterns)}
+    blocks = {n: m for n, m in model.named_modules() if _moe_block(m)}
+    everything = [Layer(n, fmt, None) for n in names] + [_stub(n) for n in blocks]
+    chosen = {lay.name for lay in select(everything, patterns)}
+    wanted = chosen - set(blocks)
     qmodel = quantize_model(copy.deepcopy(model), fmt, skip=lambda name, _m: name not in wanted)
     layers = [Layer(name, m.variant, m.qweight, None if m.bias is None else m.bias.detach().to(torch.bfloat16),
                     dict(m.act_opts))
               for name, m in qmodel.named_modules() if isinstance(m, QuantLinear)]
+    layers += [moe_from_block(n, m, fmt) for n, m in blocks.items() if n in chosen]
     layers, how = forward_order(layers, {canonical(n): i for i, (n, _m) in enumerate(model.named_modules())},
                                 "the transformers model built here")
     return Model(str(folder), f"transformers model quantized to {fmt}", layers,
                  {k: v for k, v in getattr(qmodel, "b12x_skipped", {}).items() if k in wanted}, float_model=model,
                  order=how)
+
+
+def _moe_block(m) -> bool:
+    """A transformers MoE block with 3-D expert parameters and a top-k router (Qwen3-MoE's)."""
+    ex, gate = getattr(m, "experts", None), getattr(m, "gate", None)
+    return (isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor) and ex.gate_up_proj.dim() == 3
+            and isinstance(getattr(ex, "down_proj", None), torch.Tensor) and ex.down_proj.dim() == 3
+            and isinstance(getattr(gate, "weight", None), torch.Tensor) and hasattr(gate, "top_k"))
+
+
+def _stub(name: str) -> MoELayer:
+    return MoELayer(name, "", [], [])
+
+
+def moe_from_block(name: str, block, fmt: str) -> MoELayer:
+    """A transformers MoE block (Qwen3-MoE: experts.gate_up_proj [E, 2I, H] gate rows first,
+    experts.down_proj [E, H, I], gate.weight [E, H], gate.top_k, gate.norm_topk_prob, the experts'
+    act_fn) -> MoELayer, each expert's W13 and W2 quantized to ``fmt`` (a registry variant) with the
+    oracle (formats.quantize). ValueError for an activation other than silu."""
+    from dispatch import registry
+    from formats import quantize
+
+    act = type(getattr(block.experts, "act_fn", None)).__name__.lower()
+    if "silu" not in act and "swish" not in act:
+        raise ValueError(f"MoE layer {name}: activation {act!r}; diff reads transformers MoE blocks with silu")
+    v = registry.variant(fmt)
+    gu, dn = block.experts.gate_up_proj.detach().float(), block.experts.down_proj.detach().float()
+    w13 = [quantize(gu[e], v.fmt) for e in range(gu.shape[0])]
+    w2 = [quantize(dn[e], v.fmt) for e in range(dn.shape[0])]
+    return MoELayer(name, v.name, w13, w2, block.gate.weight.detach().float(), int(block.gate.top_k),
+                    bool(getattr(block.gate, "norm_topk_prob", True)), "silu")
 
 
 def load_model(path: str, fmt: str = "nvfp4", patterns: Optional[list[str]] = None) -> Model:
@@ -352,16 +519,22 @@ def select(layers: list[Layer], patterns: Optional[list[str]], also: tuple[str, 
     stage refused). ValueError naming each pattern that matches nothing, with a few names that exist."""
     if not patterns:
         return layers
-    names = [lay.name for lay in layers] + list(also)
+    names = [n for lay in layers for n in _names(lay)] + list(also)
     dead = [pat for pat in patterns if not any(matches(n, pat) for n in names)]
     if dead:
         raise ValueError(f"--layers {','.join(dead)!r} matches no quantized layer; layers are e.g. "
                          f"{names[:4]} ({len(names)} in all)")
-    return [lay for lay in layers if any(matches(lay.name, pat) for pat in patterns)]
+    return [lay for lay in layers if any(matches(n, pat) for pat in patterns for n in _names(lay))]
+
+
+def _names(lay) -> tuple[str, ...]:
+    """The names a pattern may match: a linear's; an MoE layer's and ``<name>.experts``."""
+    return (lay.name, lay.name + ".experts") if isinstance(lay, MoELayer) else (lay.name,)
 
 
 def capture_text(model: Model, text: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Run the model's own forward on ``text`` and capture each linear's input [tokens, K] in ``dtype``.
+    """Run the model's own forward on ``text`` and capture each linear's (and MoE block's) input
+    [tokens, K] in ``dtype``.
 
     The transformers model of a transformers folder is used as is; for a checkpoint folder,
     transformers builds it (its compressed-tensors support decompresses the weights). Raises
@@ -388,10 +561,11 @@ def capture_text(model: Model, text: str, dtype: torch.dtype) -> dict[str, torch
         raise ValueError(f"--text: MODEL {model.path!r} has no tokenizer transformers can load "
                          f"({type(e).__name__}: {e}); pass --inputs FILE instead") from None
     wanted = {canonical(lay.name): lay.name for lay in model.layers}  # the checkpoint's spelling may differ
+    moe = {canonical(lay.name) for lay in model.layers if isinstance(lay, MoELayer)}  # an MoE block's input
     got: dict[str, torch.Tensor] = {}
     hooks = []
     for name, mod in net.named_modules():
-        if canonical(name) in wanted and isinstance(mod, torch.nn.Linear):
+        if canonical(name) in wanted and (isinstance(mod, torch.nn.Linear) or canonical(name) in moe):
             def hook(m, args, name=wanted[canonical(name)]):
                 got[name] = args[0].detach().reshape(-1, args[0].shape[-1]).to(dtype)
             hooks.append(mod.register_forward_pre_hook(hook))

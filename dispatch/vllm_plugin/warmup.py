@@ -204,7 +204,7 @@ def _moe_parts(layer: torch.nn.Module, counts) -> tuple[str, tuple, Callable[[],
             x = torch.full((m, b.hidden), 0.01, dtype=dtype, device=dev)
             ids = (torch.arange(m * top_k, device=dev) % b.num_experts).view(m, top_k).to(torch.int32)
             w = torch.full((m, top_k), 1.0 / top_k, device=dev)
-            b(x, ids, w)
+            b(x, ids, w, watch=False)  # warmup's inputs are not the model's: no watchdog
             _done.add((key, m))
             compiles += 1
 

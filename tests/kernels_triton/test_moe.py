@@ -80,7 +80,7 @@ def _moe_bound(y, x, w13, w2, ids, wt, *, activation="silu", renormalize=False, 
     p = moe.prepare_experts(w13, w2)
     _, path, tile = moe._plan(M, E, top_k, H, I, fmt, a16, _common.device_capability(x.device), path, tile,
                               w13_act_opts, w2_act_opts)
-    blocks, inter = moe._w13(x, p, ids, path, tile, a16=a16, act_opts=w13_act_opts, activation=activation,
+    blocks, _, inter = moe._w13(x, p, ids, path, tile, a16=a16, act_opts=w13_act_opts, activation=activation,
                              bias=w13_bias, alpha=alpha, limit=limit)
     real = blocks.slot < M * top_k
     a_kernel = torch.empty(M * top_k, I, dtype=torch.float64)

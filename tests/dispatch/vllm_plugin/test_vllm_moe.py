@@ -378,3 +378,46 @@ def test_warmup_runs_each_moe_signature_once_per_token_count(moe_ckpt, dist, imp
     assert warmup.warmup_model(layer, (1, 5)) == {"b12x-dual MoE mxfp4_w4a16": 1} and warmup.compiles - start == 2
     assert layer.quant_method.launched == before  # warmup calls are not the layer's served calls
     assert layer.b12x_warmup_provider is layer.quant_method
+
+
+def test_the_watchdog_checks_served_moe_calls_not_warmup_and_the_replay_names_the_expert(
+        moe_ckpt, dist, impl, monkeypatch, tmp_path, caplog, capsys):
+    """B12X_CHECK=1 with triton serving an MXFP4 layer whose prepared experts carry one flipped block-scale
+    byte of expert e's W2 (tests/faults.py FlippedExpertScale, installed before the layer is built):
+    warmup's calls write no replay file; the first served call is checked against the oracle on its own
+    routing: one WARNING naming the layer, one MoE replay file holding the call's topk_ids and
+    topk_weights; ``b12x-dual diff --replay`` on it names expert e and its W2 GEMM (exit 1)."""
+    import faults
+    from dispatch import check, replay
+    from dispatch.apps.cli import main
+    from dispatch.vllm_plugin import warmup
+
+    monkeypatch.setenv("B12X_CHECK", "1")
+    monkeypatch.setenv("B12X_CHECK_DIR", str(tmp_path / "replays"))
+    check.reload()
+    impl("triton")
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(4, H, generator=gen) * 0.5).to(torch.bfloat16)
+    ids = torch.rand(4, E, generator=gen).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    wt = torch.rand(4, TOP_K, generator=gen) + 0.05
+    wt = wt / wt.sum(dim=1, keepdim=True)
+    e = int(ids[0, 0])
+    try:
+        with faults.installed_moe(faults.FlippedExpertScale, "mxfp4", expert=e, tensor="w2", n=7, kb=1):
+            layer = build(moe_ckpt("moe_mxfp4"))
+            warmup.warmup_model(layer, (2, 3))
+            assert not (tmp_path / "replays").exists()
+            with caplog.at_level("WARNING", logger="dispatch.check"):
+                layer.forward_modular(x, wt, ids)
+            name = layer.quant_method.layer_name
+            (msg,) = [r.getMessage() for r in caplog.records if "b12x-dual watchdog" in r.getMessage()]
+            assert msg.startswith(f"b12x-dual watchdog: layer {name} on triton (mxfp4, M=4): the MoE call's output")
+            (path,) = (tmp_path / "replays").glob("*.b12x-replay.safetensors")
+            rp = replay.read(path)
+            assert rp.layer.name == name and torch.equal(rp.topk_ids, ids) and torch.equal(rp.topk_weights, wt)
+            rc = main(["diff", "--replay", str(path), "--impls", "triton", "--no-progress", "--plain", "--device", "cpu"])
+        out = capsys.readouterr().out
+        assert rc == 1 and f"triton: expert {e}: the W2 GEMM departs first" in out and "reproduces here: YES" in out
+    finally:
+        monkeypatch.delenv("B12X_CHECK")
+        check.reload()
