@@ -33,12 +33,13 @@ from kernels_triton import Route, record_launches  # noqa: F401  (re-exported fo
 
 INSTALL_CUTE = "pip install 'b12x-dual[cute]'"
 
-MXFP8_W8A16_GPU_RAN = False
+MXFP8_W8A16_GPU_RAN = True
 """Whether kernels_triton.hopper.mxfp8's W8A16 route (linear(a16=True)) has passed its tests on an
-sm_90 GPU. Until it has, the (hopper, mxfp8_w8a16) cell stays a named gap (``triton_gap``: written,
-not yet run on a GPU) and sm_90 serves mxfp8_w8a16 with the lesson; set True once the GPU suite
-(tests/kernels_triton/hopper/test_hopper_mxfp8_w8a16.py) and tools/probes/hopper_mxfp8_w8a16_gpu.py
-passed on the H200."""
+sm_90 GPU: True since its tests (tests/kernels_triton/hopper/test_hopper_mxfp8_w8a16.py) and
+tools/probes/hopper_mxfp8_w8a16_gpu.py passed on the H200 (docs/results.md, 2026-12-05, third
+session). False makes the (hopper, mxfp8_w8a16) cell a named gap again (``triton_gap``: written, not
+yet run on a GPU; sm_90 then serves mxfp8_w8a16 with the lesson): the switch a new sm_90 route starts
+behind."""
 
 
 def _dtype_ok(problem: Problem, allowed) -> tuple[bool, str]:

@@ -25,8 +25,8 @@ The implementations are the dense table's names (``contract.IMPLS``), so ``B12X_
 ``use_impl()`` and ``impl=`` mean the same here (``dispatch.policy``), and auto walks the same
 priority list (``registry.PRIORITY``): on SM120/SM121 cute (``kernels_cute.moe``, b12x's fused MoE)
 where it serves the call, else the Triton lesson; on sm_90 hopper (``kernels_triton.hopper.moe``,
-nvfp4 / mxfp4 W4A4 and W4A16) once its gate ``HOPPER_MOE_GPU_RAN`` is on, a named gap until then
-and for the other variants, so the Triton lesson serves; on other GPUs and the CPU (Triton's interpreter) the
+nvfp4 / mxfp4 W4A4 and W4A16; its gate ``HOPPER_MOE_GPU_RAN`` is on since it ran on the H200), a
+named gap for the other variants, which the Triton lesson serves; on other GPUs and the CPU (Triton's interpreter) the
 lesson; the float64 oracle ``formats.reference_moe`` everywhere. A cell with no kernel is an
 :class:`~dispatch.contract.UnsupportedEntry` saying why. Neither this module nor building the table
 imports b12x: ``kernels_cute.moe`` is imported on the first verb that needs it.
@@ -319,10 +319,11 @@ CUTE_NO_BIAS = "b12x 1.5.1's fused MoE takes no expert biases (gpt-oss's experts
 CUTE_BF16_ONLY = "the MoE table prepares kernels_cute.moe's experts for bfloat16 I/O; triton serves other dtypes"
 CUTE_STATIC_NVFP4 = ("b12x's fused MoE quantizes nvfp4 activations with static per-expert global scales only; this "
                      "layer's are dynamic (no 'global_scale' in w13_act_opts and w2_act_opts): triton serves")
-HOPPER_MOE_GPU_RAN = False
+HOPPER_MOE_GPU_RAN = True
 """The gate of the sm_90 MoE (kernels_triton.hopper.moe): new sm_90 routes stay off until a GPU ran
-them. False: make("hopper", v) is a named gap for every variant (HOPPER_UNRUN for the served ones);
-the lead flips it once the H200 has run tests/kernels_triton/hopper/test_hopper_moe.py and the bench."""
+them. True since tests/kernels_triton/hopper/test_hopper_moe.py and tools/probes/hopper_moe_gpu.py
+passed on the H200 (docs/results.md, 2026-12-05, third session). False: make("hopper", v) is a named
+gap for every variant (HOPPER_UNRUN for the served ones)."""
 HOPPER_UNVERIFIED_ENV = "B12X_HOPPER_MOE_UNVERIFIED"
 """Set to 1 to turn the gate on in this process while HOPPER_MOE_GPU_RAN is False (for the GPU probe
 tools/probes/hopper_moe_gpu.py and the bench on the H200, nothing else); read when the table is built."""
