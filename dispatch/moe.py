@@ -433,9 +433,10 @@ class CuteMoE(MoEBackend):
                                     capability=_capability(device))
 
 
-class HopperMoE(MoEBackend):
+class HopperMoE(TritonMoE):
     """kernels_triton.hopper.moe: the sm_90 MoE (decode and prefill routes) for nvfp4 / mxfp4, W4A4
-    and W4A16, on the lesson's prepared experts (kernels_triton.moe.prepare_experts)."""
+    and W4A16, on the lesson's prepared experts (kernels_triton.moe.prepare_experts): the lesson
+    backend's experts, prepared_experts and run, with its own module, device rule and route."""
 
     impl = "hopper"
 
@@ -465,16 +466,7 @@ class HopperMoE(MoEBackend):
 
     def prepare(self, w13, w2, *, activation="silu"):
         check_experts(w13, w2, self.variant)
-        from kernels_triton import moe
-
-        return moe.prepare_experts(w13, w2)
-
-    def experts_of(self, prepared):
-        return prepared.num_experts, prepared.hidden
-
-    def prepared_experts(self, prepared, w13, w2):
-        """The lesson's stacks (hopper prepares the lesson's MoEWeights) split per expert."""
-        return TritonMoE.prepared_experts(self, prepared, w13, w2)
+        return TritonMoE._module().prepare_experts(w13, w2)
 
     def validate_device(self, x) -> None:
         """ImplementationUnavailable unless x is on an sm_90 GPU with the interpreter off."""
@@ -484,14 +476,6 @@ class HopperMoE(MoEBackend):
         if device_capability(x.device) is None or not dev.is_sm90:
             raise ImplementationUnavailable(self.impl, dev, f"MoE {self.variant}: kernels_triton.hopper.moe runs on "
                                             f"an sm_90 GPU with TRITON_INTERPRET off, got x on {x.device}")
-
-    def run(self, x, prepared, topk_ids, topk_weights, *, activation="silu", renormalize=False, w13_bias=None,
-            w2_bias=None, w13_act_opts=None, w2_act_opts=None, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT):
-        self.validate_device(x)
-        return self._module().fused_moe_unchecked(
-            x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize, w13_bias=w13_bias,
-            w2_bias=w2_bias, a16=self.a16, w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts,
-            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
 
     def route(self, problem, device):
         p = problem
