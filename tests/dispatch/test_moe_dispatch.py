@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 
 import importlib.util
-import math
 import os
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from conftest import DEVICE, device_name, make_input
 
 import dispatch
 import formats
+from _moe_testlib import moe_experts, moe_routing
 from dispatch import backends, moe as dm, policy, registry
 from dispatch.contract import ImplementationUnavailable, UnsupportedEntry
 from dispatch.devices import CPU, KNOWN_DEVICES, interpreting
@@ -62,14 +62,11 @@ def _clean(monkeypatch):
 
 
 def _experts(fmt, e=E, h=H, i=I):
-    w13 = [formats.quantize(torch.randn(2 * i, h) / math.sqrt(h), fmt).to(DEVICE) for _ in range(e)]
-    w2 = [formats.quantize(torch.randn(h, i) / math.sqrt(i), fmt).to(DEVICE) for _ in range(e)]
-    return w13, w2
+    return moe_experts(fmt, e, h, i)
 
 
 def _routing(m=M, e=E, k=TOP_K):
-    ids = torch.rand(m, e).argsort(dim=1)[:, :k].to(torch.int32)
-    return ids.to(DEVICE), (torch.rand(m, k) + 0.05).to(DEVICE)
+    return moe_routing(m, e, k)
 
 
 # ---------------------------------------------------------------------------------------------

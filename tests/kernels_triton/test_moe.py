@@ -30,7 +30,6 @@ call is 0.1-0.5 s; the slowest test 2.7 s), 70-100 s under other agents' load.
 from __future__ import annotations
 
 import ast
-import math
 from pathlib import Path
 
 import pytest
@@ -40,6 +39,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import formats
+from _moe_testlib import expert_opts as _opts_e
+from _moe_testlib import moe_experts as _experts
+from _moe_testlib import moe_routing as _routing
 import kernels_triton
 from formats import QuantizedTensor
 from kernels_triton import _common, moe, record_launches
@@ -47,25 +49,6 @@ from kernels_triton import _common, moe, record_launches
 U = 2.0 ** -24
 VARIANTS = [(f, False) for f in moe.FORMATS] + [(f, True) for f in moe.A16_FORMATS]
 VID = [f + ("_a16" if a else "") for f, a in VARIANTS]
-
-
-def _experts(fmt, E, H, I, scale=1.0):
-    """E experts of W13 [2I, H] and W2 [H, I], h and o of order 1 for x of order 1."""
-    w13 = [formats.quantize(torch.randn(2 * I, H) * (scale / math.sqrt(H)), fmt).to(DEVICE) for _ in range(E)]
-    w2 = [formats.quantize(torch.randn(H, I) * (scale / math.sqrt(I)), fmt).to(DEVICE) for _ in range(E)]
-    return w13, w2
-
-
-def _routing(M, E, top_k):
-    """top_k distinct experts per token and positive router weights."""
-    ids = torch.rand(M, E).argsort(dim=1)[:, :top_k].to(torch.int32)
-    return ids.to(DEVICE), (torch.rand(M, top_k) + 0.05).to(DEVICE)
-
-
-def _opts_e(opts, e):
-    """Expert e's activation options (a value with one element per expert is indexed)."""
-    return {k: (v.reshape(-1)[e] if isinstance(v, torch.Tensor) and v.numel() > 1 else v)
-            for k, v in (opts or {}).items()}
 
 
 def _moe_bound(y, x, w13, w2, ids, wt, *, activation="silu", renormalize=False, w13_bias=None, w2_bias=None,

@@ -26,7 +26,7 @@ Interpreter cost: 46 tests (and the compile-only sm_90 build, ~30 s), ~3 min ser
 
 from __future__ import annotations
 
-import math
+import functools
 
 import pytest
 import torch
@@ -34,6 +34,9 @@ import triton
 from conftest import DEVICE, device_name, make_input
 
 import formats
+from _moe_testlib import expert_opts as _opts_e
+from _moe_testlib import moe_experts
+from _moe_testlib import moe_routing as _routing
 from kernels_triton import interpreting, moe, record_launches
 from kernels_triton._common import device_capability
 from kernels_triton.hopper import moe as hmoe
@@ -43,24 +46,7 @@ U = 2.0 ** -24
 VARIANTS = [("mxfp4", True), ("nvfp4", False), ("nvfp4", True), ("mxfp4", False)]
 VID = ["mxfp4_w4a16", "nvfp4", "nvfp4_w4a16", "mxfp4"]
 ON_SM90 = device_capability(DEVICE) is not None and device_capability(DEVICE)[0] == 9
-
-
-def _experts(fmt, E, H, I, device=DEVICE):
-    """E experts of W13 [2I, H] and W2 [H, I], h and o of order 1 for x of order 1."""
-    w13 = [formats.quantize(torch.randn(2 * I, H, device=device) / math.sqrt(H), fmt) for _ in range(E)]
-    w2 = [formats.quantize(torch.randn(H, I, device=device) / math.sqrt(I), fmt) for _ in range(E)]
-    return w13, w2
-
-
-def _routing(M, E, top_k):
-    """top_k distinct experts per token and positive router weights."""
-    ids = torch.rand(M, E).argsort(dim=1)[:, :top_k].to(torch.int32)
-    return ids.to(DEVICE), (torch.rand(M, top_k) + 0.05).to(DEVICE)
-
-
-def _opts_e(opts, e):
-    return {k: (v.reshape(-1)[e] if isinstance(v, torch.Tensor) and v.numel() > 1 else v)
-            for k, v in (opts or {}).items()}
+_experts = functools.partial(moe_experts, on=DEVICE)  # drawn where the test runs (large layers on the GPU)
 
 
 def _kernel_intermediate(x, p, ids, a16, kw, tiles):
