@@ -404,3 +404,12 @@ def test_dispatch_and_the_moe_table_import_no_b12x():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_only_the_lesson_exposes_its_steps():
+    """diff names the first wrong step only where an implementation exposes its steps (the lesson's
+    fused_moe_stages); the kernels that keep them on chip (hopper, cute) and the oracle return None, so
+    diff stops at the expert. hopper shares the lesson backend's run and prepared experts, not its steps."""
+    for cls in (dm.HopperMoE, dm.CuteMoE, dm.ReferenceMoE):
+        assert cls("nvfp4").stages(None, None, None, None) is None, cls
+    assert dm.TritonMoE.stages is not dm.MoEBackend.stages
