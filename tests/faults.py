@@ -213,6 +213,13 @@ class FlippedExpertScale(_dmoe.TritonMoE):
         return replace(p, **{self.tensor: (data, block, per)})
 
 
+class FlippedExpertScaleOnChip(FlippedExpertScale):
+    """FlippedExpertScale in a backend that exposes no steps (stages -> None), as hopper's and cute's
+    kernels keep theirs on chip: diff can name the expert, not the step."""
+
+    stages = _dmoe.MoEBackend.stages
+
+
 class DropsRenormalize(_dmoe.TritonMoE):
     """run (hence apply) ignores ``renormalize`` (a router-weight bug): every expert alone is right
     (one expert per token, weight 1), the call is not: the weighted combine departs."""

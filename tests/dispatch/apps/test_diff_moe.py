@@ -120,6 +120,24 @@ def test_fault_in_one_experts_block_names_layer_expert_step_and_block(qwen_moe, 
     assert f"prepared expert {e} {tensor.upper()} differs from the layer's at row {row}, K-block 1" in out
 
 
+def test_a_backend_without_steps_is_named_down_to_the_expert(qwen_moe, tmp_path, capsys):
+    """The same flipped W2 block scale in a backend that keeps its steps on chip (stages -> None, as
+    hopper and cute): diff exits 1 and names the layer, the implementation and expert e, and no step."""
+    folder, _ = qwen_moe
+    rc, _, _ = _run(capsys, folder, "--layers", "layers.0.mlp", "--tokens", "6", "--impls", "reference",
+                    "--json", tmp_path / "clean.json")
+    ids = torch.tensor(json.loads((tmp_path / "clean.json").read_text())["layers"][0]["routing"]["topk_ids"])
+    e = int(ids[0, 0])
+    with faults.installed_moe(faults.FlippedExpertScaleOnChip, "nvfp4", expert=e, tensor="w2", n=5, kb=1):
+        rc, out, _ = _run(capsys, folder, "--layers", "layers.0.mlp", "--tokens", "6", "--impls", "triton",
+                          "--json", tmp_path / "d.json")
+    data = json.loads((tmp_path / "d.json").read_text())
+    res = data["layers"][0]["results"]["triton"]
+    assert rc == diff.EXIT_DEPARTS and res["stages_exposed"] is False
+    assert {k: data["first"][k] for k in ("layer", "impl", "kind", "stage", "expert", "tile")} == {
+        "layer": "layers.0.mlp", "impl": "triton", "kind": "moe", "stage": "expert", "expert": e, "tile": 0}
+
+
 def test_dropped_renormalize_is_the_weighted_combine(qwen_moe, tmp_path, capsys):
     """A run that ignores renormalize: every expert alone (weight 1) is right, so no expert is named; the
     call departs at the combine (the router weights do not sum to 1), in column tile 0; exit 1."""
