@@ -19,7 +19,7 @@ lead runs this once on the GPU, then sets dispatch.moe.HOPPER_MOE_GPU_RAN = True
             --m 1,4,16,128,1024 --check
 
 (c) --sweep M,..: the decode route's tiles around the default (BLOCK_N, split-K, warps, stages,
-    BLOCK_K; weight-only: DECODE_A16_PLANES off too), each checked against the oracle, then timed
+    BLOCK_K; weight-only: DECODE_A16_PLANES toggled), each checked against the oracle, then timed
     (off by default: each config compiles).
 
 The short tables come last. About 2-3 minutes on an H200 without --sweep (the first calls compile).
