@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The lent H200's calls for a change to kernels, launchers or dispatch, in one script:
 #   bash tools/h200_session.sh tests    # the GPU suite: tests/kernels_triton tests/formats tests/dispatch
+#   bash tools/h200_session.sh tests_kernels; ... tests_dispatch  # the same in two calls (each < 600 s)
 #   bash tools/h200_session.sh debug    # b12x-dual diff of a tiny transformers Llama (built here, random
 #                                       # weights) across reference / triton / hopper, and the watchdog's cost
 #   bash tools/h200_session.sh bench    # bench --shapes square --m 1,16,4096 --impls hopper,triton --peers gemlite
@@ -18,12 +19,22 @@ python3 -c "import torch, triton, platform; print('python', platform.python_vers
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/env.txt" || true
 for step in "$@"; do
 case "$step" in
-tests)
-  timeout -k 10 ${TESTS_S:-330} python3 -m pytest -q -n ${NPROC:-14} --dist loadgroup --durations=12 -p no:cacheprovider -rs \
-    tests/kernels_triton tests/formats tests/dispatch > "$OUT/pytest.log" 2>&1
-  echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
-  grep -E "^SKIPPED" "$OUT/pytest.log" | sed -E 's/^SKIPPED \[[0-9]+\] //' | cut -c1-160 | sort | uniq -c | sort -rn | head -12
-  tail -n 2 "$OUT/pytest.log" ;;
+tests|tests_kernels|tests_dispatch)
+  # -v: each result is logged as it completes, so a run stopped by its time limit still names its
+  # failures. The whole suite takes about 10 minutes on an H200 with -n 16 (the warmup-key walks, one
+  # worker for ~8 minutes, are the long pole): over one device call's limit, so split it in two calls
+  # on a warm machine: tests_kernels (tests/kernels_triton tests/formats), then tests_dispatch.
+  case "$step" in
+    tests) paths="tests/kernels_triton tests/formats tests/dispatch" ;;
+    tests_kernels) paths="tests/kernels_triton tests/formats" ;;
+    tests_dispatch) paths="tests/dispatch" ;;
+  esac
+  timeout -k 10 ${TESTS_S:-560} python3 -m pytest -v -n ${NPROC:-16} --dist loadgroup --durations=12 -p no:cacheprovider -rs \
+    $paths > "$OUT/pytest_$step.log" 2>&1
+  echo "pytest $step rc=$?"
+  grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$OUT/pytest_$step.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //; s/ +$//' | sort -u | head -30
+  for r in PASSED FAILED SKIPPED ERROR; do printf "%s %s  " "$r" "$(grep -cE "\] $r " "$OUT/pytest_$step.log")"; done; echo
+  tail -n 1 "$OUT/pytest_$step.log" ;;
 debug)
   python3 - "$OUT/llama" <<'PY'
 import sys, torch, transformers
@@ -61,6 +72,6 @@ moe_tests)
 moe_probe)
   timeout -k 5 ${MOE_PROBE_S:-240} python3 tools/probes/hopper_moe_gpu.py ${MOE_PROBE_ARGS:-} > "$OUT/moe_probe.log" 2>&1
   echo "moe probe rc=$?"; tail -n 30 "$OUT/moe_probe.log" ;;
-*) echo "unknown step $step (tests, debug, bench, bench_channel, w8a16, moe_tests, moe_probe)"; exit 2 ;;
+*) echo "unknown step $step (tests, tests_kernels, tests_dispatch, debug, bench, bench_channel, w8a16, moe_tests, moe_probe)"; exit 2 ;;
 esac
 done
