@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -277,10 +279,29 @@ def write_deepseek_fp8_block(ct_dir: Path, out: Path, *, ue8m0: bool = False) ->
 
 
 def build(kind: str, root: Path) -> Path:
-    """The checkpoint directory of ``kind`` (one of KINDS) under ``root``, written once."""
+    """The checkpoint directory of ``kind`` (one of KINDS) under ``root``, written once. It is written
+    into a private temporary directory and renamed into place whole, so that another process (an
+    xdist worker holding only its own kind's lock, or a derived kind building its source) never reads
+    a half-written one: save_pretrained writes config.json before compressed-tensors adds its
+    quantization_config."""
     out = root / kind
     if (out / "config.json").exists():
         return out
+    tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
+    try:
+        _write(kind, root, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, out)  # atomic; fails when another process has published it first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write(kind: str, root: Path, out: Path) -> Path:
+    """Write the checkpoint of ``kind`` into ``out`` (its sources through ``build``)."""
     if kind in CT_PRESETS:
         return write_ct(out, CT_PRESETS[kind])
     if kind in CT_REFUSED:

@@ -196,3 +196,37 @@ def test_agrees_with_vllm_emulation(kind, dist, ckpt, impl):
     assert y_vllm.abs().max() > 0
     err = rel_err(y, y_vllm)
     assert err <= EMULATION_TOL[kind], f"{kind}: rel err vs vLLM emulation {err:.2e} > {EMULATION_TOL[kind]}"
+
+
+def test_a_checkpoint_appears_only_when_whole(tmp_path, monkeypatch):
+    """checkpoints.build publishes a checkpoint by renaming a finished private directory: while it is
+    written (save_pretrained's config.json first, compressed-tensors' quantization_config after) the
+    kind's directory does not exist, so an xdist worker building another kind from it never reads a
+    half-written config; a kind another process published first is kept and the private copy dropped."""
+    import json
+
+    import checkpoints
+
+    seen = []
+
+    def write(kind, root, out):
+        (out / "config.json").write_text(json.dumps({"model_type": "bert"}))  # as save_pretrained leaves it
+        seen.append((root / kind).exists())
+        (out / "config.json").write_text(json.dumps({"model_type": "bert", "quantization_config": {"q": 1}}))
+        return out
+
+    monkeypatch.setattr(checkpoints, "_write", write)
+    out = checkpoints.build("ct_fp8_block", tmp_path)
+    assert seen == [False] and json.loads((out / "config.json").read_text())["quantization_config"] == {"q": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ct_fp8_block"]  # no private directory left
+
+    def loses_the_race(kind, root, out):
+        (root / kind).mkdir()
+        (root / kind / "config.json").write_text(json.dumps({"by": "the other worker"}))
+        (root / kind / "model.safetensors").write_bytes(b"x")
+        return write(kind, root, out)
+
+    monkeypatch.setattr(checkpoints, "_write", loses_the_race)
+    out = checkpoints.build("ct_nvfp4", tmp_path)
+    assert json.loads((out / "config.json").read_text()) == {"by": "the other worker"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ct_fp8_block", "ct_nvfp4"]
