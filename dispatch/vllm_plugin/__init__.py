@@ -26,78 +26,39 @@ _MOE_TARGET = ("vllm.model_executor.layers.quantization.compressed_tensors.compr
 _MODELOPT_TARGET = "vllm.model_executor.layers.quantization.modelopt"
 # vLLM's MXFP4 quantization module (GptOssMxfp4Config): patches.gptoss_moe_method
 _MXFP4_TARGET = "vllm.model_executor.layers.quantization.mxfp4"
-_state = {"registered": False, "applied": False, "moe_applied": False, "modelopt_applied": False,
-          "mxfp4_applied": False}
+# the module whose import triggers a patch -> (the patches function, what a failure of it leaves)
+_PATCHES = {
+    _TARGET: ("apply", "patching vLLM failed; vLLM's own kernels serve every layer"),
+    _MOE_TARGET: ("apply_moe", "patching vLLM's MoE method selection failed; vLLM's own MoE methods serve"),
+    _MODELOPT_TARGET: ("apply_modelopt", "patching vLLM's ModelOpt module failed"),
+    _MXFP4_TARGET: ("apply_gptoss", "patching vLLM's gpt-oss MXFP4 MoE failed"),
+}
+_state = {"registered": False, "applied": set()}
 
 
-def _apply() -> None:
-    if _state["applied"]:
+def _apply(target: str) -> None:
+    """Run the patch of ``target`` (a key of _PATCHES) once in this process; a failure is logged
+    (each patch also logs and records its own failure, patches.failed), never raised."""
+    if target in _state["applied"]:
         return
-    _state["applied"] = True
+    _state["applied"].add(target)
     from . import patches
 
+    name, failed = _PATCHES[target]
     try:
-        patches.apply()  # each patch logs and records its own failure (patches.failed)
+        getattr(patches, name)()
     except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
         import logging
 
-        logging.getLogger("dispatch.vllm_plugin").exception(
-            "b12x-dual: patching vLLM failed; vLLM's own kernels serve every layer")
-
-
-def _apply_moe() -> None:
-    if _state["moe_applied"]:
-        return
-    _state["moe_applied"] = True
-    from . import patches
-
-    try:
-        patches.apply_moe()
-    except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
-        import logging
-
-        logging.getLogger("dispatch.vllm_plugin").exception(
-            "b12x-dual: patching vLLM's MoE method selection failed; vLLM's own MoE methods serve")
-
-
-def _apply_modelopt() -> None:
-    if _state["modelopt_applied"]:
-        return
-    _state["modelopt_applied"] = True
-    from . import patches
-
-    try:
-        patches.apply_modelopt()
-    except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
-        import logging
-
-        logging.getLogger("dispatch.vllm_plugin").exception("b12x-dual: patching vLLM's ModelOpt module failed")
-
-
-def _apply_mxfp4() -> None:
-    if _state["mxfp4_applied"]:
-        return
-    _state["mxfp4_applied"] = True
-    from . import patches
-
-    try:
-        patches.apply_gptoss()
-    except Exception:  # noqa: BLE001  (vLLM must keep working without us; the error is logged)
-        import logging
-
-        logging.getLogger("dispatch.vllm_plugin").exception("b12x-dual: patching vLLM's gpt-oss MXFP4 MoE failed")
-
-
-_HOOKS = {_TARGET: _apply, _MOE_TARGET: _apply_moe, _MODELOPT_TARGET: _apply_modelopt, _MXFP4_TARGET: _apply_mxfp4}
+        logging.getLogger("dispatch.vllm_plugin").exception(f"b12x-dual: {failed}")
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_apply` once vLLM's linear-kernel package has finished importing,
-    :func:`_apply_moe` once compressed-tensors' MoE module has, :func:`_apply_modelopt` once
-    vLLM's ModelOpt module has, :func:`_apply_mxfp4` once vLLM's MXFP4 module has."""
+    """Runs :func:`_apply` for a module of _PATCHES once it has finished importing (vLLM's
+    linear-kernel package, compressed-tensors' MoE module, vLLM's ModelOpt and MXFP4 modules)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _HOOKS:
+        if fullname not in _PATCHES:
             return None
         spec = None
         for finder in sys.meta_path:  # whoever would have found it (path, editable install, ...)
@@ -113,9 +74,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_patch(module):
             exec_module(module)
-            if all(name in sys.modules for name in _HOOKS):
+            if all(name in sys.modules for name in _PATCHES):
                 sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
-            _HOOKS[fullname]()
+            _apply(fullname)
 
         loader.exec_module = exec_then_patch
         return spec
@@ -154,10 +115,10 @@ def register() -> None:
         return
     _state["registered"] = True
     _request_amx()
-    for name, hook in _HOOKS.items():
+    for name in _PATCHES:
         if name in sys.modules:
-            hook()
-    if not all(name in sys.modules for name in _HOOKS) and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+            _apply(name)
+    if not all(name in sys.modules for name in _PATCHES) and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
 
 
