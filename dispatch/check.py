@@ -524,6 +524,14 @@ class Watchdog:
                 return n % self.sampling.every == 0
             return self._rng.random() < self.sampling.rate
 
+    def give_up(self, layer: str, backend, e: Exception, what: str = "layer") -> None:
+        """``layer`` could not be checked (``e`` raised in the check): record it as diverged with the
+        error, so it is never sampled again, and log it once. The check must not take the server down."""
+        with self._lock:
+            self.diverged[layer] = {"error": f"{type(e).__name__}: {e}", "ok": False}
+        log.error("b12x-dual watchdog: cannot check %s %s on %s (%s): %s: %s; not checking it again",
+                  what, layer, backend.impl, backend.variant, type(e).__name__, e)
+
     def _capturing(self, x: torch.Tensor) -> bool:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             if not self._logged_capture:
@@ -543,10 +551,7 @@ class Watchdog:
             with torch.no_grad():
                 res = check_call(backend, qweight, x, y, bias, act_opts)
         except Exception as e:  # noqa: BLE001  (the check must not take the server down; it says why, once)
-            with self._lock:
-                self.diverged[layer] = {"error": f"{type(e).__name__}: {e}", "ok": False}
-            log.error("b12x-dual watchdog: cannot check layer %s on %s (%s): %s: %s; not checking it again",
-                      layer, backend.impl, backend.variant, type(e).__name__, e)
+            self.give_up(layer, backend, e)
             return None
         self.checked += 1
         if res["ok"]:

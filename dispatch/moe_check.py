@@ -423,10 +423,7 @@ def after_moe_call(wd, layer: str, backend, bound, x: torch.Tensor, topk_ids: to
         if res["error"]:
             raise RuntimeError(res["error"])
     except Exception as e:  # noqa: BLE001  (the check must not take the server down; it says why, once)
-        with wd._lock:
-            wd.diverged[layer] = {"error": f"{type(e).__name__}: {e}", "ok": False}
-        log.error("b12x-dual watchdog: cannot check MoE layer %s on %s (%s): %s: %s; not checking it again",
-                  layer, backend.impl, backend.variant, type(e).__name__, e)
+        wd.give_up(layer, backend, e, "MoE layer")
         return None
     wd.checked += 1
     if res["ok"]:
