@@ -170,22 +170,28 @@ class TruncatedEpilogue(TritonBackend):
 
 
 @contextlib.contextmanager
-def installed(cls, variant: str, **fields):
-    """Register ``cls(variant)`` (with ``fields`` set on it) as triton:<variant> for the block."""
-    table = registry._TABLE
-    registry.entries()  # build the table first
+def _installed_in(module, cls, variant: str, fields: dict):
+    """Register ``cls(variant)`` (with ``fields`` set on it) as triton:<variant> in ``module``'s table
+    (dispatch.registry's or dispatch.moe's: both have _TABLE, entries() and clear_cache()) for the block."""
+    table = module._TABLE
+    module.entries()  # build the table first
     key = ("triton", variant)
     old = table[key]
     b = cls(variant)
     for k, v in fields.items():
         setattr(b, k, v)
     table[key] = b
-    registry.clear_cache()
+    module.clear_cache()
     try:
         yield b
     finally:
         table[key] = old
-        registry.clear_cache()
+        module.clear_cache()
+
+
+def installed(cls, variant: str, **fields):
+    """Register ``cls(variant)`` (with ``fields`` set on it) as triton:<variant> for the block."""
+    return _installed_in(registry, cls, variant, fields)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,20 +234,6 @@ class DropsRenormalize(_dmoe.TritonMoE):
         return super().run(x, prepared, topk_ids, topk_weights, **{**kw, "renormalize": False})
 
 
-@contextlib.contextmanager
 def installed_moe(cls, variant: str, **fields):
     """Register ``cls(variant)`` (with ``fields`` set on it) as the MoE table's triton:<variant> for the block."""
-    table = _dmoe._TABLE
-    _dmoe.entries()
-    key = ("triton", variant)
-    old = table[key]
-    b = cls(variant)
-    for k, v in fields.items():
-        setattr(b, k, v)
-    table[key] = b
-    _dmoe.clear_cache()
-    try:
-        yield b
-    finally:
-        table[key] = old
-        _dmoe.clear_cache()
+    return _installed_in(_dmoe, cls, variant, fields)
