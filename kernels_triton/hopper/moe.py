@@ -17,10 +17,11 @@ Two routes (``route`` decides, the launchers follow it):
                        over the topk_ids in registers) in chunks of 16 rows and run the swapped
                        product of hopper._fp4_decode: acc [BLOCK_N, 16] = W~ . X~^T, the weight
                        dequantized in registers as nibble planes (``fp4_planes``), the activation
-                       read as planes of the same order (W4A4: quantized in registers by the format
-                       lesson's tile quantizer, with the expert's global scale from an amax pass over
-                       its rows). Split-K where the grid would leave SMs idle; W13's split partials
-                       meet in ``_act_kernel`` (sum, bias, activation), W2's in ``_combine_kernel``.
+                       read as planes of the same order (W4A4: quantized once before each GEMM by
+                       ``_act_quant_kernel`` with the format lesson's tile quantizer, the expert's
+                       global scale from an amax pass over its rows, and stored by slot as planes;
+                       ``DECODE_A4_PREPASS``). Split-K where the grid would leave SMs idle; W13's split
+                       partials meet in ``_act_kernel`` (sum, bias, activation), W2's in ``_combine_kernel``.
     prefill (M > 16)   rows sorted by expert (the lesson's ``align_block_size``), W4A4 activations
                        quantized by the lesson's ``_amax_kernel`` / ``_quantize_kernel`` in sorted
                        order, then ``_gemm_kernel``: one program per (expert block, N tile), both
@@ -57,7 +58,7 @@ from ..moe import MoEWeights, prepare_experts  # noqa: F401  (the prepared exper
 from ..mxfp4 import mxfp4_quantize_tile
 from ..nvfp4 import nvfp4_quantize_tile
 from . import supported
-from ._fp4_decode import a16_planes, act_planes_kernel, fp4_planes, fragment_order, planes_k
+from ._fp4_decode import a16_planes, act_planes_kernel, fp4_planes, fragment_order, planes_k, store_planes
 from ._fp4_gemm import dequantize_e2m1_tile
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ._route import Route, TileConfig, sm_count
@@ -71,6 +72,11 @@ _NVFP4, _MXFP4 = tl.constexpr(0), tl.constexpr(1)  # FORMATS' indices
 _SILU, _SWIGLU = tl.constexpr(0), tl.constexpr(1)  # MOE_ACTIVATIONS[0], [1] (interleaved gate/up)
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _G_NUM = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)
+DECODE_A4_PREPASS = True
+"""Decode route, W4A4. True: each GEMM's activation quantized once by ``_act_quant_kernel`` (every
+expert's rows, each K tile once) and stored as the product's planes, which the GEMM loads as they are.
+False: every (N tile, K split) program of an expert quantizes its activation tiles in registers
+again. tools/probes/hopper_moe_gpu.py --sweep times both."""
 DECODE_A16_PLANES = False
 """Decode route, weight-only. True: x laid out once as the product's bf16 planes (hopper._fp4_decode's
 act_planes_kernel) and the intermediate stored by W13 straight into W2's planes, so the K loops load
@@ -169,6 +175,44 @@ def _expert_global_scale(a_ptr, static_ptr, e, offs_s, mine, rank, count, K, str
 
 
 # == The decode route =============================================================================
+@triton.jit
+def _act_quant_kernel(a_ptr, static_ptr, ids_ptr, p_ptr, g_ptr, n_slots, K, K_PAD, stride_am, stride_pm,
+                      FMT: tl.constexpr, STATIC: tl.constexpr, RULE: tl.constexpr, GATHER: tl.constexpr,
+                      TOP_K: tl.constexpr, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
+    """W4A4 decode: a GEMM's activation quantized once, before it. Program (j, t): if slot j is its
+    expert's first, the expert's rows x K tile t, quantized as ``_act_planes`` does inside the GEMM
+    (the same quantizer and global scale) and stored by slot as the product's planes, p [n_slots,
+    K_PAD] (store_planes: zeros past K); nvfp4's global scale of the expert into g [E] (read by the
+    GEMM as a static one)."""
+    j = tl.program_id(0)
+    offs_s = tl.arange(0, S_PAD)
+    pdl_wait(USE_PDL)  # x or the intermediate
+    ids = tl.load(ids_ptr + offs_s, mask=offs_s < n_slots, other=-1)
+    e = tl.load(ids_ptr + j)
+    if tl.sum(((ids == e) & (offs_s < j)).to(tl.int32), axis=0) > 0:
+        return
+    mine = ids == e
+    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    count = tl.sum(mine.to(tl.int32), axis=0)
+    g = 1.0  # unused by mxfp4's quantizer
+    if FMT == _NVFP4:
+        g = _expert_global_scale(a_ptr, static_ptr, e, offs_s, mine, rank, count, K, stride_am, STATIC, GATHER,
+                                 TOP_K, BLOCK_M, BLOCK_K)
+        if tl.program_id(1) == 0:
+            tl.store(g_ptr + e, g)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    for c0 in range(0, count, BLOCK_M):
+        slot, ok = _chunk_slots(offs_s, mine, rank, c0, BLOCK_M)
+        src = (slot // TOP_K if GATHER else slot).to(tl.int64)
+        x = tl.load(a_ptr + src[:, None] * stride_am + offs_k[None, :], mask=ok[:, None] & (offs_k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        v = _quantized_values(x, g, FMT, RULE, BLOCK_M, BLOCK_K)
+        store_planes(p_ptr, v, slot, ok, k0, K, K_PAD, stride_pm, BLOCK_M, BLOCK_K, BLOCK_K)
+    pdl_launch_dependents(USE_PDL)
+
+
 # [decode-kernel]
 @triton.jit
 def _decode_gemm_kernel(
@@ -184,7 +228,8 @@ def _decode_gemm_kernel(
     DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, S_PAD: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # _pdl: every program waits before its first load
-    A_PLANES: tl.constexpr = False,  # A16: A is already in the planes layout at BLOCK_K (K padded)
+    A_PLANES: tl.constexpr = False,  # A is already in the planes layout at BLOCK_K (K padded): A16's x laid out
+    # once, or W4A4's _act_quant_kernel output by slot (GATHER False, its global scales as STATIC)
     OUT_PLANE_K: tl.constexpr = 0,  # W13: > 0 stores the intermediate in W2's planes layout at this PLANE_K
 ):
     GROUP: tl.constexpr = 16 + 16 * FMT  # nvfp4 16, mxfp4 32
@@ -505,10 +550,13 @@ def plan(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = Fa
             if t.BLOCK_M != 16 or t.BLOCK_K < 4 * _GROUP[fmt] or t.BLOCK_K & (t.BLOCK_K - 1):
                 raise ValueError(f"a decode tile needs BLOCK_M 16 and BLOCK_K a power of two >= {4 * _GROUP[fmt]}, "
                                  f"got {t}")
-        kernels = ("act_planes_kernel",) * (a16 and DECODE_A16_PLANES) + ("_decode_gemm_kernel",) + \
-                  (("_act_kernel",) if t13.SPLIT_K > 1 else ()) + ("_decode_gemm_kernel", "_combine_kernel")
+        quant = ("_act_quant_kernel",) * (not a16 and DECODE_A4_PREPASS)
+        kernels = ("act_planes_kernel",) * (a16 and DECODE_A16_PLANES) + quant + ("_decode_gemm_kernel",) + \
+            (("_act_kernel",) if t13.SPLIT_K > 1 else ()) + quant + ("_decode_gemm_kernel", "_combine_kernel")
         act = ("x laid out once as bf16 planes, the intermediate stored as W2's planes" if a16 and DECODE_A16_PLANES
-               else "each activation tile reordered in registers" if a16 else "the activation quantized in registers")
+               else "each activation tile reordered in registers" if a16
+               else "each GEMM's activation quantized once by _act_quant_kernel, loaded as planes" if DECODE_A4_PREPASS
+               else "the activation quantized in registers")
         why = (f"{name} at M = {M} <= {DECODE_MAX_M}: the decode route, no sorting: one program per (slot, N tile, "
                f"K split), the programs of each expert's first slot stream its weights once per N tile ({act}, the "
                f"swapped product on nibble planes); split-K W13 {t13.SPLIT_K}, W2 {t2.SPLIT_K} (at most "
@@ -684,6 +732,27 @@ def fused_moe(x: torch.Tensor, prepared: MoEWeights, topk_ids: torch.Tensor, top
                                tiles=tiles)
 
 
+def _a4_prepass(pl: Plan, a16: bool) -> bool:
+    """Whether route ``pl`` quantizes each W4A4 decode GEMM's activation once (DECODE_A4_PREPASS)."""
+    return bool(not a16 and pl.kind == "decode" and "_act_quant_kernel" in pl.route.kernels)
+
+
+def _act_quant(a, ids, fmt: str, bk: int, *, static, rule: int, gather: bool, top_k: int, E: int):
+    """``_act_quant_kernel`` on x (gather: rows by token) or the intermediate (by slot): (the planes
+    [n_slots, K padded to bk], the experts' global scales [E] fp32 for the GEMM's STATIC read; nvfp4
+    only, else None)."""
+    n, K = ids.numel(), a.shape[1]
+    k_pad = triton.cdiv(K, bk) * bk
+    planes = torch.empty((n, k_pad), dtype=torch.float32 if interpreting() else torch.bfloat16, device=a.device)
+    g = torch.empty(E, dtype=torch.float32, device=a.device) if fmt == "nvfp4" else None
+    launch(_act_quant_kernel, (n, triton.cdiv(K, bk)), a, static if static is not None else a, ids, planes,
+           g if g is not None else planes, n, K, k_pad, a.stride(0), planes.stride(0), FMT=FORMATS.index(fmt),
+           STATIC=static is not None, RULE=rule, GATHER=gather, TOP_K=top_k,
+           S_PAD=max(16, triton.next_power_of_2(n)), BLOCK_M=16, BLOCK_K=bk, num_warps=4, num_stages=1,
+           **pdl_launch(a.device))
+    return planes, g
+
+
 def _a16_planes(pl: Plan, a16: bool) -> bool:
     """Whether route ``pl`` lays the weight-only activations out as planes (DECODE_A16_PLANES)."""
     return bool(a16 and pl.kind == "decode" and "act_planes_kernel" in pl.route.kernels)
@@ -713,8 +782,13 @@ def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, acti
     n = M * top_k
     if pl.kind == "decode":
         o = torch.empty((pl.w2.SPLIT_K, n, H), dtype=torch.float32, device=x.device)
-        _decode_gemm(inter, p.w2, fmt, pl.w2, ids.view(-1), n, o, gather=False, act=-1, bias=None, static=s2,
-                     rule=rule2, a_planes=_a16_planes(pl, a16), **common)
+        a, s2, planes = inter, s2, _a16_planes(pl, a16)
+        if _a4_prepass(pl, a16):  # the intermediate quantized once, by slot, with the experts' global scales
+            a, s2 = _act_quant(inter, ids.view(-1), fmt, pl.w2.BLOCK_K, static=s2, rule=rule2, gather=False,
+                               top_k=top_k, E=E)
+            planes = True
+        _decode_gemm(a, p.w2, fmt, pl.w2, ids.view(-1), n, o, gather=False, act=-1, bias=None, static=s2,
+                     rule=rule2, a_planes=planes, **common)
     else:  # the lesson's quantizer in sorted order, then this GEMM into the slots' o rows
         ones = torch.ones(E, dtype=torch.float32, device=x.device)
         a = (inter, inter, ones) if a16 else lesson._quantize(inter, blocks, fmt, s2, rule2, False, top_k, E)
@@ -747,7 +821,12 @@ def _w13(x, p: MoEWeights, ids, pl: Plan, *, activation, bias, static, rule, a16
                    GROUP=32, SCALE_E4M3=False, A16=True, F16_DEQUANTIZE=False, USE_ASM=False, DOT_DTYPE=_dot_dtype(),
                    EVEN_K=H % bk == 0, BLOCK_M=16, BLOCK_K=bk, num_warps=4, num_stages=1, **pdl_launch(x.device))
             x = xp
-        ws = _decode_gemm(x, p.w13, fmt, pl.w13, flat, n, inter, gather=True, act=act, bias=bias, static=static,
+        gather = True
+        if _a4_prepass(pl, a16):  # x quantized once per expert's rows, by slot
+            x, static = _act_quant(x, flat, fmt, pl.w13.BLOCK_K, static=static, rule=rule, gather=True, top_k=top_k,
+                                   E=E)
+            gather, planes = False, True
+        ws = _decode_gemm(x, p.w13, fmt, pl.w13, flat, n, inter, gather=gather, act=act, bias=bias, static=static,
                           rule=rule, a_planes=planes, out_plane_k=out_pk, **common)
         if ws is not None:  # split-K: the partials' sum, bias and activation
             p2 = triton.next_power_of_2

@@ -2,7 +2,7 @@
 lead runs this once on the GPU, then sets dispatch.moe.HOPPER_MOE_GPU_RAN = True if it passes.
 
     python tools/probes/hopper_moe_gpu.py [--ms 1,4,16,64,512] [--bench-ms 1,4,16,128,1024] [--no-bench]
-                                          [--sweep 1,16]
+                                          [--sweep 1,16] [--profile 16]
 
 (a) correctness: each served variant (mxfp4_w4a16 and mxfp4 at gpt-oss-20b's layer: E 32, top-4,
     H = I = 2880, SwiGLU with expert biases; nvfp4 and nvfp4_w4a16 at Qwen3-30B-A3B's: E 128, top-8,
@@ -19,8 +19,10 @@ lead runs this once on the GPU, then sets dispatch.moe.HOPPER_MOE_GPU_RAN = True
             --m 1,4,16,128,1024 --check
 
 (c) --sweep M,..: the decode route's tiles around the default (BLOCK_N, split-K, warps, stages,
-    BLOCK_K; weight-only: DECODE_A16_PLANES toggled), each checked against the oracle, then timed
-    (off by default: each config compiles).
+    BLOCK_K; weight-only: DECODE_A16_PLANES toggled; W4A4: DECODE_A4_PREPASS toggled), each checked
+    against the oracle, then timed (off by default: each config compiles).
+(d) --profile M,..: each kernel's own device time (torch.profiler, eager launches, so no overlap
+    between kernels), per layer and M, for both settings of the decode route's switches.
 
 The short tables come last. About 2-3 minutes on an H200 without --sweep (the first calls compile).
 Exit status 1 if a check failed or a launch differed from its route.
@@ -158,12 +160,15 @@ def sweep(ms: list[int]) -> list[list]:
             configs["bk 256"] = (dataclasses.replace(d13, BLOCK_K=256), dataclasses.replace(d2, BLOCK_K=256))
             if a16:
                 configs["a16 planes toggled"] = (d13, d2)  # DECODE_A16_PLANES flipped
+            else:
+                configs["a4 prepass toggled"] = (d13, d2)  # DECODE_A4_PREPASS flipped
             configs["bk 256, bn 128/256"] = (dataclasses.replace(d13, BLOCK_K=256, BLOCK_N=128),
                                              dataclasses.replace(d2, BLOCK_K=256, BLOCK_N=256))
             ref = formats.reference_moe(*sets[0][:1], w13, w2, *sets[0][1:], a16=a16, out_dtype=torch.float64, **kw)
-            planes = hmoe.DECODE_A16_PLANES
+            planes, prepass = hmoe.DECODE_A16_PLANES, hmoe.DECODE_A4_PREPASS
             for name, tiles in configs.items():
                 hmoe.DECODE_A16_PLANES = planes != (name == "a16 planes toggled")
+                hmoe.DECODE_A4_PREPASS = prepass != (name == "a4 prepass toggled")
                 try:
                     nr = _norm_rel(hmoe.fused_moe(*sets[0][:1], p, *sets[0][1:], a16=a16, tiles=tiles, **kw), ref)
                     t = timer([lambda s=s: hmoe.fused_moe_unchecked(s[0], p, s[1], s[2], a16=a16, tiles=tiles, **kw)
@@ -173,7 +178,61 @@ def sweep(ms: list[int]) -> list[list]:
                 except Exception as e:  # noqa: BLE001
                     rows.append([layer, variant, M, name, "", "-", f"{type(e).__name__}: {str(e)[:80]}"])
                 print(" | ".join(str(c) for c in rows[-1]), flush=True)
-            hmoe.DECODE_A16_PLANES = planes
+            hmoe.DECODE_A16_PLANES, hmoe.DECODE_A4_PREPASS = planes, prepass
+    return rows
+
+
+def profile(ms: list[int], iters: int = 20) -> list[list]:
+    """--profile: per (layer, M, setting of the switch that applies: DECODE_A16_PLANES for weight-only,
+    DECODE_A4_PREPASS for W4A4), each kernel's mean device time per call (torch.profiler's CUDA
+    activity over ``iters`` eager calls) and their sum."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    from kernels_triton import moe as lesson
+    from kernels_triton.hopper import moe as hmoe
+
+    dev = torch.device("cuda")
+    rows = []
+    for layer, variant, E, k, H, I, act, bias in (LAYERS[0], LAYERS[2]):
+        fmt, a16 = variant.split("_")[0], variant.endswith("_w4a16")
+        g = torch.Generator(device=dev).manual_seed(7)
+        w13 = [formats.quantize(torch.randn(2 * I, H, generator=g, device=dev) / math.sqrt(H), fmt) for _ in range(E)]
+        w2 = [formats.quantize(torch.randn(H, I, generator=g, device=dev) / math.sqrt(I), fmt) for _ in range(E)]
+        p = lesson.prepare_experts(w13, w2)
+        kw = dict(activation=act)
+        if bias:
+            kw.update(w13_bias=torch.randn(E, 2 * I, generator=g, device=dev),
+                      w2_bias=torch.randn(E, H, generator=g, device=dev).bfloat16())
+        switch = "DECODE_A16_PLANES" if a16 else "DECODE_A4_PREPASS"
+        old = getattr(hmoe, switch)
+        for M in ms:
+            x = torch.randn(M, H, generator=g, device=dev).bfloat16()
+            ids = torch.rand(M, E, generator=g, device=dev).argsort(dim=1)[:, :k].to(torch.int32)
+            wt = torch.rand(M, k, generator=g, device=dev) + 0.05
+            for on in (True, False):
+                setattr(hmoe, switch, on)
+                try:
+                    hmoe.fused_moe_unchecked(x, p, ids, wt, a16=a16, **kw)
+                    torch.cuda.synchronize()
+                    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(iters):
+                            hmoe.fused_moe_unchecked(x, p, ids, wt, a16=a16, **kw)
+                        torch.cuda.synchronize()
+                    total = 0.0
+                    for ev in prof.key_averages():
+                        us = getattr(ev, "device_time_total", None)
+                        us = ev.cuda_time_total if us is None else us
+                        if us <= 0 or ev.count < iters:
+                            continue
+                        per = us / iters
+                        total += per
+                        rows.append([layer, variant, M, f"{switch}={on}", ev.key[:40], ev.count // iters, f"{per:.1f}"])
+                    rows.append([layer, variant, M, f"{switch}={on}", "SUM", "", f"{total:.1f}"])
+                except Exception as e:  # noqa: BLE001
+                    rows.append([layer, variant, M, f"{switch}={on}", "-", "", f"{type(e).__name__}: {str(e)[:80]}"])
+                print(" | ".join(str(c) for c in rows[-1]), flush=True)
+        setattr(hmoe, switch, old)
     return rows
 
 
@@ -184,6 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--sweep", default="", help="also time the decode route's tiles around the default at these M "
                     "(e.g. 1,16; ~2-4 min more: each config compiles)")
+    ap.add_argument("--profile", default="", help="also each kernel's device time at these M (torch.profiler)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("needs an sm_90 GPU (H100/H200)")
@@ -218,6 +278,11 @@ def main(argv=None) -> int:
         print("(b) us per layer call: layer | M | torch_bf16_moe | triton | hopper | hopper x vs bf16 | "
               "hopper x vs triton | hopper check")
         for r in table:
+            print(" | ".join(str(c) for c in r))
+    if args.profile:
+        prows = profile([int(m) for m in args.profile.split(",")])
+        print("(d) kernel device times: layer | variant | M | switch | kernel | launches per call | us per call")
+        for r in prows:
             print(" | ".join(str(c) for c in r))
     if args.sweep:
         srows = sweep([int(m) for m in args.sweep.split(",")])

@@ -194,7 +194,8 @@ def test_forced_split_k_and_a_k_tail(fmt, a16):
                                                                                       num_stages=1, SPLIT_K=2))
     log = _run(fmt, a16, 5, 4, 2, 384, 256, tiles=tiles, activation="swigluoai", bias=True)[1]
     first = ("act_planes_kernel",) if a16 and hmoe.DECODE_A16_PLANES else ()  # x laid out as planes once
-    assert log == first + ("_decode_gemm_kernel", "_act_kernel", "_decode_gemm_kernel", "_combine_kernel")
+    q = ("_act_quant_kernel",) if not a16 and hmoe.DECODE_A4_PREPASS else ()  # W4A4: each input quantized once
+    assert log == first + q + ("_decode_gemm_kernel", "_act_kernel") + q + ("_decode_gemm_kernel", "_combine_kernel")
     _run(fmt, a16, 2, 3, 2, 320, 128, activation="swigluoai", bias=True)
 
 
@@ -282,8 +283,9 @@ def test_route_names_the_kernels_per_m(fmt, a16):
     for M in (1, 4, 16):
         r = hmoe.route(M, E, k, H, I, fmt=fmt, a16=a16, capability=(9, 0), sm_count=132)
         first = ("act_planes_kernel",) if a16 and hmoe.DECODE_A16_PLANES else ()
-        assert r.kernels[:len(first) + 1] == first + ("_decode_gemm_kernel",), r.describe()
-        assert r.kernels[-2:] == ("_decode_gemm_kernel", "_combine_kernel")
+        q = ("_act_quant_kernel",) if not a16 and hmoe.DECODE_A4_PREPASS else ()
+        assert r.kernels[:len(first + q) + 1] == first + q + ("_decode_gemm_kernel",), r.describe()
+        assert r.kernels[-2 - len(q):] == q + ("_decode_gemm_kernel", "_combine_kernel"), r.describe()
         assert ("_act_kernel" in r.kernels) == ("W13" in r.tile and "splitk" in r.tile.split("/")[0]), r.describe()
         assert r.impl == "hopper" and "decode route" in r.why
     r1 = hmoe.route(1, E, k, H, I, fmt=fmt, a16=a16, capability=(9, 0), sm_count=132)
@@ -323,6 +325,32 @@ def test_the_planes_layout_is_act_planes_kernels(plane_k, monkeypatch):
     monkeypatch.setattr(hmoe, "DECODE_A16_PLANES", False)
     log = _run("mxfp4", True, 3, 4, 2, 256, 128, activation="swigluoai", bias=True)[1]
     assert "act_planes_kernel" not in log
+
+
+@pytest.mark.parametrize("fmt,opts", [("nvfp4", {}), ("nvfp4", {"global_scale": 2688.0 / 4}),
+                                      ("mxfp4", {"scale_rule": "floor"})], ids=["nvfp4", "nvfp4_static", "mxfp4_floor"])
+def test_w4a4_decode_quantizes_once_or_per_tile_alike(fmt, opts, monkeypatch):
+    """W4A4 decode with each GEMM's activation quantized once by _act_quant_kernel (DECODE_A4_PREPASS)
+    and with every program quantizing its tiles in registers: both within the oracle's bound, and the
+    same values in the same planes order, so under the interpreter the same bits. Tiles with a K tail
+    (H = 320, I = 192: the prepass's padding) and an expert picked twice by one token (two chunks)."""
+    _needs_kernels()
+    E, top_k, H, I, M = 4, 2, 320, 192, 9
+    experts = _experts(fmt, E, H, I)
+    ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(M)]).to(torch.int32).to(DEVICE)
+    ids[3] = 1  # token 3 on expert 1 twice
+    kw = dict(experts=experts, ids=ids, activation="swigluoai", bias=True, w13_act_opts=opts or None,
+              w2_act_opts=opts or None)
+    seed = int(torch.randint(0, 2 ** 31, ()))  # the same fresh inputs for both calls
+    torch.manual_seed(seed)
+    y_once, log = _run(fmt, False, M, E, top_k, H, I, **kw)
+    assert log.count("_act_quant_kernel") == 2 * hmoe.DECODE_A4_PREPASS
+    monkeypatch.setattr(hmoe, "DECODE_A4_PREPASS", not hmoe.DECODE_A4_PREPASS)
+    torch.manual_seed(seed)
+    y_tiles, log = _run(fmt, False, M, E, top_k, H, I, **kw)
+    assert log.count("_act_quant_kernel") == 2 * hmoe.DECODE_A4_PREPASS
+    if interpreting():
+        assert torch.equal(y_once, y_tiles)
 
 
 def test_the_planes_padding_is_never_read():
