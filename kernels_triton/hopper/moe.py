@@ -179,13 +179,12 @@ def _expert_global_scale(a_ptr, static_ptr, e, offs_s, mine, rank, count, K, str
 def _act_quant_kernel(a_ptr, static_ptr, ids_ptr, p_ptr, g_ptr, n_slots, K, K_PAD, stride_am, stride_pm,
                       FMT: tl.constexpr, STATIC: tl.constexpr, RULE: tl.constexpr, GATHER: tl.constexpr,
                       TOP_K: tl.constexpr, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      AMAX_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                      USE_PDL: tl.constexpr = False):
     """W4A4 decode: a GEMM's activation quantized once, before it. Program (j, t): if slot j is its
     expert's first, the expert's rows x K tile t, quantized as ``_act_planes`` does inside the GEMM
     (the same quantizer and global scale) and stored by slot as the product's planes, p [n_slots,
     K_PAD] (store_planes: zeros past K); nvfp4's global scale of the expert into g [E] (read by the
-    GEMM as a static one). The amax pass reads AMAX_K columns at a time: fewer, wider loads (the
-    pass is the program's latency)."""
+    GEMM as a static one)."""
     j = tl.program_id(0)
     offs_s = tl.arange(0, S_PAD)
     pdl_wait(USE_PDL)  # x or the intermediate
@@ -199,7 +198,7 @@ def _act_quant_kernel(a_ptr, static_ptr, ids_ptr, p_ptr, g_ptr, n_slots, K, K_PA
     g = 1.0  # unused by mxfp4's quantizer
     if FMT == _NVFP4:
         g = _expert_global_scale(a_ptr, static_ptr, e, offs_s, mine, rank, count, K, stride_am, STATIC, GATHER,
-                                 TOP_K, BLOCK_M, AMAX_K)
+                                 TOP_K, BLOCK_M, BLOCK_K)
         if tl.program_id(1) == 0:
             tl.store(g_ptr + e, g)
     k0 = tl.program_id(1) * BLOCK_K
@@ -749,8 +748,8 @@ def _act_quant(a, ids, fmt: str, bk: int, *, static, rule: int, gather: bool, to
     launch(_act_quant_kernel, (n, triton.cdiv(K, bk)), a, static if static is not None else a, ids, planes,
            g if g is not None else planes, n, K, k_pad, a.stride(0), planes.stride(0), FMT=FORMATS.index(fmt),
            STATIC=static is not None, RULE=rule, GATHER=gather, TOP_K=top_k,
-           S_PAD=max(16, triton.next_power_of_2(n)), BLOCK_M=16, BLOCK_K=bk,
-           AMAX_K=max(bk, min(1024, triton.next_power_of_2(K))), num_warps=4, num_stages=1, **pdl_launch(a.device))
+           S_PAD=max(16, triton.next_power_of_2(n)), BLOCK_M=16, BLOCK_K=bk, num_warps=4, num_stages=1,
+           **pdl_launch(a.device))
     return planes, g
 
 
