@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import engine_env
 
@@ -40,15 +38,6 @@ EXPERT, ROW, KB = 3, 5, 1  # FlippedExpertScale's expert, W2 row (= output colum
 ENGINE = dict(max_num_batched_tokens=128, max_num_seqs=4, gpu_memory_utilization=0.2)
 
 
-def _faults():
-    here = str(Path(__file__).resolve().parent.parent)  # tests/: faults.py
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import faults
-
-    return faults
-
-
 def _layer_names(model) -> dict[str, str]:
     """{module name: the name its BoundMoE reports under} for every MoE layer our method serves."""
     from dispatch.vllm_plugin import moe
@@ -61,7 +50,7 @@ def _install(model) -> str:
     that runs them is the table's unchanged TritonMoE: the defect is in the experts it reads)."""
     from dispatch.vllm_plugin import moe
 
-    faults = _faults()
+    faults = engine_env.faults_module()
     (method,) = [m for n, m in moe.moe_methods(model).items() if f"layers.{FAULTED}." in n]
     bad = faults.FlippedExpertScale("nvfp4")
     bad.expert, bad.tensor, bad.n, bad.kb = EXPERT, "w2", ROW, KB
@@ -183,7 +172,7 @@ def test_replay_file_reads_back_with_diff(watched, tmp_path, capsys):
     assert rc == diff.EXIT_OK and data["replay"]["reproduces"] is False, out
     assert data["replay"]["recorded_output"]["ok"] is False
     assert f"recorded by the watchdog: expert {EXPERT}: the W2 GEMM departs first" in out
-    faults = _faults()
+    faults = engine_env.faults_module()
     with faults.installed_moe(faults.FlippedExpertScale, "nvfp4", expert=EXPERT, tensor="w2", n=ROW, kb=KB):
         rc, out = run("--impls", "triton", "--json", str(tmp_path / "bad.json"))
     data = json.loads((tmp_path / "bad.json").read_text())
