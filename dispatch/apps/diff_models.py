@@ -592,27 +592,35 @@ def load_transformers(folder: Path, fmt: str, patterns: Optional[list[str]] = No
 
 def dense_expert_notes(model, blocks: dict) -> list[str]:
     """One line per expert container of a transformers model that is not read as an MoE layer (not
-    inside a block :func:`_moe_block` recognises): transformers 5.20 keeps SwitchTransformers' and
+    inside a block :func:`_moe_block` recognises). transformers 5.20 keeps SwitchTransformers' and
     NLLB-MoE's experts as an nn.ModuleDict of per-expert MLPs (top-1 routers with their own capacity
-    rules), ViTPose's as an nn.ModuleList of linears indexed by dataset; their nn.Linear layers are
-    diffed as dense linears, without routing."""
+    rules), ViTPose's as an nn.ModuleList of linears indexed by dataset: their nn.Linear layers are
+    diffed as dense linears, without routing. Other containers hold 3-D expert parameters in a block
+    diff does not read (a router not named ``gate`` or without ``top_k``, as Llama 4's sigmoid
+    ``router``; another layout, as Llama 4's gate_up_proj [E, H, 2I]): they are not diffed at all."""
     out = []
     for n, m in model.named_modules():
         if any(n == b or n.startswith(b + ".") for b in blocks):
             continue
-        last = n.rsplit(".", 1)[-1]
-        if (last == "experts" or type(m).__name__.endswith(("Experts", "NaiveMoe"))) and isinstance(
-                m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        if not (n.rsplit(".", 1)[-1] == "experts" or type(m).__name__.endswith(("Experts", "NaiveMoe"))):
+            continue
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             out.append(f"{n} ({type(m).__name__}, an nn.{type(m).__bases__[0].__name__} of per-expert modules): "
                        "diff reads its experts' linears as dense linears (no routing)")
+        elif any(p.dim() == 3 for p in m.parameters(recurse=False)):
+            out.append(f"{n} ({type(m).__name__}): 3-D expert parameters in a block diff does not read as an MoE "
+                       "layer (it reads experts.gate_up_proj [E, 2I, H], down_proj [E, H, I] with a top-k router "
+                       "'gate'); not diffed")
     return out
 
 
 def _moe_block(m) -> bool:
-    """A transformers MoE block with 3-D expert parameters and a top-k router (Qwen3-MoE's)."""
+    """A transformers MoE block with 3-D expert parameters in Qwen3-MoE's / Mixtral's layout
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) and a top-k router ``gate``."""
     ex, gate = getattr(m, "experts", None), getattr(m, "gate", None)
-    return (isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor) and ex.gate_up_proj.dim() == 3
-            and isinstance(getattr(ex, "down_proj", None), torch.Tensor) and ex.down_proj.dim() == 3
+    gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+    return (isinstance(gu, torch.Tensor) and gu.dim() == 3 and isinstance(dn, torch.Tensor) and dn.dim() == 3
+            and gu.shape[0] == dn.shape[0] and gu.shape[2] == dn.shape[1] and gu.shape[1] == 2 * dn.shape[2]
             and isinstance(getattr(gate, "weight", None), torch.Tensor) and hasattr(gate, "top_k"))
 
 

@@ -30,6 +30,9 @@ from dispatch.apps.cli import main
 import faults
 
 transformers = pytest.importorskip("transformers", reason="transformers builds the tiny Mixtral")
+if not hasattr(transformers.models.mixtral.modeling_mixtral, "MixtralTopKRouter"):
+    pytest.skip(f"transformers {transformers.__version__} keeps Mixtral's experts as modules (these tests read "
+                "transformers 5's 3-D experts and MixtralTopKRouter)", allow_module_level=True)
 
 H_, I_, E_, TOP_K = 64, 32, 4, 2
 
@@ -292,3 +295,20 @@ def test_ct_router_without_a_module_falls_back_to_norm_topk_prob_or_is_refused(c
     assert ("MoE layer model.layers.0.block_sparse_moe: cannot tell whether its router renormalizes the top-2 "
             "weights: config.json has no norm_topk_prob, and no router module transformers builds here for "
             "model_type 'not_a_model_type' takes the checkpoint's 'model.layers.0.block_sparse_moe.gate' tensors") in err
+
+
+def test_experts_in_a_block_diff_does_not_read_are_said_to_be_left_out():
+    """Llama 4's MoE block (a sigmoid router named ``router``, gate_up_proj [E, H, 2I]) is not read as an
+    MoE layer; diff says its experts are not diffed, naming the container."""
+    from dispatch.apps import diff_models as DM
+
+    cfg = transformers.Llama4TextConfig(vocab_size=32, hidden_size=32, intermediate_size=16,
+                                        intermediate_size_mlp=32, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, head_dim=16, num_local_experts=2,
+                                        num_experts_per_tok=1, moe_layers=[0])
+    model = transformers.Llama4TextModel(cfg).eval()
+    blocks = {n: m for n, m in model.named_modules() if DM._moe_block(m)}
+    assert not blocks
+    (note,) = DM.dense_expert_notes(model, blocks)
+    assert note.startswith("layers.0.feed_forward.experts (Llama4TextExperts): 3-D expert parameters in a block "
+                           "diff does not read as an MoE layer") and note.endswith("not diffed")
