@@ -17,6 +17,7 @@ import triton.language as tl
 from formats import FORMAT_NAMES, QuantizedTensor, spec
 from formats import validate as _validate
 from formats.layout import swizzled_size
+from formats.moe import MOE_ACTIVATIONS
 from formats.validate import check_bias  # noqa: F401  (the lessons' bias check, as it is)
 
 from ._codecs import global_alpha, round_to_bf16_rne
@@ -268,8 +269,6 @@ def check_moe_call(x, topk_ids, topk_weights, *, E: int, H: int, I: int, fmt: st
     in [0, E) (read: a device synchronization); topk_weights a float tensor of topk_ids' shape on the
     device; activation one of formats.MOE_ACTIVATIONS; w13_bias / w2_bias None or float [E, 2I] /
     [E, H] on the device. ValueError naming the argument, the value found and what is allowed."""
-    from formats.moe import MOE_ACTIVATIONS
-
     check_activation(x, H, 1, fmt, device=device)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, H], got shape {tuple(x.shape)}")
