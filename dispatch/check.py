@@ -498,13 +498,16 @@ def parse_sampling(value: Optional[str]) -> Optional[Sampling]:
 @dataclass
 class Watchdog:
     """The sampling state of B12X_CHECK: per-layer call counters, the layers that diverged, where
-    replay files go. ``reports`` keeps every divergence found (layer -> report)."""
+    replay files go. ``diverged`` keeps every divergence found (layer -> report, or {"error"} for a
+    layer that could not be checked); ``clean`` counts, per layer, the sampled calls found within the
+    bound; ``checked`` is the number of checks that ran (clean or not)."""
 
     sampling: Sampling
     directory: str = "."
     seed: int = 0
     counts: dict = field(default_factory=dict)
     diverged: dict = field(default_factory=dict)
+    clean: dict = field(default_factory=dict)
     checked: int = 0
     _rng: random.Random = field(default_factory=random.Random)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -523,6 +526,21 @@ class Watchdog:
                 self.counts[key] = n + 1
                 return n % self.sampling.every == 0
             return self._rng.random() < self.sampling.rate
+
+    def passed(self, layer: str) -> None:
+        """Record a sampled call of ``layer`` found within the bound."""
+        with self._lock:
+            self.checked += 1
+            self.clean[layer] = self.clean.get(layer, 0) + 1
+
+    def summary(self) -> str:
+        """One line: how many checks ran, the layers found clean (sampled calls each) and those that
+        diverged or could not be checked."""
+        with self._lock:
+            clean = {k: v for k, v in self.clean.items() if k not in self.diverged}
+            bad = sorted(self.diverged)
+        text = f"b12x-dual watchdog: {self.checked} checks; {len(clean)} layer(s) clean"
+        return text + (f"; diverged or not checkable: {', '.join(bad)}" if bad else "; none diverged")
 
     def give_up(self, layer: str, backend, e: Exception, what: str = "layer") -> None:
         """``layer`` could not be checked (``e`` raised in the check): record it as diverged with the
@@ -553,9 +571,10 @@ class Watchdog:
         except Exception as e:  # noqa: BLE001  (the check must not take the server down; it says why, once)
             self.give_up(layer, backend, e)
             return None
-        self.checked += 1
         if res["ok"]:
+            self.passed(layer)
             return None
+        self.checked += 1
         from .devices import device_of
         from . import replay
 

@@ -3,7 +3,8 @@ first wrong step and block.
 
 Users: ``b12x-dual diff`` (dispatch.apps.diff: every MoE implementation of dispatch.moe's table on
 one layer, M and seeded routing), ``b12x-dual diff --replay`` on an MoE replay file, and the
-watchdog (``B12X_CHECK``, :func:`after_moe_call` with dispatch.check's Watchdog) on sampled BoundMoE calls.
+watchdog (``B12X_CHECK``, :func:`after_moe_call` with dispatch.check's Watchdog) on sampled BoundMoE calls
+(the call's recorded output checked; on a departure, once per layer, split by expert and step as diff does).
 
 What is compared, for x [M, H] routed by the layer's router (``route_tokens``) to top_k of E experts:
 
@@ -407,30 +408,45 @@ def after_moe_call(wd, layer: str, backend, bound, x: torch.Tensor, topk_ids: to
     dispatch.check.Watchdog: the sampling rule and state of B12X_CHECK, per layer name) samples it:
     y against formats.reference_moe on the call's own routing, per (token, 128-column tile), in
     multiples of formats.bounds.moe_bound (:func:`compare_moe` on the recorded output: the call is
-    not rerun). Returns the report of a divergence (logged once per layer as a WARNING and written as
-    an MoE replay file, which ``b12x-dual diff --replay`` splits by expert and step), else None. A
-    check that itself fails is logged once (ERROR), never raised; a malformed B12X_CHECK raises."""
+    not rerun). A call within the bound is counted in ``wd.clean``. On a departure (once per layer:
+    a diverged layer is not sampled again) the call is split as diff splits it: each expert rerun
+    alone on its own tokens, in expert order, then the first departing expert's steps where the
+    implementation exposes them (else the combine), so that the report names the first wrong expert
+    and step ("first"; "moe" keeps the whole call's check). Returns that report (logged once per
+    layer as a WARNING naming the layer, the expert and the step, and written as an MoE replay file
+    that ``b12x-dual diff --replay`` reruns), else None. A check that itself fails is logged once
+    (ERROR), never raised; a split that fails leaves the whole call's finding; a malformed
+    B12X_CHECK raises."""
     if hasattr(wd, "err"):  # dispatch.check._Invalid: a malformed B12X_CHECK
         raise wd.err
     if wd._capturing(x) or not wd.sample(layer):
         return None
     lay = MoELayer(layer, bound.variant, bound.w13, bound.w2, None, topk_ids.shape[1], renormalize, bound.activation,
                    dict(bound.w13_act_opts), dict(bound.w2_act_opts), bound.w13_bias, bound.w2_bias)
+    prepared = bound.backends.get(backend.name)
     try:
         with torch.no_grad():
-            res = compare_moe(backend, lay, x, topk_ids, topk_weights, y=y, split=False,
-                              prepared=bound.backends.get(backend.name))
+            res = compare_moe(backend, lay, x, topk_ids, topk_weights, y=y, split=False, prepared=prepared)
         if res["error"]:
             raise RuntimeError(res["error"])
     except Exception as e:  # noqa: BLE001  (the check must not take the server down; it says why, once)
         wd.give_up(layer, backend, e, "MoE layer")
         return None
-    wd.checked += 1
     if res["ok"]:
+        wd.passed(layer)
         return None
+    wd.checked += 1
     from . import replay
     from .devices import device_of
 
+    # which expert, which step: each expert rerun alone (once per layer, as this layer is not sampled again)
+    x2 = x.reshape(-1, x.shape[-1])
+    try:
+        first = _split(backend, prepared, lay, x2, topk_ids, topk_weights, y, renormalize, res, x2.device.type)
+        if first is not None:
+            res["first"] = first
+    except Exception as e:  # noqa: BLE001  (the whole call's finding stands; say why it is not finer)
+        res["split_error"] = f"{type(e).__name__}: {e}"
     M = x.shape[0]
     try:
         res["route"] = backend.route(bound.problem(M, topk_ids.shape[1], x.dtype), device_of(x)).describe()
@@ -446,7 +462,9 @@ def after_moe_call(wd, layer: str, backend, bound, x: torch.Tensor, topk_ids: to
     res["replay"] = None if path is None else str(path)
     with wd._lock:
         wd.diverged[layer] = res
-    finding = describe_first(res["first"]) + f" (E={res['E']}, top_k={res['top_k']}; the replay names the expert)"
+    finding = describe_first(res["first"]) + weight_note(res["weight"]) + f" (E={res['E']}, top_k={res['top_k']})"
+    if "split_error" in res:
+        finding += f"; the split by expert failed ({res['split_error']}): the replay reruns it"
     log.warning("%s", _warning_lines(res, backend, finding))
     return res
 

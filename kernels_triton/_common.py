@@ -17,6 +17,7 @@ import triton.language as tl
 from formats import FORMAT_NAMES, QuantizedTensor, spec
 from formats import validate as _validate
 from formats.layout import swizzled_size
+from formats.moe import MOE_ACTIVATIONS
 from formats.validate import check_bias  # noqa: F401  (the lessons' bias check, as it is)
 
 from ._codecs import global_alpha, round_to_bf16_rne
@@ -254,6 +255,40 @@ def check_gemm_operands(xq, qweight, bias, out_dtype, fmt: str, path: Optional[s
     check_out_dtype(out_dtype)
     check_bias(bias, n, qweight.device)
     return xq.rows, n, k
+
+
+def _desc(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_moe_call(x, topk_ids, topk_weights, *, E: int, H: int, I: int, fmt: str, device, activation: str,
+                   w13_bias=None, w2_bias=None) -> None:
+    """An MoE call's checks against its prepared experts (E experts of W13 [2I, H] and W2 [H, I] in
+    ``fmt`` on ``device``), shared by the MoE lesson's fused_moe and the sm_90 MoE's: x bf16/fp16
+    [M, H] on the device; topk_ids an integer tensor [M, top_k >= 1] on the device with every value
+    in [0, E) (read: a device synchronization); topk_weights a float tensor of topk_ids' shape on the
+    device; activation one of formats.MOE_ACTIVATIONS; w13_bias / w2_bias None or float [E, 2I] /
+    [E, H] on the device. ValueError naming the argument, the value found and what is allowed."""
+    check_activation(x, H, 1, fmt, device=device)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, H], got shape {tuple(x.shape)}")
+    ids, wts = topk_ids, topk_weights
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 2 \
+            or ids.shape[0] != x.shape[0] or ids.shape[1] < 1 or ids.device != device:
+        raise ValueError(f"topk_ids must be an integer tensor [M={x.shape[0]}, top_k >= 1] on {device}, got "
+                         f"{_desc(ids)}" + (f" on {ids.device}" if isinstance(ids, torch.Tensor) else ""))
+    if not isinstance(wts, torch.Tensor) or not wts.is_floating_point() or wts.shape != ids.shape \
+            or wts.device != device:
+        raise ValueError(f"topk_weights must be a float tensor of topk_ids' shape {tuple(ids.shape)} on {device}, got "
+                         f"{_desc(wts)}" + (f" on {wts.device}" if isinstance(wts, torch.Tensor) else ""))
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < E:
+        raise ValueError(f"topk_ids must lie in [0, {E}) (the expert count), got [{int(ids.min())}, {int(ids.max())}]")
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    for name, b, n in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
+        if b is not None and not (isinstance(b, torch.Tensor) and b.is_floating_point() and b.shape == (E, n)
+                                  and b.device == device):
+            raise ValueError(f"{name} must be a float tensor ({E}, {n}) on {device}, got {_desc(b)}")
 
 
 def check_sizes(M: int, N: int, K: int) -> None:

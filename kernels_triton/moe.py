@@ -69,7 +69,7 @@ from formats.moe import MOE_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from formats.validate import check_weight
 
 from ._codecs import abs_or_inf, amax_or_nan, nan_if_nonfinite, round_to_bf16_rne
-from ._common import Route, TileConfig, check_activation, device_capability, epilogue, interpreting, launch, route_path
+from ._common import Route, TileConfig, check_moe_call, device_capability, epilogue, interpreting, launch, route_path
 from .fp8_block import fp8_block_dequantize_tile, fp8_block_quantize_tile
 from .fp8_channel import fp8_channel_dequantize_tile, fp8_channel_quantize_tile
 from .fp8_tensor import fp8_tensor_dequantize_tile, fp8_tensor_quantize_tile
@@ -557,10 +557,6 @@ def _gemm(a, sa, ta, w: tuple, blocks: Blocks, out, fmt: str, path: str, tile: T
 
 
 # == 6. The public functions: check, then launch ==================================================
-def _desc(t) -> str:
-    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-
-
 def fused_moe(x: torch.Tensor, prepared: MoEWeights, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
               activation: str = "silu", renormalize: bool = False, w13_bias: Optional[torch.Tensor] = None,
               w2_bias: Optional[torch.Tensor] = None, a16: bool = False, w13_act_opts=None, w2_act_opts=None,
@@ -576,32 +572,16 @@ def fused_moe(x: torch.Tensor, prepared: MoEWeights, topk_ids: torch.Tensor, top
     option of the format (fp8_tensor ``scale`` / nvfp4 ``global_scale``: a number or [E], one per
     expert; without one, each expert's dynamic value; fp8_block ``ue8m0``; MX ``scale_rule``); tile:
     both GEMMs' TileConfig (BLOCK_M: the rows of an expert block); path: None, "native" or "portable".
-    ValueError naming the argument: x not bf16/fp16 [M, H] on the device; topk_ids not integer
-    [M, top_k] or outside [0, E) (read: a device synchronization); topk_weights not float [M, top_k];
-    an unknown activation; biases not float [E, 2I] / [E, H] on the device; a16 for a format without a
-    weight-only variant; a bad act option, tile or path. Source: formats.reference_moe (the numbers),
-    vLLM's fused_moe Triton kernel (the grouping)."""
+    ValueError naming the argument (_common.check_moe_call): x not bf16/fp16 [M, H] on the device;
+    topk_ids not integer [M, top_k] on the device or outside [0, E) (read: a device synchronization);
+    topk_weights not float [M, top_k] on the device; an unknown activation; biases not float [E, 2I] /
+    [E, H] on the device; a16 for a format without a weight-only variant; a bad act option, tile or
+    path. Source: formats.reference_moe (the numbers), vLLM's fused_moe Triton kernel (the grouping)."""
     if not isinstance(prepared, MoEWeights):
         raise ValueError(f"prepared must be a MoEWeights (prepare_experts), got {type(prepared).__name__}")
-    E, H, I, dev = prepared.num_experts, prepared.hidden, prepared.intermediate, prepared.device
-    check_activation(x, H, 1, prepared.fmt, device=dev)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, H], got shape {tuple(x.shape)}")
-    ids, wts = topk_ids, topk_weights
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 2 \
-            or ids.shape[0] != x.shape[0] or ids.shape[1] < 1:
-        raise ValueError(f"topk_ids must be an integer tensor [M={x.shape[0]}, top_k >= 1], got {_desc(ids)}")
-    if not isinstance(wts, torch.Tensor) or not wts.is_floating_point() or wts.shape != ids.shape:
-        raise ValueError(f"topk_weights must be a float tensor of topk_ids' shape {tuple(ids.shape)}, got {_desc(wts)}")
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < E:
-        raise ValueError(f"topk_ids must lie in [0, {E}) (the expert count), got [{int(ids.min())}, {int(ids.max())}]")
-    if activation not in MOE_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
-    for name, b, n in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
-        if b is not None and not (isinstance(b, torch.Tensor) and b.is_floating_point() and b.shape == (E, n)
-                                  and b.device == dev):
-            raise ValueError(f"{name} must be a float tensor ({E}, {n}) on {dev}, got {_desc(b)}")
-    return fused_moe_unchecked(x, prepared, ids, wts, activation=activation, renormalize=renormalize,
+    check_moe_call(x, topk_ids, topk_weights, E=prepared.num_experts, H=prepared.hidden, I=prepared.intermediate,
+                   fmt=prepared.fmt, device=prepared.device, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias)
+    return fused_moe_unchecked(x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize,
                                w13_bias=w13_bias, w2_bias=w2_bias, a16=a16, w13_act_opts=w13_act_opts,
                                w2_act_opts=w2_act_opts, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                tile=tile, path=path)

@@ -465,7 +465,7 @@ def run_diff(model_path: str, *, layers: Optional[list[str]] = None, fmt: str = 
                 r["checkpoint"] = ckpt["layers"].get(lay.name, [])
                 out_layers.append(r)
                 bar.advance(f"{lay.name} M={r['M']} {'ok' if r['ok'] else 'DEPARTS'}")
-    return _result(model_path, model.kind, out_layers, model.skipped, ckpt, order=model.order)
+    return _result(model_path, model.kind, out_layers, model.skipped, ckpt, order=model.order, notes=model.notes)
 
 
 def exit_status(agree: bool, sound: bool) -> int:
@@ -476,14 +476,15 @@ def exit_status(agree: bool, sound: bool) -> int:
 
 
 def _result(source: str, kind: str, out_layers: list[dict], skipped_modules: dict, ckpt: dict,
-            order: str = "") -> dict[str, Any]:
+            order: str = "", notes: Optional[list] = None) -> dict[str, Any]:
     first = next(({"layer": r["layer"], **r["first"]} for r in out_layers if r["first"] is not None), None)
     agree = all(r["ok"] for r in out_layers)
     tokens: dict[str, list[int]] = {}
     for r in out_layers:
         tokens.setdefault(r["layer"], []).append(r["M"])
     res = {"tool": "b12x-dual diff", "model": source, "kind": kind, "device": H.device_report(),
-           "versions": library_versions(), "order": order, "tokens": tokens, "layers": out_layers,
+           "versions": library_versions(), "order": order, "notes": list(notes or []), "tokens": tokens,
+           "layers": out_layers,
            "not_quantized": skipped_modules, "checkpoint": ckpt, "first": first, "agree": agree,
            "ok": agree and ckpt["sound"], "exit": exit_status(agree, ckpt["sound"])}
     res["verdict"] = verdict(res)
@@ -706,6 +707,8 @@ def print_report(result: dict[str, Any], *, plain: bool = False) -> None:
             print(f"  {variant} M={m} {impl}: {text} ({len(names)} layer(s))")
     if result.get("order"):
         print(f"layer order: {result['order']}")
+    for note in result.get("notes") or []:
+        print(f"note: {note}")
     skipped = {}
     for r in result["layers"]:
         for impl, why in r["skipped"].items():

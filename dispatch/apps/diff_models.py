@@ -78,7 +78,8 @@ class Model:
     order, and what it is (``kind``); ``float_model`` is the
     transformers model for --text (None when there is none); ``refused``: {module: findings} of
     checkpoint modules whose values the converters refuse (formats.validate.scan_raw on the stored
-    tensors), which no implementation can run; ``order``: how the forward order was found."""
+    tensors), which no implementation can run; ``order``: how the forward order was found; ``notes``:
+    how MoE routers were read, and expert modules read as dense linears (one line each)."""
 
     path: str
     kind: str
@@ -87,6 +88,7 @@ class Model:
     float_model: object = None
     refused: dict = field(default_factory=dict)
     order: str = ""
+    notes: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,10 +129,9 @@ def _role_key(name: str) -> tuple:
     return tuple(key)
 
 
-def module_order(folder: Path) -> Optional[dict[str, int]]:
-    """{canonical module name: its index in the model's own module order} for the model that
-    ``folder``'s config.json describes, built by transformers on the meta device (no weights, no
-    quantizer), or None where transformers is missing or cannot build it."""
+def meta_model(folder: Path):
+    """The model ``folder``'s config.json describes (transformers' ``AutoModel``), built on the meta
+    device (no weights, no quantizer), or None where transformers is missing or cannot build it."""
     try:
         import transformers
         from transformers import AutoConfig, AutoModel
@@ -140,24 +141,58 @@ def module_order(folder: Path) -> Optional[dict[str, int]]:
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
         with torch.device("meta"):
-            net = AutoModel.from_config(cfg)
-    except Exception:  # noqa: BLE001  (any failure: fall back to the role table)
+            return AutoModel.from_config(cfg)
+    except Exception:  # noqa: BLE001  (any failure: the callers fall back)
+        return None
+
+
+def module_order(folder: Path, net=None) -> Optional[dict[str, int]]:
+    """{canonical module name: its index in the model's own module order} for the model that
+    ``folder``'s config.json describes (``net``: :func:`meta_model`'s, built here when None), or None
+    where transformers is missing or cannot build it."""
+    net = meta_model(folder) if net is None else net
+    if net is None:
         return None
     return {canonical(n): i for i, (n, _m) in enumerate(net.named_modules())}
 
 
+def checkpoint_renamer(model_type: str):
+    """A function: a checkpoint's module name -> the name transformers' model gives that module, by the
+    renamings transformers applies when it loads a checkpoint of ``model_type``
+    (transformers.conversion_mapping: Mixtral's ``block_sparse_moe`` is its model's ``mlp``); the
+    identity where transformers has none (or is missing)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        renamings = [t for t in (get_checkpoint_conversion_mapping(model_type) or [])
+                     if isinstance(t, WeightRenaming)]
+    except Exception:  # noqa: BLE001  (no mapping: names as stored)
+        renamings = []
+
+    def rename(name: str) -> str:
+        key = name + ".weight"  # the renamings match tensor keys
+        for t in renamings:
+            key, _ = t.rename_source_key(key)
+        return key[:-len(".weight")]
+
+    return rename
+
+
 def forward_order(layers: list, order: Optional[dict[str, int]],
-                  source: str = "transformers, built on the meta device") -> tuple[list[Layer], str]:
+                  source: str = "transformers, built on the meta device", rename=None) -> tuple[list[Layer], str]:
     """``layers`` sorted in the model's forward order, and how it was found: the model's module order
-    (``order``, from :func:`module_order`) where it names the layer, else the numeric layer index
-    (layers.2 before layers.10) then the usual order of module roles within a layer (attention
-    before MLP; q, k, v, o; gate, up, down: :data:`ROLE_ORDER`)."""
-    known = order if order and any(canonical(lay.name) in order for lay in layers) else {}
+    (``order``, from :func:`module_order`) where it names the layer (``rename``: a checkpoint name ->
+    the model's, :func:`checkpoint_renamer`), else the numeric layer index (layers.2 before
+    layers.10) then the usual order of module roles within a layer (attention before MLP; q, k, v,
+    o; gate, up, down: :data:`ROLE_ORDER`)."""
+    rename = rename or (lambda n: n)
+    known = order if order and any(rename(canonical(lay.name)) in order for lay in layers) else {}
     how = (f"the model's module order ({source})" if known
            else "layer index, then module role (no model definition here)")
 
     def key(lay: Layer) -> tuple:
-        c = canonical(lay.name)
+        c = rename(canonical(lay.name))
         return (0, known[c], ()) if c in known else (1, 0, _role_key(lay.name))
 
     return sorted(layers, key=key), how
@@ -259,6 +294,8 @@ def convert_module(prefix: str, t: dict[str, torch.Tensor], qcfg: dict) -> tuple
 
 EXPERT_MODULE = re.compile(r"^(?P<layer>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
 """An expert's module in a checkpoint: ``<layer>.experts.<e>.<proj>`` (gate_proj/w1, up_proj/w3, down_proj/w2)."""
+DENSE_EXPERTS = re.compile(r"^(?P<layer>.+\.experts)\.")
+"""A module under an ``experts`` container: read as a dense linear unless EXPERT_MODULE matches it."""
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -311,10 +348,96 @@ def _stack_opts(opts: list[dict], what: str) -> dict:
     return out
 
 
-def _moe_from_modules(name: str, experts: dict, modules: dict, qcfg: dict, config: dict) -> MoELayer:
+PROBE_ROWS = 32
+"""Rows of the seeded random input a router is probed on (:func:`router_renormalizes`)."""
+
+
+def router_renormalizes(name: str, router, top_k: int) -> bool:
+    """Whether a transformers top-k router module (``router.weight`` [E, H]) renormalizes the top-k
+    softmax weights it returns, read from its own output.
+
+    The router runs on PROBE_ROWS seeded random rows x [32, H] (float32, unit normal). It must return
+    (logits, scores [32, top_k], indices [32, top_k]) as transformers 5's top-k routers do
+    (Qwen3MoeTopKRouter, MixtralTopKRouter), select the experts dispatch.moe_check.route_tokens
+    selects (softmax of x . W^T in float32, top_k) in the same order, and return as scores either
+    their softmax weights (False: Qwen3 with ``norm_topk_prob`` off) or those divided by their sum
+    (True: Mixtral always; Qwen3 with ``norm_topk_prob``), within 2^-20 relative (float32 sums in
+    another order). Raises ValueError naming the layer and the router's class for a router diff
+    would read wrongly (a bias, a sigmoid, grouped top-k, a scaling factor, another output)."""
+    from dispatch.moe_check import route_tokens
+
+    what = f"MoE layer {name}: router {type(router).__name__}"
+    weight = getattr(router, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{what} has no weight [E, H]; diff reads softmax top-k routers (x . W^T)")
+    x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            out = router(x.to(weight.dtype))
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{what} cannot be run on [{PROBE_ROWS}, H] rows here ({type(e).__name__}: {e})") from None
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise ValueError(f"{what} does not return (logits, top-k weights, top-k indices); diff cannot read its "
+                         "routing")
+    _, scores, idx = out
+    ids, w = route_tokens(x, weight.float(), top_k)
+    if tuple(idx.shape) != tuple(ids.shape) or not torch.equal(idx.to(torch.int32), ids):
+        raise ValueError(f"{what} selects other experts than the softmax top-{top_k} of x . W^T (a bias, a "
+                         "sigmoid or grouped routing); diff's routing would not be the model's")
+    for renorm, want in ((False, w), (True, w / w.sum(dim=-1, keepdim=True))):
+        if torch.allclose(scores.float(), want, rtol=2.0 ** -20, atol=0.0):
+            return renorm
+    raise ValueError(f"{what} weights the top-{top_k} experts neither by their softmax probabilities nor by those "
+                     "renormalized to sum 1 (a scaling factor?); diff's routing would not be the model's")
+
+
+def _checkpoint_router(net, rename, name: str, tensors: dict):
+    """The router module of checkpoint MoE layer ``name`` as transformers builds it (``net``: the
+    meta-device model, :func:`meta_model`) holding the checkpoint's tensors ``tensors`` (leaf ->
+    tensor), or None where there is no such module or its tensors are not all in the checkpoint."""
+    import copy
+
+    if net is None:
+        return None
+    try:
+        meta = net.get_submodule(rename(canonical(name)) + ".gate")
+    except AttributeError:
+        return None
+    keys = set(meta.state_dict())
+    if not keys or not keys <= set(tensors):
+        return None
+    router = copy.deepcopy(meta).to_empty(device="cpu")
+    try:
+        router.load_state_dict({k: tensors[k] for k in keys}, strict=True)
+    except (RuntimeError, ValueError):  # a shape or dtype transformers' module does not take
+        return None
+    return router.float().eval()
+
+
+def _renormalize_of(name: str, router, top_k: int, config: dict) -> tuple[bool, str]:
+    """(renormalize, how it was read): the router module's own output (:func:`router_renormalizes`)
+    where there is one, else config.json's ``norm_topk_prob``. ValueError naming the layer when
+    neither says."""
+    if router is not None:
+        r = router_renormalizes(name, router, top_k)
+        return r, (f"{type(router).__name__}: softmax top-{top_k}, "
+                   f"{'renormalized to sum 1' if r else 'not renormalized'} (read from its own output)")
+    if "norm_topk_prob" in config:
+        r = bool(config["norm_topk_prob"])
+        return r, f"softmax top-{top_k}, {'renormalized' if r else 'not renormalized'} (config.json norm_topk_prob)"
+    raise ValueError(f"MoE layer {name}: cannot tell whether its router renormalizes the top-{top_k} weights: "
+                     f"config.json has no norm_topk_prob, and no router module transformers builds here for model_type "
+                     f"{config.get('model_type')!r} takes the checkpoint's '{name}.gate' tensors")
+
+
+def _moe_from_modules(name: str, experts: dict, modules: dict, qcfg: dict, config: dict, net=None,
+                      rename=None, notes: Optional[list] = None) -> MoELayer:
     """One MoE layer of a checkpoint from its experts' modules {e: {"gate"|"up"|"down": (prefix, tensors)}}.
-    Raises CheckpointError from the converters (with the module's prefix) and ValueError for a
-    layer that is not one (missing projections, no router, another activation)."""
+    ``net`` / ``rename``: the meta-device model and the checkpoint's renamings (:func:`meta_model`,
+    :func:`checkpoint_renamer`), whose router module says whether the top-k weights are
+    renormalized (else config.json's norm_topk_prob); ``notes`` receives how. Raises CheckpointError
+    from the converters (with the module's prefix) and ValueError for a layer that is not one
+    (missing projections, no router, another activation, a router diff cannot read)."""
     E = max(experts) + 1
     missing = [f"expert {e} {p}" for e in range(E) for p in ("gate", "up", "down") if p not in experts.get(e, {})]
     if missing:
@@ -347,7 +470,11 @@ def _moe_from_modules(name: str, experts: dict, modules: dict, qcfg: dict, confi
         o13.append(got["gate"].act_opts)
         o2.append(got["down"].act_opts)
     top_k = int(config.get("num_experts_per_tok", config.get("num_experts_per_token", 2)))
-    return MoELayer(name, variant, w13, w2, router.float(), top_k, bool(config.get("norm_topk_prob", True)), act,
+    module = _checkpoint_router(net, rename or (lambda n: n), name, modules.get(f"{name}.gate", {}))
+    renorm, how = _renormalize_of(name, module, top_k, config)
+    if notes is not None and f"routers: {how}" not in notes:
+        notes.append(f"routers: {how}")
+    return MoELayer(name, variant, w13, w2, router.float(), top_k, renorm, act,
                     _stack_opts(o13, f"MoE layer {name} W13"), _stack_opts(o2, f"MoE layer {name} W2"))
 
 
@@ -387,9 +514,12 @@ def load_checkpoint(folder: Path, config: dict) -> Model:
             skipped[prefix] = why
         else:
             layers.append(layer)
+    net = meta_model(folder)
+    rename = checkpoint_renamer(str(config.get("model_type", "")))
+    notes: list[str] = []
     for name, experts in moe.items():
         try:
-            layers.append(_moe_from_modules(name, experts, modules, qcfg, config))
+            layers.append(_moe_from_modules(name, experts, modules, qcfg, config, net, rename, notes))
         except CheckpointError:
             findings = [dict(f, expert=e) for e, projs in sorted(experts.items())
                         for _p, (prefix, t) in sorted(projs.items())
@@ -398,8 +528,12 @@ def load_checkpoint(folder: Path, config: dict) -> Model:
                 raise
             refused[name] = findings
     kind = str(qcfg.get("quant_method", "?"))
-    layers, how = forward_order(layers, module_order(folder))
-    return Model(str(folder), f"checkpoint ({kind})", layers, skipped, refused=refused, order=how)
+    layers, how = forward_order(layers, module_order(folder, net) if net is not None else None, rename=rename)
+    dense = sorted({m["layer"] for p in (lay.name for lay in layers if isinstance(lay, Layer))
+                    if (m := DENSE_EXPERTS.match(p))})
+    notes += [f"{d}: expert modules not named <layer>.experts.<e>.<proj> (gate_proj/w1, up_proj/w3, down_proj/w2): "
+              "diff reads their linears as dense linears (no routing)" for d in dense]
+    return Model(str(folder), f"checkpoint ({kind})", layers, skipped, refused=refused, order=how, notes=notes)
 
 
 def load_own(path: Path) -> Model:
@@ -446,19 +580,47 @@ def load_transformers(folder: Path, fmt: str, patterns: Optional[list[str]] = No
     layers = [Layer(name, m.variant, m.qweight, None if m.bias is None else m.bias.detach().to(torch.bfloat16),
                     dict(m.act_opts))
               for name, m in qmodel.named_modules() if isinstance(m, QuantLinear)]
-    layers += [moe_from_block(n, m, fmt) for n, m in blocks.items() if n in chosen]
+    notes: list[str] = []
+    layers += [moe_from_block(n, m, fmt, notes) for n, m in blocks.items() if n in chosen]
     layers, how = forward_order(layers, {canonical(n): i for i, (n, _m) in enumerate(model.named_modules())},
                                 "the transformers model built here")
+    notes += dense_expert_notes(model, blocks)
     return Model(str(folder), f"transformers model quantized to {fmt}", layers,
                  {k: v for k, v in getattr(qmodel, "b12x_skipped", {}).items() if k in wanted}, float_model=model,
-                 order=how)
+                 order=how, notes=notes)
+
+
+def dense_expert_notes(model, blocks: dict) -> list[str]:
+    """One line per expert container of a transformers model that is not read as an MoE layer (not
+    inside a block :func:`_moe_block` recognises). transformers 5.20 keeps SwitchTransformers' and
+    NLLB-MoE's experts as an nn.ModuleDict of per-expert MLPs (top-1 routers with their own capacity
+    rules), ViTPose's as an nn.ModuleList of linears indexed by dataset: their nn.Linear layers are
+    diffed as dense linears, without routing. Other containers hold 3-D expert parameters in a block
+    diff does not read (a router not named ``gate`` or without ``top_k``, as Llama 4's sigmoid
+    ``router``; another layout, as Llama 4's gate_up_proj [E, H, 2I]): they are not diffed at all."""
+    out = []
+    for n, m in model.named_modules():
+        if any(n == b or n.startswith(b + ".") for b in blocks):
+            continue
+        if not (n.rsplit(".", 1)[-1] == "experts" or type(m).__name__.endswith(("Experts", "NaiveMoe"))):
+            continue
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            out.append(f"{n} ({type(m).__name__}, an nn.{type(m).__bases__[0].__name__} of per-expert modules): "
+                       "diff reads its experts' linears as dense linears (no routing)")
+        elif any(p.dim() == 3 for p in m.parameters(recurse=False)):
+            out.append(f"{n} ({type(m).__name__}): 3-D expert parameters in a block diff does not read as an MoE "
+                       "layer (it reads experts.gate_up_proj [E, 2I, H], down_proj [E, H, I] with a top-k router "
+                       "'gate'); not diffed")
+    return out
 
 
 def _moe_block(m) -> bool:
-    """A transformers MoE block with 3-D expert parameters and a top-k router (Qwen3-MoE's)."""
+    """A transformers MoE block with 3-D expert parameters in Qwen3-MoE's / Mixtral's layout
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) and a top-k router ``gate``."""
     ex, gate = getattr(m, "experts", None), getattr(m, "gate", None)
-    return (isinstance(getattr(ex, "gate_up_proj", None), torch.Tensor) and ex.gate_up_proj.dim() == 3
-            and isinstance(getattr(ex, "down_proj", None), torch.Tensor) and ex.down_proj.dim() == 3
+    gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+    return (isinstance(gu, torch.Tensor) and gu.dim() == 3 and isinstance(dn, torch.Tensor) and dn.dim() == 3
+            and gu.shape[0] == dn.shape[0] and gu.shape[2] == dn.shape[1] and gu.shape[1] == 2 * dn.shape[2]
             and isinstance(getattr(gate, "weight", None), torch.Tensor) and hasattr(gate, "top_k"))
 
 
@@ -466,11 +628,13 @@ def _stub(name: str) -> MoELayer:
     return MoELayer(name, "", [], [])
 
 
-def moe_from_block(name: str, block, fmt: str) -> MoELayer:
-    """A transformers MoE block (Qwen3-MoE: experts.gate_up_proj [E, 2I, H] gate rows first,
-    experts.down_proj [E, H, I], gate.weight [E, H], gate.top_k, gate.norm_topk_prob, the experts'
-    act_fn) -> MoELayer, each expert's W13 and W2 quantized to ``fmt`` (a registry variant) with the
-    oracle (formats.quantize). ValueError for an activation other than silu."""
+def moe_from_block(name: str, block, fmt: str, notes: Optional[list] = None) -> MoELayer:
+    """A transformers MoE block (Qwen3-MoE, Mixtral: experts.gate_up_proj [E, 2I, H] gate rows first,
+    experts.down_proj [E, H, I], gate.weight [E, H], gate.top_k, the experts' act_fn) -> MoELayer,
+    each expert's W13 and W2 quantized to ``fmt`` (a registry variant) with the oracle
+    (formats.quantize); whether the top-k weights are renormalized is read from the router's own
+    output (:func:`router_renormalizes`: Qwen3's ``norm_topk_prob``, Mixtral's always), and how is
+    appended to ``notes``. ValueError for an activation other than silu or a router diff cannot read."""
     from dispatch import registry
     from formats import quantize
 
@@ -481,8 +645,11 @@ def moe_from_block(name: str, block, fmt: str) -> MoELayer:
     gu, dn = block.experts.gate_up_proj.detach().float(), block.experts.down_proj.detach().float()
     w13 = [quantize(gu[e], v.fmt) for e in range(gu.shape[0])]
     w2 = [quantize(dn[e], v.fmt) for e in range(dn.shape[0])]
-    return MoELayer(name, v.name, w13, w2, block.gate.weight.detach().float(), int(block.gate.top_k),
-                    bool(getattr(block.gate, "norm_topk_prob", True)), "silu")
+    top_k = int(block.gate.top_k)
+    renorm, how = _renormalize_of(name, block.gate, top_k, {})
+    if notes is not None and f"routers: {how}" not in notes:
+        notes.append(f"routers: {how}")
+    return MoELayer(name, v.name, w13, w2, block.gate.weight.detach().float(), top_k, renorm, "silu")
 
 
 def load_model(path: str, fmt: str = "nvfp4", patterns: Optional[list[str]] = None) -> Model:

@@ -52,7 +52,7 @@ from formats.moe import MOE_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 
 from .._codecs import (abs_or_inf, amax_or_nan, dequantize_e2m1, dequantize_e4m3, dequantize_e8m0, global_alpha,
                        nan_if_nonfinite, round_to_bf16_rne)
-from .._common import check_activation, device_capability, interpreting, launch
+from .._common import check_moe_call, device_capability, interpreting, launch
 from .. import moe as lesson
 from ..moe import MoEWeights, prepare_experts  # noqa: F401  (the prepared experts are the lesson's: re-exported)
 from ..mxfp4 import mxfp4_quantize_tile
@@ -694,39 +694,22 @@ def fused_moe(x: torch.Tensor, prepared: MoEWeights, topk_ids: torch.Tensor, top
     w13_act_opts, w2_act_opts: the format's activation option (nvfp4 ``global_scale``: a number or
     [E], else each expert's dynamic value; mxfp4 ``scale_rule``); tiles: (W13, W2) TileConfigs
     forcing both GEMMs' tiles.
-    ValueError naming the argument: x not bf16/fp16 [M, H] on the device; the device neither an
-    sm_90 GPU nor the interpreter; prepared not MoEWeights of nvfp4/mxfp4; topk_ids not integer
-    [M, top_k] or outside [0, E) (read: a device synchronization); topk_weights not float
-    [M, top_k]; an unknown activation; biases not float [E, 2I] / [E, H] on the device; a bad act
-    option or tile. Source: formats.reference_moe (the numbers), vLLM's fused_moe (the grouping)."""
+    ValueError naming the argument: prepared not MoEWeights of nvfp4/mxfp4; the device neither an
+    sm_90 GPU nor the interpreter; then the lesson's checks (kernels_triton._common.check_moe_call):
+    x not bf16/fp16 [M, H] on the device; topk_ids not integer [M, top_k] on the device or outside
+    [0, E) (read: a device synchronization); topk_weights not float [M, top_k] on the device; an
+    unknown activation; biases not float [E, 2I] / [E, H] on the device; a bad act option or tile.
+    Source: formats.reference_moe (the numbers), vLLM's fused_moe (the grouping)."""
     if not isinstance(prepared, MoEWeights):
         raise ValueError(f"prepared must be a MoEWeights (kernels_triton.moe.prepare_experts), got "
                          f"{type(prepared).__name__}")
     if prepared.fmt not in FORMATS:
         raise ValueError(f"prepared must hold experts of {FORMATS} for the hopper MoE, got {prepared.fmt!r}")
-    E, H, I, dev = prepared.num_experts, prepared.hidden, prepared.intermediate, prepared.device
-    check_activation(x, H, 1, prepared.fmt, device=dev)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, H], got shape {tuple(x.shape)}")
     if not interpreting():
-        _check_capability(device_capability(dev))
-    ids, wts = topk_ids, topk_weights
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 2 \
-            or ids.shape[0] != x.shape[0] or ids.shape[1] < 1 or ids.device != dev:
-        raise ValueError(f"topk_ids must be an integer tensor [M={x.shape[0]}, top_k >= 1] on {dev}, got "
-                         f"{lesson._desc(ids)}")
-    if not isinstance(wts, torch.Tensor) or not wts.is_floating_point() or wts.shape != ids.shape or wts.device != dev:
-        raise ValueError(f"topk_weights must be a float tensor of topk_ids' shape {tuple(ids.shape)} on {dev}, got "
-                         f"{lesson._desc(wts)}")
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < E:
-        raise ValueError(f"topk_ids must lie in [0, {E}) (the expert count), got [{int(ids.min())}, {int(ids.max())}]")
-    if activation not in MOE_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
-    for name, b, n in (("w13_bias", w13_bias, 2 * I), ("w2_bias", w2_bias, H)):
-        if b is not None and not (isinstance(b, torch.Tensor) and b.is_floating_point() and b.shape == (E, n)
-                                  and b.device == dev):
-            raise ValueError(f"{name} must be a float tensor ({E}, {n}) on {dev}, got {lesson._desc(b)}")
-    return fused_moe_unchecked(x, prepared, ids, wts, activation=activation, renormalize=renormalize,
+        _check_capability(device_capability(prepared.device))
+    check_moe_call(x, topk_ids, topk_weights, E=prepared.num_experts, H=prepared.hidden, I=prepared.intermediate,
+                   fmt=prepared.fmt, device=prepared.device, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias)
+    return fused_moe_unchecked(x, prepared, topk_ids, topk_weights, activation=activation, renormalize=renormalize,
                                w13_bias=w13_bias, w2_bias=w2_bias, a16=a16, w13_act_opts=w13_act_opts,
                                w2_act_opts=w2_act_opts, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                tiles=tiles)

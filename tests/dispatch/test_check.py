@@ -105,6 +105,8 @@ def test_clean_layer_passes_and_sampling_counts(watchdog):
     for _ in range(5):
         q(make_input((M, K)))
     assert wd.checked == 2 and not wd.diverged  # calls 1 and 4 of the layer
+    assert wd.clean == {"model.layers.3.mlp.up_proj": 2}
+    assert wd.summary() == "b12x-dual watchdog: 2 checks; 1 layer(s) clean; none diverged"
     wd = watchdog("0.5")
     for _ in range(10):
         q(make_input((1, K)))
@@ -165,6 +167,8 @@ def test_watchdog_w4a16_and_fp8_block_rows(watchdog):
     a16 = _layer("nvfp4_w4a16", name="a16")
     a16(make_input((3, K)))
     assert "a16" not in wd.diverged and wd.checked == 2
+    assert wd.clean == {"a16": 1}  # the diverged layer is not counted clean
+    assert wd.summary() == "b12x-dual watchdog: 2 checks; 1 layer(s) clean; diverged or not checkable: blk"
 
 
 def test_replay_file_errors(tmp_path):

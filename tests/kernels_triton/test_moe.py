@@ -5,7 +5,8 @@ fp8_channel's per-token dynamic ones), the
 native kernel where the interpreter runs dot_scaled, NaN/Inf, the grouping itself, the route and the
 named errors.
 
-The bound (``_moe_bound``) follows the lesson's roundings, stage by stage, for each (token, expert):
+The bound (``_moe_bound``: tests/_moe_testlib.py ``moe_bound``, shared with the sm_90 MoE's tests, on the
+lesson's own intermediate) follows the lesson's roundings, stage by stage, for each (token, expert):
 
 * W13: the kernel's fp32 h differs from the oracle's float64 h by its fp32 sum and epilogue,
   dh = H 2^-24 |x|.|W13|^T + 6 2^-24 (|h| + |b13|) (formats/bounds.py's terms, before any output
@@ -39,90 +40,41 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import formats
-from _moe_testlib import expert_opts as _opts_e
+from _moe_testlib import assert_within as _assert_matches
+from _moe_testlib import moe_bound
 from _moe_testlib import moe_experts as _experts
 from _moe_testlib import moe_routing as _routing
 import kernels_triton
 from formats import QuantizedTensor
 from kernels_triton import _common, moe, record_launches
 
-U = 2.0 ** -24
 VARIANTS = [(f, False) for f in moe.FORMATS] + [(f, True) for f in moe.A16_FORMATS]
 VID = [f + ("_a16" if a else "") for f, a in VARIANTS]
 
 
-def _moe_bound(y, x, w13, w2, ids, wt, *, activation="silu", renormalize=False, w13_bias=None, w2_bias=None,
-               a16=False, w13_act_opts=None, w2_act_opts=None, alpha=1.702, limit=7.0, path=None, tile=None):
-    """(the oracle's float64 y, the bound of the module docstring); asserts the W13 stage on the way."""
+def _kernel_intermediate(x, w13, w2, ids, *, a16=False, activation="silu", w13_bias=None, w13_act_opts=None,
+                         w2_act_opts=None, swiglu_alpha=1.702, swiglu_limit=7.0, path=None, tile=None):
+    """The lesson's W13 output, activated, one row per slot (token * top_k + j), float64 on the CPU
+    (before any quantization): ``moe._w13`` on the route ``fused_moe`` takes."""
     fmt, E, (H, I) = w13[0].fmt, len(w13), w2[0].shape
     M, top_k = ids.shape
-    kw = dict(activation=activation, renormalize=renormalize, w13_bias=w13_bias, w2_bias=w2_bias, a16=a16,
-              w13_act_opts=w13_act_opts, w2_act_opts=w2_act_opts, swiglu_alpha=alpha, swiglu_limit=limit)
-    ref = formats.reference_moe(x, w13, w2, ids, wt, out_dtype=torch.float64, **kw).cpu()
-    # the kernel's intermediate, one row per slot (W13's output, activated, before any quantization)
     p = moe.prepare_experts(w13, w2)
     _, path, tile = moe._plan(M, E, top_k, H, I, fmt, a16, _common.device_capability(x.device), path, tile,
                               w13_act_opts, w2_act_opts)
     blocks, _, inter = moe._w13(x, p, ids, path, tile, a16=a16, act_opts=w13_act_opts, activation=activation,
-                             bias=w13_bias, alpha=alpha, limit=limit)
+                             bias=w13_bias, alpha=swiglu_alpha, limit=swiglu_limit)
     real = blocks.slot < M * top_k
     a_kernel = torch.empty(M * top_k, I, dtype=torch.float64)
     a_kernel[blocks.slot[real].long().cpu()] = inter[real].double().cpu()
-
-    w = wt.double().cpu()
-    w = w / w.sum(dim=-1, keepdim=True) if renormalize else w
-    bound = torch.zeros(M, H, dtype=torch.float64)
-    lip = 1.25 if activation != "silu" else 1.1
-    for e in range(E):
-        tokens, js = torch.nonzero(ids.cpu() == e, as_tuple=True)
-        if tokens.numel() == 0:
-            continue
-        xe = x[tokens.to(x.device)]
-        X = xe.double().cpu() if a16 else formats.dequantize(formats.quantize(
-            xe, fmt, role="activation", **_opts_e(w13_act_opts, e)), torch.float64).cpu()
-        W13, W2 = (formats.dequantize(q, torch.float64).cpu() for q in (w13[e], w2[e]))
-        b13 = torch.zeros(2 * I, dtype=torch.float64) if w13_bias is None else w13_bias[e].double().cpu()
-        b2 = torch.zeros(H, dtype=torch.float64) if w2_bias is None else w2_bias[e].double().cpu()
-        h = X @ W13.T + b13
-        dh = H * U * (X.abs() @ W13.abs().T) + 6 * U * (h.abs() + b13.abs())
-        sel = (slice(0, None, 2), slice(1, None, 2)) if activation == "swigluoai" else (slice(0, I), slice(I, None))
-        g, up, dg, du = h[:, sel[0]], h[:, sel[1]], dh[:, sel[0]], dh[:, sel[1]]
-        a = formats.moe_activation(h, activation, swiglu_alpha=alpha, swiglu_limit=limit)
-        act_g = torch.nn.functional.silu(g) if activation == "silu" else g.clamp(max=limit) * torch.sigmoid(
-            alpha * g.clamp(max=limit))
-        c = 0.0 if activation == "silu" else 1.0
-        da = lip * (up.abs() + du + c) * dg + (act_g.abs() + lip * dg) * du + 32 * U * a.abs() + 1e-30
-        if a16:  # the kernel's intermediate is rounded to bf16: half a spacing, 2^-8 |a|
-            da = da + 2.0 ** -8 * (a.abs() + da)
-        ak = a_kernel[tokens * top_k + js]
-        assert bool(((ak - a).abs() <= da).all()), \
-            f"W13 stage of expert {e}: |a - ref| - bound max {((ak - a).abs() - da).max().item():.3e}"
-        if a16:
-            A, dA = a, da
-        else:
-            def dq(v):
-                return formats.dequantize(formats.quantize(v.float(), fmt, role="activation",
-                                                           **_opts_e(w2_act_opts, e)), torch.float64)
-            A = dq(a)
-            dA = (dq(ak) - A).abs()  # the rounding boundaries the two sides took differently, exactly
-        o = A @ W2.T + b2
-        do = dA @ W2.abs().T + I * U * ((A.abs() + dA) @ W2.abs().T) + 6 * U * (o.abs() + b2.abs())
-        we = w[tokens, js].abs().unsqueeze(1)
-        bound.index_add_(0, tokens, we * (do + (2 * top_k + 2) * U * (o.abs() + do)))
-    p_out = {torch.bfloat16: 8, torch.float16: 11}[x.dtype]
-    tiny = torch.finfo(x.dtype).smallest_normal * 2.0 ** (1 - p_out)
-    return ref, bound + 2.0 ** -p_out * (ref.abs() + bound) + tiny
+    return a_kernel
 
 
-def _assert_matches(y, ref, bound, what=""):
-    assert y.dtype in (torch.bfloat16, torch.float16) and y.shape == ref.shape
-    y = y.double().cpu()
-    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
-    assert ref.abs().max() > 0
-    err = (y - ref).abs()
-    worst = int((err - bound).argmax())
-    assert bool((err <= bound).all()), (f"{what}: |y - ref| = {err.view(-1)[worst]:.3e} > bound "
-                                        f"{bound.view(-1)[worst]:.3e} at flat index {worst}")
+def _moe_bound(y, x, w13, w2, ids, wt, *, path=None, tile=None, **kw):
+    """(the oracle's float64 y, the bound of the module docstring: _moe_testlib.moe_bound on the lesson's
+    own intermediate), on the CPU; asserts the W13 stage on the way. ``kw``: fused_moe's arguments."""
+    keep = ("a16", "activation", "w13_bias", "w13_act_opts", "w2_act_opts", "swiglu_alpha", "swiglu_limit")
+    a_kernel = _kernel_intermediate(x, w13, w2, ids, path=path, tile=tile, **{k: v for k, v in kw.items() if k in keep})
+    return moe_bound(x, w13, w2, ids, wt, a_kernel, **kw)
 
 
 def _run(fmt, a16, M, E, top_k, H, I, *, dtype=torch.bfloat16, ids=None, **kw):
@@ -345,6 +297,10 @@ def test_errors_name_the_argument():
         (lambda: moe.fused_moe(x, p, ids[:2], wt[:2]), "topk_ids must be an integer tensor"),
         (lambda: moe.fused_moe(x, p, ids, wt[:, :1]), "topk_weights must be a float tensor of topk_ids' shape"),
         (lambda: moe.fused_moe(x, p, ids, wt.int()), "topk_weights must be a float tensor"),
+        # routing on another device than the experts' (the meta device stands for one on any machine)
+        (lambda: moe.fused_moe(x, p, ids.to("meta"), wt),
+         rf"topk_ids must be an integer tensor \[M=3, top_k >= 1\] on {p.device}, got torch.int32 \(3, 2\) on meta"),
+        (lambda: moe.fused_moe(x, p, ids, wt.to("meta")), rf"topk_weights must be .* on {p.device}, got .* on meta"),
         (lambda: moe.fused_moe(x, p, ids + E, wt), r"topk_ids must lie in \[0, 4\)"),
         (lambda: moe.fused_moe(x, p, ids - E, wt), r"topk_ids must lie in \[0, 4\)"),
         (lambda: moe.fused_moe(x, p, ids, wt, activation="gelu"), "activation must be one of"),

@@ -97,6 +97,16 @@ def checkpoints_module():
     return checkpoints
 
 
+def faults_module():
+    """tests/faults.py (the faults injected into real backends), imported by path."""
+    here = str(Path(__file__).resolve().parent.parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import faults
+
+    return faults
+
+
 def write_tokenizer(out: Path) -> None:
     """A word-level tokenizer: words ``w0`` … ``w1020`` and <unk>, <s>, </s>; a chat template that
     joins the messages' contents."""

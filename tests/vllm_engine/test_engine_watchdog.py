@@ -9,9 +9,6 @@ implementation, and writes a replay file for each.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import engine_env
 
 engine_env.require()
@@ -25,12 +22,7 @@ FAULTED = ("self_attn.o_proj", "mlp.down_proj")  # the layers with N = 256 (qkv:
 
 @pytest.fixture
 def faults():
-    here = str(Path(__file__).resolve().parent.parent)  # tests/: faults.py
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import faults
-
-    return faults
+    return engine_env.faults_module()
 
 
 def test_watchdog_names_the_faulted_layers(model_dir, faults, monkeypatch, tmp_path):

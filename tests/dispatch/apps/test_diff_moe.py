@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _moe_testlib import assert_diff_routes_as_the_model
 from conftest import DEVICE
 from dispatch.apps import diff
 from dispatch.apps.cli import main
@@ -73,17 +74,9 @@ def test_clean_moe_model_exits_0_in_forward_order_with_the_models_own_routing(qw
     from safetensors.torch import load_file
 
     xs = load_file(str(tmp_path / "x.safetensors"))
-    for i, r in enumerate(data["layers"][1:]):
-        assert (r["kind"], r["variant"], r["E"], r["top_k"], r["H"], r["I"]) == ("moe", "nvfp4", E_, TOP_K, H_, I_)
-        assert r["routing"]["renormalize"] is True
-        with torch.no_grad():
-            _, scores, idx = model.model.layers[i].mlp.gate(xs[r["layer"]].float())
-        assert r["routing"]["topk_ids"] == idx.tolist()
-        w = torch.tensor(r["routing"]["topk_weights"])
-        torch.testing.assert_close(w / w.sum(dim=1, keepdim=True), scores, rtol=2.0 ** -22, atol=0)
-        assert {"reference", "triton"} <= set(r["results"])
-        for res in r["results"].values():
-            assert res["ok"] and res["moe"]["worst"] <= 1 and res["first"] is None
+    assert [r["variant"] for r in data["layers"][1:]] == ["nvfp4", "nvfp4"]
+    assert_diff_routes_as_the_model(data["layers"][1:], [layer.mlp.gate for layer in model.model.layers], xs,
+                                    E=E_, top_k=TOP_K, H=H_, I=I_, renormalize=True)
     assert "MoE layers: error / bound of the call" in out and "formats/bounds.py moe_bound" in out
 
 
@@ -201,7 +194,7 @@ def test_auto_tokens_cover_every_moe_route_here(qwen_moe):
 def test_watchdog_replay_roundtrip_holds_the_routing_and_names_the_expert(qwen_moe, tmp_path, capsys, monkeypatch,
                                                                            caplog):
     """B12X_CHECK=1 on a BoundMoE served by a faulted triton: the call is checked against the oracle on its
-    own routing, one WARNING, one replay file (version 3) holding x, topk_ids, topk_weights, renormalize,
+    own routing, split by expert and step (one WARNING naming expert e and the W2 GEMM), one replay file (version 3) holding x, topk_ids, topk_weights, renormalize,
     the experts (byte for byte) and y; diff --replay with the fault present reproduces it and names the
     expert and step (exit 1); without it, the recorded output still departs, the rerun does not (exit 0)."""
     from dispatch import check, moe_check, replay
@@ -225,8 +218,11 @@ def test_watchdog_replay_roundtrip_holds_the_routing_and_names_the_expert(qwen_m
                 y = bound(x, ids, w, renormalize=True)
                 bound(x, ids, w, renormalize=True)  # a diverged layer is not checked again
             warnings = [r for r in caplog.records if "b12x-dual watchdog" in r.getMessage()]
-            assert len(warnings) == 1 and "layer model.layers.0.mlp on triton (nvfp4, M=6): the MoE call's output " \
+            # the watchdog splits the departing call by expert and step (once: the layer is not sampled again)
+            assert len(warnings) == 1 and f"layer model.layers.0.mlp on triton (nvfp4, M=6): expert {e}: the W2 GEMM " \
                                           "departs first" in warnings[0].getMessage()
+            assert f"prepared expert {e} W2 differs from the layer's at row 9, K-block 0" in warnings[0].getMessage()
+            assert check.WATCHDOG.diverged["model.layers.0.mlp"]["moe"]["n_bad"] >= 1
             (path,) = (tmp_path / "replays").glob("*.b12x-replay.safetensors")
             rp = replay.read(path)
             assert isinstance(rp, replay.MoEReplay) and rp.version == replay.VERSION == 3
@@ -242,6 +238,7 @@ def test_watchdog_replay_roundtrip_holds_the_routing_and_names_the_expert(qwen_m
         assert "reproduces here: YES" in out
         rc, out, _ = _run(capsys, "--replay", path)
         assert rc == diff.EXIT_OK and "reproduces here: no" in out
+        assert f"recorded by the watchdog: expert {e}: the W2 GEMM departs first" in out
         assert "recorded output against the oracle here (formats.bounds.moe_bound, the recorded routing): the MoE " \
                "call's output departs first" in out
     finally:

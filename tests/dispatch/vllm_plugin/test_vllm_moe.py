@@ -385,7 +385,7 @@ def test_the_watchdog_checks_served_moe_calls_not_warmup_and_the_replay_names_th
     """B12X_CHECK=1 with triton serving an MXFP4 layer whose prepared experts carry one flipped block-scale
     byte of expert e's W2 (tests/faults.py FlippedExpertScale, installed before the layer is built):
     warmup's calls write no replay file; the first served call is checked against the oracle on its own
-    routing: one WARNING naming the layer, one MoE replay file holding the call's topk_ids and
+    routing: one WARNING naming the layer, expert e and its W2 GEMM, one MoE replay file holding the call's topk_ids and
     topk_weights; ``b12x-dual diff --replay`` on it names expert e and its W2 GEMM (exit 1)."""
     import faults
     from dispatch import check, replay
@@ -411,7 +411,8 @@ def test_the_watchdog_checks_served_moe_calls_not_warmup_and_the_replay_names_th
                 layer.forward_modular(x, wt, ids)
             name = layer.quant_method.layer_name
             (msg,) = [r.getMessage() for r in caplog.records if "b12x-dual watchdog" in r.getMessage()]
-            assert msg.startswith(f"b12x-dual watchdog: layer {name} on triton (mxfp4, M=4): the MoE call's output")
+            assert msg.startswith(f"b12x-dual watchdog: layer {name} on triton (mxfp4, M=4): expert {e}: the W2 GEMM "
+                                  "departs first")
             (path,) = (tmp_path / "replays").glob("*.b12x-replay.safetensors")
             rp = replay.read(path)
             assert rp.layer.name == name and torch.equal(rp.topk_ids, ids) and torch.equal(rp.topk_weights, wt)

@@ -7,8 +7,8 @@ twice), static per-expert global scales and the MX floor rule, NaN/Inf, the rout
 errors and the table's gate (dispatch.moe.HOPPER_MOE_GPU_RAN). A GPU-only test runs the two
 benchmark layers' real shapes (gpt-oss-20b mxfp4_w4a16, Qwen3-30B-A3B nvfp4); it skips elsewhere.
 
-The bound (``_moe_bound``) is the lesson's (tests/kernels_triton/test_moe.py, stage by stage), applied
-to these kernels, which differ from the lesson only in the order of fp32 additions (every decoded
+The bound (``_moe_bound``) is the lesson's (tests/_moe_testlib.py ``moe_bound``, the one function both
+tests call, stage by stage), applied to these kernels, which differ from the lesson only in the order of fp32 additions (every decoded
 product is exact in bf16 and in fp32; split-K adds at most SPLIT_K roundings, inside K 2^-24):
 
 * W13: dh = H 2^-24 |x|.|W13|^T + 6 2^-24 (|h| + |b13|) (the fp32 sum and epilogue), through the
@@ -34,15 +34,14 @@ import triton
 from conftest import DEVICE, device_name, make_input
 
 import formats
-from _moe_testlib import expert_opts as _opts_e
-from _moe_testlib import moe_experts
+from _moe_testlib import assert_within as _assert_matches
+from _moe_testlib import moe_bound, moe_experts
 from _moe_testlib import moe_routing as _routing
 from kernels_triton import interpreting, moe, record_launches
 from kernels_triton._common import device_capability
 from kernels_triton.hopper import moe as hmoe
 from kernels_triton.hopper._route import TileConfig
 
-U = 2.0 ** -24
 VARIANTS = [("mxfp4", True), ("nvfp4", False), ("nvfp4", True), ("mxfp4", False)]
 VID = ["mxfp4_w4a16", "nvfp4", "nvfp4_w4a16", "mxfp4"]
 ON_SM90 = device_capability(DEVICE) is not None and device_capability(DEVICE)[0] == 9
@@ -70,69 +69,9 @@ def _kernel_intermediate(x, p, ids, a16, kw, tiles):
 
 
 def _moe_bound(x, w13, w2, ids, wt, p, *, a16=False, tiles=None, **kw):
-    """(the oracle's float64 y, the bound of the module docstring), on x's device; asserts the W13
-    stage on the way."""
-    fmt, E, (H, I) = w13[0].fmt, len(w13), w2[0].shape
-    M, top_k = ids.shape
-    activation, alpha, limit = kw.get("activation", "silu"), kw.get("swiglu_alpha", 1.702), kw.get("swiglu_limit", 7.0)
-    ref = formats.reference_moe(x, w13, w2, ids, wt, out_dtype=torch.float64, a16=a16, **kw)
-    a_kernel = _kernel_intermediate(x, p, ids, a16, kw, tiles)
-    dev = x.device
-    w = wt.double()
-    w = w / w.sum(dim=-1, keepdim=True) if kw.get("renormalize") else w
-    bound = torch.zeros(M, H, dtype=torch.float64, device=dev)
-    lip = 1.25 if activation != "silu" else 1.1
-    for e in range(E):
-        tokens, js = torch.nonzero(ids == e, as_tuple=True)
-        if tokens.numel() == 0:
-            continue
-        xe = x[tokens]
-        X = xe.double() if a16 else formats.dequantize(formats.quantize(
-            xe, fmt, role="activation", **_opts_e(kw.get("w13_act_opts"), e)), torch.float64)
-        W13, W2 = (formats.dequantize(q, torch.float64).to(dev) for q in (w13[e], w2[e]))
-        b13 = torch.zeros(2 * I, dtype=torch.float64, device=dev) if kw.get("w13_bias") is None \
-            else kw["w13_bias"][e].double()
-        b2 = torch.zeros(H, dtype=torch.float64, device=dev) if kw.get("w2_bias") is None else kw["w2_bias"][e].double()
-        h = X @ W13.T + b13
-        dh = H * U * (X.abs() @ W13.abs().T) + 6 * U * (h.abs() + b13.abs())
-        sel = (slice(0, None, 2), slice(1, None, 2)) if activation == "swigluoai" else (slice(0, I), slice(I, None))
-        g, up, dg, du = h[:, sel[0]], h[:, sel[1]], dh[:, sel[0]], dh[:, sel[1]]
-        a = formats.moe_activation(h, activation, swiglu_alpha=alpha, swiglu_limit=limit)
-        act_g = torch.nn.functional.silu(g) if activation == "silu" else g.clamp(max=limit) * torch.sigmoid(
-            alpha * g.clamp(max=limit))
-        c = 0.0 if activation == "silu" else 1.0
-        da = lip * (up.abs() + du + c) * dg + (act_g.abs() + lip * dg) * du + 32 * U * a.abs() + 1e-30
-        if a16:
-            da = da + 2.0 ** -8 * (a.abs() + da)
-        ak = a_kernel[tokens * top_k + js]
-        assert bool(((ak - a).abs() <= da).all()), \
-            f"W13 stage of expert {e}: |a - ref| - bound max {((ak - a).abs() - da).max().item():.3e}"
-        if a16:
-            A, dA = a, da
-        else:
-            def dq(v):
-                return formats.dequantize(formats.quantize(v.float(), fmt, role="activation",
-                                                           **_opts_e(kw.get("w2_act_opts"), e)), torch.float64)
-            A = dq(a)
-            dA = (dq(ak) - A).abs()
-        o = A @ W2.T + b2
-        do = dA @ W2.abs().T + I * U * ((A.abs() + dA) @ W2.abs().T) + 6 * U * (o.abs() + b2.abs())
-        we = w[tokens, js].abs().unsqueeze(1)
-        bound.index_add_(0, tokens, we * (do + (2 * top_k + 2) * U * (o.abs() + do)))
-    p_out = {torch.bfloat16: 8, torch.float16: 11}[x.dtype]
-    tiny = torch.finfo(x.dtype).smallest_normal * 2.0 ** (1 - p_out)
-    return ref, bound + 2.0 ** -p_out * (ref.abs() + bound) + tiny
-
-
-def _assert_matches(y, ref, bound, what=""):
-    assert y.dtype in (torch.bfloat16, torch.float16) and y.shape == ref.shape
-    y = y.double()
-    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
-    assert ref.abs().max() > 0
-    err = (y - ref).abs()
-    worst = int((err - bound).argmax())
-    assert bool((err <= bound).all()), (f"{what}: |y - ref| = {err.view(-1)[worst]:.3e} > bound "
-                                        f"{bound.view(-1)[worst]:.3e} at flat index {worst}")
+    """(the oracle's float64 y, the bound of the module docstring: _moe_testlib.moe_bound on these kernels'
+    own intermediate), on x's device; asserts the W13 stage on the way."""
+    return moe_bound(x, w13, w2, ids, wt, _kernel_intermediate(x, p, ids, a16, kw, tiles), a16=a16, **kw)
 
 
 def _run(fmt, a16, M, E, top_k, H, I, *, dtype=torch.bfloat16, ids=None, tiles=None, bias=False, experts=None,
@@ -404,6 +343,8 @@ def test_fused_moe_names_bad_arguments():
         (lambda: hmoe.fused_moe(x[None], p, ids, wt), r"x must be 2-D \[M, H\]"),
         (lambda: hmoe.fused_moe(x, p, ids.float(), wt), "topk_ids must be an integer tensor"),
         (lambda: hmoe.fused_moe(x, p, ids, wt[:, :1]), "topk_weights must be a float tensor of topk_ids' shape"),
+        (lambda: hmoe.fused_moe(x, p, ids.to("meta"), wt), rf"topk_ids must be .* on {p.device}, got .* on meta"),
+        (lambda: hmoe.fused_moe(x, p, ids, wt.to("meta")), rf"topk_weights must be .* on {p.device}, got .* on meta"),
         (lambda: hmoe.fused_moe(x, p, ids + E, wt), r"topk_ids must lie in \[0, 4\)"),
         (lambda: hmoe.fused_moe(x, p, ids, wt, activation="gelu"), "activation must be one of"),
         (lambda: hmoe.fused_moe(x, p, ids, wt, w13_bias=torch.zeros(E, I, device=DEVICE)), "w13_bias must be"),
