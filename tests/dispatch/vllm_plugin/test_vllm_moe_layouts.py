@@ -169,6 +169,20 @@ def test_gptoss_rows_past_the_checkpoint_compute_zero(gptoss_ckpt, dist, impl):
     assert torch.isfinite(y).all() and bool((err <= _bf16_bound(ref)).all()), float(err.max())
 
 
+@pytest.mark.parametrize("i_rank, rounded", [(48, 64), (720, 736), (64, 64), (1440, 1440)])
+def test_gptoss_rank_intermediate_is_rounded_up_to_whole_blocks(i_rank, rounded, dist):
+    """vLLM's gpt-oss loader gives a tensor-parallel rank cdiv(I / 32, TP) 32-blocks of I, so the
+    method's I per rank is rounded up to whole blocks as vLLM's own method rounds it (I = 96 at
+    TP = 2: 48 -> 64; gpt-oss-20b's 2880 at TP = 4: 720 -> 736), H unchanged."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    from dispatch.vllm_plugin.moe import B12xDualGptOssMxfp4MoEMethod
+
+    method = B12xDualGptOssMxfp4MoEMethod.__new__(B12xDualGptOssMxfp4MoEMethod)
+    assert method.maybe_roundup_sizes(H, i_rank, torch.bfloat16, FusedMoEParallelConfig.make_no_parallel()) == \
+        (H, rounded)
+
+
 def test_gptoss_layer_triton_within_the_lesson_bound(gptoss_ckpt, dist, impl):
     impl("triton")
     _moe_bound, _assert_matches = _lesson_bound()
