@@ -33,6 +33,12 @@ The method's life, per layer:
     apply                          vLLM's router gives topk_ids / topk_weights (already renormalized)
                                    -> torch.ops.b12x_dual.moe -> BoundMoE; ``launched`` counts the
                                    implementation of every call, :meth:`report` says which kernels
+
+Under expert parallelism (``enable_expert_parallel``; vLLM gives the layer ep_size = TP and an
+``expert_map``, global id -> local slot or -1) create_weights gets this rank's expert count, the
+loader records arrivals by local slot, and apply maps the router's global ids to local slots with
+another rank's experts weighted 0 (:func:`local_routing`); vLLM's runner all-reduces the ranks'
+outputs. docs/vllm.md "Tensor and expert parallelism".
 """
 
 from __future__ import annotations
@@ -183,8 +189,8 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map
     ``determine_expert_map`` / ``RoutedExperts.expert_map`` contract and its kernels' use of it
     (``fused_experts(..., expert_map=...)``: ids mapped, -1 entries contribute nothing).
     Raises ValueError naming the layer for an id outside the map (read back: one device
-    synchronization, skipped while a CUDA graph is captured) or a map whose local slots are not
-    exactly 0 .. local_experts - 1 (:func:`check_expert_map`, done once at load by the method).
+    synchronization, skipped while a CUDA graph is captured). The map's local slots are checked
+    once at load (:func:`check_expert_map`), not here.
     """
     if expert_map is None:
         return topk_ids, topk_weights
