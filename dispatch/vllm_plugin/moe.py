@@ -224,6 +224,31 @@ def check_expert_map(expert_map: Optional[torch.Tensor], local_experts: int, lay
             f"{held}); the others' routing weights are 0 here, vLLM all-reduces the ranks' outputs")
 
 
+def check_gptoss_expert_slice(expert_map: Optional[torch.Tensor], ep_rank: int, ep_size: int,
+                              layer_name: str = "moe") -> None:
+    """gpt-oss under expert parallelism: vLLM's gpt-oss loader gives EP rank ``ep_rank`` of
+    ``ep_size`` the contiguous experts [ep_rank * n, (ep_rank + 1) * n), n = E // ep_size, in order;
+    ``expert_map`` (vLLM's int [E] map, None without expert parallelism: nothing to check) must
+    route exactly those here, to slots 0 .. n - 1. Raises CheckpointError naming the layer, the
+    rank, the experts the loader gives and the ones the map routes here otherwise (vLLM's
+    "round_robin" placement, or E not divisible by ep_size)."""
+    if expert_map is None:
+        return
+    m = expert_map.detach().cpu().long()
+    E = m.numel()
+    n = E // ep_size
+    want = torch.full((E,), -1, dtype=torch.long)
+    want[ep_rank * n:(ep_rank + 1) * n] = torch.arange(n)
+    if not torch.equal(m, want):
+        held = [int(g) for g in sorted(range(E), key=lambda g: int(m[g])) if int(m[g]) >= 0]
+        raise CheckpointError(
+            f"layer {layer_name}: vLLM's gpt-oss loader gives expert-parallel rank {ep_rank} of {ep_size} the "
+            f"experts [{ep_rank * n}, {(ep_rank + 1) * n}) in order, but the layer's expert_map routes global ids "
+            f"{held} to its slots (a round_robin placement, or {E} experts not divisible by {ep_size}); the layer "
+            "would serve other experts' weights. Expert parallelism for gpt-oss needs the linear placement "
+            "(--expert-placement-strategy linear) with ep_size dividing the expert count")
+
+
 def _local_expert(layer, global_id: int) -> int:
     """The local slot of global expert ``global_id`` on this rank (itself without expert
     parallelism; -1 where another rank holds it), from the layer's vLLM expert_map."""
@@ -404,6 +429,7 @@ class B12xDualMoEMethod(_Base):
             raise CheckpointError(f"layer {self.layer_name}: expert biases are not served by b12x-dual's "
                                   f"{self.LAYOUT} MoE method")
         self.ep_text = check_expert_map(getattr(layer, "expert_map", None), self.num_experts, self.layer_name)
+        self.check_placement(layer)
         w13, w2, opts13, opts2 = self.experts(layer)
         b13, b2 = self.biases(layer)
         a16 = self.variant.endswith("_w4a16")
@@ -449,6 +475,11 @@ class B12xDualMoEMethod(_Base):
         ran = ", ".join(f"{k}: {v} calls" for k, v in sorted(self.launched.items(), key=str)) or "no calls yet"
         ep = f"\n    {self.ep_text}" if getattr(self, "ep_text", "") else ""
         return f"{self.bound.report(M, self.top_k)}\n    checkpoint: {self.scheme_text}; ran: {ran}{ep}"
+
+    def check_placement(self, layer) -> None:
+        """Under expert parallelism: whether the experts the loader copied here are the ones the
+        layer's expert_map routes here (vLLM's per-expert loader places each by the map: nothing to
+        check). Raises CheckpointError naming the layer where a layout's loader does otherwise."""
 
     def check_complete(self) -> None:
         """CheckpointError naming every (tensor, expert, shard) no checkpoint tensor reached."""
@@ -666,6 +697,16 @@ class B12xDualGptOssMxfp4MoEMethod(B12xDualMoEMethod):
             hidden_size, intermediate_size_per_partition = super().maybe_roundup_sizes(
                 hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config)
         return hidden_size, -(-intermediate_size_per_partition // 32) * 32
+
+    def check_placement(self, layer) -> None:
+        """vLLM's gpt-oss loader slices whole stacked tensors by expert for an expert-parallel rank
+        itself (``GptOssModel._load_weights_mxfp4``): rank r of ep_size gets the experts
+        [r * E // ep_size, (r + 1) * E // ep_size), in order, whatever the expert_map says. The map
+        must put exactly those here (vLLM's "linear" placement with ep_size dividing E), else the
+        layer would serve other experts' weights under their ids: CheckpointError naming the layer."""
+        check_gptoss_expert_slice(getattr(layer, "expert_map", None),
+                                  int(getattr(self.moe.moe_parallel_config, "ep_rank", 0)),
+                                  int(getattr(self.moe.moe_parallel_config, "ep_size", 1)), self.layer_name)
 
     def params(self, E: int, H: int, I: int) -> dict:
         u8, f32 = torch.uint8, torch.float32
