@@ -33,6 +33,12 @@ The method's life, per layer:
     apply                          vLLM's router gives topk_ids / topk_weights (already renormalized)
                                    -> torch.ops.b12x_dual.moe -> BoundMoE; ``launched`` counts the
                                    implementation of every call, :meth:`report` says which kernels
+
+Under expert parallelism (``enable_expert_parallel``; vLLM gives the layer ep_size = TP and an
+``expert_map``, global id -> local slot or -1) create_weights gets this rank's expert count, the
+loader records arrivals by local slot, and apply maps the router's global ids to local slots with
+another rank's experts weighted 0 (:func:`local_routing`); vLLM's runner all-reduces the ranks'
+outputs. docs/vllm.md "Tensor and expert parallelism".
 """
 
 from __future__ import annotations
@@ -164,6 +170,95 @@ def _moe_fake(x, topk_ids, topk_weights, handle):
 
 
 # ---------------------------------------------------------------------------------------------
+# Expert parallelism: vLLM's expert_map (global expert id -> this rank's slot, -1 elsewhere)
+# ---------------------------------------------------------------------------------------------
+# [ep-routing]
+def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor],
+                  local_experts: int, layer_name: str = "moe") -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of a routing under expert parallelism: (ids, weights) for the local experts.
+
+    ``topk_ids`` [M, top_k] integer global expert ids (vLLM's router), ``topk_weights`` [M, top_k]
+    float, ``expert_map`` vLLM's int32 [global experts] map (``RoutedExperts.expert_map``: the local
+    slot of each expert this rank holds, -1 for another rank's; None without expert parallelism:
+    the routing is returned as it is), ``local_experts`` the experts this rank holds. Returns ids in
+    [0, local_experts) of topk_ids' dtype and weights of topk_weights' dtype: a local expert's id
+    mapped to its slot and its weight kept; another rank's expert given slot 0 and weight 0, so it
+    adds nothing here (the rank that holds it adds it; vLLM's runner all-reduces the ranks'
+    outputs). A token whose experts are all elsewhere gets 0 from this rank. (Slot 0 is computed
+    and weighted 0: a NaN or Inf output of it for that token stays NaN.) Follows vLLM 0.32/0.33's
+    ``determine_expert_map`` / ``RoutedExperts.expert_map`` contract and its kernels' use of it
+    (``fused_experts(..., expert_map=...)``: ids mapped, -1 entries contribute nothing).
+    Raises ValueError naming the layer for an id outside the map (read back: one device
+    synchronization, skipped while a CUDA graph is captured). The map's local slots are checked
+    once at load (:func:`check_expert_map`), not here.
+    """
+    if expert_map is None:
+        return topk_ids, topk_weights
+    n = expert_map.numel()
+    if topk_ids.numel() and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"layer {layer_name}: topk_ids must lie in [0, {n}) (the global expert count of "
+                             f"vLLM's expert_map), got {lo if lo < 0 else hi}")
+    local = expert_map.to(device=topk_ids.device)[topk_ids.long()]
+    away = local < 0
+    ids = local.masked_fill(away, 0).to(topk_ids.dtype)
+    return ids, topk_weights.masked_fill(away, 0)
+# [/ep-routing]
+
+
+def check_expert_map(expert_map: Optional[torch.Tensor], local_experts: int, layer_name: str = "moe") -> str:
+    """What expert parallelism gives this rank, as text for the report ("" without it), after
+    checking vLLM's ``expert_map`` (int [global experts], -1 or a local slot): its local slots must
+    be exactly 0 .. ``local_experts`` - 1, each once (the experts create_weights allocated).
+    Raises CheckpointError naming the layer and the slots otherwise."""
+    if expert_map is None:
+        return ""
+    m = expert_map.detach().cpu().long()
+    slots = sorted(int(v) for v in m[m >= 0])
+    if slots != list(range(local_experts)):
+        raise CheckpointError(f"layer {layer_name}: vLLM's expert_map gives this rank local slots {slots}; the "
+                              f"layer holds {local_experts} experts (slots 0 .. {local_experts - 1}, each once)")
+    held = (m >= 0).nonzero().flatten().tolist()
+    return (f"expert parallelism: this rank holds {local_experts} of {m.numel()} experts (global ids "
+            f"{held}); the others' routing weights are 0 here, vLLM all-reduces the ranks' outputs")
+
+
+def check_gptoss_expert_slice(expert_map: Optional[torch.Tensor], ep_rank: int, ep_size: int,
+                              layer_name: str = "moe") -> None:
+    """gpt-oss under expert parallelism: vLLM's gpt-oss loader gives EP rank ``ep_rank`` of
+    ``ep_size`` the contiguous experts [ep_rank * n, (ep_rank + 1) * n), n = E // ep_size, in order;
+    ``expert_map`` (vLLM's int [E] map, None without expert parallelism: nothing to check) must
+    route exactly those here, to slots 0 .. n - 1. Raises CheckpointError naming the layer, the
+    rank, the experts the loader gives and the ones the map routes here otherwise (vLLM's
+    "round_robin" placement, or E not divisible by ep_size)."""
+    if expert_map is None:
+        return
+    m = expert_map.detach().cpu().long()
+    E = m.numel()
+    n = E // ep_size
+    want = torch.full((E,), -1, dtype=torch.long)
+    want[ep_rank * n:(ep_rank + 1) * n] = torch.arange(n)
+    if not torch.equal(m, want):
+        held = [int(g) for g in sorted(range(E), key=lambda g: int(m[g])) if int(m[g]) >= 0]
+        raise CheckpointError(
+            f"layer {layer_name}: vLLM's gpt-oss loader gives expert-parallel rank {ep_rank} of {ep_size} the "
+            f"experts [{ep_rank * n}, {(ep_rank + 1) * n}) in order, but the layer's expert_map routes global ids "
+            f"{held} to its slots (a round_robin placement, or {E} experts not divisible by {ep_size}); the layer "
+            "would serve other experts' weights. Expert parallelism for gpt-oss needs the linear placement "
+            "(--expert-placement-strategy linear) with ep_size dividing the expert count")
+
+
+def _local_expert(layer, global_id: int) -> int:
+    """The local slot of global expert ``global_id`` on this rank (itself without expert
+    parallelism; -1 where another rank holds it), from the layer's vLLM expert_map."""
+    emap = getattr(layer, "expert_map", None)
+    if emap is None:
+        return global_id
+    return int(emap[global_id]) if 0 <= global_id < emap.numel() else -1
+
+
+# ---------------------------------------------------------------------------------------------
 # Parameters per variant (docs/moe.md §3): name -> (dtype, shape from (E, 2I, H, I), vLLM scale kind)
 # ---------------------------------------------------------------------------------------------
 def _params(variant: str, E: int, H: int, I: int, block=(128, 128)):
@@ -238,6 +333,7 @@ class B12xDualMoEMethod(_Base):
         self.moe = moe
         self.variant, self.scheme_text, self.layer_name = variant, scheme_text, layer_name
         self.bound = None
+        self.ep_text = ""  # what expert parallelism gives this rank (check_expert_map), for the report
         self.handle: Optional[int] = None
         self.launched: collections.Counter = collections.Counter()
         self.arrived: dict[str, set] = {}
@@ -304,7 +400,10 @@ class B12xDualMoEMethod(_Base):
                                       f"parameter of shape {tuple(param.shape)}: {type(e).__name__}: {e}") from e
             if out is not False:  # a whole stacked tensor (gpt-oss: expert_id None) reaches every expert
                 whole = expert_id is None or loaded_weight.dim() == 3
-                experts = range(self.num_experts) if whole else (int(expert_id),)
+                # vLLM's loader takes the global expert id; under expert parallelism only this
+                # rank's experts are copied, into their local slots (the layer's expert_map)
+                local = -1 if whole else _local_expert(layer, int(expert_id))
+                experts = range(self.num_experts) if whole else ((local,) if local >= 0 else ())
                 got = self.arrived.setdefault(name, set())
                 got.update((e, shard_id) for e in experts)
             return out
@@ -329,6 +428,8 @@ class B12xDualMoEMethod(_Base):
         if getattr(self.moe, "has_bias", False) and not self.BIASES:
             raise CheckpointError(f"layer {self.layer_name}: expert biases are not served by b12x-dual's "
                                   f"{self.LAYOUT} MoE method")
+        self.ep_text = check_expert_map(getattr(layer, "expert_map", None), self.num_experts, self.layer_name)
+        self.check_placement(layer)
         w13, w2, opts13, opts2 = self.experts(layer)
         b13, b2 = self.biases(layer)
         a16 = self.variant.endswith("_w4a16")
@@ -353,6 +454,10 @@ class B12xDualMoEMethod(_Base):
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None, **kwargs) -> torch.Tensor:
+        # vLLM's router gives global expert ids; under expert parallelism this rank holds only its
+        # local experts and returns its share of the sum (vLLM's runner all-reduces the ranks')
+        topk_ids, topk_weights = local_routing(topk_ids, topk_weights, getattr(layer, "expert_map", None),
+                                               self.num_experts, self.layer_name)
         y = torch.ops.b12x_dual.moe(x, topk_ids, topk_weights, self.handle)
         self.launched[self.bound.last_impl] += 1
         return y
@@ -368,7 +473,13 @@ class B12xDualMoEMethod(_Base):
         """Which kernels an M-token call of this layer launches, and why (BoundMoE.report), with the
         implementations its calls so far ran."""
         ran = ", ".join(f"{k}: {v} calls" for k, v in sorted(self.launched.items(), key=str)) or "no calls yet"
-        return f"{self.bound.report(M, self.top_k)}\n    checkpoint: {self.scheme_text}; ran: {ran}"
+        ep = f"\n    {self.ep_text}" if getattr(self, "ep_text", "") else ""
+        return f"{self.bound.report(M, self.top_k)}\n    checkpoint: {self.scheme_text}; ran: {ran}{ep}"
+
+    def check_placement(self, layer) -> None:
+        """Under expert parallelism: whether the experts the loader copied here are the ones the
+        layer's expert_map routes here (vLLM's per-expert loader places each by the map: nothing to
+        check). Raises CheckpointError naming the layer where a layout's loader does otherwise."""
 
     def check_complete(self) -> None:
         """CheckpointError naming every (tensor, expert, shard) no checkpoint tensor reached."""
@@ -575,6 +686,27 @@ class B12xDualGptOssMxfp4MoEMethod(B12xDualMoEMethod):
     # rows past the checkpoint stay zero, as in vLLM's method (codes 0, biases 0: their output is 0)
     ZEROS = True
     weight_dtype = "gpt_oss_mxfp4"  # GptOssRoutedExperts reads this of its quant method
+
+    def maybe_roundup_sizes(self, hidden_size: int, intermediate_size_per_partition: int, act_dtype,
+                            moe_parallel_config) -> tuple[int, int]:
+        """(H, I per rank rounded up to whole 32-blocks): the rows vLLM's gpt-oss loader gives a
+        tensor-parallel rank (``cdiv(I / 32, tp)`` blocks; gpt-oss-20b's 2880 at TP = 4: 720 -> 736),
+        as vLLM's own method rounds them (``mxfp4_round_up_hidden_size_and_intermediate_size``);
+        the last rank's rows past the checkpoint stay zero (ZEROS)."""
+        if _Base is not object:
+            hidden_size, intermediate_size_per_partition = super().maybe_roundup_sizes(
+                hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config)
+        return hidden_size, -(-intermediate_size_per_partition // 32) * 32
+
+    def check_placement(self, layer) -> None:
+        """vLLM's gpt-oss loader slices whole stacked tensors by expert for an expert-parallel rank
+        itself (``GptOssModel._load_weights_mxfp4``): rank r of ep_size gets the experts
+        [r * E // ep_size, (r + 1) * E // ep_size), in order, whatever the expert_map says. The map
+        must put exactly those here (vLLM's "linear" placement with ep_size dividing E), else the
+        layer would serve other experts' weights under their ids: CheckpointError naming the layer."""
+        check_gptoss_expert_slice(getattr(layer, "expert_map", None),
+                                  int(getattr(self.moe.moe_parallel_config, "ep_rank", 0)),
+                                  int(getattr(self.moe.moe_parallel_config, "ep_size", 1)), self.layer_name)
 
     def params(self, E: int, H: int, I: int) -> dict:
         u8, f32 = torch.uint8, torch.float32

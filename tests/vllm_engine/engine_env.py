@@ -310,26 +310,33 @@ def write_moe_model(root: Path, kind: str) -> Path:
     return out
 
 
-def gptoss_config():
+# gpt-oss checkpoint kind -> the experts' intermediate size I. "gptoss_mxfp4_i96": I = 96 is three
+# 32-blocks, so at TP = 2 vLLM's gpt-oss loader gives each rank cdiv(3, 2) = 2 blocks (64 rows) and
+# fills only 32 on the last rank (gpt-oss-20b's I = 2880 at TP = 4 in small: 736 rows, 672 filled).
+GPTOSS_KINDS = {"gptoss_mxfp4": 128, "gptoss_mxfp4_i96": 96}
+
+
+def gptoss_config(intermediate: int = 128):
     """gpt-oss cut down: hidden 256, 2 layers (sliding then full attention, with sinks), 4 heads of
-    64, 2 KV heads, 8 experts with biases, top-2, intermediate 128, vocabulary 1024."""
+    64, 2 KV heads, 8 experts with biases, top-2, intermediate ``intermediate`` (a multiple of 32),
+    vocabulary 1024."""
     from transformers import GptOssConfig
 
-    return GptOssConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+    return GptOssConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=intermediate, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8,
                         num_experts_per_tok=2, sliding_window=128, max_position_embeddings=131072,
                         layer_types=["sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2,
                         pad_token_id=0, tie_word_embeddings=False, initializer_range=0.08)
 
 
-def tiny_gptoss(seed: int = 0):
+def tiny_gptoss(seed: int = 0, intermediate: int = 128):
     """The random tiny gpt-oss (float32, eval); seeded. Its experts are transformers' fused
     ``gate_up_proj`` [E, H, 2I] (gate and up interleaved along 2I), ``down_proj`` [E, I, H] and biases."""
     import torch
     from transformers import GptOssForCausalLM
 
     torch.manual_seed(seed)
-    return GptOssForCausalLM(gptoss_config()).eval()
+    return GptOssForCausalLM(gptoss_config(intermediate)).eval()
 
 
 def moe_decompressed(model: Path):
@@ -387,6 +394,8 @@ def write_gptoss_model(root: Path, kind: str = "gptoss_mxfp4") -> Path:
     so the blocks are ``formats.quantize(W, "mxfp4")`` of each expert's [N, K] weight: OCP MXFP4,
     element 2i in the low nibble, the packing gpt-oss's checkpoints use.
     """
+    if kind not in GPTOSS_KINDS:
+        raise ValueError(f"kind must be one of {tuple(GPTOSS_KINDS)}, got {kind!r}")
     out = root / kind
     if (out / "config.json").exists():
         return out
@@ -395,7 +404,7 @@ def write_gptoss_model(root: Path, kind: str = "gptoss_mxfp4") -> Path:
 
     import formats
 
-    model = tiny_gptoss()
+    model = tiny_gptoss(intermediate=GPTOSS_KINDS[kind])
     tensors = {}
     for name, t in model.state_dict().items():
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
@@ -905,3 +914,140 @@ def switch_dense_layers(model, impl: str) -> int:
                 st.backends[c.backend.name] = (c.backend, c.backend.prepare(qw))
         n += 1
     return n
+
+
+def moe_served(model) -> dict:
+    """For LLM.apply_model (a module-level function: a TP engine's workers import it by name):
+    {module name: (quant method class, variant, {implementation: calls}, what expert parallelism
+    gives the rank ("" without it))} for every MoE layer (a module holding w2 expert weights)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if not (hasattr(mod, "w2_weight") or hasattr(mod, "w2_weight_packed")) or not hasattr(mod, "quant_method"):
+            continue
+        qm = mod.quant_method
+        out[name] = (type(qm).__name__, getattr(qm, "variant", None), dict(getattr(qm, "launched", {})),
+                     getattr(qm, "ep_text", ""))
+    return out
+
+
+def moe_held(model) -> dict:
+    """For LLM.apply_model: {module name: the global ids of the experts this rank holds} for every
+    MoE layer the plugin's method serves, read from the layer's vLLM expert_map (every expert
+    without expert parallelism), checked against the method's expert count."""
+    out = {}
+    for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if not getattr(qm, "B12X_DUAL_MOE", False):
+            continue
+        emap = getattr(mod, "expert_map", None)
+        ids = list(range(qm.num_experts)) if emap is None else (emap >= 0).nonzero().flatten().tolist()
+        assert len(ids) == qm.num_experts == qm.bound.num_experts, (name, ids, qm.num_experts)
+        out[name] = ids
+    return out
+
+
+def moe_intermediate(model) -> int:
+    """For LLM.apply_model: the intermediate size per rank I of the plugin's MoE layers (their
+    methods' and BoundMoEs' agree; one value: every layer has the same)."""
+    sizes = set()
+    for mod in model.modules():
+        qm = getattr(mod, "quant_method", None)
+        if getattr(qm, "B12X_DUAL_MOE", False):
+            assert qm.intermediate == qm.bound.intermediate, (qm.intermediate, qm.bound.intermediate)
+            sizes.add(qm.intermediate)
+    (i,) = sizes
+    return i
+
+
+def probe_seed() -> int:
+    """The seed of moe_probe's inputs: B12X_TEST_SEED where set (tests/conftest.py's override), else fixed."""
+    import zlib
+
+    return int(os.environ.get("B12X_TEST_SEED", zlib.crc32(b"moe_probe")))
+
+
+def moe_probe(model, seed: int = 0, m: int = 8) -> dict:
+    """For LLM.apply_model (with functools.partial for ``seed``): {layer name: y [m, H] float32}, each
+    plugin MoE layer's output from its method's ``apply`` (what vLLM's runner calls, before the
+    runner's all-reduce: at TP = 2 or EP = 2 a rank's partial sum) on seeded inputs: x [m, H] bf16
+    (std 0.5), the router's global ids [m, top_k] of the layer's global expert count, token 0 routed
+    to the first top_k experts and token 1 to the last top_k (under EP = 2's linear placement: all
+    on rank 0, all on rank 1), weights renormalized (vLLM's router gives them so). The same on every
+    rank and every engine for one seed."""
+    import torch
+
+    out = {}
+    for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if not getattr(qm, "B12X_DUAL_MOE", False):
+            continue
+        g = torch.Generator().manual_seed(seed)
+        E, top_k = int(mod.global_num_experts), qm.top_k
+        x = (torch.randn(m, qm.hidden, generator=g) * 0.5).to(torch.bfloat16)
+        ids = torch.rand(m, E, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
+        ids[0], ids[1] = torch.arange(top_k), torch.arange(E - top_k, E)
+        wt = torch.rand(m, top_k, generator=g) + 0.05
+        wt = wt / wt.sum(dim=1, keepdim=True)
+        dev = next(mod.parameters()).device
+        out[name] = qm.apply(mod, x.to(dev), wt.to(dev), ids.to(dev)).float().cpu()
+    return out
+
+
+def assert_partials_add_up(whole: dict, parts: list[dict]) -> float:
+    """The ranks' moe_probe outputs ``parts`` add up to one engine's ``whole`` (B12X_IMPL=reference on
+    both). Bound: the reference implementation rounds its float64 result once to bf16 (RNE, unit
+    roundoff u = 2^-8), so each of y, y0, y1 is within u / (1 - u) of its own magnitude from the exact
+    value, and the exact rank partials add up to the exact whole (the same float64 arithmetic over a
+    split sum: experts split among ranks under EP, I split under TP; the float64 order adds 2^-30 of
+    the largest |y|, far above its 2^-53 scale and far below a bf16 step): |y0 + y1 - y| <=
+    2^-8 (1 + 2^-7) (|y0| + |y1| + |y|) + 2^-30 max|y|. A misrouted or missing expert, or a shard's
+    rows wrong, is off by the output's own size. Returns the largest |y0 + y1 - y| / (its bound)."""
+    worst = 0.0
+    assert set(whole) and all(set(p) == set(whole) for p in parts), (set(whole), [set(p) for p in parts])
+    for name, y in whole.items():
+        y = y.double()
+        ps = [p[name].double() for p in parts]
+        err = (sum(ps) - y).abs()
+        bound = 2.0 ** -8 * (1 + 2.0 ** -7) * (sum(p.abs() for p in ps) + y.abs()) + 2.0 ** -30 * float(y.abs().max())
+        ratio = float((err / bound).max())
+        assert ratio <= 1.0, (f"{name}: the ranks' partial outputs add up to {float(err.max()):.4g} off the whole "
+                              f"layer's (ratio to the bound {ratio:.3g})")
+        worst = max(worst, ratio)
+    print(f"MoE partials: largest |y0 + y1 - y| / bound {worst:.4f}")
+    return worst
+
+
+SHM = "/dev/shm/vllm_dist_*"
+
+
+def tp2_engine(model: Path, **kw):
+    """A TP = 2 engine over ``model`` (two CPU workers, ``distributed_executor_backend="mp"``) with
+    B12X_IMPL=reference, as a context manager yielding the LLM: one core per worker
+    (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, else "Not enough allowed NUMA nodes"); vLLM's cache of
+    environment variables cleared around it (the in-process engines before it turned it on, and
+    the binding must be read); the /dev/shm/vllm_dist_* segments this engine leaves behind (vLLM's
+    CPU shared-memory communicator does not remove them) removed after shutdown."""
+    import contextlib
+    import glob
+
+    @contextlib.contextmanager
+    def ctx():
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()
+        before = set(glob.glob(SHM))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        os.environ["B12X_IMPL"] = "reference"
+        try:
+            llm = engine(model, tensor_parallel_size=2, distributed_executor_backend="mp", **kw)
+            try:
+                yield llm
+            finally:
+                shutdown(llm)
+        finally:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            vllm.envs.disable_envs_cache()
+            for f in set(glob.glob(SHM)) - before:
+                os.unlink(f)
+
+    return ctx()

@@ -17,7 +17,9 @@ assertion on a checkpoint shares its engine:
   compressed-tensors' own compressors decompress it (engine_env.moe_decompressed), on the engine's
   tokens, within engine_env.independent_window for the activations the checkpoint declares;
 - TP = 2 (NVFP4) within the TP = 1 bound (test_engine_tp.py's derivation: each rank's partial sum
-  rounded to bf16 and the all-reduce's rounding, in every row-parallel linear and MoE layer).
+  rounded to bf16 and the all-reduce's rounding, in every row-parallel linear and MoE layer);
+- expert parallelism (EP = 2: ``enable_expert_parallel=True`` at TP = 2, NVFP4) within the same
+  bound, every MoE layer of both ranks the plugin's, each rank holding its half of the experts.
 
 FP8_DYNAMIC (moe_fp8_channel: per-channel weight scales, activations quantized per token at run
 time) is served as fp8_channel; per-channel experts with static per-tensor activations are refused by name.
@@ -25,7 +27,7 @@ time) is served as fp8_channel; per-channel experts with static per-tensor activ
 
 from __future__ import annotations
 
-import glob
+import functools
 import os
 import time
 
@@ -42,9 +44,9 @@ SERVED = {"moe_nvfp4": "nvfp4", "moe_nvfp4a16": "nvfp4_w4a16", "moe_mxfp4": "mxf
 # [/moe-served]
 N_MOE = 2  # sparse layers of the tiny model
 TP_KIND = "moe_nvfp4"
-SHM = "/dev/shm/vllm_dist_*"
 ENGINE = dict(max_num_batched_tokens=128, max_num_seqs=4, gpu_memory_utilization=0.2)
 RESULTS: dict[str, list] = {}
+PROBES: dict[str, dict] = {}
 TIMES: dict[str, float] = {}
 
 
@@ -92,6 +94,8 @@ def served(request, moe_root):
     llm = engine_env.engine(d, **ENGINE)
     runs = engine_env.run(llm)
     RESULTS[kind] = [steps for _, steps in runs]
+    if kind == TP_KIND:  # the whole MoE layers' outputs, for the TP = 2 / EP = 2 ranks' partials
+        PROBES[kind] = llm.apply_model(functools.partial(engine_env.moe_probe, seed=engine_env.probe_seed()))[0]
     yield kind, d, llm, runs
     engine_env.shutdown(llm)
     TIMES[kind] = time.time() - t0
@@ -148,23 +152,54 @@ def test_tp2_within_bound_of_tp1(moe_root):
     d = engine_env.write_moe_model(moe_root, TP_KIND)
     tp1 = RESULTS.get(TP_KIND)
     assert tp1 is not None, f"the {TP_KIND} engine at TP = 1 ran first (the served fixture)"
-    import vllm.envs
-
-    # the engines before this one turned on vLLM's cache of environment variables (enable_envs_cache
-    # after engine start): without clearing it, the thread binding below would not be read
-    vllm.envs.disable_envs_cache()
-    shm_before = set(glob.glob(SHM))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (else: "Not enough allowed NUMA nodes")
-    os.environ["B12X_IMPL"] = "reference"
-    try:
-        llm = engine_env.engine(d, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
-        try:
-            tp2 = engine_env.generate(llm)
-        finally:
-            engine_env.shutdown(llm)
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
-        vllm.envs.disable_envs_cache()
-        for f in set(glob.glob(SHM)) - shm_before:
-            os.unlink(f)
+    t0 = time.time()
+    with engine_env.tp2_engine(d, **ENGINE) as llm:
+        tp2 = engine_env.generate(llm)
+        parts = llm.apply_model(functools.partial(engine_env.moe_probe, seed=engine_env.probe_seed()))
+    print(f"TP = 2 engine {time.time() - t0:.1f} s")
+    engine_env.assert_partials_add_up(PROBES[TP_KIND], parts)  # each rank holds half of every expert's I
     assert engine_env.compare_runs(tp1, tp2, engine_env.logprob_bound(d)) >= len(tp1)
+
+
+def test_ep2_within_bound_of_tp1(moe_root):
+    """Expert parallelism (``enable_expert_parallel=True`` at TP = 2; vLLM makes the MoE layers'
+    ep_size 2 and their tp_size 1, "linear" placement): each rank's plugin method holds its 4 of the
+    8 experts (create_weights gets the local count, vLLM's loader copies only those), maps the
+    router's global ids to its slots and gives the other rank's experts weight 0; vLLM's runner
+    all-reduces the two ranks' outputs. Every MoE layer of both ranks is the plugin's, and ran.
+    Bound, as the TP = 2 test's: in each of the 4 row-parallel reductions on a token's path (o_proj
+    and the MoE layer, in each of the 2 layers) each rank's partial sum is rounded to bf16 and the
+    all-reduce rounds their sum again, two bf16 steps (2^-8 each) where TP = 1 has one; the
+    column-parallel q/k/v and gate/up shards and each expert's own arithmetic are unchanged (an
+    expert is whole on one rank): 8 * 2^-8, engine_env.logprob_bound's default. That bound is a worst
+    case (a misrouted expert can stay inside it), so the MoE layers are also checked directly: each
+    rank's output on the same seeded routing (engine_env.moe_probe) adds up to the TP = 1 layer's
+    within the reference implementation's roundings (engine_env.assert_partials_add_up)."""
+    d = engine_env.write_moe_model(moe_root, TP_KIND)
+    tp1 = RESULTS.get(TP_KIND)
+    assert tp1 is not None, f"the {TP_KIND} engine at TP = 1 ran first (the served fixture)"
+    t0 = time.time()
+    with engine_env.tp2_engine(d, enable_expert_parallel=True, **ENGINE) as llm:
+        ep2 = engine_env.generate(llm)
+        ranks = llm.apply_model(engine_env.moe_served)
+        ep_held = llm.apply_model(engine_env.moe_held)
+        parts = llm.apply_model(functools.partial(engine_env.moe_probe, seed=engine_env.probe_seed()))
+    print(f"EP = 2 engine {time.time() - t0:.1f} s")
+    # each rank's layer output is its experts' share (token 0's experts all on rank 0, token 1's all
+    # on rank 1: the other rank gives exactly 0), and the two add up to the whole layer's
+    for name in parts[0]:
+        assert not parts[1][name][0].any() and not parts[0][name][1].any(), name
+        assert parts[0][name][0].any() and parts[1][name][1].any(), name
+    engine_env.assert_partials_add_up(PROBES[TP_KIND], parts)
+    assert len(ranks) == 2, ranks
+    for r, layers in enumerate(ranks):
+        assert len(layers) == N_MOE, layers
+        for name, (cls, variant, launched, ep) in layers.items():
+            assert cls == "B12xDualCompressedTensorsMoEMethod" and variant == SERVED[TP_KIND], f"rank {r} {name}: {cls}"
+            assert launched.get("reference", 0) > 0, f"rank {r} {name}: {launched}"
+            assert "holds 4 of 8 experts" in ep, f"rank {r} {name}: {ep!r}"
+    # the two ranks hold disjoint halves: every expert of each layer is on exactly one rank
+    for name in ranks[0]:
+        ids = [set(h[name]) for h in ep_held]
+        assert ids[0].isdisjoint(ids[1]) and ids[0] | ids[1] == set(range(8)), (name, ids)
+    assert engine_env.compare_runs(tp1, ep2, engine_env.logprob_bound(d)) >= len(tp1)

@@ -364,6 +364,72 @@ def test_a_rank_intermediate_size_off_the_scale_block_is_refused(variant, i, blo
         method.create_weights(torch.nn.Module(), E, H, i, torch.bfloat16)
 
 
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_expert_parallel_ranks_add_up_to_the_whole_layer(placement, moe_ckpt, dist):
+    """Expert parallelism's id mapping (moe.local_routing) on vLLM's own expert maps
+    (``determine_expert_map``, EP = 2, 8 experts, both placements): each rank computes the oracle
+    over its 4 experts (in slot order) with the mapped ids and weights, and the two ranks' outputs add up to the
+    whole layer's, as vLLM's runner all-reduces them. Tokens whose two experts are both on one rank
+    get exactly 0 from the other. Both sides are formats.reference_moe in float64 over the same
+    decoded operands; they differ only in float64 summation order (each expert's GEMMs see other
+    rows, and BLAS blocks by them; the two weighted outputs add in another order): dot products of
+    at most 256 terms, each within 256 * 2^-53 of the sum of its terms' magnitudes, so well within
+    2^-40 of the largest output (a misrouted expert is off by the output's own size)."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    from dispatch.vllm_plugin.moe import local_routing
+
+    ckpt = moe_ckpt("moe_nvfp4")
+    w13, w2, o13, o2 = _experts_from_checkpoint(ckpt, "moe_nvfp4")
+    maps = [determine_expert_map(2, r, E, placement)[:2] for r in range(2)]
+    on = [[g for g in range(E) if int(m[g]) >= 0] for _, m in maps]
+    gen = None  # the session seed (tests/conftest.py): fresh inputs per run
+    M = 6
+    x = (torch.randn(M, H, generator=gen) * 0.5).to(torch.bfloat16)
+    ids = torch.rand(M, E, generator=gen).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    ids[0] = torch.tensor(on[1][:2])  # token 0: both experts on rank 1
+    ids[1] = torch.tensor(on[0][1:3])  # token 1: both on rank 0
+    wt = torch.rand(M, TOP_K, generator=gen) + 0.05
+    wt = wt / wt.sum(dim=1, keepdim=True)
+    whole = formats.reference_moe(x, w13, w2, ids, wt, w13_act_opts=o13, w2_act_opts=o2, out_dtype=torch.float64)
+    parts = []
+    for r, (n, emap) in enumerate(maps):
+        assert n == 4 and len(on[r]) == 4
+        order = sorted(on[r], key=lambda g: int(emap[g]))  # slot s holds global expert order[s]
+        lid, lw = local_routing(ids, wt, emap, n, PREFIX)
+        assert lid.dtype == ids.dtype and int(lid.min()) >= 0 and int(lid.max()) < n
+        sub = lambda o: {k: v[order] for k, v in o.items()}  # noqa: E731
+        parts.append(formats.reference_moe(x, [w13[g] for g in order], [w2[g] for g in order], lid, lw,
+                                           w13_act_opts=sub(o13), w2_act_opts=sub(o2), out_dtype=torch.float64))
+    assert torch.equal(parts[0][0], torch.zeros(H, dtype=torch.float64))  # token 0's experts are all on rank 1
+    assert torch.equal(parts[1][1], torch.zeros(H, dtype=torch.float64))
+    assert parts[1][0].abs().max() > 0 and parts[0][1].abs().max() > 0
+    err = (parts[0] + parts[1] - whole).abs()
+    assert float(err.max()) <= 2.0 ** -40 * float(whole.abs().max()), float(err.max())
+
+
+def test_expert_parallel_routing_refusals(dist):
+    """local_routing without a map returns the routing as it is; an id outside the global map and a
+    map whose local slots are not 0 .. E_local - 1 are refused naming the layer."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    from dispatch.vllm_plugin.convert import CheckpointError
+    from dispatch.vllm_plugin.moe import check_expert_map, local_routing
+
+    ids, wt = torch.tensor([[0, 7]], dtype=torch.int32), torch.tensor([[0.25, 0.75]])
+    assert local_routing(ids, wt, None, E, PREFIX) == (ids, wt)
+    _, emap, _ = determine_expert_map(2, 1, E)
+    lid, lw = local_routing(ids, wt, emap, 4, PREFIX)
+    assert lid.tolist() == [[0, 3]] and lw.tolist() == [[0.0, 0.75]]
+    with pytest.raises(ValueError, match=rf"layer {PREFIX}: topk_ids must lie in \[0, 8\) .* got 8"):
+        local_routing(torch.tensor([[1, 8]], dtype=torch.int32), wt, emap, 4, PREFIX)
+    assert "holds 4 of 8 experts (global ids [4, 5, 6, 7])" in check_expert_map(emap, 4, PREFIX)
+    assert check_expert_map(None, E, PREFIX) == ""
+    with pytest.raises(CheckpointError, match=rf"layer {PREFIX}: vLLM's expert_map gives this rank local slots "
+                                              r"\[0, 1, 2, 3\]; the layer holds 5 experts"):
+        check_expert_map(emap, 5, PREFIX)
+
+
 def test_warmup_runs_each_moe_signature_once_per_token_count(moe_ckpt, dist, impl):
     """warmup.warmup_model walks the MoE layers too: one signature, run at each token count once
     (a second walk runs nothing: what a served call needs was compiled at load, on a GPU)."""

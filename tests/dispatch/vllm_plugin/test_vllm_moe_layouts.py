@@ -169,6 +169,41 @@ def test_gptoss_rows_past_the_checkpoint_compute_zero(gptoss_ckpt, dist, impl):
     assert torch.isfinite(y).all() and bool((err <= _bf16_bound(ref)).all()), float(err.max())
 
 
+def test_gptoss_expert_parallel_slice_must_match_the_expert_map(dist):
+    """vLLM's gpt-oss loader gives EP rank r the contiguous experts [r * E // ep, (r + 1) * E // ep):
+    vLLM's linear expert_map (ep dividing E) routes exactly those there; a round_robin map, or
+    8 experts over 3 ranks (vLLM gives the first ranks one more), routes others there, and the
+    layer is refused by name instead of serving other experts' weights."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    from dispatch.vllm_plugin.convert import CheckpointError
+    from dispatch.vllm_plugin.moe import check_gptoss_expert_slice
+
+    check_gptoss_expert_slice(None, 0, 1, PREFIX)
+    for r in range(2):
+        check_gptoss_expert_slice(determine_expert_map(2, r, E, "linear")[1], r, 2, PREFIX)
+    with pytest.raises(CheckpointError, match=rf"layer {PREFIX}: vLLM's gpt-oss loader gives expert-parallel rank 1 "
+                                              r"of 2 the experts \[4, 8\) in order, but the layer's expert_map routes "
+                                              r"global ids \[1, 3, 5, 7\] .*round_robin"):
+        check_gptoss_expert_slice(determine_expert_map(2, 1, E, "round_robin")[1], 1, 2, PREFIX)
+    with pytest.raises(CheckpointError, match=r"rank 1 of 3 the experts \[2, 4\) in order, .* global ids \[3, 4, 5\]"):
+        check_gptoss_expert_slice(determine_expert_map(3, 1, E, "linear")[1], 1, 3, PREFIX)
+
+
+@pytest.mark.parametrize("i_rank, rounded", [(48, 64), (720, 736), (64, 64), (1440, 1440)])
+def test_gptoss_rank_intermediate_is_rounded_up_to_whole_blocks(i_rank, rounded, dist):
+    """vLLM's gpt-oss loader gives a tensor-parallel rank cdiv(I / 32, TP) 32-blocks of I, so the
+    method's I per rank is rounded up to whole blocks as vLLM's own method rounds it (I = 96 at
+    TP = 2: 48 -> 64; gpt-oss-20b's 2880 at TP = 4: 720 -> 736), H unchanged."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    from dispatch.vllm_plugin.moe import B12xDualGptOssMxfp4MoEMethod
+
+    method = B12xDualGptOssMxfp4MoEMethod.__new__(B12xDualGptOssMxfp4MoEMethod)
+    assert method.maybe_roundup_sizes(H, i_rank, torch.bfloat16, FusedMoEParallelConfig.make_no_parallel()) == \
+        (H, rounded)
+
+
 def test_gptoss_layer_triton_within_the_lesson_bound(gptoss_ckpt, dist, impl):
     impl("triton")
     _moe_bound, _assert_matches = _lesson_bound()
