@@ -150,3 +150,27 @@ def assert_diff_routes_as_the_model(rows, gates, xs, *, E, top_k, H, I, renormal
         assert {"reference", "triton"} <= set(r["results"])
         for res in r["results"].values():
             assert res["ok"] and res["moe"]["worst"] <= 1 and res["first"] is None
+
+
+def diff_moe_folder(run, folder, model, layers: str, linear: str, tmp_path, *, E, top_k, H, I):
+    """``b12x-dual diff`` (``run(*argv) -> (rc, out, err)``) of a transformers MoE folder built from
+    ``model`` (--tokens 5), --layers ``layers`` selecting the linear ``linear`` of layer 0 and
+    the MoE blocks of layers 0 and 1: exit 0, the rows in forward order, both MoE layers nvfp4 and routed
+    as the model's own routers with renormalize (assert_diff_routes_as_the_model). Returns (out, the
+    --json data)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dispatch.apps.diff import EXIT_OK
+
+    rc, out, _ = run(folder, "--layers", layers, "--tokens", "5", "--json", tmp_path / "d.json",
+                     "--save-inputs", tmp_path / "x.safetensors")
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert rc == EXIT_OK, out
+    assert [r["layer"] for r in data["layers"]] == [linear, "layers.0.mlp", "layers.1.mlp"]
+    assert [r["variant"] for r in data["layers"][1:]] == ["nvfp4", "nvfp4"]
+    xs = load_file(str(tmp_path / "x.safetensors"))
+    assert_diff_routes_as_the_model(data["layers"][1:], [layer.mlp.gate for layer in model.model.layers], xs,
+                                    E=E, top_k=top_k, H=H, I=I, renormalize=True)
+    return out, data

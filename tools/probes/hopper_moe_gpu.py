@@ -118,6 +118,22 @@ def bench(ms: list[int], budget_s: float):
                                    budget_s=budget_s)
 
 
+def _layer(fmt: str, E: int, H: int, I: int, act: str, bias: bool, seed: int):
+    """Random experts of one benchmark layer on the GPU: (the generator, w13, w2, the prepared experts,
+    fused_moe's keyword arguments: the activation and the layer's biases)."""
+    from kernels_triton import moe as lesson
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w13 = [formats.quantize(torch.randn(2 * I, H, generator=g, device=dev) / math.sqrt(H), fmt) for _ in range(E)]
+    w2 = [formats.quantize(torch.randn(H, I, generator=g, device=dev) / math.sqrt(I), fmt) for _ in range(E)]
+    kw = dict(activation=act)
+    if bias:
+        kw.update(w13_bias=torch.randn(E, 2 * I, generator=g, device=dev),
+                  w2_bias=torch.randn(E, H, generator=g, device=dev).bfloat16())
+    return g, w13, w2, lesson.prepare_experts(w13, w2), kw
+
+
 def sweep(ms: list[int]) -> list[list]:
     """--sweep: the decode route's tiles around the default, per benchmark layer (its own variant) and M,
     timed with bench's Timer (CUDA graphs, 4 routings rotated); every timed config is first checked
@@ -125,7 +141,6 @@ def sweep(ms: list[int]) -> list[list]:
     import dataclasses
 
     from dispatch.apps.bench_run import Timer
-    from kernels_triton import moe as lesson
     from kernels_triton.hopper import moe as hmoe
     from kernels_triton.hopper._route import sm_count
 
@@ -134,14 +149,7 @@ def sweep(ms: list[int]) -> list[list]:
     rows = []
     for layer, variant, E, k, H, I, act, bias in (LAYERS[0], LAYERS[2]):
         fmt, a16 = variant.split("_")[0], variant.endswith("_w4a16")
-        g = torch.Generator(device=dev).manual_seed(99)
-        w13 = [formats.quantize(torch.randn(2 * I, H, generator=g, device=dev) / math.sqrt(H), fmt) for _ in range(E)]
-        w2 = [formats.quantize(torch.randn(H, I, generator=g, device=dev) / math.sqrt(I), fmt) for _ in range(E)]
-        p = lesson.prepare_experts(w13, w2)
-        kw = dict(activation=act)
-        if bias:
-            kw.update(w13_bias=torch.randn(E, 2 * I, generator=g, device=dev),
-                      w2_bias=torch.randn(E, H, generator=g, device=dev).bfloat16())
+        g, w13, w2, p, kw = _layer(fmt, E, H, I, act, bias, seed=99)
         for M in ms:
             sets = [(torch.randn(M, H, generator=g, device=dev).bfloat16(),
                      torch.rand(M, E, generator=g, device=dev).argsort(dim=1)[:, :k].to(torch.int32),
@@ -189,21 +197,13 @@ def profile(ms: list[int], iters: int = 20) -> list[list]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    from kernels_triton import moe as lesson
     from kernels_triton.hopper import moe as hmoe
 
     dev = torch.device("cuda")
     rows = []
     for layer, variant, E, k, H, I, act, bias in (LAYERS[0], LAYERS[2]):
         fmt, a16 = variant.split("_")[0], variant.endswith("_w4a16")
-        g = torch.Generator(device=dev).manual_seed(7)
-        w13 = [formats.quantize(torch.randn(2 * I, H, generator=g, device=dev) / math.sqrt(H), fmt) for _ in range(E)]
-        w2 = [formats.quantize(torch.randn(H, I, generator=g, device=dev) / math.sqrt(I), fmt) for _ in range(E)]
-        p = lesson.prepare_experts(w13, w2)
-        kw = dict(activation=act)
-        if bias:
-            kw.update(w13_bias=torch.randn(E, 2 * I, generator=g, device=dev),
-                      w2_bias=torch.randn(E, H, generator=g, device=dev).bfloat16())
+        g, w13, w2, p, kw = _layer(fmt, E, H, I, act, bias, seed=7)
         switch = "DECODE_A16_PLANES" if a16 else "DECODE_A4_PREPASS"
         old = getattr(hmoe, switch)
         for M in ms:

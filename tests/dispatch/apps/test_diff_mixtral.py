@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _moe_testlib import assert_diff_routes_as_the_model
+from _moe_testlib import diff_moe_folder
 from conftest import DEVICE
 from dispatch.apps import diff
 from dispatch.apps.cli import main
@@ -71,17 +71,8 @@ def test_transformers_mixtral_moe_blocks_are_moe_layers_with_mixtrals_routing(mi
     routing diff used is the router's own on the same inputs, renormalized; every implementation agrees
     with the oracle (exit 0)."""
     folder, model = mixtral_tf
-    rc, out, _ = _run(capsys, folder, "--layers", "*.mlp,layers.0.self_attn.o_proj", "--tokens", "5",
-                      "--json", tmp_path / "d.json", "--save-inputs", tmp_path / "x.safetensors")
-    data = json.loads((tmp_path / "d.json").read_text())
-    assert rc == diff.EXIT_OK, out
-    assert [r["layer"] for r in data["layers"]] == ["layers.0.self_attn.o_proj", "layers.0.mlp", "layers.1.mlp"]
-    from safetensors.torch import load_file
-
-    xs = load_file(str(tmp_path / "x.safetensors"))
-    assert [r["variant"] for r in data["layers"][1:]] == ["nvfp4", "nvfp4"]
-    assert_diff_routes_as_the_model(data["layers"][1:], [layer.mlp.gate for layer in model.model.layers], xs,
-                                    E=E_, top_k=TOP_K, H=H_, I=I_, renormalize=True)
+    out, data = diff_moe_folder(lambda *a: _run(capsys, *a), folder, model, "*.mlp,layers.0.self_attn.o_proj",
+                              "layers.0.self_attn.o_proj", tmp_path, E=E_, top_k=TOP_K, H=H_, I=I_)
     assert data["notes"] == ["routers: MixtralTopKRouter: softmax top-2, renormalized to sum 1 (read from its own "
                              "output)"]
     assert "note: routers: MixtralTopKRouter" in out

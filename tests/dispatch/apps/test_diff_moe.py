@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _moe_testlib import assert_diff_routes_as_the_model
+from _moe_testlib import diff_moe_folder
 from conftest import DEVICE
 from dispatch.apps import diff
 from dispatch.apps.cli import main
@@ -66,17 +66,9 @@ def test_clean_moe_model_exits_0_in_forward_order_with_the_models_own_routing(qw
     transformers' own router's on the same inputs (Qwen3MoeTopKRouter: softmax, top-2; renormalized by
     the implementations because norm_topk_prob is set)."""
     folder, model = qwen_moe
-    rc, out, _ = _run(capsys, folder, "--layers", "layers.1.mlp.experts,*.0.mlp,layers.0.self_attn.q_proj",
-                      "--tokens", "5", "--json", tmp_path / "d.json", "--save-inputs", tmp_path / "x.safetensors")
-    data = json.loads((tmp_path / "d.json").read_text())
-    assert rc == diff.EXIT_OK, out
-    assert [r["layer"] for r in data["layers"]] == ["layers.0.self_attn.q_proj", "layers.0.mlp", "layers.1.mlp"]
-    from safetensors.torch import load_file
-
-    xs = load_file(str(tmp_path / "x.safetensors"))
-    assert [r["variant"] for r in data["layers"][1:]] == ["nvfp4", "nvfp4"]
-    assert_diff_routes_as_the_model(data["layers"][1:], [layer.mlp.gate for layer in model.model.layers], xs,
-                                    E=E_, top_k=TOP_K, H=H_, I=I_, renormalize=True)
+    out, _ = diff_moe_folder(lambda *a: _run(capsys, *a), folder, model,
+                             "layers.1.mlp.experts,*.0.mlp,layers.0.self_attn.q_proj", "layers.0.self_attn.q_proj",
+                             tmp_path, E=E_, top_k=TOP_K, H=H_, I=I_)
     assert "MoE layers: error / bound of the call" in out and "formats/bounds.py moe_bound" in out
 
 
