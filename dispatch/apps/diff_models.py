@@ -363,7 +363,8 @@ def router_renormalizes(name: str, router, top_k: int) -> bool:
     their softmax weights (False: Qwen3 with ``norm_topk_prob`` off) or those divided by their sum
     (True: Mixtral always; Qwen3 with ``norm_topk_prob``), within 2^-20 relative (float32 sums in
     another order). Raises ValueError naming the layer and the router's class for a router diff
-    would read wrongly (a bias, a sigmoid, grouped top-k, a scaling factor, another output)."""
+    would read wrongly (a bias, a sigmoid, grouped top-k, a scaling factor, another output), or
+    whose probe rows cannot tell the two apart (every row's top-k mass within 2^-20 of 1)."""
     from dispatch.moe_check import route_tokens
 
     what = f"MoE layer {name}: router {type(router).__name__}"
@@ -373,7 +374,7 @@ def router_renormalizes(name: str, router, top_k: int) -> bool:
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
     try:
         with torch.no_grad():
-            out = router(x.to(weight.dtype))
+            out = router(x.to(weight.device, weight.dtype))
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"{what} cannot be run on [{PROBE_ROWS}, H] rows here ({type(e).__name__}: {e})") from None
     if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
@@ -381,10 +382,15 @@ def router_renormalizes(name: str, router, top_k: int) -> bool:
                          "routing")
     _, scores, idx = out
     ids, w = route_tokens(x, weight.float(), top_k)
+    ids, w = ids.to(idx.device), w.to(idx.device)
     if tuple(idx.shape) != tuple(ids.shape) or not torch.equal(idx.to(torch.int32), ids):
         raise ValueError(f"{what} selects other experts than the softmax top-{top_k} of x . W^T (a bias, a "
                          "sigmoid or grouped routing); diff's routing would not be the model's")
-    for renorm, want in ((False, w), (True, w / w.sum(dim=-1, keepdim=True))):
+    plain, renormed = w, w / w.sum(dim=-1, keepdim=True)
+    if torch.allclose(plain, renormed, rtol=2.0 ** -20, atol=0.0):
+        raise ValueError(f"{what}: its top-{top_k} softmax weights sum to 1 on every probe row, so whether it "
+                         "renormalizes cannot be read from its output; diff's routing would be a guess")
+    for renorm, want in ((False, plain), (True, renormed)):
         if torch.allclose(scores.float(), want, rtol=2.0 ** -20, atol=0.0):
             return renorm
     raise ValueError(f"{what} weights the top-{top_k} experts neither by their softmax probabilities nor by those "

@@ -185,7 +185,9 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map
     mapped to its slot and its weight kept; another rank's expert given slot 0 and weight 0, so it
     adds nothing here (the rank that holds it adds it; vLLM's runner all-reduces the ranks'
     outputs). A token whose experts are all elsewhere gets 0 from this rank. (Slot 0 is computed
-    and weighted 0: a NaN or Inf output of it for that token stays NaN.) Follows vLLM 0.32/0.33's
+    and weighted 0: a NaN or Inf output of it for that token stays NaN; and the weight-0 rows join
+    slot 0's rows, so a dynamic per-expert activation scale would see them: :func:`check_ep_activations`
+    refuses that at load.) Follows vLLM 0.32/0.33's
     ``determine_expert_map`` / ``RoutedExperts.expert_map`` contract and its kernels' use of it
     (``fused_experts(..., expert_map=...)``: ids mapped, -1 entries contribute nothing).
     Raises ValueError naming the layer for an id outside the map (read back: one device
@@ -196,7 +198,7 @@ def local_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map
         return topk_ids, topk_weights
     n = expert_map.numel()
     if topk_ids.numel() and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(topk_ids)).tolist())  # one synchronization
         if lo < 0 or hi >= n:
             raise ValueError(f"layer {layer_name}: topk_ids must lie in [0, {n}) (the global expert count of "
                              f"vLLM's expert_map), got {lo if lo < 0 else hi}")
@@ -222,6 +224,30 @@ def check_expert_map(expert_map: Optional[torch.Tensor], local_experts: int, lay
     held = (m >= 0).nonzero().flatten().tolist()
     return (f"expert parallelism: this rank holds {local_experts} of {m.numel()} experts (global ids "
             f"{held}); the others' routing weights are 0 here, vLLM all-reduces the ranks' outputs")
+
+
+EP_STATIC_SCALE = {"nvfp4": "global_scale", "fp8_tensor": "scale"}
+"""The variants whose activation scale is one per expert (not per row): under expert parallelism it
+must be static, since :func:`local_routing` adds weight-0 rows to slot 0's."""
+
+
+def check_ep_activations(expert_map: Optional[torch.Tensor], variant: str, w13_act_opts: dict, w2_act_opts: dict,
+                         layer_name: str = "moe") -> None:
+    """Under expert parallelism (``expert_map`` not None), a variant of ``EP_STATIC_SCALE`` must carry
+    its static per-expert activation scale in both GEMMs' options (``w13_act_opts`` / ``w2_act_opts``,
+    as the methods' ``experts`` return them): a dynamic one would be the amax over slot 0's rows,
+    which :func:`local_routing` joins with other ranks' tokens at weight 0, and would change slot
+    0's real tokens. Every layout the plugin reads gives static scales, so this guards the contract.
+    Raises CheckpointError naming the layer, the variant and the missing option."""
+    key = EP_STATIC_SCALE.get(variant)
+    if expert_map is None or key is None:
+        return
+    for name, opts in (("W13", w13_act_opts), ("W2", w2_act_opts)):
+        if (opts or {}).get(key) is None:
+            raise CheckpointError(
+                f"layer {layer_name}: expert parallelism with {variant} needs the static per-expert activation "
+                f"{key} of {name}; a dynamic one would be taken over slot 0's rows, which include other ranks' "
+                "tokens at weight 0 (b12x-dual's kernels have no id to skip)")
 
 
 def check_gptoss_expert_slice(expert_map: Optional[torch.Tensor], ep_rank: int, ep_size: int,
@@ -251,11 +277,16 @@ def check_gptoss_expert_slice(expert_map: Optional[torch.Tensor], ep_rank: int, 
 
 def _local_expert(layer, global_id: int) -> int:
     """The local slot of global expert ``global_id`` on this rank (itself without expert
-    parallelism; -1 where another rank holds it), from the layer's vLLM expert_map."""
+    parallelism; -1 where another rank holds it), from the layer's vLLM expert_map (read to the
+    host once per map: no device synchronization per loaded tensor)."""
     emap = getattr(layer, "expert_map", None)
     if emap is None:
         return global_id
-    return int(emap[global_id]) if 0 <= global_id < emap.numel() else -1
+    cached = getattr(layer, "_b12x_dual_expert_map", None)
+    if cached is None or cached[0] is not emap:
+        cached = (emap, emap.detach().cpu().tolist())
+        layer._b12x_dual_expert_map = cached
+    return cached[1][global_id] if 0 <= global_id < len(cached[1]) else -1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,6 +462,7 @@ class B12xDualMoEMethod(_Base):
         self.ep_text = check_expert_map(getattr(layer, "expert_map", None), self.num_experts, self.layer_name)
         self.check_placement(layer)
         w13, w2, opts13, opts2 = self.experts(layer)
+        check_ep_activations(getattr(layer, "expert_map", None), self.variant, opts13, opts2, self.layer_name)
         b13, b2 = self.biases(layer)
         a16 = self.variant.endswith("_w4a16")
         for e in range(self.num_experts):

@@ -829,5 +829,5 @@ def _w13(x, p: MoEWeights, ids, pl: Plan, *, activation, bias, static, rule, a16
     return inter, blocks
 
 
-__all__ = ["DECODE_A16_PLANES", "DECODE_MAX_M", "FORMATS", "Plan", "VARIANTS", "decode_tiles", "fused_moe",
+__all__ = ["DECODE_A16_PLANES", "DECODE_A4_PREPASS", "DECODE_MAX_M", "FORMATS", "Plan", "VARIANTS", "decode_tiles", "fused_moe",
            "fused_moe_unchecked", "plan", "plane_columns", "prefill_tiles", "prepare_experts", "route"]

@@ -81,7 +81,8 @@ def test_transformers_mixtral_moe_blocks_are_moe_layers_with_mixtrals_routing(mi
 def test_router_semantics_are_read_from_the_routers_output():
     """router_renormalizes: Mixtral's router renormalizes; Qwen3-MoE's follows norm_topk_prob (both values);
     a router that scales its top-k weights (as DeepSeek's routed_scaling_factor) or adds a bias to the
-    logits is refused by name (diff's routing would not be the model's)."""
+    logits is refused by name (diff's routing would not be the model's), and so is one whose output
+    cannot tell renormalized weights from plain ones (top_k = E)."""
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
@@ -113,6 +114,13 @@ def test_router_semantics_are_read_from_the_routers_output():
         r.weight.data.copy_(mix.weight.data)
         with pytest.raises(ValueError, match=rf"MoE layer x: router {cls.__name__} .*{match}"):
             DM.router_renormalizes("x", r, TOP_K)
+    # top_k = E: the weights sum to 1 with or without renormalizing, so the output cannot tell
+    every = MixtralTopKRouter(transformers.MixtralConfig(hidden_size=H_, num_local_experts=E_,
+                                                         num_experts_per_tok=E_))
+    every.weight.data.copy_(mix.weight.data)
+    with pytest.raises(ValueError, match=r"MoE layer e: router MixtralTopKRouter: its top-\d+ softmax weights sum to "
+                                         r"1 on every probe row"):
+        DM.router_renormalizes("e", every, E_)
 
 
 # ---------------------------------------------------------------------------------------------

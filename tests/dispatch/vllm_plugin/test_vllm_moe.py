@@ -430,6 +430,30 @@ def test_expert_parallel_routing_refusals(dist):
         check_expert_map(emap, 5, PREFIX)
 
 
+def test_expert_parallelism_needs_static_per_expert_activation_scales(dist):
+    """Under expert parallelism the weight-0 rows of other ranks' tokens join slot 0's rows, so the
+    variants whose activation scale is one per expert (nvfp4, fp8_tensor) must carry a static one in
+    both GEMMs: a missing one is refused naming the layer, the variant and the option; per-row
+    variants, static scales and no expert parallelism pass."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    from dispatch.vllm_plugin.convert import CheckpointError
+    from dispatch.vllm_plugin.moe import EP_STATIC_SCALE, check_ep_activations
+
+    _, emap, _ = determine_expert_map(2, 0, E)
+    assert EP_STATIC_SCALE == {"nvfp4": "global_scale", "fp8_tensor": "scale"}
+    for variant, key in EP_STATIC_SCALE.items():
+        static = {key: torch.full((E // 2,), 2.0)}
+        check_ep_activations(emap, variant, static, static, PREFIX)
+        check_ep_activations(None, variant, {}, {}, PREFIX)
+        for w13, w2, which in ((static, {}, "W2"), ({}, static, "W13")):
+            with pytest.raises(CheckpointError, match=rf"layer {PREFIX}: expert parallelism with {variant} needs "
+                                                      rf"the static per-expert activation {key} of {which}"):
+                check_ep_activations(emap, variant, w13, w2, PREFIX)
+    for variant in ("mxfp4", "fp8_block", "fp8_channel", "nvfp4_w4a16", "mxfp8"):
+        check_ep_activations(emap, variant, {}, {}, PREFIX)
+
+
 def test_warmup_runs_each_moe_signature_once_per_token_count(moe_ckpt, dist, impl):
     """warmup.warmup_model walks the MoE layers too: one signature, run at each token count once
     (a second walk runs nothing: what a served call needs was compiled at load, on a GPU)."""

@@ -271,13 +271,16 @@ def test_the_planes_layout_is_act_planes_kernels(plane_k, monkeypatch):
 def test_w4a4_decode_quantizes_once_or_per_tile_alike(fmt, opts, monkeypatch):
     """W4A4 decode with each GEMM's activation quantized once by _act_quant_kernel (DECODE_A4_PREPASS)
     and with every program quantizing its tiles in registers: both within the oracle's bound, and the
-    same values in the same planes order, so under the interpreter the same bits. Tiles with a K tail
-    (H = 320, I = 192: the prepass's padding) and an expert picked twice by one token (two chunks)."""
+    same values in the same planes order, so under the interpreter the same bits (on the GPU only
+    the bound: with its activation from shared memory the pipeliner may split the dot's K otherwise).
+    Tiles with a K tail (H = 320, I = 192: the prepass's padding); expert 1 picked twice by tokens
+    0-7 and once by token 8: 17 or more slots, two 16-row chunks in both kernels."""
     _needs_kernels()
-    E, top_k, H, I, M = 4, 2, 320, 192, 9
+    E, top_k, H, I, M = 4, 2, 320, 192, 12
     experts = _experts(fmt, E, H, I)
     ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(M)]).to(torch.int32).to(DEVICE)
-    ids[3] = 1  # token 3 on expert 1 twice
+    ids[:8] = 1
+    ids[8, 0] = 1
     kw = dict(experts=experts, ids=ids, activation="swigluoai", bias=True, w13_act_opts=opts or None,
               w2_act_opts=opts or None)
     seed = int(torch.randint(0, 2 ** 31, ()))  # the same fresh inputs for both calls
