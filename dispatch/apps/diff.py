@@ -31,8 +31,8 @@ forward order), M, implementation, row, column tile (or K-block with its columns
 activation quantization or the GEMM departs first. ``--plot DIR`` writes a heat map per layer, M
 and implementation (rows x column tiles, log10 error/bound).
 
-MoE layers (dispatch.moe_check; diff_models reads them from transformers Qwen3-MoE folders and
-checkpoints whose experts are modules ``<layer>.experts.<e>.<proj>``) run in the same forward
+MoE layers (dispatch.moe_check; diff_models reads them from transformers Qwen3-MoE and Mixtral
+folders and checkpoints whose experts are modules ``<layer>.experts.<e>.<proj>``) run in the same forward
 order: the checkpoint stage scans every expert's W13 and W2 (findings name the expert); the
 implementation stage routes the activations with the layer's router (softmax top-k, renormalized as
 the layer asks) and runs every MoE implementation of dispatch.moe's table here: the call against

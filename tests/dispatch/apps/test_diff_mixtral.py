@@ -157,7 +157,8 @@ class _LinearExperts(torch.nn.ModuleList):
 def ct_mixtral(tmp_path_factory):
     """The tiny Mixtral (2 layers) as a compressed-tensors NVFP4 checkpoint with Mixtral's naming, and its
     float router and experts."""
-    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoint")
+    pytest.importorskip("compressed_tensors",
+                        reason="compressed-tensors writes the checkpoint (pip install --no-deps -r tests/dispatch/vllm_plugin/requirements-cpu.txt)")
     here = Path(__file__).resolve().parents[1] / "vllm_plugin"
     if str(here) not in sys.path:
         sys.path.insert(0, str(here))

@@ -266,7 +266,8 @@ def test_watchdog_off_never_checks_an_moe_call(qwen_moe, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ct_moe(tmp_path_factory):
-    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoint")
+    pytest.importorskip("compressed_tensors",
+                        reason="compressed-tensors writes the checkpoint (pip install --no-deps -r tests/dispatch/vllm_plugin/requirements-cpu.txt)")
     here = Path(__file__).resolve().parents[2]
     for sub in (here / "vllm_engine", here / "dispatch" / "vllm_plugin"):
         if str(sub) not in sys.path:
