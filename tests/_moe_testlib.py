@@ -174,3 +174,28 @@ def diff_moe_folder(run, folder, model, layers: str, linear: str, tmp_path, *, E
     assert_diff_routes_as_the_model(data["layers"][1:], [layer.mlp.gate for layer in model.model.layers], xs,
                                     E=E, top_k=top_k, H=H, I=I, renormalize=True)
     return out, data
+
+
+def assert_nonfinite_where_the_oracle(fused_moe, w13, w2, prepared, *, a16: bool, M: int = 8) -> None:
+    """``fused_moe(x, prepared, ids, wt, a16=a16, **kw)`` (E = 8 experts w13 / w2, top-2) on x with NaN
+    in token 1's row and Inf in token 4's (both on experts 0 and 1 only, the other tokens on experts
+    2-7), a NaN router weight (token 6), a zero weight sum (token 7) under renormalize, and with
+    swigluoai an Inf gate bias (an even row, in expert 2): non-finite exactly where
+    formats.reference_moe's outputs are, and those are neither all finite nor all not."""
+    from conftest import make_input
+
+    E, top_k, H, I = len(w13), 2, w13[0].k, w2[0].k
+    x = make_input((M, H), block=32)
+    x[1, 5], x[4, 0] = float("nan"), float("inf")
+    ids = torch.tensor([[0, 1] if t in (1, 4) else [2 + t % 6, 2 + (t + 1) % 6] for t in range(M)],
+                       dtype=torch.int32, device=DEVICE)
+    wt = torch.rand(M, top_k, device=DEVICE) + 0.05
+    wt[6, 1] = float("nan")
+    wt[7] = 0.0
+    b13 = torch.zeros(E, 2 * I, device=DEVICE)
+    b13[2, 0] = float("inf")
+    for kw in (dict(renormalize=True), dict(activation="swigluoai", w13_bias=b13)):
+        y = fused_moe(x, prepared, ids, wt, a16=a16, **kw).cpu()
+        ref = formats.reference_moe(x, w13, w2, ids, wt, a16=a16, **kw).cpu()
+        assert 0 < int(torch.isfinite(ref).sum()) < ref.numel()
+        assert torch.equal(torch.isfinite(y), torch.isfinite(ref)), kw

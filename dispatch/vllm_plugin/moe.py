@@ -671,17 +671,14 @@ def wrap_get_moe_method() -> None:
     up there) with :func:`select`; idempotent."""
     import sys
 
-    cls = sys.modules[CT_MOE].CompressedTensorsMoEMethod
-    original = cls.get_moe_method
-    if getattr(original, "__b12x_dual_original__", None) is not None:
-        return
+    from .patches import wrap_once
 
-    def get_moe_method(quant_config, layer, layer_name):
-        return select(original, quant_config, layer, layer_name)
+    def make(original):
+        def get_moe_method(quant_config, layer, layer_name):
+            return select(original, quant_config, layer, layer_name)
+        return get_moe_method
 
-    get_moe_method.__b12x_dual_original__ = original
-    get_moe_method.__doc__ = original.__doc__
-    cls.get_moe_method = staticmethod(get_moe_method)
+    wrap_once(sys.modules[CT_MOE].CompressedTensorsMoEMethod, "get_moe_method", make, static=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -887,16 +884,14 @@ def select_modelopt(original, quant_config, layer, prefix: str):
 def _wrap_get_quant_method(cls, select) -> None:
     """Wrap ``cls.get_quant_method(self, layer, prefix)`` with ``select(original, self, layer,
     prefix)`` (on ``cls`` itself: the base's stays as it is); idempotent."""
-    original = cls.get_quant_method
-    if getattr(original, "__b12x_dual_original__", None) is not None:
-        return
+    from .patches import wrap_once
 
-    def get_quant_method(self, layer, prefix):
-        return select(original, self, layer, prefix)
+    def make(original):
+        def get_quant_method(self, layer, prefix):
+            return select(original, self, layer, prefix)
+        return get_quant_method
 
-    get_quant_method.__b12x_dual_original__ = original
-    get_quant_method.__doc__ = original.__doc__
-    cls.get_quant_method = get_quant_method
+    wrap_once(cls, "get_quant_method", make)
 
 
 def wrap_gptoss_get_quant_method() -> None:

@@ -69,6 +69,21 @@ import torch
 
 log = logging.getLogger("dispatch.vllm_plugin")
 
+
+def wrap_once(owner, attr: str, make, *, static: bool = False) -> bool:
+    """Replace ``owner.<attr>`` with ``make(original)``, marked ``__b12x_dual_original__ = original``
+    (with the original's name and docstring; ``static``: as a staticmethod), unless it already
+    carries that mark: every patch of vLLM's classes and modules is applied once however often its
+    trigger fires. Returns whether it wrapped."""
+    original = getattr(owner, attr)
+    if getattr(original, "__b12x_dual_original__", None) is not None:
+        return False
+    wrapper = make(original)
+    wrapper.__b12x_dual_original__ = original
+    wrapper.__doc__, wrapper.__name__ = original.__doc__, original.__name__
+    setattr(owner, attr, staticmethod(wrapper) if static else wrapper)
+    return True
+
 LINEAR = "vllm.model_executor.kernels.linear"
 LIST_NAMES = {
     "fp8": "_POSSIBLE_FP8_KERNELS",
@@ -215,21 +230,18 @@ def cpu_fp8_quant() -> None:
         return
     import vllm._custom_ops as vops
 
-    original = vops.scaled_fp8_quant
-    if getattr(original, "__b12x_dual_original__", None) is not None:
-        return
+    def make(original):
+        def scaled_fp8_quant(input, scale=None, num_token_padding=None, scale_ub=None,
+                             use_per_token_if_dynamic=False, output=None, **kwargs):
+            if scale is None or scale.numel() != 1 or num_token_padding or output is not None:
+                return original(input, scale, num_token_padding, scale_ub, use_per_token_if_dynamic, output, **kwargs)
+            from formats.base import ieee_div
+            from formats.codecs import encode_e4m3
 
-    def scaled_fp8_quant(input, scale=None, num_token_padding=None, scale_ub=None,
-                         use_per_token_if_dynamic=False, output=None, **kwargs):
-        if scale is None or scale.numel() != 1 or num_token_padding or output is not None:
-            return original(input, scale, num_token_padding, scale_ub, use_per_token_if_dynamic, output, **kwargs)
-        from formats.base import ieee_div
-        from formats.codecs import encode_e4m3
+            return encode_e4m3(ieee_div(input.to(torch.float32), scale.to(torch.float32).reshape(()))), scale
+        return scaled_fp8_quant
 
-        return encode_e4m3(ieee_div(input.to(torch.float32), scale.to(torch.float32).reshape(()))), scale
-
-    scaled_fp8_quant.__b12x_dual_original__ = original
-    vops.scaled_fp8_quant = scaled_fp8_quant
+    wrap_once(vops, "scaled_fp8_quant", make)
 
 
 def _checked_methods(qm) -> None:
@@ -260,30 +272,28 @@ def load_checks() -> None:
     from . import loading
 
     base = linear.LinearBase
-    original = base.__init__
-    if getattr(original, "__b12x_dual_original__", None) is not None:
+
+    def make(original):
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            qm = getattr(self, "quant_method", None)
+            if qm is not None and hasattr(qm, "create_weights"):
+                _checked_methods(qm)
+        return __init__
+
+    if not wrap_once(base, "__init__", make):
         return
 
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        qm = getattr(self, "quant_method", None)
-        if qm is not None and hasattr(qm, "create_weights"):
-            _checked_methods(qm)
-
-    __init__.__b12x_dual_original__ = original
-    base.__init__ = __init__
-
     # Column/Row layers create the bias after create_weights and end __init__ with this call.
-    tp_status = base.update_param_tp_status
+    def make_tp_status(tp_status):
+        @functools.wraps(tp_status)
+        def update_param_tp_status(self):
+            tp_status(self)
+            loading.guard(self)
+        return update_param_tp_status
 
-    @functools.wraps(tp_status)
-    def update_param_tp_status(self):
-        tp_status(self)
-        loading.guard(self)
-
-    update_param_tp_status.__b12x_dual_original__ = tp_status
-    base.update_param_tp_status = update_param_tp_status
+    wrap_once(base, "update_param_tp_status", make_tp_status)
 
 
 LOADED_PARAMS = ("weight", "weight_scale", "input_scale")
@@ -292,22 +302,18 @@ LOADED_PARAMS = ("weight", "weight_scale", "input_scale")
 def _keep_weight_loaders(cls, method: str) -> None:
     """Wrap ``cls.<method>(self, layer, ...)`` so each LOADED_PARAMS parameter that comes out
     without a ``weight_loader`` gets back the one it had going in (once: a wrapped method stays)."""
-    original = getattr(cls, method)
-    if getattr(original, "__b12x_dual_original__", None) is not None:
-        return
+    def make(original):
+        def wrapper(self, layer, *args, **kwargs):
+            loaders = {n: getattr(getattr(layer, n, None), "weight_loader", None) for n in LOADED_PARAMS}
+            original(self, layer, *args, **kwargs)
+            for n, loader in loaders.items():
+                p = getattr(layer, n, None)
+                if loader is not None and isinstance(p, torch.nn.Parameter) and \
+                        getattr(p, "weight_loader", None) is None:
+                    p.weight_loader = loader
+        return wrapper
 
-    def wrapper(self, layer, *args, **kwargs):
-        loaders = {n: getattr(getattr(layer, n, None), "weight_loader", None) for n in LOADED_PARAMS}
-        original(self, layer, *args, **kwargs)
-        for n, loader in loaders.items():
-            p = getattr(layer, n, None)
-            if loader is not None and isinstance(p, torch.nn.Parameter) and getattr(p, "weight_loader", None) is None:
-                p.weight_loader = loader
-
-    wrapper.__b12x_dual_original__ = original
-    wrapper.__doc__ = original.__doc__
-    wrapper.__name__ = original.__name__
-    setattr(cls, method, wrapper)
+    wrap_once(cls, method, make)
 
 
 def ct_fp8_weight_loader() -> None:

@@ -25,7 +25,7 @@ import torch
 
 from .._common import device_capability
 from . import supported
-from ._route import Route, TileConfig, sm_count
+from ._route import Route, TileConfig, check_sm_count_and_x_dtype, sm_count
 from ._twopass import splitk_plan
 from ._fp4_decode_tile import decode_applies, decode_tile
 from ._fp4_gemm import PREPASS_MIN_M, fp4_gemm_config, gemm_kernels
@@ -74,10 +74,7 @@ def plan(fmt: str, M: int, N: int, K: int, *, capability, sm_count: int, a16: bo
     check_capability(capability)
     if min(M, N, K) < 0:
         raise ValueError(f"M, N, K must be >= 0, got {(M, N, K)}")
-    if not isinstance(sm_count, int) or sm_count < 1:
-        raise ValueError(f"sm_count must be an int >= 1, got {sm_count!r}")
-    if x_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"x_dtype must be torch.bfloat16 or torch.float16, got {x_dtype}")
+    check_sm_count_and_x_dtype(sm_count, x_dtype)
     variant = f"{fmt} {'W4A16 ' + str(x_dtype).removeprefix('torch.') if a16 else 'W4A4'}"
     if M == 0:
         return Plan(Route(IMPL, (), why=f"{variant}: no rows, nothing to launch"), "none", None)

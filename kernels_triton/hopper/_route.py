@@ -83,6 +83,15 @@ def check_route(fmt: str, capability, a16: bool, M: int, N: int, K: int) -> None
     _common.check_sizes(M, N, K)
 
 
+def check_sm_count_and_x_dtype(sm_count, x_dtype) -> None:
+    """A route's planning inputs: ValueError unless ``sm_count`` is an int >= 1 (the device's SMs,
+    the split-K target) and ``x_dtype`` torch.bfloat16 or torch.float16."""
+    if not isinstance(sm_count, int) or sm_count < 1:
+        raise ValueError(f"sm_count must be an int >= 1, got {sm_count!r}")
+    if x_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x_dtype must be torch.bfloat16 or torch.float16, got {x_dtype}")
+
+
 def check_device(fmt: str, device) -> tuple:
     """The capability of ``device``; ValueError naming it unless it is an sm_90 GPU."""
     cap = device_capability(device)

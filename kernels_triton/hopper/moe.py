@@ -61,7 +61,7 @@ from . import supported
 from ._fp4_decode import a16_planes, act_planes_kernel, fp4_planes, fragment_order, planes_k, store_planes
 from ._fp4_gemm import dequantize_e2m1_tile
 from ._pdl import pdl_launch, pdl_launch_dependents, pdl_wait
-from ._route import Route, TileConfig, sm_count
+from ._route import Route, TileConfig, check_sm_count_and_x_dtype, sm_count
 
 IMPL = "hopper"
 FORMATS = ("nvfp4", "mxfp4")
@@ -536,10 +536,7 @@ def plan(M: int, E: int, top_k: int, H: int, I: int, *, fmt: str, a16: bool = Fa
         raise ValueError(f"M must be >= 0 and E, top_k, H, I > 0, got {(M, E, top_k, H, I)}")
     if H % _GROUP[fmt] or I % _GROUP[fmt]:
         raise ValueError(f"{fmt} needs H and I (the two GEMMs' K) to be multiples of {_GROUP[fmt]}, got H={H} I={I}")
-    if not isinstance(sm_count, int) or sm_count < 1:
-        raise ValueError(f"sm_count must be an int >= 1, got {sm_count!r}")
-    if x_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"x_dtype must be torch.bfloat16 or torch.float16, got {x_dtype}")
+    check_sm_count_and_x_dtype(sm_count, x_dtype)
     name = f"{fmt}{'_w4a16' if a16 else ''}"
     if M == 0:
         return Plan(Route(IMPL, (), why=f"{name}: no tokens, nothing to launch"), "none", None, None)
@@ -765,7 +762,7 @@ def fused_moe_unchecked(x, prepared: MoEWeights, topk_ids, topk_weights, *, acti
     n = M * top_k
     if pl.kind == "decode":
         o = torch.empty((pl.w2.SPLIT_K, n, H), dtype=torch.float32, device=x.device)
-        a, s2, planes = inter, s2, _a16_planes(pl, a16)
+        a, planes = inter, _a16_planes(pl, a16)
         if _a4_prepass(pl, a16):  # the intermediate quantized once, by slot, with the experts' global scales
             a, s2 = _act_quant(inter, ids.view(-1), fmt, pl.w2.BLOCK_K, static=s2, rule=rule2, gather=False,
                                top_k=top_k, E=E)

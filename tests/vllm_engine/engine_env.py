@@ -889,6 +889,19 @@ def independent_window(model: Path) -> tuple[float, float]:
     return (est ** 2 - independent_estimate(model, None) ** 2) ** 0.5 / 4, 2 * est
 
 
+def assert_independent(model: Path, runs, other, what: str, decoding: str) -> None:
+    """The independent check: the mean |logprob difference| (logprob_differences) of the engine's
+    ``runs`` on ``model`` from ``other`` (the same tokens as ``decoding`` scores them) lies within
+    independent_window(model); prints it. ``what`` names the checkpoint in the messages."""
+    diffs = logprob_differences(runs, other)
+    low, high = independent_window(model)
+    mean = sum(diffs) / len(diffs)
+    print(f"{what}: mean |logprob difference| {mean:.4f} over {len(diffs)} (max {max(diffs):.4f}); "
+          f"allowed [{low:.4f}, {high:.4f}]")
+    assert low <= mean <= high, (f"{what}: the engine's logprobs are {mean:.4f} nats off {decoding} on average, "
+                                 f"allowed [{low:.4f}, {high:.4f}]")
+
+
 if __name__ == "__main__":  # the ModelOpt child (_modelopt_child)
     _modelopt_main(*sys.argv[1:])
 

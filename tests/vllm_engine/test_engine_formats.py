@@ -205,13 +205,7 @@ def test_independent_check(served, tmp_path):
     typical effect (engine_env.independent_window)."""
     family, kind, d, _, _, runs = served
     other = engine_env.independent_logprobs(d, family, kind, runs, tmp_path)
-    diffs = engine_env.logprob_differences(runs, other)
-    low, high = engine_env.independent_window(d)
-    mean = sum(diffs) / len(diffs)
-    print(f"{family} {kind}: mean |logprob difference| {mean:.4f} over {len(diffs)} (max {max(diffs):.4f}); "
-          f"allowed [{low:.4f}, {high:.4f}]")
-    assert low <= mean <= high, (f"{family} {kind}: the engine's logprobs are {mean:.4f} nats off the checkpoint's "
-                                 f"own decoding on average, allowed [{low:.4f}, {high:.4f}]")
+    engine_env.assert_independent(d, runs, other, f"{family} {kind}", "the checkpoint's own decoding")
 
 
 @pytest.mark.parametrize("served", [c for c in SERVING if c[0] == "qwen2"], ids=_id, indirect=True)

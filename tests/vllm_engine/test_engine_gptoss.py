@@ -91,12 +91,8 @@ def test_gptoss_independent_check_against_transformers(served):
     d, _, runs = served
     model = GptOssForCausalLM.from_pretrained(str(d), quantization_config=Mxfp4Config(dequantize=True),
                                               dtype=torch.bfloat16).eval()
-    diffs = engine_env.logprob_differences(runs, engine_env.teacher_forced(model, runs))
-    low, high = engine_env.independent_window(d)
-    mean = sum(diffs) / len(diffs)
-    print(f"gpt-oss: mean |logprob difference| {mean:.4f} over {len(diffs)} (max {max(diffs):.4f}); "
-          f"allowed [{low:.4f}, {high:.4f}]")
-    assert low <= mean <= high, f"{mean:.4f} nats off transformers' own decoding, allowed [{low:.4f}, {high:.4f}]"
+    engine_env.assert_independent(d, runs, engine_env.teacher_forced(model, runs), "gpt-oss",
+                                  "transformers' own decoding")
 
 
 def test_gptoss_tp2_within_bound_of_tp1(served):

@@ -140,12 +140,7 @@ def test_reference_and_triton_agree(served):
 def test_independent_check(served):
     kind, d, _, runs = served
     other = engine_env.teacher_forced(engine_env.moe_decompressed(d), runs)
-    diffs = engine_env.logprob_differences(runs, other)
-    low, high = engine_env.independent_window(d)
-    mean = sum(diffs) / len(diffs)
-    print(f"{kind}: mean |logprob difference| {mean:.4f} over {len(diffs)} (max {max(diffs):.4f}); "
-          f"allowed [{low:.4f}, {high:.4f}]")
-    assert low <= mean <= high, f"{kind}: {mean:.4f} nats off compressed-tensors' decoding, allowed [{low:.4f}, {high:.4f}]"
+    engine_env.assert_independent(d, runs, other, kind, "compressed-tensors' decoding")
 
 
 def test_tp2_within_bound_of_tp1(moe_root):

@@ -48,16 +48,22 @@ def ckpt_root(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def ckpt(ckpt_root):
-    """ckpt(kind) -> the checkpoint directory of that kind (checkpoints.KINDS), built on first use."""
+def written_once(root: Path, write):
+    """get(kind) -> ``write(root, kind)``, under the kind's file lock in ``root``: one writer per
+    checkpoint across the run's xdist workers (the writers skip a checkpoint already there)."""
     from filelock import FileLock
 
     def get(kind: str) -> Path:
-        with FileLock(str(ckpt_root / f"{kind}.lock")):
-            return checkpoints.build(kind, ckpt_root)
+        with FileLock(str(root / f"{kind}.lock")):
+            return write(root, kind)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ckpt(ckpt_root):
+    """ckpt(kind) -> the checkpoint directory of that kind (checkpoints.KINDS), built on first use."""
+    return written_once(ckpt_root, lambda root, kind: checkpoints.build(kind, root))
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from _vllm_env import ckpt_root, dist, impl  # noqa: F401  (skips without vLLM 0.33.0; CPU platform, VLLM_PLUGINS)
+from _vllm_env import ckpt_root, dist, impl, written_once  # noqa: F401  (skips without vLLM 0.33.0; CPU platform, VLLM_PLUGINS)
 import harness
 import torch
 
@@ -62,13 +62,7 @@ def _lesson_bound():
 
 @pytest.fixture(scope="module")
 def moe_ckpt(ckpt_root):
-    from filelock import FileLock
-
-    def get(kind: str) -> Path:
-        with FileLock(str(ckpt_root / f"{kind}.lock")):
-            return engine_env.write_moe_model(ckpt_root, kind)
-
-    return get
+    return written_once(ckpt_root, engine_env.write_moe_model)
 
 
 def _tensors(ckpt: Path) -> dict:
@@ -152,6 +146,15 @@ def _call(layer, m: int, seed: int):
     return x, ids, wt, layer.forward_modular(x, wt, ids)
 
 
+def _assert_rounded_oracle(y, x, w13, w2, ids, wt, **kw):
+    """y is formats.reference_moe(x, w13, w2, ids, wt, **kw) rounded once to bf16 (RNE), as the
+    reference implementation's output is: finite and within bf16's unit roundoff, 2^-8 relative (7
+    stored mantissa bits); 2^-133 absolute covers bf16's subnormals."""
+    ref = formats.reference_moe(x, w13, w2, ids, wt, out_dtype=torch.float64, **kw)
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y).all() and bool((err <= ref.abs() * 2.0 ** -8 + 2.0 ** -133).all()), float(err.max())
+
+
 @pytest.mark.parametrize("kind", list(SERVED))
 def test_the_method_serves_the_checkpoint_scheme_and_matches_the_oracle(kind, moe_ckpt, dist, impl):
     from dispatch.vllm_plugin.moe import B12xDualCompressedTensorsMoEMethod
@@ -166,12 +169,7 @@ def test_the_method_serves_the_checkpoint_scheme_and_matches_the_oracle(kind, mo
     w13, w2, o13, o2 = _experts_from_checkpoint(ckpt, kind)
     a16 = registry.variant(SERVED[kind]).a16
     x, ids, wt, y = _call(layer, 7, 0)
-    ref = formats.reference_moe(x, w13, w2, ids, wt, a16=a16, w13_act_opts=o13, w2_act_opts=o2,
-                                out_dtype=torch.float64)
-    # the reference implementation is the oracle rounded once to bf16 (RNE): at most bf16's unit
-    # roundoff, 2^-8 relative (7 stored mantissa bits); 2^-133 absolute covers bf16's subnormals
-    err = (y.double() - ref).abs()
-    assert torch.isfinite(y).all() and bool((err <= ref.abs() * 2.0 ** -8 + 2.0 ** -133).all()), float(err.max())
+    _assert_rounded_oracle(y, x, w13, w2, ids, wt, a16=a16, w13_act_opts=o13, w2_act_opts=o2)
     assert method.launched == {"reference": 1}
     rep = method.report(7)
     assert PREFIX in rep and SERVED[kind] in rep and "reference" in rep and "ran: reference: 1 calls" in rep

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from _vllm_env import ckpt_root, dist, impl  # noqa: F401  (skips without vLLM 0.33.0; CPU platform, VLLM_PLUGINS)
+from _vllm_env import ckpt_root, dist, impl, written_once  # noqa: F401  (skips without vLLM 0.33.0; CPU platform, VLLM_PLUGINS)
 import harness
 import torch
 
@@ -42,10 +42,8 @@ from conftest import DEVICE  # noqa: F401  (the seeded session; vLLM's CPU platf
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "vllm_engine"))
 import engine_env  # noqa: E402  (the checkpoint writers; no engine needed)
-from test_vllm_moe import _lesson_bound  # noqa: E402  (tests/kernels_triton/test_moe.py's bound)
-
-PREFIX = "model.layers.0.mlp.experts"
-E, TOP_K, H, I = 8, 2, 256, 128
+from test_vllm_moe import (E, H, I, PREFIX, TOP_K, _assert_rounded_oracle, _call,  # noqa: E402  (one tiny
+                           _lesson_bound, _tensors)  # Qwen3-MoE layer 0, as engine_env writes it)
 # gpt-oss's checkpoint names -> vLLM's parameters (GptOssForCausalLM.hf_to_vllm_mapper's suffixes)
 GPTOSS_NAMES = {"gate_up_proj_blocks": "w13_weight", "gate_up_proj_scales": "w13_weight_scale",
                 "gate_up_proj_bias": "w13_bias", "down_proj_blocks": "w2_weight",
@@ -53,36 +51,12 @@ GPTOSS_NAMES = {"gate_up_proj_blocks": "w13_weight", "gate_up_proj_scales": "w13
 MODELOPT_SERVED = {"modelopt_moe_NVFP4": "nvfp4", "modelopt_moe_W4A16_NVFP4": "nvfp4_w4a16"}
 
 
-def _tensors(ckpt: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k.startswith(PREFIX + ".")}
-
-
-def _bf16_bound(ref: torch.Tensor) -> torch.Tensor:
-    # the reference implementation is the oracle rounded once to bf16 (RNE): at most bf16's unit
-    # roundoff, 2^-8 relative; 2^-133 absolute covers bf16's subnormals
-    return ref.abs() * 2.0 ** -8 + 2.0 ** -133
-
-
-def _call(layer, m: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(m, H, generator=gen) * 0.5).to(torch.bfloat16)
-    ids = torch.rand(m, E, generator=gen).argsort(dim=1)[:, :TOP_K].to(torch.int32)
-    wt = torch.rand(m, TOP_K, generator=gen) + 0.05
-    wt = wt / wt.sum(dim=1, keepdim=True)  # vLLM's router renormalizes before apply
-    return x, ids, wt, layer.forward_modular(x, wt, ids)
-
-
 # ---------------------------------------------------------------------------------------------
 # gpt-oss MXFP4
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gptoss_ckpt(ckpt_root):
-    from filelock import FileLock
-
-    with FileLock(str(ckpt_root / "gptoss_mxfp4.lock")):
-        return engine_env.write_gptoss_model(ckpt_root)
+    return written_once(ckpt_root, engine_env.write_gptoss_model)("gptoss_mxfp4")
 
 
 def build_gptoss(ckpt: Path, *, tamper=None, skip=(), linear_backend="b12x", intermediate=I):
@@ -143,10 +117,7 @@ def test_gptoss_layer_is_served_as_mxfp4_w4a16_and_matches_the_oracle(gptoss_ckp
     assert method.bound.activation == "swigluoai" and method.bound.w13_bias is not None
     w13, w2, b13, b2 = gptoss_experts(gptoss_ckpt)
     x, ids, wt, y = _call(layer, 7, 0)
-    ref = formats.reference_moe(x, w13, w2, ids, wt, activation="swigluoai", w13_bias=b13, w2_bias=b2, a16=True,
-                                out_dtype=torch.float64)
-    err = (y.double() - ref).abs()
-    assert torch.isfinite(y).all() and bool((err <= _bf16_bound(ref)).all()), float(err.max())
+    _assert_rounded_oracle(y, x, w13, w2, ids, wt, activation="swigluoai", w13_bias=b13, w2_bias=b2, a16=True)
     assert method.launched == {"reference": 1}
     rep = method.report(7)
     assert PREFIX in rep and "mxfp4_w4a16" in rep and "gpt-oss MXFP4" in rep and "ran: reference: 1 calls" in rep
@@ -163,10 +134,7 @@ def test_gptoss_rows_past_the_checkpoint_compute_zero(gptoss_ckpt, dist, impl):
     assert layer.quant_method.bound.intermediate == I + 32
     w13, w2, b13, b2 = gptoss_experts(gptoss_ckpt)
     x, ids, wt, y = _call(layer, 6, 4)
-    ref = formats.reference_moe(x, w13, w2, ids, wt, activation="swigluoai", w13_bias=b13, w2_bias=b2, a16=True,
-                                out_dtype=torch.float64)
-    err = (y.double() - ref).abs()
-    assert torch.isfinite(y).all() and bool((err <= _bf16_bound(ref)).all()), float(err.max())
+    _assert_rounded_oracle(y, x, w13, w2, ids, wt, activation="swigluoai", w13_bias=b13, w2_bias=b2, a16=True)
 
 
 def test_gptoss_expert_parallel_slice_must_match_the_expert_map(dist):
@@ -268,13 +236,7 @@ def test_gptoss_missing_expert_scales_and_bad_bias_are_refused_by_name(gptoss_ck
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def modelopt_ckpt(ckpt_root):
-    from filelock import FileLock
-
-    def get(kind: str) -> Path:
-        with FileLock(str(ckpt_root / f"{kind}.lock")):
-            return engine_env.write_modelopt_moe_model(ckpt_root, kind)
-
-    return get
+    return written_once(ckpt_root, engine_env.write_modelopt_moe_model)
 
 
 def build_modelopt(ckpt: Path, *, tamper=None, skip=()):
@@ -336,10 +298,8 @@ def test_modelopt_layer_is_served_and_matches_the_oracle(kind, modelopt_ckpt, di
     assert method.variant == MODELOPT_SERVED[kind] and method.bound.variant == MODELOPT_SERVED[kind]
     w13, w2, o13, o2 = modelopt_experts(ckpt, kind)
     x, ids, wt, y = _call(layer, 7, 2)
-    ref = formats.reference_moe(x, w13, w2, ids, wt, a16=registry.variant(MODELOPT_SERVED[kind]).a16,
-                                w13_act_opts=o13, w2_act_opts=o2, out_dtype=torch.float64)
-    err = (y.double() - ref).abs()
-    assert torch.isfinite(y).all() and bool((err <= _bf16_bound(ref)).all()), float(err.max())
+    _assert_rounded_oracle(y, x, w13, w2, ids, wt, a16=registry.variant(MODELOPT_SERVED[kind]).a16,
+                           w13_act_opts=o13, w2_act_opts=o2)
     assert method.launched == {"reference": 1} and "ModelOpt" in method.report(7)
 
 

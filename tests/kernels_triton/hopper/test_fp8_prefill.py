@@ -6,9 +6,6 @@ by shared memory, no spills)."""
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -132,13 +129,10 @@ def test_prefill_tile_on_sm90():
 
 @pytest.mark.slow
 def test_sm90_build_uses_tma_and_fits_two_ctas_per_sm(tmp_path):
+    from _sm90_build import run_sm90_build
+
     out = tmp_path / "compile.json"
-    root = str(TOOL.parents[2])  # this checkout's packages, not another install's
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(TOOL), "--compile", "--json", str(out)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_sm90_build([TOOL, "--compile", "--json", out], tmp_path)
     rows = {r["tile"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {f"fp8_tensor {TENSOR_PREFILL_TILE}", f"fp8_block {BLOCK_PREFILL_TILE}"}
     for name, r in rows.items():

@@ -23,16 +23,13 @@ K 2^-24 |x| . |w| term), one output rounding.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import formats
 from _e4m3_testlib import assert_same_quantization, gemm_bound, make_bias, make_weight, special_values
+from _sm90_build import PRELUDE, run_sm90_build
 from conftest import DEVICE, assert_within_bound, device_name, make_input
 from kernels_triton import record_launches
 from kernels_triton._common import device_capability
@@ -42,7 +39,6 @@ from kernels_triton.hopper._fp8_prefill import TENSOR_PREFILL_TILE
 FMT = "fp8_channel"
 BF16, FP16 = torch.bfloat16, torch.float16
 SM90, H200_SMS = (9, 0), 132
-ROOT = Path(__file__).resolve().parents[3]
 _CAP = device_capability(DEVICE)  # None on the CPU (the interpreter)
 # the hopper kernels (wgmma, TMA) run under the interpreter or on sm_90, nowhere else
 needs_interp_or_sm90 = pytest.mark.skipif(
@@ -286,22 +282,9 @@ def test_linear_on_sm90_matches_oracle(M, scale):
 # ---------------------------------------------------------------------------------------------
 # The sm_90 build, without a GPU
 # ---------------------------------------------------------------------------------------------
-_BUILD = r'''
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_BUILD = PRELUDE + r'''
 from kernels_triton.hopper import _fp8_decode as D, _fp8_prefill as P, fp8_channel as H
 from kernels_triton import fp8_channel as L
-T = GPUTarget("cuda", 90, 32)
-def build(fn, sig, ce, **opt):
-    k = triton.compile(ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in ce}}, constexprs=ce),
-                       target=T, options=opt)
-    ptx = k.asm["ptx"]
-    return {"wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
-            "pdl": ptx.count("griddepcontrol"), "shared": k.metadata.shared}
-rows = {}
-i32 = lambda names: {n: "i32" for n in names.split()}
 cfg = D.decode_config(16, 8192, 8192, D.TENSOR_SCALE, 132)
 sig = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*fp32",
        "y_ptr": "*bf16", "ws_ptr": "*fp32", **i32("M N K K_PER stride_xm stride_wn stride_ym stride_sxm stride_sxk stride_swn stride_swk")}
@@ -343,11 +326,7 @@ def test_sm90_build_of_the_channel_kernels(tmp_path):
     GEMM issue wgmma, the CHANNEL prefill kernel wgmma and TMA copies with room for two CTAs per SM,
     the quantizers griddepcontrol (PDL)."""
     out = tmp_path / "build.json"
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _BUILD, str(out)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_sm90_build(["-c", _BUILD, out], tmp_path)
     rows = json.loads(out.read_text())
     for name in ("decode1", "decode2", "prefill", "portable"):
         assert rows[name]["wgmma"] > 0, f"{name}: no wgmma ({rows[name]})"

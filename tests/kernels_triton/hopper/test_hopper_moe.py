@@ -35,7 +35,7 @@ from conftest import DEVICE, device_name, make_input
 
 import formats
 from _moe_testlib import assert_within as _assert_matches
-from _moe_testlib import moe_bound, moe_experts
+from _moe_testlib import assert_nonfinite_where_the_oracle, moe_bound, moe_experts
 from _moe_testlib import moe_routing as _routing
 from kernels_triton import interpreting, moe, record_launches
 from kernels_triton._common import device_capability
@@ -189,23 +189,8 @@ def test_nan_and_inf_reach_the_outputs_the_oracle_says(fmt, a16, M):
     renormalize, an Inf gate bias: non-finite exactly where the oracle's outputs are (nvfp4's dynamic
     global scale: every token of the expert)."""
     _needs_kernels()
-    E, top_k, H, I = 8, 2, 128, 128
-    w13, w2 = _experts(fmt, E, H, I)
-    p = moe.prepare_experts(w13, w2)
-    x = make_input((M, H), block=32)
-    x[1, 5], x[4, 0] = float("nan"), float("inf")
-    ids = torch.tensor([[0, 1] if t in (1, 4) else [2 + t % 6, 2 + (t + 1) % 6] for t in range(M)],
-                       dtype=torch.int32, device=DEVICE)
-    wt = torch.rand(M, top_k, device=DEVICE) + 0.05
-    wt[6, 1] = float("nan")
-    wt[7] = 0.0
-    b13 = torch.zeros(E, 2 * I, device=DEVICE)
-    b13[2, 0] = float("inf")
-    for kw in (dict(renormalize=True), dict(activation="swigluoai", w13_bias=b13)):
-        y = hmoe.fused_moe(x, p, ids, wt, a16=a16, **kw)
-        ref = formats.reference_moe(x, w13, w2, ids, wt, a16=a16, **kw)
-        assert 0 < int(torch.isfinite(ref).sum()) < ref.numel()
-        assert torch.equal(torch.isfinite(y), torch.isfinite(ref)), kw
+    w13, w2 = _experts(fmt, 8, 128, 128)
+    assert_nonfinite_where_the_oracle(hmoe.fused_moe, w13, w2, moe.prepare_experts(w13, w2), a16=a16, M=M)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,15 +437,22 @@ for fmt, a16 in ((1, True), (0, False)):  # the two benchmark layers' variants: 
     for gated in (True, False):
         t13, t2 = hm.decode_tiles(1, 32, 4, 2880, 2880, hm.FORMATS[fmt], (9, 0), 132)
         t = t13 if gated else t2
-        a = "*bf16" if (a16 or gated) else "*fp32"
+        once = not a16 and hm.DECODE_A4_PREPASS  # W4A4: the GEMM loads _act_quant_kernel's planes by slot
+        a = "*bf16" if (a16 or gated or once) else "*fp32"
         types = {"a_ptr": a, "gw_ptr": "*fp32", "static_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32",
                  "out_ptr": "*bf16" if a16 else "*fp32", "ws_ptr": "*fp32"}
-        ce = dict(FMT=fmt, A16=a16, STATIC=False, RULE=0, GATHER=gated, GATED=gated, ACT=1, HAS_BIAS=True,
-                  ROUND_BF16=a16 and gated, USE_ASM=True, DOT_DTYPE=tl.bfloat16, EVEN_K=False, TOP_K=4, S_PAD=64,
-                  SPLIT_K=t.SPLIT_K, BLOCK_N=t.BLOCK_N, BLOCK_M=16, BLOCK_K=t.BLOCK_K, USE_PDL=True,
-                  A_PLANES=a16, OUT_PLANE_K=t2.BLOCK_K if a16 and gated else 0)
+        ce = dict(FMT=fmt, A16=a16, STATIC=once, RULE=0, GATHER=gated and not once, GATED=gated, ACT=1,
+                  HAS_BIAS=True, ROUND_BF16=a16 and gated, USE_ASM=True, DOT_DTYPE=tl.bfloat16, EVEN_K=False, TOP_K=4,
+                  S_PAD=64, SPLIT_K=t.SPLIT_K, BLOCK_N=t.BLOCK_N, BLOCK_M=16, BLOCK_K=t.BLOCK_K, USE_PDL=True,
+                  A_PLANES=a16 or once, OUT_PLANE_K=t2.BLOCK_K if a16 and gated else 0)
         rows[f"decode{fmt}{a16}{gated}"] = build(hm._decode_gemm_kernel, types, ce, num_warps=t.num_warps,
                                                  num_stages=t.num_stages, launch_pdl=True)
+        if once:
+            rows[f"act_quant{fmt}{gated}"] = build(
+                hm._act_quant_kernel, {"a_ptr": "*bf16" if gated else "*fp32", "static_ptr": "*fp32",
+                                       "ids_ptr": "*i32", "p_ptr": "*bf16", "g_ptr": "*fp32"},
+                dict(FMT=fmt, STATIC=False, RULE=0, GATHER=gated, TOP_K=4, S_PAD=64, BLOCK_M=16, BLOCK_K=t.BLOCK_K,
+                     USE_PDL=True), num_warps=4, launch_pdl=True)
         t13, t2 = hm.prefill_tiles(4096, 128, 8, 2048, 768, hm.FORMATS[fmt], (9, 0))
         t = t13 if gated else t2
         types = {"a_ptr": "*bf16" if a16 else "*u8", "sa_ptr": "*bf16" if a16 else "*u8", "ta_ptr": "*fp32",
@@ -489,21 +481,15 @@ def test_sm90_build_of_the_moe_kernels(tmp_path):
     their routes' tiles, issue wgmma; every kernel of the decode chain waits and signals with
     griddepcontrol (PDL)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[3]
+    from _sm90_build import run_sm90_build
+
     out = tmp_path / "build.json"
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _BUILD, str(out)], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_sm90_build(["-c", _BUILD, out], tmp_path, timeout=900)
     rows = json.loads(out.read_text())
     for name, r in rows.items():
         if name.startswith(("decode", "prefill")):
             assert r["wgmma"] > 0, f"{name}: no wgmma ({r})"
         if name.startswith(("decode", "act", "combine")):
             assert r["pdl"] > 0, f"{name}: no griddepcontrol ({r})"
+    assert ("act_quant0True" in rows) == hmoe.DECODE_A4_PREPASS, sorted(rows)  # the shipped W4A4 decode chain

@@ -18,21 +18,17 @@ gamma_K; split-K adds its partials in fp32 too, within the same bound), the bias
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import formats
+from _sm90_build import PRELUDE, run_sm90_build
 from conftest import DEVICE, assert_within_bound, device_name, gemm_bound, make_input
 from kernels_triton import hopper, interpreting, record_launches
 from kernels_triton.hopper import _e4m3_decode, _twopass
 from kernels_triton.hopper import mxfp8 as H
 
-ROOT = Path(__file__).resolve().parents[3]
 FMT = "mxfp8"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 H200_SMS = 132
@@ -323,22 +319,9 @@ def test_linear_on_sm90_at_real_sizes(M, x_dtype):
 # ---------------------------------------------------------------------------------------------
 # The sm_90 build, without a GPU
 # ---------------------------------------------------------------------------------------------
-_BUILD = r'''
-import json, sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_BUILD = PRELUDE + r'''
 import torch
-import triton
-import triton.language as tl
 from kernels_triton.hopper import _e4m3_decode as D, mxfp8 as H
-T = GPUTarget("cuda", 90, 32)
-def build(fn, sig, ce, **opt):
-    k = triton.compile(ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in ce}}, constexprs=ce),
-                       target=T, options=opt)
-    ptx = k.asm["ptx"]
-    return {"wgmma": ptx.count("wgmma.mma_async"), "bf16": ptx.count(".bf16"), "pdl": ptx.count("griddepcontrol")}
-i32 = lambda names: {n: "i32" for n in names.split()}
-rows = {}
 cfg = H._a16_plan(16, 4096, 4096, 132, torch.bfloat16)[1]
 rows["act"] = build(D.act_decoded_kernel,
                     {"x_ptr": "*bf16", "p_ptr": "*bf16", **i32("M K stride_xm stride_xk stride_pm")},
@@ -369,11 +352,7 @@ def test_sm90_build_of_the_w8a16_kernels(tmp_path):
     fp16 x as two bf16 halves: twice the wgmmas of the bf16 build) issue wgmma for sm_90, and the
     layout kernel and the GEMMs carry PDL's griddepcontrol."""
     out = tmp_path / "build.json"
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _BUILD, str(out)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_sm90_build(["-c", _BUILD, out], tmp_path)
     import json
 
     rows = json.loads(out.read_text())
