@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 import formats
-from conftest import DEVICE
+from conftest import DEVICE, make_input
 
 
 def moe_experts(fmt: str, E: int, H: int, I: int, *, scale: float = 1.0, on: Optional[str] = None):
@@ -182,8 +182,6 @@ def assert_nonfinite_where_the_oracle(fused_moe, w13, w2, prepared, *, a16: bool
     2-7), a NaN router weight (token 6), a zero weight sum (token 7) under renormalize, and with
     swigluoai an Inf gate bias (an even row, in expert 2): non-finite exactly where
     formats.reference_moe's outputs are, and those are neither all finite nor all not."""
-    from conftest import make_input
-
     E, top_k, H, I = len(w13), 2, w13[0].k, w2[0].k
     x = make_input((M, H), block=32)
     x[1, 5], x[4, 0] = float("nan"), float("inf")

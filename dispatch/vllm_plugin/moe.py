@@ -53,6 +53,7 @@ import torch
 
 from .convert import CheckpointError
 from . import loading, placement, scheme
+from ._wrap import wrap_once
 
 log = logging.getLogger("dispatch.vllm_plugin")
 
@@ -671,8 +672,6 @@ def wrap_get_moe_method() -> None:
     up there) with :func:`select`; idempotent."""
     import sys
 
-    from .patches import wrap_once
-
     def make(original):
         def get_moe_method(quant_config, layer, layer_name):
             return select(original, quant_config, layer, layer_name)
@@ -884,8 +883,6 @@ def select_modelopt(original, quant_config, layer, prefix: str):
 def _wrap_get_quant_method(cls, select) -> None:
     """Wrap ``cls.get_quant_method(self, layer, prefix)`` with ``select(original, self, layer,
     prefix)`` (on ``cls`` itself: the base's stays as it is); idempotent."""
-    from .patches import wrap_once
-
     def make(original):
         def get_quant_method(self, layer, prefix):
             return select(original, self, layer, prefix)

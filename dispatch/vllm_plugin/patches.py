@@ -67,22 +67,9 @@ import sys
 
 import torch
 
+from ._wrap import wrap_once
+
 log = logging.getLogger("dispatch.vllm_plugin")
-
-
-def wrap_once(owner, attr: str, make, *, static: bool = False) -> bool:
-    """Replace ``owner.<attr>`` with ``make(original)``, marked ``__b12x_dual_original__ = original``
-    (with the original's name and docstring; ``static``: as a staticmethod), unless it already
-    carries that mark: every patch of vLLM's classes and modules is applied once however often its
-    trigger fires. Returns whether it wrapped."""
-    original = getattr(owner, attr)
-    if getattr(original, "__b12x_dual_original__", None) is not None:
-        return False
-    wrapper = make(original)
-    wrapper.__b12x_dual_original__ = original
-    wrapper.__doc__, wrapper.__name__ = original.__doc__, original.__name__
-    setattr(owner, attr, staticmethod(wrapper) if static else wrapper)
-    return True
 
 LINEAR = "vllm.model_executor.kernels.linear"
 LIST_NAMES = {

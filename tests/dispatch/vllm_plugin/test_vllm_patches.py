@@ -248,3 +248,40 @@ def test_modelopt_fp8_weight_loader_not_needed_on_0_33(dist):
     assert 'replace_parameter(layer, "weight", weight.t())' in src
     assert "Parameter(" not in src.replace("replace_parameter(", "")
     assert "modelopt_fp8_weight_loader" in patches.applied
+
+
+def test_wrap_once_wraps_a_method_a_staticmethod_and_a_function_once():
+    """dispatch.vllm_plugin._wrap.wrap_once: the wrapper replaces the attribute, keeps the original's
+    name and docstring and reaches it through ``__b12x_dual_original__``; a second call changes
+    nothing (returns False, the wrapper runs once per call); a staticmethod stays one."""
+    import types
+
+    from dispatch.vllm_plugin._wrap import wrap_once
+
+    calls = []
+
+    class Owner:
+        def method(self, v):
+            """the method"""
+            return v + 1
+
+        @staticmethod
+        def static(v):
+            return v * 2
+
+    def around(original):
+        def wrapper(*args):
+            calls.append(original.__name__)
+            return original(*args)
+        return wrapper
+
+    module = types.SimpleNamespace(fn=lambda v: v - 1)
+    for owner, attr, kw in ((Owner, "method", {}), (Owner, "static", {"static": True}), (module, "fn", {})):
+        original = getattr(owner, attr)
+        assert wrap_once(owner, attr, around, **kw) is True
+        assert wrap_once(owner, attr, around, **kw) is False
+        assert getattr(owner, attr).__b12x_dual_original__ is original
+        assert getattr(owner, attr).__name__ == original.__name__
+    assert Owner.method.__doc__ == "the method" and isinstance(vars(Owner)["static"], staticmethod)
+    assert (Owner().method(1), Owner.static(3), module.fn(5)) == (2, 6, 4)
+    assert calls == ["method", "static", "<lambda>"]
